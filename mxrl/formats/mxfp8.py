@@ -1,0 +1,66 @@
+"""MXFP8 reference quantizer: E4M3 elements, one E8M0 scale per 32 elements (spec §2).
+
+Legend: x_hp [..., K] high precision; blocks of 32 along `axis` (the last dim for the row-wise
+copy; dim 0 of a 2-D tensor for the column-wise copy, which keeps x's layout as TE does, §2.1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import codecs
+from mxrl.formats import constants as C
+from mxrl.formats.qtensor import QTensor
+
+SCALE_MODES = ("rceil", "floor")
+
+
+def block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim, NaN ignored (the kernels' fmaxf/__hmax semantics, §2.4)."""
+    mag = blocks.abs()
+    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    return mag.amax(dim=-1)
+
+
+def quantize_mxfp8(x: torch.Tensor, axis: int = -1, scale_mode: str = "rceil") -> QTensor:
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"mxfp8 scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    shape = x.shape
+    moved = x.to(torch.float32)
+    if axis != -1:
+        moved = moved.movedim(axis, -1)
+    n = moved.shape[-1]
+    blocks_x = moved.reshape(*moved.shape[:-1], n // C.MXFP8_BLOCK, C.MXFP8_BLOCK)
+
+    amax = block_amax(blocks_x)
+    if scale_mode == "rceil":
+        # §2.2 RCEIL: ceil_e8m0(a * fl(1/448)), as TE / FlashInfer / cuBLAS.
+        code = codecs.ceil_e8m0(amax * C.RCP_448)
+    else:
+        code = codecs.floor_e8m0(amax, C.E4M3_EMAX)
+    # §2.3: multiply by the exact power-of-two reciprocal, then RNE + saturate to E4M3.
+    scaled = blocks_x * codecs.e8m0_reciprocal(code).unsqueeze(-1)
+    qdata = codecs.e4m3_encode(scaled).reshape(moved.shape)
+    if axis != -1:
+        qdata = qdata.movedim(-1, axis)
+        code = code.movedim(-1, axis)
+    return QTensor(
+        qdata=qdata.contiguous(),
+        scale=code.contiguous().view(torch.float8_e8m0fnu),
+        fmt=C.Format.MXFP8,
+        shape=shape,
+        axis=axis,
+    )
+
+
+def dequantize_mxfp8(q: QTensor) -> torch.Tensor:
+    values = codecs.e4m3_decode(q.qdata)
+    scale = codecs.e8m0_to_f32(q.scale)
+    if q.axis != -1:
+        values = values.movedim(q.axis, -1)
+        scale = scale.movedim(q.axis, -1)
+    blocks = values.reshape(*values.shape[:-1], -1, C.MXFP8_BLOCK)
+    out = (blocks * scale.unsqueeze(-1)).reshape(values.shape)
+    if q.axis != -1:
+        out = out.movedim(-1, q.axis)
+    return out.contiguous()

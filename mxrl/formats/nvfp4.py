@@ -1,0 +1,108 @@
+"""NVFP4 reference quantizer: E2M1 elements, E4M3 scale per 16, FP32 global scale (spec §3).
+
+Legend: x_hp [..., K]; blocks of 16 along K. The global scale is the FP32 *encode* scale
+S_enc = fl(2688 / amax) (§3.2), one per tensor (shape []) or one per row/token (shape [..., 1],
+§3.6), so a token's bytes never depend on the other tokens of the batch.
+
+Operation order is TransformerEngine's (§3.3), each step one fp32 op:
+  t      = fl(b_amax * fl(S_enc * fl(1/6)))       block scale, before the E4M3 cast
+  s      = E4M3_satfinite(min(t, FLT_MAX))
+  enc    = min(fl(1 / fl(s * S_dec)), FLT_MAX)    S_dec = fl(1 / S_enc)
+  q      = E2M1_satfinite(fl(x * enc))
+`scale_mode="torchao"` reproduces torchao's `nvfp4_quantize` instead (two divisions, block scale
+clamped to [2^-6, 448], §3.4-§3.5): for comparison only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import codecs
+from mxrl.formats import constants as C
+from mxrl.formats.mxfp8 import block_amax
+from mxrl.formats.qtensor import QTensor
+
+SCALE_MODES = ("te", "torchao")
+_E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's lower clamp (§3.4)
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = fl(2688 / amax) with the §3.2 edge rules: 0 or Inf amax -> 1; capped at FLT_MAX."""
+    s_enc = C.NVFP4_GLOBAL_NUMERATOR / amax
+    s_enc = torch.clamp(s_enc, max=C.FLT_MAX)
+    bad = (amax == 0) | (s_enc == 0)
+    return torch.where(bad, torch.ones_like(s_enc), s_enc)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    per_token: bool = False,
+    global_amax: torch.Tensor | float | None = None,
+    scale_mode: str = "te",
+) -> QTensor:
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"nvfp4 scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    if per_token and global_amax is not None:
+        raise ValueError(
+            "nvfp4: per_token=True computes one amax per row; global_amax cannot be combined "
+            "with it (pass one or the other)"
+        )
+    shape = x.shape
+    xf = x.to(torch.float32)
+    k = shape[-1]
+    blocks_x = xf.reshape(*shape[:-1], k // C.NVFP4_BLOCK, C.NVFP4_BLOCK)
+    b_amax = block_amax(blocks_x)  # [..., K/16]
+
+    if per_token:
+        g_amax = b_amax.amax(dim=-1, keepdim=True)  # [..., 1]
+    elif global_amax is not None:
+        g_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device).reshape(())
+        if torch.isnan(g_amax) or g_amax < 0:
+            raise ValueError(
+                f"nvfp4: global_amax must be a non-negative number, got {g_amax.item()}"
+            )
+    else:
+        g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
+    s_enc = global_encode_scale(g_amax)
+
+    if scale_mode == "te":
+        s_dec = 1.0 / s_enc
+        t = b_amax * (s_enc * C.RCP_6)
+        t = torch.clamp(t, max=C.FLT_MAX)
+        scale_codes = codecs.e4m3_encode(t)
+        s_block = codecs.e4m3_decode(scale_codes)
+        enc = 1.0 / (s_block * s_dec)
+        enc = torch.clamp(enc, max=C.FLT_MAX)
+    else:
+        # torchao nvfp4_quantize(per_tensor_scale = amax / (448 * 6)), §3.5; its decode scale is
+        # kept as-is and stored as 1/decode so that dequantize reads one field for both modes.
+        per_tensor_scale = g_amax / (C.E4M3_MAX * C.E2M1_MAX)
+        block = (b_amax / C.E2M1_MAX) / per_tensor_scale
+        block = torch.clamp(block, min=_E4M3_TINY, max=C.E4M3_MAX)
+        scale_codes = codecs.e4m3_encode(block)
+        s_block = codecs.e4m3_decode(scale_codes)
+        enc = (1.0 / per_tensor_scale) / s_block
+        s_enc = 1.0 / per_tensor_scale
+
+    scaled = blocks_x * enc.unsqueeze(-1)
+    if scale_mode == "torchao":
+        scaled = torch.clamp(scaled, -C.E2M1_MAX, C.E2M1_MAX)
+    codes = codecs.e2m1_encode(scaled).reshape(shape)
+    return QTensor(
+        qdata=codecs.pack_nibbles(codes).contiguous(),
+        scale=scale_codes.contiguous().view(torch.float8_e4m3fn),
+        fmt=C.Format.NVFP4,
+        shape=shape,
+        global_scale=s_enc.to(torch.float32).contiguous(),
+    )
+
+
+def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
+    """x_hat = fl(fl(e2m1 * s_block) * S_dec), S_dec = fl(1 / S_enc)."""
+    values = codecs.e2m1_decode(codecs.unpack_nibbles(q.qdata))
+    blocks = values.reshape(*values.shape[:-1], -1, C.NVFP4_BLOCK)
+    s_block = codecs.e4m3_decode(q.scale).unsqueeze(-1)
+    s_dec = 1.0 / q.global_scale
+    if q.per_token:
+        s_dec = s_dec.unsqueeze(-1)  # [..., 1] -> [..., 1, 1] over (blocks, elements)
+    return ((blocks * s_block) * s_dec).reshape(q.shape)
