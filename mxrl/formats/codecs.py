@@ -18,6 +18,21 @@ import torch
 
 from mxrl.formats import constants as C
 
+
+def fdiv(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> torch.Tensor:
+    """One correctly rounded fp32 division, element-wise, on any device.
+
+    Plain `/` is not that in every case: torch evaluates `scalar / tensor` as
+    `tensor.reciprocal() * scalar`, and CUDA evaluates `tensor / cpu_scalar` as
+    `tensor * (1 / scalar)` -- both round twice. Both operands become fp32 tensors on one device.
+    """
+    ref = numerator if isinstance(numerator, torch.Tensor) else denominator
+    assert isinstance(ref, torch.Tensor)
+    num = torch.as_tensor(numerator, dtype=torch.float32, device=ref.device)
+    den = torch.as_tensor(denominator, dtype=torch.float32, device=ref.device)
+    return torch.div(num, den)
+
+
 # ----------------------------------------------------------------------------------------------
 # FP8 E4M3
 # ----------------------------------------------------------------------------------------------

@@ -53,11 +53,11 @@ def quantize_fp8_block(
     shape = x.shape
     blocks_x, pad = _blocked(x.to(torch.float32), block)
     amax = torch.clamp(block_amax(blocks_x), min=C.FP8_BLOCK_AMAX_FLOOR)
-    sf = amax / C.E4M3_MAX
+    sf = codecs.fdiv(amax, C.E4M3_MAX)
     if scale_mode == "ue8m0":
         code = torch.clamp(codecs.ceil_e8m0(sf), 1, C.E8M0_MAX_CODE)
         sf = codecs.e8m0_to_f32(code)
-    qdata = codecs.e4m3_encode(blocks_x * (1.0 / sf).unsqueeze(-1))
+    qdata = codecs.e4m3_encode(blocks_x * codecs.fdiv(1.0, sf).unsqueeze(-1))
     return QTensor(
         qdata=_unblocked(qdata, block, shape, pad).contiguous(),
         scale=sf.contiguous(),

@@ -28,7 +28,7 @@ _E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's lower clamp (
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = fl(2688 / amax) with the §3.2 edge rules: 0 or Inf amax -> 1; capped at FLT_MAX."""
-    s_enc = C.NVFP4_GLOBAL_NUMERATOR / amax
+    s_enc = codecs.fdiv(C.NVFP4_GLOBAL_NUMERATOR, amax)
     s_enc = torch.clamp(s_enc, max=C.FLT_MAX)
     bad = (amax == 0) | (s_enc == 0)
     return torch.where(bad, torch.ones_like(s_enc), s_enc)
@@ -66,23 +66,23 @@ def quantize_nvfp4(
     s_enc = global_encode_scale(g_amax)
 
     if scale_mode == "te":
-        s_dec = 1.0 / s_enc
+        s_dec = codecs.fdiv(1.0, s_enc)
         t = b_amax * (s_enc * C.RCP_6)
         t = torch.clamp(t, max=C.FLT_MAX)
         scale_codes = codecs.e4m3_encode(t)
         s_block = codecs.e4m3_decode(scale_codes)
-        enc = 1.0 / (s_block * s_dec)
+        enc = codecs.fdiv(1.0, s_block * s_dec)
         enc = torch.clamp(enc, max=C.FLT_MAX)
     else:
         # torchao nvfp4_quantize(per_tensor_scale = amax / (448 * 6)), §3.5; its decode scale is
         # kept as-is and stored as 1/decode so that dequantize reads one field for both modes.
-        per_tensor_scale = g_amax / (C.E4M3_MAX * C.E2M1_MAX)
-        block = (b_amax / C.E2M1_MAX) / per_tensor_scale
+        per_tensor_scale = codecs.fdiv(g_amax, C.E4M3_MAX * C.E2M1_MAX)
+        block = codecs.fdiv(codecs.fdiv(b_amax, C.E2M1_MAX), per_tensor_scale)
         block = torch.clamp(block, min=_E4M3_TINY, max=C.E4M3_MAX)
         scale_codes = codecs.e4m3_encode(block)
         s_block = codecs.e4m3_decode(scale_codes)
-        enc = (1.0 / per_tensor_scale) / s_block
-        s_enc = 1.0 / per_tensor_scale
+        enc = codecs.fdiv(codecs.fdiv(1.0, per_tensor_scale), s_block)
+        s_enc = codecs.fdiv(1.0, per_tensor_scale)
 
     scaled = blocks_x * enc.unsqueeze(-1)
     if scale_mode == "torchao":
@@ -102,7 +102,7 @@ def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
     values = codecs.e2m1_decode(codecs.unpack_nibbles(q.qdata))
     blocks = values.reshape(*values.shape[:-1], -1, C.NVFP4_BLOCK)
     s_block = codecs.e4m3_decode(q.scale).unsqueeze(-1)
-    s_dec = 1.0 / q.global_scale
+    s_dec = codecs.fdiv(1.0, q.global_scale)
     if q.per_token:
         s_dec = s_dec.unsqueeze(-1)  # [..., 1] -> [..., 1, 1] over (blocks, elements)
     return ((blocks * s_block) * s_dec).reshape(q.shape)

@@ -1,0 +1,312 @@
+"""Plan: every tensor's format, resolved from a recipe against a model's tensors.
+
+The plan hash is the precision contract trainer and engine compare before any exchange. It is the
+sha256 of canonical JSON (sorted keys, no whitespace, tensors sorted by name) of
+`{"schema": PLAN_SCHEMA_VERSION, "tensors": [{name, shape, format, activations, fuse_group,
+block}, ...]}` — exactly what decides the bytes a quantizer writes. It leaves out rule provenance
+(two recipes that assign the same formats give the same hash), the recipe name, and `backward`,
+which changes how training computes gradients but not one byte of a weight or an activation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format, block_along_k
+from mxrl.recipe.names import (
+    Kind,
+    TensorInfo,
+    classify_tensors,
+    gate_up_group,
+    is_matmul_weight,
+)
+from mxrl.recipe.schema import ACTIVATIONS, Backward, Recipe, load_recipe
+
+logger = logging.getLogger(__name__)
+
+PLAN_SCHEMA_VERSION = 1
+NOT_MATMUL = "not a matmul weight"
+DEFAULT_RULE = "default"
+_CONTRACT_FIELDS = ("name", "shape", "format", "activations", "fuse_group", "block")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor is stored and fed to its GEMM.
+
+    activations: the NVFP4 activation global scale (per_token | per_tensor); None unless nvfp4.
+      NVFP4 weights always carry one FP32 global scale per tensor (per expert for 3-D tensors).
+    fuse_group: gate and up tensors with the same fuse_group share one NVFP4 global scale. A fused
+      `gate_up_proj` tensor is its own group; when None, its gate and up halves get separate
+      scales, as the per-expert layout would.
+    block: fp8_block weight block (activations use (1, block[1])); None for other formats.
+    rule: provenance for audits ("rules[2] {kind: routed_expert}", "default",
+      "not a matmul weight"); not part of the hash.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    kind: Kind
+    layer: int | None
+    expert: int | None
+    role: str
+    format: Format
+    activations: str | None = None
+    fuse_group: str | None = None
+    block: tuple[int, int] | None = None
+    rule: str = DEFAULT_RULE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "kind", Kind(self.kind))
+        object.__setattr__(self, "format", Format(self.format))
+        if self.block is not None:
+            object.__setattr__(self, "block", tuple(int(b) for b in self.block))
+        nvfp4 = self.format is Format.NVFP4
+        if nvfp4 and self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"{self.name}: activations must be one of {ACTIVATIONS} for nvfp4, "
+                f"got {self.activations!r}"
+            )
+        if not nvfp4 and (self.activations is not None or self.fuse_group is not None):
+            raise ValueError(
+                f"{self.name}: activations and fuse_group are nvfp4 fields; this tensor is "
+                f"{self.format}, set them to None"
+            )
+        if (self.format is Format.FP8_BLOCK) != (self.block is not None):
+            raise ValueError(f"{self.name}: block is set exactly when format is fp8_block")
+
+    def contract(self) -> dict[str, Any]:
+        """The hashed fields: what decides the bytes a quantizer writes for this tensor."""
+        d = asdict(self)
+        out = {k: d[k] for k in _CONTRACT_FIELDS}
+        out["shape"] = list(self.shape)
+        out["format"] = self.format.value
+        out["block"] = list(self.block) if self.block is not None else None
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.contract()
+        d.update(
+            kind=self.kind.value,
+            layer=self.layer,
+            expert=self.expert,
+            role=self.role,
+            rule=self.rule,
+        )
+        return d
+
+
+@dataclass(frozen=True)
+class Plan(Mapping[str, TensorSpec]):
+    """tensor name -> TensorSpec, in the model's tensor order, plus the recipe's training mode."""
+
+    recipe_name: str
+    backward: Backward
+    num_layers: int
+    specs: tuple[TensorSpec, ...]
+    _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backward", Backward(self.backward))
+        object.__setattr__(self, "specs", tuple(self.specs))
+        index = {s.name: s for s in self.specs}
+        if len(index) != len(self.specs):
+            counts = Counter(s.name for s in self.specs)
+            dupes = sorted(name for name, n in counts.items() if n > 1)
+            raise ValueError(f"specs: duplicate tensor names in a plan: {dupes[:5]}")
+        object.__setattr__(self, "_index", index)
+
+    def __getitem__(self, name: str) -> TensorSpec:
+        return self._index[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def hash(self) -> str:
+        """sha256 hex of the canonical contract JSON (module docstring says what it covers)."""
+        contract = {
+            "schema": PLAN_SCHEMA_VERSION,
+            "tensors": sorted((s.contract() for s in self.specs), key=lambda d: d["name"]),
+        }
+        text = json.dumps(contract, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+    def table(self) -> str:
+        """The audit: one line per tensor (per expert group for per-expert tensors), a summary."""
+        from mxrl.recipe.audit import format_table
+
+        return format_table(self)
+
+    def to_json(self, indent: int | None = None) -> str:
+        """Everything (provenance and backward included); `Plan.from_json` inverts it."""
+        data = {
+            "schema": PLAN_SCHEMA_VERSION,
+            "recipe_name": self.recipe_name,
+            "backward": self.backward.value,
+            "num_layers": self.num_layers,
+            "hash": self.hash(),
+            "tensors": [s.to_dict() for s in self.specs],
+        }
+        return json.dumps(data, indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        if data.get("schema") != PLAN_SCHEMA_VERSION:
+            raise ValueError(
+                f"plan schema {data.get('schema')!r} is not {PLAN_SCHEMA_VERSION}; re-resolve the "
+                "recipe with this version of mxrl"
+            )
+        plan = cls(
+            recipe_name=data["recipe_name"],
+            backward=data["backward"],
+            num_layers=int(data["num_layers"]),
+            specs=tuple(TensorSpec(**t) for t in data["tensors"]),
+        )
+        if "hash" in data and data["hash"] != plan.hash():
+            raise ValueError(
+                f"plan JSON says hash {data['hash']} but its tensors hash to {plan.hash()}: the "
+                "file was edited or corrupted; re-resolve it from its recipe"
+            )
+        return plan
+
+
+def resolve(
+    recipe: Recipe | str | Path | Mapping[str, Any],
+    tensors: Sequence[tuple[str, Sequence[int]]],
+    num_layers: int | None = None,
+) -> Plan:
+    """Apply a recipe (Recipe, preset name, YAML path or dict) to (canonical name, shape) pairs.
+
+    num_layers defaults to max layer index + 1 among the tensors. Raises ValueError for a shape
+    that does not fit its format's block and for a gate/up pair resolved to different formats.
+    """
+    recipe = load_recipe(recipe)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in tensors:
+        if name in shapes:
+            raise ValueError(f"tensors: {name!r} is listed twice")
+        shapes[name] = tuple(int(d) for d in shape)
+    infos = classify_tensors(shapes)
+    max_layer = max((i.layer for i in infos.values() if i.layer is not None), default=-1)
+    if num_layers is None:
+        num_layers = max_layer + 1
+    elif num_layers <= max_layer:
+        raise ValueError(
+            f"num_layers={num_layers} but the tensors reach layer {max_layer}; pass "
+            f"num_layers >= {max_layer + 1} or leave it None"
+        )
+    rule_layers = [
+        r.match.layers.indices(num_layers) if r.match.layers is not None else None
+        for r in recipe.rules
+    ]
+    specs = []
+    for name, shape in shapes.items():
+        info = infos[name]
+        if not is_matmul_weight(name, info, shape):
+            specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL))
+            continue
+        for i, rule in enumerate(recipe.rules):
+            if rule.match.matches(name, info, rule_layers[i]):
+                fmt, provenance = rule.format, rule.describe(i)
+                acts, block, fuse = rule.activations, rule.block, rule.fuse is not None
+                break
+        else:
+            fmt, provenance, acts, block, fuse = recipe.default, DEFAULT_RULE, None, None, False
+            if fmt is Format.NVFP4:
+                acts = "per_token"
+            elif fmt is Format.FP8_BLOCK:
+                block = FP8_BLOCK_WEIGHT
+        group = gate_up_group(name, info) if fuse else None
+        _check_block(name, shape, fmt, block, provenance)
+        specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
+    _check_fuse_groups(specs)
+    plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs))
+    logger.debug("resolved recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
+    return plan
+
+
+def _spec(name, shape, info: TensorInfo, fmt, acts, group, block, rule) -> TensorSpec:
+    return TensorSpec(
+        name=name,
+        shape=shape,
+        kind=info.kind,
+        layer=info.layer,
+        expert=info.expert,
+        role=info.role,
+        format=fmt,
+        activations=acts,
+        fuse_group=group,
+        block=block,
+        rule=rule,
+    )
+
+
+def _check_block(
+    name: str,
+    shape: tuple[int, ...],
+    fmt: Format,
+    block: tuple[int, int] | None,
+    provenance: str,
+) -> None:
+    if fmt is Format.BF16:
+        return
+    k = block[1] if block is not None else block_along_k(fmt)
+    if shape[-1] % k:
+        raise ValueError(
+            f"tensor {name!r} of shape {shape} cannot be {fmt}: its last (reduction) dim "
+            f"{shape[-1]} is not a multiple of the {fmt} block ({k}); it was chosen by "
+            f"{provenance}. Fix: add a rule `- match: {{name: {name!r}}}` with format: bf16 "
+            "before that rule, or narrow that rule's match"
+        )
+
+
+def _check_fuse_groups(specs: list[TensorSpec]) -> None:
+    """Gate and up of one group must resolve to the same format, options and group."""
+    by_group: dict[str, list[TensorSpec]] = {}
+    for s in specs:
+        if s.fuse_group is not None:
+            by_group.setdefault(s.fuse_group, []).append(s)
+    index = {s.name: s for s in specs}
+    for group, members in by_group.items():
+        if len(members) == 1 and members[0].role == "gate_up":
+            continue
+        gate = group.removesuffix(".gate_up") + ".gate_proj.weight"
+        up = group.removesuffix(".gate_up") + ".up_proj.weight"
+        pair = [index.get(gate), index.get(up)]
+        if any(p is None for p in pair):
+            missing = gate if pair[0] is None else up
+            raise ValueError(
+                f"fuse: [gate, up] groups {group!r}, but {missing!r} is not among the tensors; "
+                "both halves are needed to share one global scale"
+            )
+        a, b = pair
+        assert a is not None and b is not None
+        if (a.format, a.activations, a.fuse_group) != (b.format, b.activations, b.fuse_group):
+            raise ValueError(
+                f"fuse: [gate, up] needs {a.name!r} and {b.name!r} in one format, but they "
+                f"resolved to {_describe(a)} ({a.rule}) and {_describe(b)} ({b.rule}). Fix: give "
+                "gate and up the same rule (match both names, or match by kind)"
+            )
+
+
+def _describe(s: TensorSpec) -> str:
+    parts = [s.format.value]
+    if s.activations:
+        parts.append(s.activations)
+    parts.append("fused" if s.fuse_group else "not fused")
+    return " ".join(parts)

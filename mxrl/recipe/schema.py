@@ -1,0 +1,299 @@
+"""Recipes: ordered rules, first match wins (DESIGN.md §6).
+
+```yaml
+name: nvfp4-dequantized
+backward: dequantized            # high_precision | dequantized | quantized (MXFP8 only)
+default: bf16
+rules:
+  - match: {layers: "last 15%"}
+    format: bf16
+  - match: {kind: routed_expert}
+    format: nvfp4
+    activations: per_token
+    fuse: [gate, up]
+```
+
+Recipe keys: name (defaults to the file stem when loaded from a file), description (optional, one
+line, shown by `mxrl recipe list`), backward (default high_precision), default (default bf16),
+rules (default []). Rule keys: match, format, activations, fuse, block. Match keys: name, kind,
+layers. Unknown keys and bad values raise ValueError naming the key, where it is, and the fix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
+from mxrl.recipe.layers import LayerSelector, parse_layers
+from mxrl.recipe.names import Kind, TensorInfo
+
+
+class Backward(StrEnum):
+    """How backward GEMMs see quantized operands (DESIGN.md §7)."""
+
+    HIGH_PRECISION = "high_precision"
+    DEQUANTIZED = "dequantized"
+    QUANTIZED = "quantized"
+
+
+ACTIVATIONS = ("per_token", "per_tensor")
+FUSE_GATE_UP = ("gate", "up")
+RECIPE_KEYS = ("name", "description", "backward", "default", "rules")
+RULE_KEYS = ("match", "format", "activations", "fuse", "block")
+MATCH_KEYS = ("name", "kind", "layers")
+_QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8)
+
+
+def _choices(enum: type[StrEnum]) -> str:
+    return ", ".join(e.value for e in enum)
+
+
+def _as_tuple(value: object, field_name: str) -> tuple[Any, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(value)
+    raise ValueError(f"{field_name}: expected a string or a non-empty list, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Match:
+    """Selectors of one rule; every given selector must match (no selector matches everything)."""
+
+    name: tuple[str, ...] | None = None
+    kind: tuple[Kind, ...] | None = None
+    layers: LayerSelector | None = None
+
+    def __post_init__(self) -> None:
+        if self.name is not None:
+            names = _as_tuple(self.name, "match.name")
+            if not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"match.name: globs must be non-empty strings, got {names!r}")
+            object.__setattr__(self, "name", names)
+        if self.kind is not None:
+            kinds = []
+            for k in _as_tuple(self.kind, "match.kind"):
+                try:
+                    kinds.append(Kind(k))
+                except ValueError:
+                    raise ValueError(
+                        f"match.kind: unknown kind {k!r}; use one of {_choices(Kind)}"
+                    ) from None
+            object.__setattr__(self, "kind", tuple(kinds))
+        if self.layers is not None and not isinstance(self.layers, LayerSelector):
+            object.__setattr__(self, "layers", parse_layers(self.layers))
+
+    def matches(self, name: str, info: TensorInfo, layers: frozenset[int] | None) -> bool:
+        """`layers` is this rule's `self.layers.indices(num_layers)`, computed once per plan."""
+        if self.kind is not None and info.kind not in self.kind:
+            return False
+        if self.layers is not None:
+            assert layers is not None
+            if info.layer is None or info.layer not in layers:
+                return False
+        return self.name is None or any(fnmatch.fnmatchcase(name, g) for g in self.name)
+
+    def describe(self) -> str:
+        """`{kind: routed_expert, layers: last 15%}`, for audit tables and error messages."""
+        parts = []
+        for key, values in (("name", self.name), ("kind", self.kind)):
+            if values is not None:
+                text = values[0] if len(values) == 1 else "[" + ", ".join(values) + "]"
+                parts.append(f"{key}: {text}")
+        if self.layers is not None:
+            parts.append(f"layers: {self.layers.text}")
+        return "{" + ", ".join(parts) + "}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One recipe rule: selectors and the format (with its options) they assign."""
+
+    match: Match = field(default_factory=Match)
+    format: Format = Format.BF16
+    activations: str | None = None
+    fuse: tuple[str, ...] | None = None
+    block: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "format", Format(self.format))
+        except ValueError:
+            raise ValueError(
+                f"format: unknown format {self.format!r}; use one of {_choices(Format)}"
+            ) from None
+        nvfp4 = self.format is Format.NVFP4
+        if self.activations is not None and not nvfp4:
+            raise ValueError(
+                f"activations: only nvfp4 has an activation global scale (this rule is "
+                f"{self.format}); remove 'activations' or set format: nvfp4"
+            )
+        if nvfp4:
+            acts = self.activations or "per_token"
+            if acts not in ACTIVATIONS:
+                raise ValueError(
+                    f"activations: {acts!r} is not one of {', '.join(ACTIVATIONS)}; per_token "
+                    "gives every token its own FP32 scale (batch-invariant)"
+                )
+            object.__setattr__(self, "activations", acts)
+        if self.fuse is not None:
+            fuse = _as_tuple(self.fuse, "fuse")
+            if tuple(sorted(fuse)) != FUSE_GATE_UP:
+                raise ValueError(f"fuse: only [gate, up] is supported, got {list(fuse)}")
+            if not nvfp4:
+                raise ValueError(
+                    f"fuse: [gate, up] shares one NVFP4 global scale; {self.format} has none. "
+                    "Remove 'fuse' or set format: nvfp4"
+                )
+            object.__setattr__(self, "fuse", FUSE_GATE_UP)
+        if self.block is not None and self.format is not Format.FP8_BLOCK:
+            raise ValueError(
+                f"block: only fp8_block has a configurable block ({self.format} is fixed); "
+                "remove 'block' or set format: fp8_block"
+            )
+        if self.format is Format.FP8_BLOCK:
+            object.__setattr__(self, "block", _parse_block(self.block))
+
+    def describe(self, index: int) -> str:
+        return f"rules[{index}] {self.match.describe()}"
+
+
+def _parse_block(block: object) -> tuple[int, int]:
+    if block is None:
+        return FP8_BLOCK_WEIGHT
+    ok = (
+        isinstance(block, (list, tuple))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    )
+    if not ok or block[0] != block[1]:
+        raise ValueError(
+            f"block: expected a square weight block [b, b] of positive ints (activations use "
+            f"[1, b]), got {block!r}; the DeepSeek-V3 block is [128, 128]"
+        )
+    return (int(block[0]), int(block[1]))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A parsed recipe. `backward` affects training only; `rules` decide every tensor's format."""
+
+    name: str
+    backward: Backward = Backward.HIGH_PRECISION
+    default: Format = Format.BF16
+    rules: tuple[Rule, ...] = ()
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError("name: a recipe needs a non-empty name (e.g. name: my-nvfp4)")
+        try:
+            object.__setattr__(self, "backward", Backward(self.backward))
+        except ValueError:
+            raise ValueError(
+                f"backward: unknown mode {self.backward!r}; use one of {_choices(Backward)}"
+            ) from None
+        try:
+            object.__setattr__(self, "default", Format(self.default))
+        except ValueError:
+            raise ValueError(
+                f"default: unknown format {self.default!r}; use one of {_choices(Format)}"
+            ) from None
+        object.__setattr__(self, "rules", tuple(self.rules))
+        if self.backward is Backward.QUANTIZED:
+            used = [("default", self.default)] + [
+                (f"rules[{i}]", r.format) for i, r in enumerate(self.rules)
+            ]
+            for where, fmt in used:
+                if fmt not in _QUANTIZED_BACKWARD_FORMATS:
+                    raise ValueError(
+                        f"backward: quantized runs the backward GEMMs in MXFP8 and is defined for "
+                        f"mxfp8 only, but {where} uses {fmt}. Use backward: dequantized or "
+                        "high_precision (no NVFP4 or fp8_block mode runs backward GEMMs quantized)"
+                    )
+
+
+def _check_keys(data: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    for key in data:
+        if key not in allowed:
+            raise ValueError(
+                f"{where}: unknown key {key!r}; allowed keys are {', '.join(allowed)}"
+            )
+
+
+def recipe_from_dict(data: Mapping[str, Any], *, default_name: str | None = None) -> Recipe:
+    """A Recipe from parsed YAML/JSON; errors name the recipe, the rule index and the field."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a recipe is a mapping with keys {', '.join(RECIPE_KEYS)}, got {data!r}")
+    label = str(data.get("name") or default_name or "<unnamed>")
+    where = f"recipe {label!r}"
+    _check_keys(data, RECIPE_KEYS, where)
+    raw_rules = data.get("rules") or []
+    if not isinstance(raw_rules, list):
+        raise ValueError(f"{where}: rules: expected a list of rules, got {raw_rules!r}")
+    rules = []
+    for i, raw in enumerate(raw_rules):
+        rule_where = f"{where} rules[{i}]"
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{rule_where}: expected a mapping with keys {', '.join(RULE_KEYS)}")
+        _check_keys(raw, RULE_KEYS, rule_where)
+        if "format" not in raw:
+            raise ValueError(f"{rule_where}: missing 'format'; use one of {_choices(Format)}")
+        raw_match = raw.get("match") or {}
+        if not isinstance(raw_match, Mapping):
+            raise ValueError(f"{rule_where}: match: expected a mapping of selectors, got {raw_match!r}")
+        _check_keys(raw_match, MATCH_KEYS, f"{rule_where} match")
+        try:
+            match = Match(**raw_match)
+            rule = Rule(match=match, **{k: v for k, v in raw.items() if k != "match"})
+        except ValueError as e:
+            raise ValueError(f"{rule_where}: {e}") from None
+        rules.append(rule)
+    kwargs = {k: data[k] for k in ("backward", "default", "description") if data.get(k) is not None}
+    try:
+        return Recipe(name=data.get("name") or default_name or "", rules=tuple(rules), **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _preset_dir() -> Path:
+    return Path(str(resources.files("mxrl.recipe") / "presets"))
+
+
+def list_presets() -> list[str]:
+    """Names of the built-in recipes (`mxrl/recipe/presets/*.yaml`), sorted."""
+    return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+
+
+def load_recipe(recipe: Recipe | str | Path | Mapping[str, Any]) -> Recipe:
+    """A Recipe from a Recipe, a preset name, a YAML file path, or a dict."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, Mapping):
+        return recipe_from_dict(recipe)
+    if not isinstance(recipe, (str, Path)):
+        raise TypeError(f"recipe: expected a Recipe, preset name, path or dict, got {recipe!r}")
+    if isinstance(recipe, str) and recipe in list_presets():
+        path = _preset_dir() / f"{recipe}.yaml"
+    else:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ValueError(
+                f"recipe {str(recipe)!r}: no such preset or file; presets are "
+                f"{', '.join(list_presets())}"
+            )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        raise ValueError(f"recipe file {str(path)!r} is empty")
+    return recipe_from_dict(data, default_name=path.stem)

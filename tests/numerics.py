@@ -1,0 +1,56 @@
+"""Shared numerics helpers for tests: byte-exact comparison on uint8 views, SQNR, hashes.
+
+Byte-exact means bytes: every comparison here views both tensors as uint8 (after making them
+contiguous on CPU), so -0.0 vs 0.0, NaN payloads and scale padding all count.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import QTensor, sqnr_db, tensor_hash
+from mxrl.formats.numerics import tensor_bytes
+
+__all__ = [
+    "as_bytes",
+    "assert_bytes_equal",
+    "assert_qtensor_bytes_equal",
+    "sqnr_db",
+    "tensor_bytes",
+    "tensor_hash",
+]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous CPU uint8 view of any tensor (a 0-d tensor becomes 1-d)."""
+    t = t.detach().to("cpu").contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Shapes, dtypes and every byte equal; on failure say how many bytes differ and where."""
+    label = f"{what}: " if what else ""
+    assert actual.dtype == expected.dtype, f"{label}dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), (
+        f"{label}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
+    a, e = as_bytes(actual), as_bytes(expected)
+    diff = (a != e).nonzero().reshape(-1)
+    if diff.numel():
+        i = int(diff[0])
+        elem = i // max(actual.element_size(), 1)
+        raise AssertionError(
+            f"{label}{diff.numel()} of {a.numel()} bytes differ; first at byte {i} "
+            f"(element {elem}): got 0x{int(a[i]):02x}, want 0x{int(e[i]):02x}"
+        )
+
+
+def assert_qtensor_bytes_equal(actual: QTensor, expected: QTensor, what: str = "") -> None:
+    """Every stored field of two QTensors, byte for byte, plus format, shape and axis."""
+    assert actual.fmt == expected.fmt, f"{what}: fmt {actual.fmt} != {expected.fmt}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.axis == expected.axis, f"{what}: axis {actual.axis} != {expected.axis}"
+    fa, fe = actual.tensors(), expected.tensors()
+    assert fa.keys() == fe.keys(), f"{what}: fields {sorted(fa)} != {sorted(fe)}"
+    for name in fa:
+        assert_bytes_equal(fa[name], fe[name], f"{what} {name}".strip())
