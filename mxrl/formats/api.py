@@ -30,7 +30,8 @@ def quantize(
     fmt="mxfp8": 1x32 blocks along the last dim (`axis=0` for the column-wise 32x1 copy of a
       2-D tensor; any dim works); scale_mode "rceil" (default) or "floor" (OCP, comparison only).
     fmt="nvfp4": 1x16 blocks, E4M3 block scale and one FP32 global encode scale per tensor, or
-      per row with `per_token=True`, or from a caller's `global_amax` (gate+up share one).
+      per row with `per_token=True`, or from a caller's `global_amax` (gate+up share one): a
+      scalar, or a tensor of x's rank with last dim 1 (per row, or per expert as [E, 1, 1]).
       scale_mode "te" (default) or "torchao" (comparison only).
     fmt="fp8_block": `block=(128, 128)` (default; weights, over the last two dims) or `(1, 128)`
       (activations); scale_mode "fp32" (default) or "ue8m0" (power-of-two scales).

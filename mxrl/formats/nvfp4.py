@@ -34,6 +34,25 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.ones_like(s_enc), s_enc)
 
 
+def _caller_amax(global_amax, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """A scalar (one scale for the tensor) or a tensor of x's rank whose last dim is 1 and which
+    broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...)."""
+    g = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
+    fits = g.dim() == 0 or (
+        g.dim() == len(shape)
+        and g.shape[-1] == 1
+        and all(a in (1, b) for a, b in zip(g.shape[:-1], shape[:-1], strict=True))
+    )
+    if not fits:
+        raise ValueError(
+            f"nvfp4: global_amax of shape {tuple(g.shape)} does not fit x of shape {tuple(shape)}; "
+            "pass a scalar, or a tensor of x's rank with last dim 1 (e.g. [rows, 1] or [E, 1, 1])"
+        )
+    if bool(torch.isnan(g).any()) or bool((g < 0).any()):
+        raise ValueError("nvfp4: global_amax must be non-negative and not NaN")
+    return g
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     per_token: bool = False,
@@ -56,11 +75,7 @@ def quantize_nvfp4(
     if per_token:
         g_amax = b_amax.amax(dim=-1, keepdim=True)  # [..., 1]
     elif global_amax is not None:
-        g_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device).reshape(())
-        if torch.isnan(g_amax) or g_amax < 0:
-            raise ValueError(
-                f"nvfp4: global_amax must be a non-negative number, got {g_amax.item()}"
-            )
+        g_amax = _caller_amax(global_amax, shape, x.device)
     else:
         g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
     s_enc = global_encode_scale(g_amax)
@@ -103,6 +118,6 @@ def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
     blocks = values.reshape(*values.shape[:-1], -1, C.NVFP4_BLOCK)
     s_block = codecs.e4m3_decode(q.scale).unsqueeze(-1)
     s_dec = codecs.fdiv(1.0, q.global_scale)
-    if q.per_token:
+    if s_dec.dim():
         s_dec = s_dec.unsqueeze(-1)  # [..., 1] -> [..., 1, 1] over (blocks, elements)
     return ((blocks * s_block) * s_dec).reshape(q.shape)

@@ -62,8 +62,13 @@ class QTensor:
             )
         if (self.global_scale is None) != (self.fmt is not Format.NVFP4):
             raise ValueError("global_scale is required for nvfp4 and absent for other formats")
-        if self.global_scale is not None and self.global_scale.dtype != torch.float32:
-            raise TypeError(f"global_scale must be float32, got {self.global_scale.dtype}")
+        gs = self.global_scale
+        if gs is not None and gs.dtype != torch.float32:
+            raise TypeError(f"global_scale must be float32, got {gs.dtype}")
+        if gs is not None and gs.dim() not in (0, len(self.shape)):
+            raise ValueError(
+                f"global_scale of shape {tuple(gs.shape)} must be [] or of rank {len(self.shape)}"
+            )
         if self.axis != -1 and self.fmt is not Format.MXFP8:
             raise ValueError(f"axis={self.axis}: only mxfp8 has column-wise copies")
 
@@ -74,8 +79,9 @@ class QTensor:
 
     @property
     def per_token(self) -> bool:
-        """NVFP4 with one global scale per row (token) rather than one per tensor."""
-        return self.global_scale is not None and self.global_scale.dim() > 0
+        """NVFP4 with one global scale per row (token): global_scale of shape [..., 1]."""
+        gs = self.global_scale
+        return gs is not None and gs.dim() > 0 and tuple(gs.shape) == (*self.shape[:-1], 1)
 
     @property
     def block(self) -> tuple[int, int]:

@@ -157,11 +157,29 @@ def _ceil_e8m0_oracle(a: float) -> int:
 def test_ceil_e8m0_matches_exact_oracle_on_random_bit_patterns_and_edges():
     g = np.random.default_rng(0)
     bits = g.integers(0, 0x7F800000, size=200_000, dtype=np.uint32)
-    edges = [0x0, 0x1, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFF, 0x800000, 0x800001, 0x7F000000,
-             0x7F000001, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x3F800000, 0x3F800001, 0x3F7FFFFF]
+    edges = [
+        0x0,
+        0x1,
+        0x3FFFFF,
+        0x400000,
+        0x400001,
+        0x7FFFFF,
+        0x800000,
+        0x800001,
+        0x7F000000,
+        0x7F000001,
+        0x7F7FFFFF,
+        0x7F800000,
+        0x7FC00000,
+        0x3F800000,
+        0x3F800001,
+        0x3F7FFFFF,
+    ]
     bits = np.concatenate([bits, np.array(edges, dtype=np.uint32)])
     a = bits.view(np.float32)
     got = codecs.ceil_e8m0(torch.from_numpy(a.copy())).numpy()
     want = np.array([_ceil_e8m0_oracle(float(v)) for v in a], dtype=np.uint8)
     bad = np.nonzero(got != want)[0]
-    assert bad.size == 0, f"{bad.size} mismatches, first a={a[bad[0]]!r} got {got[bad[0]]} want {want[bad[0]]}"
+    assert bad.size == 0, (
+        f"{bad.size} mismatches, first a={a[bad[0]]!r} got {got[bad[0]]} want {want[bad[0]]}"
+    )

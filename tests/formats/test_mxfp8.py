@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxrl.formats import dequantize, quantize
-from mxrl.formats import codecs
+from mxrl.formats import codecs, dequantize, quantize
 from tests import cases
 from tests.numerics import assert_bytes_equal, sqnr_db
 
@@ -51,7 +50,9 @@ def test_rceil_vs_floor_differs_exactly_where_documented(dtype):
     """torchao's default (OCP FLOOR) and our RCEIL differ by design (spec §2.2): the code is one
     higher under RCEIL exactly when the block amax's significand exceeds 1.75 (amax > 448*2^k),
     and only then can FLOOR push elements past 448 into saturation."""
-    x = torch.cat([cases.randn((64, 256), dtype, seed=3), cases.mxfp8_pow2_edges(dtype).repeat(1, 8)])
+    x = torch.cat(
+        [cases.randn((64, 256), dtype, seed=3), cases.mxfp8_pow2_edges(dtype).repeat(1, 8)]
+    )
     rceil = quantize(x, "mxfp8").scale.view(torch.uint8).to(torch.int32)
     floor = quantize(x, "mxfp8", scale_mode="floor").scale.view(torch.uint8).to(torch.int32)
     amax = x.float().abs().reshape(x.shape[0], -1, 32).amax(-1)
@@ -80,7 +81,9 @@ def test_pow2_edges_against_torchao_and_exact_rule(dtype):
     theirs = scale.reshape(-1).to(torch.int32)
     differ = ours != theirs
     log2_rounds_down = torch.log2(descale) == torch.floor(torch.log2(descale))
-    assert (differ == (log2_rounds_down & (descale > 2.0 ** torch.floor(torch.log2(descale))))).all()
+    assert (
+        differ == (log2_rounds_down & (descale > 2.0 ** torch.floor(torch.log2(descale))))
+    ).all()
     assert (ours[differ] == theirs[differ] + 1).all()
     if dtype == torch.float32:
         assert differ.any()  # the fp32 upper neighbours do hit the log2 rounding
@@ -150,7 +153,9 @@ def test_non_finite_inputs_follow_hardware_semantics():
     x[1, 7] = float("inf")
     q = quantize(x, "mxfp8")
     codes = q.scale.view(torch.uint8)
-    assert int(codes[0, 0]) == int(quantize(x[0].nan_to_num(0.0), "mxfp8").scale.view(torch.uint8)[0])
+    assert int(codes[0, 0]) == int(
+        quantize(x[0].nan_to_num(0.0), "mxfp8").scale.view(torch.uint8)[0]
+    )
     assert int(q.qdata[0, 3]) == 0x7F
     assert int(codes[1, 0]) == 254
     assert int(q.qdata[1, 7]) == 0x7E

@@ -1,0 +1,94 @@
+"""DeepSeek-style block FP8 against a NumPy + ml_dtypes transcription of DeepGEMM's
+`per_block_cast_to_fp8` / `per_token_cast_to_fp8` (spec §5.2)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from mxrl.formats import dequantize, quantize
+from tests import cases
+from tests.numerics import assert_bytes_equal, sqnr_db
+
+F32 = np.float32
+
+
+def deepgemm_numpy(x: torch.Tensor, block: tuple[int, int], ue8m0: bool = False):
+    """(data bytes, fp32 scales) per spec §5.2, over the last two dims of x."""
+    xf = x.to(torch.float32).numpy()
+    if xf.ndim == 1 or block[0] == 1:
+        flat = xf.reshape(-1, xf.shape[-1])
+    else:
+        flat = xf.reshape(-1, *xf.shape[-2:])
+    br, bk = block
+    if block[0] == 1:
+        blocks = flat.reshape(flat.shape[0], -1, bk)
+        amax = np.abs(blocks).max(-1)
+    else:
+        n, rows, k = flat.shape
+        pad = (-rows) % br
+        padded = np.concatenate([flat, np.zeros((n, pad, k), F32)], axis=1)
+        blocks = padded.reshape(n, (rows + pad) // br, br, k // bk, bk)
+        amax = np.abs(blocks).max(axis=(2, 4))
+    amax = np.maximum(amax, F32(1e-4))
+    sf = (amax / F32(448.0)).astype(F32)
+    if ue8m0:  # DeepGEMM ceil_to_ue8m0: exponent + (mantissa != 0), clamped to [1, 254]
+        bits = sf.view(np.uint32)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0)
+        sf = (np.clip(exp, 1, 254).astype(np.uint32) << 23).view(F32)
+    inv = (F32(1.0) / sf).astype(F32)
+    if block[0] == 1:
+        scaled = blocks * inv[..., None]
+        data = scaled.reshape(flat.shape)
+    else:
+        scaled = blocks * inv[:, :, None, :, None]
+        data = scaled.reshape(n, rows + pad, k)[:, :rows]
+    codes = np.clip(data, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    scale_shape = (
+        (*xf.shape[:-1], xf.shape[-1] // bk)
+        if block[0] == 1
+        else (*xf.shape[:-2], amax.shape[-2], amax.shape[-1])
+    )
+    return codes.reshape(xf.shape), sf.reshape(scale_shape)
+
+
+SUITE = list(cases.suite(cases.SHAPES_FP8_BLOCK))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32", "ue8m0"])
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)], ids=["128x128", "1x128"])
+@pytest.mark.parametrize(("label", "x"), SUITE, ids=[s[0] for s in SUITE])
+def test_matches_deepgemm_transcription(label, x, block, ue8m0):
+    q = quantize(x, "fp8_block", block=block, scale_mode="ue8m0" if ue8m0 else "fp32")
+    data, sf = deepgemm_numpy(x, block, ue8m0)
+    assert_bytes_equal(q.qdata, torch.from_numpy(data.copy()), f"{label} data")
+    assert_bytes_equal(q.scale, torch.from_numpy(sf.copy()), f"{label} scale")
+    assert q.block == block or (block[0] > 1 and x.shape[-2] == 1)
+
+
+def test_partial_row_block_and_amax_floor():
+    x = cases.randn((130, 256), torch.float32, seed=3)
+    x[128:] = 0.0  # the partial last row-block is all zero: its amax is floored at 1e-4
+    q = quantize(x, "fp8_block")
+    assert q.scale.shape == (2, 2)
+    floor = torch.div(torch.tensor(1e-4), torch.tensor(448.0))
+    assert_bytes_equal(q.scale[1], floor.expand(2).contiguous(), "floored scale")
+    assert (q.qdata[128:] == 0).all()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)])
+def test_sqnr_and_dequantize(block):
+    x = cases.randn((256, 512), torch.bfloat16, seed=8)
+    q = quantize(x, "fp8_block", block=block)
+    assert sqnr_db(x.float(), dequantize(q)) >= 28.0
+    assert dequantize(q).dtype == torch.float32 and dequantize(q).shape == x.shape
+
+
+def test_ue8m0_scales_are_powers_of_two_not_below_fp32_scale():
+    x = cases.randn((256, 256), torch.float32, seed=9)
+    sf = quantize(x, "fp8_block").scale
+    pow2 = quantize(x, "fp8_block", scale_mode="ue8m0").scale
+    assert ((pow2.view(torch.int32) & 0x7FFFFF) == 0).all()
+    assert (pow2 >= sf).all() and (pow2 < 2 * sf).all()
