@@ -156,8 +156,6 @@ def test_nan_and_inf_follow_hardware_semantics():
 # torchao: a different operation order and a block-scale clamp at 2^-6, by design (§3.4-§3.5)
 # ----------------------------------------------------------------------------------------------
 
-nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-
 AO_SUITE = (
     [s for s in cases.suite(cases.SHAPES_NVFP4) if not s[0].startswith("zeros")]
     + [(f"boundary-{d}", cases.boundary_pairs((32, 128), d)) for d in cases.DTYPES]
@@ -166,6 +164,7 @@ AO_SUITE = (
 
 
 def torchao_nvfp4(x: torch.Tensor):
+    nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
     amax = x.float().abs().amax()
     pts = nvfp4_tensor.per_tensor_amax_to_scale(amax)
     scale, packed = nvfp4_tensor.nvfp4_quantize(x.contiguous(), 16, pts)
