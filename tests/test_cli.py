@@ -1,0 +1,147 @@
+"""The `mxrl` command: recipe list/show, demo, version, and user errors (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mxrl import __version__
+from mxrl.cli import main
+from mxrl.recipe import Plan, list_presets
+from tests.recipe.hf_configs import QWEN3_30B_A3B
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-30b-a3b")
+    (path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    return path
+
+
+def _lines(out, *needles):
+    return [ln for ln in out.splitlines() if all(n in ln for n in needles)]
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"mxrl {__version__}"
+
+
+def test_recipe_list(capsys):
+    code, out, _ = run(capsys, "recipe", "list")
+    assert code == 0
+    for name in list_presets():
+        assert _lines(out, name)
+    assert _lines(out, "mxfp8 ", "quantized", "MXFP8 end to end")
+    assert _lines(out, "nvfp4-dequantized", "dequantized")
+    assert _lines(out, "fp8-block", "high_precision")
+
+
+def test_recipe_show_on_qwen3_30b_a3b(capsys, qwen3_30b_dir):
+    code, out, err = run(
+        capsys, "recipe", "show", "nvfp4-dequantized", "--model", str(qwen3_30b_dir)
+    )
+    assert code == 0, err
+    assert _lines(out, "model.layers.0.mlp.experts", "nvfp4")
+    assert len(_lines(out, "model.layers.0.mlp.experts.*.", "[x128]", "nvfp4")) == 3
+    experts_47 = _lines(out, "model.layers.47.mlp.experts")
+    assert len(experts_47) == 3 and all(" bf16 " in ln for ln in experts_47)
+    q_proj = _lines(out, "self_attn.q_proj")
+    assert len(q_proj) == 48 and all(" bf16 " in ln for ln in q_proj)
+    hash_line = _lines(out, "plan hash:")
+    assert len(hash_line) == 1 and len(hash_line[0].split()[-1]) == 64
+    assert "18867 tensors" in out
+
+
+def test_recipe_show_fused_layout_and_json(capsys, qwen3_30b_dir):
+    code, out, _ = run(
+        capsys,
+        "recipe",
+        "show",
+        "mxfp8",
+        "--model",
+        str(qwen3_30b_dir / "config.json"),
+        "--expert-layout",
+        "fused",
+    )
+    assert code == 0
+    assert _lines(out, "model.layers.0.mlp.experts.gate_up_proj", "mxfp8")
+    assert _lines(out, "model.layers.0.self_attn.q_proj.weight", "mxfp8")
+    code, out, _ = run(capsys, "recipe", "show", "nvfp4-hp", "--json")
+    assert code == 0
+    plan = Plan.from_json(out)
+    assert plan.recipe_name == "nvfp4-hp" and plan.num_layers == 4
+
+
+def test_recipe_show_defaults_to_the_tiny_model(capsys, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("name: mine\nrules:\n  - match: {kind: attention}\n    format: mxfp8\n")
+    code, out, _ = run(capsys, "recipe", "show", str(recipe))
+    assert code == 0
+    assert "built-in tiny-moe" in out
+    assert _lines(out, "model.layers.3.self_attn.q_proj.weight", "mxfp8", "rules[0]")
+
+
+def test_demo(capsys, tmp_path):
+    code, out, _ = run(capsys, "demo", "--out", str(tmp_path / "demo"))
+    assert code == 0
+    assert "nvfp4-dequantized" in out
+    assert _lines(out, "model.layers.0.mlp.experts.*.gate_proj.weight [x8]", "nvfp4")
+    assert "GRPO demo" in out and "later release" in out
+    saved = Plan.from_json((tmp_path / "demo" / "plan.json").read_text())
+    assert saved.recipe_name == "nvfp4-dequantized"
+    assert "summary:" in (tmp_path / "demo" / "audit.txt").read_text()
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("name: bad\nrules:\n  - match: {kind: router}\n    fromat: bf16\n", "'fromat'"),
+        ("name: bad\nrules:\n  - match: {kind: routers}\n    format: bf16\n", "'routers'"),
+        ("name: bad\nrules: [\n", "not valid YAML"),
+        ("name: bad\nbackward: quantized\nrules:\n  - format: nvfp4\n", "quantized"),
+    ],
+)
+def test_malformed_recipe_file_exits_2(capsys, tmp_path, content, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    code, out, err = run(capsys, "recipe", "show", str(path))
+    assert code == 2
+    assert needle in err and err.startswith("mxrl: error:")
+    assert "Traceback" not in err and out == ""
+
+
+def test_other_user_errors_exit_2(capsys, tmp_path):
+    code, _, err = run(capsys, "recipe", "show", "no-such-preset")
+    assert code == 2 and "no such preset or file" in err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, _, err = run(capsys, "recipe", "show", "mxfp8", "--model", str(tmp_path))
+    assert code == 2 and "'llama'" in err
+    code, _, err = run(capsys, "recipe", "show", "fp8-block")  # tiny model: K = 64 < 128
+    assert code == 2 and "fp8_block" in err
+    code, _, _ = run(capsys, "recipe", "frobnicate")
+    assert code == 2
+    code, _, _ = run(capsys)
+    assert code == 2
+
+
+def test_console_entry_point_has_no_traceback(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: bad\nrules:\n  - format: nvfp4\n    activations: sometimes\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxrl.cli", "recipe", "show", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "rules[0]" in proc.stderr and "activations" in proc.stderr
+    assert "Traceback" not in proc.stderr
