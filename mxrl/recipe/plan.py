@@ -14,12 +14,14 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format, block_along_k
+from mxrl.recipe.audit import format_table
 from mxrl.recipe.names import (
     Kind,
     TensorInfo,
@@ -34,7 +36,6 @@ logger = logging.getLogger(__name__)
 PLAN_SCHEMA_VERSION = 1
 NOT_MATMUL = "not a matmul weight"
 DEFAULT_RULE = "default"
-_CONTRACT_FIELDS = ("name", "shape", "format", "activations", "fuse_group", "block")
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,14 @@ class TensorSpec:
 
     def contract(self) -> dict[str, Any]:
         """The hashed fields: what decides the bytes a quantizer writes for this tensor."""
-        d = asdict(self)
-        out = {k: d[k] for k in _CONTRACT_FIELDS}
-        out["shape"] = list(self.shape)
-        out["format"] = self.format.value
-        out["block"] = list(self.block) if self.block is not None else None
-        return out
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "format": self.format.value,
+            "activations": self.activations,
+            "fuse_group": self.fuse_group,
+            "block": list(self.block) if self.block is not None else None,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         d = self.contract()
@@ -138,6 +141,10 @@ class Plan(Mapping[str, TensorSpec]):
 
     def hash(self) -> str:
         """sha256 hex of the canonical contract JSON (module docstring says what it covers)."""
+        return self._contract_hash
+
+    @cached_property
+    def _contract_hash(self) -> str:
         contract = {
             "schema": PLAN_SCHEMA_VERSION,
             "tensors": sorted((s.contract() for s in self.specs), key=lambda d: d["name"]),
@@ -147,8 +154,6 @@ class Plan(Mapping[str, TensorSpec]):
 
     def table(self) -> str:
         """The audit: one line per tensor (per expert group for per-expert tensors), a summary."""
-        from mxrl.recipe.audit import format_table
-
         return format_table(self)
 
     def to_json(self, indent: int | None = None) -> str:
@@ -187,17 +192,19 @@ class Plan(Mapping[str, TensorSpec]):
 
 def resolve(
     recipe: Recipe | str | Path | Mapping[str, Any],
-    tensors: Sequence[tuple[str, Sequence[int]]],
+    tensors: Iterable[tuple[str, Sequence[int]]] | Mapping[str, Sequence[int]],
     num_layers: int | None = None,
 ) -> Plan:
-    """Apply a recipe (Recipe, preset name, YAML path or dict) to (canonical name, shape) pairs.
+    """Apply a recipe (Recipe, preset name, YAML path or dict) to (canonical name, shape) pairs
+    (or a name -> shape mapping, e.g. `{k: v.shape for k, v in state_dict.items()}`).
 
     num_layers defaults to max layer index + 1 among the tensors. Raises ValueError for a shape
     that does not fit its format's block and for a gate/up pair resolved to different formats.
     """
     recipe = load_recipe(recipe)
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, shape in tensors:
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    for name, shape in pairs:
         if name in shapes:
             raise ValueError(f"tensors: {name!r} is listed twice")
         shapes[name] = tuple(int(d) for d in shape)
@@ -214,6 +221,7 @@ def resolve(
         r.match.layers.indices(num_layers) if r.match.layers is not None else None
         for r in recipe.rules
     ]
+    provenances = [r.describe(i) for i, r in enumerate(recipe.rules)]
     specs = []
     for name, shape in shapes.items():
         info = infos[name]
@@ -222,7 +230,7 @@ def resolve(
             continue
         for i, rule in enumerate(recipe.rules):
             if rule.match.matches(name, info, rule_layers[i]):
-                fmt, provenance = rule.format, rule.describe(i)
+                fmt, provenance = rule.format, provenances[i]
                 acts, block, fuse = rule.activations, rule.block, rule.fuse is not None
                 break
         else:
@@ -236,7 +244,8 @@ def resolve(
         specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
     _check_fuse_groups(specs)
     plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs))
-    logger.debug("resolved recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
     return plan
 
 

@@ -207,6 +207,8 @@ class Recipe:
             raise ValueError(
                 f"default: unknown format {self.default!r}; use one of {_choices(Format)}"
             ) from None
+        if not isinstance(self.description, str):
+            raise ValueError(f"description: expected one line of text, got {self.description!r}")
         object.__setattr__(self, "rules", tuple(self.rules))
         if self.backward is Backward.QUANTIZED:
             used = [("default", self.default)] + [
@@ -224,9 +226,7 @@ class Recipe:
 def _check_keys(data: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
     for key in data:
         if key not in allowed:
-            raise ValueError(
-                f"{where}: unknown key {key!r}; allowed keys are {', '.join(allowed)}"
-            )
+            raise ValueError(f"{where}: unknown key {key!r}; allowed keys are {', '.join(allowed)}")
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, default_name: str | None = None) -> Recipe:
@@ -249,7 +249,9 @@ def recipe_from_dict(data: Mapping[str, Any], *, default_name: str | None = None
             raise ValueError(f"{rule_where}: missing 'format'; use one of {_choices(Format)}")
         raw_match = raw.get("match") or {}
         if not isinstance(raw_match, Mapping):
-            raise ValueError(f"{rule_where}: match: expected a mapping of selectors, got {raw_match!r}")
+            raise ValueError(
+                f"{rule_where}: match: expected a mapping of selectors, got {raw_match!r}"
+            )
         _check_keys(raw_match, MATCH_KEYS, f"{rule_where} match")
         try:
             match = Match(**raw_match)
@@ -293,7 +295,8 @@ def load_recipe(recipe: Recipe | str | Path | Mapping[str, Any]) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {e}") from None
+        detail = " ".join(str(e).split())  # one line for the CLI
+        raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {detail}") from None
     if data is None:
         raise ValueError(f"recipe file {str(path)!r} is empty")
     return recipe_from_dict(data, default_name=path.stem)

@@ -1,0 +1,146 @@
+"""The `mxrl` command.
+
+    mxrl recipe list
+    mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
+    mxrl demo [--out DIR]
+    mxrl --version
+
+User errors (a bad recipe, a bad config) print one line on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mxrl import __version__
+
+DEMO_PRESET = "nvfp4-dequantized"
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed without a traceback."""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mxrl",
+        description="Low-precision (MXFP8, NVFP4, block FP8) RL for mixture-of-experts LMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"mxrl {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    recipe = commands.add_parser("recipe", help="inspect precision recipes and their plans")
+    recipe_commands = recipe.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
+    recipe_commands.add_parser("list", help="the built-in presets")
+    show = recipe_commands.add_parser(
+        "show", help="resolve a recipe on a model: audit table and plan hash"
+    )
+    show.add_argument("recipe", metavar="PRESET_OR_FILE", help="preset name or recipe YAML path")
+    show.add_argument(
+        "--model",
+        metavar="CONFIG_JSON_OR_DIR",
+        help="HF config.json (or its folder); default: the built-in tiny-moe model",
+    )
+    show.add_argument(
+        "--expert-layout",
+        choices=("per_expert", "fused"),
+        default="per_expert",
+        help="routed expert tensor names: per expert (checkpoints) or fused 3-D (transformers 5)",
+    )
+    show.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    demo = commands.add_parser("demo", help="the demo (today: the NVFP4 plan of the tiny model)")
+    demo.add_argument("--out", metavar="DIR", type=Path, help="also write plan.json and audit.txt")
+    return parser
+
+
+def _cmd_recipe_list() -> int:
+    from mxrl.recipe import list_presets, load_recipe
+
+    recipes = [load_recipe(name) for name in list_presets()]
+    width = max(len(r.name) for r in recipes)
+    bwidth = max(len(r.backward.value) for r in recipes)
+    print(f"{'preset':<{width}}  {'backward':<{bwidth}}  description")
+    for r in recipes:
+        print(f"{r.name:<{width}}  {r.backward.value:<{bwidth}}  {r.description}")
+    return 0
+
+
+def _resolve_on(recipe: str, model: str | None, expert_layout: str):
+    from mxrl.recipe import builtin_config, resolve, tensors_from_hf_config
+
+    if model is None:
+        config, label = builtin_config("tiny-moe"), "built-in tiny-moe (pass --model for another)"
+    else:
+        config, label = model, model
+    tensors = tensors_from_hf_config(config, expert_layout=expert_layout)
+    return resolve(recipe, tensors), label
+
+
+def _cmd_recipe_show(args: argparse.Namespace) -> int:
+    plan, label = _resolve_on(args.recipe, args.model, args.expert_layout)
+    if args.json:
+        print(plan.to_json(indent=2))
+        return 0
+    print(f"recipe: {plan.recipe_name} (backward: {plan.backward.value})")
+    print(f"model: {label}, expert layout {args.expert_layout}")
+    print()
+    print(plan.table())
+    print(f"plan hash: {plan.hash()}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    plan, _ = _resolve_on(DEMO_PRESET, None, "per_expert")
+    print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model")
+    print()
+    print(plan.table())
+    print(f"plan hash: {plan.hash()}")
+    if args.out is not None:
+        try:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "plan.json").write_text(plan.to_json(indent=2) + "\n")
+            (args.out / "audit.txt").write_text(plan.table() + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write to {str(args.out)!r}: {e}") from None
+        print(f"wrote {args.out / 'plan.json'} and {args.out / 'audit.txt'}")
+    print()
+    print(
+        "The GRPO demo (bf16 vs mxfp8 vs nvfp4 on this model) is coming in a later release, "
+        "once the RL loop lands."
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `mxrl` console script; returns the exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors: argparse already printed
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        if args.command == "recipe" and args.recipe_command == "list":
+            return _cmd_recipe_list()
+        if args.command == "recipe" and args.recipe_command == "show":
+            return _cmd_recipe_show(args)
+        if args.command == "demo":
+            return _cmd_demo(args)
+    except (ValueError, UserError) as e:
+        print(f"mxrl: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:  # `mxrl recipe show ... | head`
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's flush quiet
+        return 0
+    raise AssertionError(f"unhandled command {args}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Plan: the hash contract, the JSON round trip, the audit table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxrl.formats.constants import Format
+from mxrl.recipe import Plan, TensorSpec, builtin_config, resolve, tensors_from_hf_config
+
+TINY = tuple(tensors_from_hf_config(builtin_config()))
+REPO = Path(__file__).resolve().parents[2]
+_HASH_SCRIPT = """
+from mxrl.recipe import builtin_config, resolve, tensors_from_hf_config
+print(resolve("nvfp4-dequantized", tensors_from_hf_config(builtin_config())).hash())
+"""
+
+
+def _plan(preset="nvfp4-dequantized"):
+    return resolve(preset, TINY)
+
+
+def test_hash_is_stable_across_processes_and_hash_seeds():
+    ours = _plan().hash()
+    assert len(ours) == 64 and int(ours, 16) >= 0
+    hashes = set()
+    for seed in ("1", "4242"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", _HASH_SCRIPT],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        hashes.add(out.stdout.strip())
+    assert hashes == {ours}
+
+
+def test_hash_does_not_depend_on_tensor_order():
+    assert resolve("mxfp8", TINY[::-1]).hash() == _plan("mxfp8").hash()
+
+
+def test_json_round_trip():
+    plan = _plan()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.hash() == plan.hash()
+    assert again.backward == plan.backward and again.recipe_name == plan.recipe_name
+    assert [s.rule for s in again.values()] == [s.rule for s in plan.values()]
+    assert Plan.from_json(plan.to_json(indent=2)) == plan
+    fp8 = resolve(
+        "fp8-block",
+        tensors_from_hf_config(
+            {**builtin_config(), "hidden_size": 128, "head_dim": 32, "moe_intermediate_size": 128}
+        ),
+    )
+    assert Plan.from_json(fp8.to_json()) == fp8
+
+
+def test_from_json_rejects_tampering_and_other_schemas():
+    text = _plan().to_json()
+    with pytest.raises(ValueError, match="hash"):
+        Plan.from_json(
+            text.replace('"nvfp4"', '"mxfp8"', 1)
+            .replace('"per_token"', "null", 1)
+            .replace('"model.layers.0.mlp.experts.0.gate_up"', "null", 1)
+        )
+    with pytest.raises(ValueError, match="schema"):
+        Plan.from_json(text.replace('"schema": 1', '"schema": 99'))
+
+
+def test_hash_ignores_provenance_and_backward_but_not_formats():
+    base = _plan("nvfp4-dequantized")
+    same_formats = {
+        "name": "other-words",
+        "backward": "high_precision",
+        "rules": [
+            {"match": {"kind": "router"}, "format": "bf16"},
+            {"match": {"layers": "3"}, "format": "bf16"},
+            {"match": {"name": "*.experts.*"}, "format": "nvfp4", "fuse": ["up", "gate"]},
+        ],
+    }
+    other = resolve(same_formats, TINY)
+    assert [s.rule for s in other.values()] != [s.rule for s in base.values()]
+    assert other.hash() == base.hash()
+    assert other != base  # the plans differ (provenance, name, backward), the contract does not
+
+    per_tensor = {
+        **same_formats,
+        "rules": [
+            *same_formats["rules"][:2],
+            {**same_formats["rules"][2], "activations": "per_tensor"},
+        ],
+    }
+    assert resolve(per_tensor, TINY).hash() != base.hash()
+    unfused = {
+        **same_formats,
+        "rules": [
+            *same_formats["rules"][:2],
+            {"match": {"name": "*.experts.*"}, "format": "nvfp4"},
+        ],
+    }
+    assert resolve(unfused, TINY).hash() != base.hash()
+    one_more_layer = {
+        **same_formats,
+        "rules": [
+            *same_formats["rules"][:1],
+            {"match": {"layers": "2-3"}, "format": "bf16"},
+            same_formats["rules"][2],
+        ],
+    }
+    assert resolve(one_more_layer, TINY).hash() != base.hash()
+    assert _plan("mxfp8").hash() != _plan("bf16").hash()
+
+
+def test_mapping_interface():
+    plan = _plan()
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert name in plan and "nope" not in plan
+    assert plan[name].fuse_group == "model.layers.0.mlp.experts.3.gate_up"
+    assert len(plan) == len(TINY) == len(list(plan))
+    assert list(plan) == [n for n, _ in TINY]
+    assert plan.num_layers == 4
+    with pytest.raises(KeyError):
+        plan["nope"]
+
+
+def test_table_groups_experts_and_summarises():
+    table = _plan().table()
+    lines = table.splitlines()
+    assert lines[0].split()[:6] == ["name", "shape", "kind", "layer", "format", "rule"]
+    gate = [
+        ln for ln in lines if ln.startswith("model.layers.0.mlp.experts.*.gate_proj.weight [x8]")
+    ]
+    assert len(gate) == 1 and "nvfp4 act=per_token fuse=gate+up" in gate[0]
+    assert "rules[4] {kind: routed_expert}" in gate[0]
+    assert not any(".experts.0." in ln for ln in lines)
+    assert any(
+        ln.startswith("model.layers.3.mlp.experts.*.down_proj.weight [x8]") and "bf16" in ln
+        for ln in lines
+    )
+    assert any(ln.startswith("model.norm.weight") and "not a matmul weight" in ln for ln in lines)
+    # one line per non-expert tensor, one per (layer, role) expert group
+    num_rows = len(TINY) - 4 * 3 * 8 + 4 * 3
+    assert len([ln for ln in lines if ln.startswith(("model.", "lm_head"))]) == num_rows
+    summary = table[table.index("summary:") :]
+    assert "bf16" in summary and "nvfp4" in summary and "all-bf16" in summary
+
+
+def test_table_spells_out_split_expert_groups():
+    recipe = {
+        "name": "t",
+        "rules": [{"match": {"name": ["*.experts.[0-2].*", "*.experts.5.*"]}, "format": "mxfp8"}],
+    }
+    lines = resolve(recipe, TINY).table().splitlines()
+    assert any(
+        ln.startswith("model.layers.1.mlp.experts.{0-2,5}.up_proj.weight [x4]") and "mxfp8" in ln
+        for ln in lines
+    )
+    assert any(
+        ln.startswith("model.layers.1.mlp.experts.{3-4,6-7}.up_proj.weight [x4]") for ln in lines
+    )
+
+
+def test_table_bytes():
+    table = _plan("bf16").table()
+    assert "(100.0%)" in table
+    # tiny model: routed experts of layers 0-2 at 4.5 bits per weight instead of 16
+    assert "(65.4%)" in _plan().table()
+
+
+def test_tensor_spec_validation():
+    base = dict(name="x.weight", shape=(4, 32), kind="attention", layer=0, expert=None, role="q")
+    spec = TensorSpec(**base, format="mxfp8")
+    assert spec.format is Format.MXFP8 and spec.shape == (4, 32)
+    with pytest.raises(ValueError, match="activations"):
+        TensorSpec(**base, format="nvfp4")
+    with pytest.raises(ValueError, match="nvfp4 fields"):
+        TensorSpec(**base, format="mxfp8", activations="per_token")
+    with pytest.raises(ValueError, match="block"):
+        TensorSpec(**base, format="fp8_block")
+    with pytest.raises(ValueError, match="duplicate"):
+        Plan("t", "high_precision", 1, (spec, spec))
