@@ -7,7 +7,7 @@ Pure PyTorch, eager, fp32 math in the order of spec/formats.md; same bytes on an
     x_hat = dequantize(q)
 """
 
-from mxrl.formats.api import dequantize, quantize
+from mxrl.formats.api import decode_global_scale, dequantize, quantize
 from mxrl.formats.constants import Format
 from mxrl.formats.layout import swizzle_scales, unswizzle_scales
 from mxrl.formats.numerics import sqnr_db, tensor_hash
@@ -16,6 +16,7 @@ from mxrl.formats.qtensor import QTensor
 __all__ = [
     "Format",
     "QTensor",
+    "decode_global_scale",
     "dequantize",
     "quantize",
     "sqnr_db",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mxrl.formats import codecs
 from mxrl.formats import constants as C
 from mxrl.formats.fp8_block import dequantize_fp8_block, quantize_fp8_block
 from mxrl.formats.mxfp8 import dequantize_mxfp8, quantize_mxfp8
@@ -52,13 +53,25 @@ def quantize(
     return quantize_fp8_block(x, block=block or C.FP8_BLOCK_WEIGHT, scale_mode=mode)
 
 
-def dequantize(q: QTensor) -> torch.Tensor:
-    """float32 tensor of q's logical shape (global scales applied)."""
+def dequantize(q: QTensor, *, global_scale: bool = True) -> torch.Tensor:
+    """float32 tensor of q's logical shape.
+
+    global_scale=False leaves out NVFP4's FP32 second-level scale (values e2m1 * s_block): the
+    operand of the exact emulated GEMM (DESIGN.md §2), whose output is then multiplied by the
+    decode scales `decode_global_scale(q)`. Other formats have no global scale.
+    """
     if q.fmt is C.Format.MXFP8:
         return dequantize_mxfp8(q)
     if q.fmt is C.Format.NVFP4:
-        return dequantize_nvfp4(q)
+        return dequantize_nvfp4(q, global_scale=global_scale)
     return dequantize_fp8_block(q)
+
+
+def decode_global_scale(q: QTensor) -> torch.Tensor | None:
+    """NVFP4's FP32 decode scale S_dec = fl(1 / S_enc) (shape of `q.global_scale`); else None."""
+    if q.global_scale is None:
+        return None
+    return codecs.fdiv(1.0, q.global_scale)
 
 
 def _parse_format(fmt: C.Format | str) -> C.Format:

@@ -112,12 +112,16 @@ def quantize_nvfp4(
     )
 
 
-def dequantize_nvfp4(q: QTensor) -> torch.Tensor:
-    """x_hat = fl(fl(e2m1 * s_block) * S_dec), S_dec = fl(1 / S_enc)."""
+def dequantize_nvfp4(q: QTensor, global_scale: bool = True) -> torch.Tensor:
+    """x_hat = fl(fl(e2m1 * s_block) * S_dec), S_dec = fl(1 / S_enc); without the last factor
+    when global_scale=False (e2m1 * s_block is exact in fp32)."""
     values = codecs.e2m1_decode(codecs.unpack_nibbles(q.qdata))
     blocks = values.reshape(*values.shape[:-1], -1, C.NVFP4_BLOCK)
     s_block = codecs.e4m3_decode(q.scale).unsqueeze(-1)
-    s_dec = codecs.fdiv(1.0, q.global_scale)
-    if s_dec.dim():
-        s_dec = s_dec.unsqueeze(-1)  # [..., 1] -> [..., 1, 1] over (blocks, elements)
-    return ((blocks * s_block) * s_dec).reshape(q.shape)
+    scaled = blocks * s_block
+    if global_scale:
+        s_dec = codecs.fdiv(1.0, q.global_scale)
+        if s_dec.dim():
+            s_dec = s_dec.unsqueeze(-1)  # [..., 1] -> [..., 1, 1] over (blocks, elements)
+        scaled = scaled * s_dec
+    return scaled.reshape(q.shape)

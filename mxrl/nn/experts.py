@@ -1,0 +1,77 @@
+"""Grouped SwiGLU experts, stored fused as transformers >= 5 stores them.
+
+Legend: T tokens, H hidden, I expert intermediate size, E experts, k experts per token.
+  gate_up_proj [E, 2I, H]   rows 0..I-1 of expert e are gate_proj, rows I..2I-1 up_proj
+  down_proj    [E, H, I]
+Tokens are grouped by expert (a stable sort of the T*k assignments), each expert runs on its
+tokens, and the weighted outputs are scattered back with index_add. `QExperts` (mxrl.nn.qexperts)
+overrides `_gate_up` and `_down` to run the quantized GEMMs; the routing and reduction are shared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GroupedExperts(nn.Module):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        kw = {"dtype": dtype, "device": device}
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw)
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, **kw)
+        )
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.gate_up_proj, std=std)
+        nn.init.normal_(self.down_proj, std=std)
+
+    def forward(
+        self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
+    ) -> torch.Tensor:
+        k = topk_ids_Tk.shape[1]
+        flat_ids = topk_ids_Tk.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // k  # which token each sorted assignment belongs to
+        weights = topk_weights_Tk.reshape(-1)[order]
+        out = torch.zeros_like(x_TH)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = token_of[start : start + n]
+            x_e = x_TH[idx]
+            gate, up = self._gate_up(e, x_e).chunk(2, dim=-1)
+            h = self._down(e, F.silu(gate) * up)
+            h = h * weights[start : start + n, None].to(h.dtype)
+            out.index_add_(0, idx, h.to(out.dtype))
+            start += n
+        return out
+
+    def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_nH, self.gate_up_proj[e])
+
+    def _down(self, e: int, h_nI: torch.Tensor) -> torch.Tensor:
+        return F.linear(h_nI, self.down_proj[e])
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}"
+        )
