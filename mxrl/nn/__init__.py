@@ -1,5 +1,22 @@
-"""Quantized training ops: QLinear and grouped experts with the three backward modes."""
+"""Quantized training ops: QLinear and grouped experts with the three backward modes.
 
+from mxrl.nn import apply_plan
+swaps = apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
+"""
+
+from mxrl.nn.apply import Swap, apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.qlinear import QExperts, QLinear
+from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
 
-__all__ = ["GroupedExperts"]
+__all__ = [
+    "GroupedExperts",
+    "QExperts",
+    "QLinear",
+    "QMatmul",
+    "QuantizedWeight",
+    "Swap",
+    "WeightCache",
+    "apply_plan",
+    "swap_table",
+]

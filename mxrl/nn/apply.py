@@ -1,0 +1,125 @@
+"""apply_plan: swap a model's modules for quantized ones as its plan says, in place.
+
+The model's parameter names must be the plan's canonical tensor names (mxrl.models builds them
+so). Every tensor the plan names must be a parameter of the model and every parameter must be in
+the plan: a mismatch means the plan was resolved for another model, and is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from mxrl.formats.constants import Format
+from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.qlinear import QExperts, QLinear
+from mxrl.recipe import Plan, TensorSpec
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One module replaced by apply_plan (the audit)."""
+
+    module: str
+    new_type: str
+    tensors: tuple[str, ...]
+    formats: tuple[str, ...]
+
+
+def apply_plan(model: nn.Module, plan: Plan) -> list[Swap]:
+    """Replace nn.Linear by QLinear and GroupedExperts by QExperts wherever the plan gives a
+    quantized format; bf16 tensors keep their high-precision modules. Returns what was swapped."""
+    params = dict(model.named_parameters())
+    _check_names(params, plan)
+    canonical = {id(p): name for name, p in params.items()}
+    swaps: list[Swap] = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QLinear | QExperts):
+            raise ValueError(f"{name} is already quantized: apply_plan runs once per model")
+        if isinstance(module, GroupedExperts):
+            gu, down = plan[f"{name}.gate_up_proj"], plan[f"{name}.down_proj"]
+            if gu.format is Format.BF16 and down.format is Format.BF16:
+                continue
+            _replace(model, name, QExperts.from_experts(module, gu, down, plan.backward))
+            swaps.append(Swap(name, "QExperts", (gu.name, down.name), (gu.format, down.format)))
+        elif isinstance(module, nn.Linear):
+            spec = plan[canonical[id(module.weight)]]
+            if spec.format is Format.BF16:
+                continue
+            if spec.name != f"{name}.weight":
+                raise ValueError(
+                    f"{name}.weight is tied to {spec.name}, which the plan makes {spec.format}; "
+                    "a tied weight cannot be quantized for one use only: keep it bf16"
+                )
+            _replace(model, name, QLinear.from_linear(module, spec, plan.backward))
+            swaps.append(Swap(name, "QLinear", (spec.name,), (spec.format,)))
+    _check_unsupported(model, plan, canonical)
+    _link_fuse_partners(model)
+    return swaps
+
+
+def swap_table(swaps: list[Swap]) -> str:
+    """The audit of apply_plan as text: one line per swapped module."""
+    if not swaps:
+        return "no module swapped: every tensor is bf16"
+    width = max(len(s.module) for s in swaps)
+    lines = [f"{'module':<{width}}  {'now':<8}  formats"]
+    for s in swaps:
+        lines.append(f"{s.module:<{width}}  {s.new_type:<8}  {', '.join(map(str, s.formats))}")
+    return "\n".join(lines)
+
+
+def _check_names(params: dict[str, nn.Parameter], plan: Plan) -> None:
+    missing = [n for n in plan if n not in params]
+    extra = [n for n in params if n not in plan]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} plan tensor(s) the model lacks, e.g. {missing[:3]}")
+        if extra:
+            parts.append(f"{len(extra)} model parameter(s) the plan lacks, e.g. {extra[:3]}")
+        raise ValueError(
+            f"the plan ({plan.recipe_name}, {plan.hash()[:12]}) does not fit this model: "
+            + "; ".join(parts)
+            + ". Resolve the recipe against this model's own tensors "
+            "(resolve(recipe, {n: p.shape for n, p in model.named_parameters()}))."
+        )
+
+
+def _check_unsupported(model: nn.Module, plan: Plan, canonical: dict[int, str]) -> None:
+    """A quantized tensor that no quantized module took (an embedding, say) is an error."""
+    handled = set()
+    for module in model.modules():
+        if isinstance(module, QLinear):
+            handled.add(module.spec.name)
+        elif isinstance(module, QExperts):
+            handled.update(s.name for s in module.specs.values())
+    for name, p in model.named_parameters():
+        spec: TensorSpec = plan[canonical[id(p)]]
+        if spec.format is not Format.BF16 and spec.name not in handled:
+            owner = name.rsplit(".", 1)[0]
+            kind = type(model.get_submodule(owner)).__name__
+            raise ValueError(
+                f"{name} ({kind}) is {spec.format} in the plan, but mxrl has no quantized "
+                f"{kind}; keep kind {spec.kind} in bf16 in the recipe"
+            )
+
+
+def _link_fuse_partners(model: nn.Module) -> None:
+    by_group: dict[str, list[QLinear]] = {}
+    for module in model.modules():
+        if isinstance(module, QLinear) and module.spec.fuse_group is not None:
+            by_group.setdefault(module.spec.fuse_group, []).append(module)
+    for group, members in by_group.items():
+        if len(members) != 2:
+            raise ValueError(f"fuse group {group} has {len(members)} quantized linears, not 2")
+        a, b = members
+        a.set_fuse_partner(b.weight)
+        b.set_fuse_partner(a.weight)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)

@@ -1,0 +1,138 @@
+"""QLinear and QExperts: drop-in replacements for nn.Linear and GroupedExperts, driven by a
+plan's TensorSpec. They reuse the original Parameters (master weights stay high precision, the
+optimizer keeps its state) and quantize the weight once per optimizer step (WeightCache)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mxrl.formats.constants import Format
+from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
+from mxrl.recipe import Backward, TensorSpec
+
+
+def _check_mode(spec: TensorSpec, backward: Backward) -> None:
+    if backward is Backward.QUANTIZED and spec.format is not Format.MXFP8:
+        raise ValueError(
+            f"{spec.name}: backward 'quantized' runs backward GEMMs in MXFP8 and needs mxfp8 "
+            f"weights, but the plan gives {spec.format}; use high_precision or dequantized"
+        )
+
+
+class QLinear(nn.Linear):
+    """y = QMatmul(x, weight) + bias, for x [..., K]."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        spec: TensorSpec,
+        backward: Backward | str,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.spec = spec
+        self.backward_mode = Backward(backward)
+        _check_mode(spec, self.backward_mode)
+        self._cache = WeightCache()
+        self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: TensorSpec, backward: Backward | str) -> QLinear:
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            spec,
+            backward,
+            device="meta",
+        )
+        q.weight = linear.weight
+        q.bias = linear.bias
+        return q
+
+    def set_fuse_partner(self, weight: nn.Parameter) -> None:
+        """Share one NVFP4 global scale with another weight (gate with up)."""
+        self._partner = [weight]
+        self._cache.clear()
+
+    def quantized_weight(self) -> QuantizedWeight:
+        partner = self._partner[0] if self._partner else None
+        tensors = (self.weight,) if partner is None else (self.weight, partner)
+        with_col = self.backward_mode is Backward.QUANTIZED
+        return self._cache.get(
+            tensors,
+            lambda: QuantizedWeight.build(self.weight, self.spec, partner, with_col=with_col),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = QMatmul.apply(x2, self.weight, self.quantized_weight(), self.spec, self.backward_mode)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.spec.format}, backward={self.backward_mode}"
+
+
+class QExperts(GroupedExperts):
+    """GroupedExperts whose gate_up and down GEMMs are quantized per their specs (either may be
+    bf16). Per-token activation scales make each token's bytes independent of its batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise TypeError("build QExperts with QExperts.from_experts(experts, specs, backward)")
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: GroupedExperts,
+        gate_up_spec: TensorSpec,
+        down_spec: TensorSpec,
+        backward: Backward | str,
+    ) -> QExperts:
+        q = cls.__new__(cls)
+        nn.Module.__init__(q)
+        q.num_experts = experts.num_experts
+        q.hidden_size = experts.hidden_size
+        q.intermediate_size = experts.intermediate_size
+        q.gate_up_proj = experts.gate_up_proj
+        q.down_proj = experts.down_proj
+        q.backward_mode = Backward(backward)
+        q.specs = {"gate_up": gate_up_spec, "down": down_spec}
+        for spec in q.specs.values():
+            if spec.format is not Format.BF16:
+                _check_mode(spec, q.backward_mode)
+        q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
+        return q
+
+    def _quantized(self, which: str) -> QuantizedWeight:
+        param = self.gate_up_proj if which == "gate_up" else self.down_proj
+        spec = self.specs[which]
+        with_col = self.backward_mode is Backward.QUANTIZED
+        return self._caches[which].get(
+            (param,), lambda: QuantizedWeight.build(param, spec, with_col=with_col)
+        )
+
+    def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        spec = self.specs[which]
+        param = self.gate_up_proj if which == "gate_up" else self.down_proj
+        if spec.format is Format.BF16:
+            return nn.functional.linear(x, param[e])
+        wq = self._quantized(which).for_expert(e)
+        return QMatmul.apply(x, param[e], wq, spec, self.backward_mode)
+
+    def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        return self._run("gate_up", e, x_nH)
+
+    def _down(self, e: int, h_nI: torch.Tensor) -> torch.Tensor:
+        return self._run("down", e, h_nI)
+
+    def extra_repr(self) -> str:
+        fmts = ", ".join(f"{k}={v.format}" for k, v in self.specs.items())
+        return f"{super().extra_repr()}, {fmts}, backward={self.backward_mode}"

@@ -1,0 +1,158 @@
+"""The quantized GEMM as an autograd function, with the three backward modes (DESIGN.md §2, §7).
+
+Legend: x [T, K] activations (T tokens), w [N, K] master weight, y [T, N] = x w^T.
+
+Forward (exact emulation of a block-scaled GEMM):
+  y = fl( (lp(Qa(x)) @ lp(Qw(w))^T)_fp32  *  fl(s_x * s_w) )
+where lp(.) is the dequantized operand *without* NVFP4's FP32 global scale (e2m1 * s_block and
+e4m3 * 2^k products are exact in fp32) and s_x [T, 1], s_w (scalar or [1, N]) the decode global
+scales (1 for formats without one). This is the native GEMM up to summation order.
+
+Backward, by mode:
+  high_precision  dx = dy @ w              dw = dy^T @ x          (the original operands)
+  dequantized     dx = dy @ deq(Qw(w))     dw = dy^T @ deq(Qa(x)) (what the forward really used)
+  quantized       dx = deq(Qrow(dy)) @ deq(Qcol(w))
+  (MXFP8 only)    dw = deq(Qcol(dy))^T @ deq(Qcol(x))
+                  Qcol blocks run along the GEMM's reduction dim (N for dx, T for dw); the
+                  column-wise copies of w and x are quantized from the high-precision tensors,
+                  never from the row-wise copies. T is zero-padded to a multiple of 32 for the
+                  column-wise copies (zeros change no block amax and add nothing to the product).
+All GEMMs accumulate in fp32; gradients pass straight through the quantizer to the master weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mxrl.formats import decode_global_scale, dequantize, quantize
+from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.recipe import Backward, TensorSpec
+from mxrl.recipe.quantize import quantize_activation, quantize_weight
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized weight as the GEMMs consume it (fp32 tensors, on the weight's device).
+
+    lp:    dequantized without the NVFP4 global scale: the forward GEMM operand.
+    s_dec: NVFP4 decode global scale, [] or of the weight's rank ([E, 1, 1] per expert, [N, 1]
+           per row); None for formats without one.
+    deq:   fully dequantized (lp * s_dec): the dequantized backward's operand.
+    col:   dequantized column-wise copy (MXFP8, blocks along N), for the quantized backward.
+    """
+
+    lp: torch.Tensor
+    s_dec: torch.Tensor | None
+    deq: torch.Tensor
+    col: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        weight: torch.Tensor,
+        spec: TensorSpec,
+        partner: torch.Tensor | None = None,
+        with_col: bool = False,
+    ) -> QuantizedWeight:
+        q = quantize_weight(weight, spec, partner)
+        col = None
+        if with_col:
+            col = dequantize(quantize_weight(weight, spec, partner, axis=-2))
+        return cls(
+            lp=dequantize(q, global_scale=False),
+            s_dec=decode_global_scale(q),
+            deq=dequantize(q),
+            col=col,
+        )
+
+    def for_expert(self, e: int) -> QuantizedWeight:
+        """The 2-D view of expert e of a 3-D [E, N, K] quantized weight."""
+        s = self.s_dec
+        return QuantizedWeight(
+            lp=self.lp[e],
+            s_dec=s[e] if s is not None and s.dim() else s,
+            deq=self.deq[e],
+            col=None if self.col is None else self.col[e],
+        )
+
+
+class WeightCache:
+    """Holds a QuantizedWeight until one of the tensors it was built from changes (an optimizer
+    step or a load bumps the tensor's version counter): one quantization per step, not per call."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._value: QuantizedWeight | None = None
+
+    def get(self, tensors: tuple[torch.Tensor, ...], build) -> QuantizedWeight:
+        key = tuple((t._version, t.data_ptr(), t.device, tuple(t.shape)) for t in tensors)
+        if key != self._key or self._value is None:
+            self._value = build()
+            self._key = key
+        return self._value
+
+    def clear(self) -> None:
+        self._key = self._value = None
+
+
+def output_scale(s_dec_w: torch.Tensor | None) -> torch.Tensor | None:
+    """A 2-D weight's decode global scale shaped to multiply the output [T, N]: [] stays a
+    scalar, a per-row [N, 1] becomes [1, N]."""
+    if s_dec_w is None or s_dec_w.dim() == 0:
+        return s_dec_w
+    return s_dec_w.reshape(1, -1)
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[0]) % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _mxfp8_col(t: torch.Tensor) -> torch.Tensor:
+    """deq of the 32x1 (column-wise) MXFP8 copy of a 2-D tensor, rows padded to 32."""
+    rows = t.shape[0]
+    padded = _pad_rows(t.float(), MXFP8_BLOCK)
+    return dequantize(quantize(padded, Format.MXFP8, axis=0))[:rows]
+
+
+class QMatmul(torch.autograd.Function):
+    """y = Qa(x) (x) Qw(w) with the backward of `mode`. `w` is the master weight (a Parameter or
+    a view of one: gradients accumulate into it); `wq` its cached quantization."""
+
+    @staticmethod
+    def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward):
+        xq = quantize_activation(x, spec)
+        x_lp = dequantize(xq, global_scale=False)
+        y = x_lp @ wq.lp.t()
+        s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
+        s_w = output_scale(wq.s_dec)  # [] or [1, N], None
+        if s_x is not None or s_w is not None:
+            one = torch.ones((), device=y.device)
+            y = y * ((s_x if s_x is not None else one) * (s_w if s_w is not None else one))
+        ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
+        # dequantized mode keeps the forward's activation operand, not the original
+        ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w = ctx.saved_tensors
+        wq: QuantizedWeight = ctx.wq
+        dy32 = dy.float()
+        if ctx.mode is Backward.HIGH_PRECISION:
+            w_op, dy_op, x_op, dyt_op = w.float(), dy32, x_saved.float(), dy32
+        elif ctx.mode is Backward.DEQUANTIZED:
+            w_op, dy_op, x_op, dyt_op = wq.deq, dy32, x_saved, dy32
+        else:
+            assert wq.col is not None, "quantized backward needs the column-wise weight copy"
+            w_op = wq.col
+            dy_op = dequantize(quantize(dy32, Format.MXFP8))
+            dyt_op = _mxfp8_col(dy32)
+            x_op = _mxfp8_col(x_saved)
+        dx = dy_op @ w_op if ctx.needs_input_grad[0] else None
+        dw = dyt_op.t() @ x_op if ctx.needs_input_grad[1] else None
+        dx = None if dx is None else dx.to(ctx.x_dtype)
+        dw = None if dw is None else dw.to(ctx.w_dtype)
+        return dx, dw, None, None, None

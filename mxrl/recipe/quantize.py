@@ -1,0 +1,87 @@
+"""The plan applied: one place that turns a TensorSpec into a `formats.quantize` call.
+
+Training ops, the rollout engine, weight export and checkpoint conversion all quantize through
+these two functions, so a tensor's bytes depend only on its values and its spec.
+
+NVFP4 weight global scales (the second-level FP32 scale):
+- 2-D weight: one per tensor; with a fuse partner (gate+up of one MLP/expert stored apart), one
+  for the pair: amax = max(amax(gate), amax(up)).
+- 3-D expert weight [E, N, K]: one per expert ([E, 1, 1]). A fused `gate_up_proj` whose spec has
+  no fuse group gets one per half ([E, 2I, 1], each row holding its half's amax), which is what
+  the per-expert layout would give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import QTensor, quantize
+from mxrl.formats.constants import Format
+from mxrl.recipe.plan import TensorSpec
+
+__all__ = ["activation_quantizer_kwargs", "quantize_activation", "quantize_weight", "weight_amax"]
+
+
+def weight_amax(
+    weight: torch.Tensor, spec: TensorSpec, partner: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """The NVFP4 global amax a weight is quantized with (module docstring); None otherwise."""
+    if spec.format is not Format.NVFP4:
+        return None
+    w = weight.detach().float().abs()
+    if w.dim() == 3:
+        if spec.role == "gate_up" and spec.fuse_group is None:
+            half = w.shape[1] // 2
+            gate = w[:, :half].amax(dim=(1, 2), keepdim=True).expand(-1, half, 1)
+            up = w[:, half:].amax(dim=(1, 2), keepdim=True).expand(-1, half, 1)
+            return torch.cat([gate, up], dim=1)
+        return w.amax(dim=(1, 2), keepdim=True)
+    amax = w.amax()
+    if partner is not None:
+        amax = torch.maximum(amax, partner.detach().float().abs().amax())
+    return amax
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    spec: TensorSpec,
+    partner: torch.Tensor | None = None,
+    *,
+    axis: int = -1,
+    check_finite: bool = False,
+) -> QTensor:
+    """Quantize a (master) weight per its spec. `axis=-2` gives MXFP8's column-wise copy (blocks
+    along the output features), used by the quantized backward."""
+    if spec.format is Format.BF16:
+        raise ValueError(f"{spec.name} is bf16 in the plan: there is nothing to quantize")
+    if tuple(weight.shape) != spec.shape:
+        raise ValueError(
+            f"{spec.name}: the plan says shape {spec.shape}, the tensor has "
+            f"{tuple(weight.shape)}; re-resolve the plan against this model"
+        )
+    kwargs: dict = {"check_finite": check_finite}
+    if spec.format is Format.NVFP4:
+        kwargs["global_amax"] = weight_amax(weight, spec, partner)
+    elif spec.format is Format.FP8_BLOCK:
+        kwargs["block"] = spec.block
+    elif axis != -1:
+        kwargs["axis"] = axis % weight.dim()
+    return quantize(weight.detach(), spec.format, **kwargs)
+
+
+def activation_quantizer_kwargs(spec: TensorSpec) -> dict:
+    """quantize() options for the activation entering this weight's GEMM (1x32 MXFP8 rows,
+    NVFP4 per token or per tensor, 1x128 block FP8)."""
+    if spec.format is Format.NVFP4:
+        return {"per_token": spec.activations == "per_token"}
+    if spec.format is Format.FP8_BLOCK:
+        assert spec.block is not None
+        return {"block": (1, spec.block[1])}
+    return {}
+
+
+def quantize_activation(x: torch.Tensor, spec: TensorSpec) -> QTensor:
+    """Quantize the activation [..., K] entering the GEMM of the weight `spec` describes."""
+    if spec.format is Format.BF16:
+        raise ValueError(f"{spec.name} is bf16 in the plan: its activations stay high precision")
+    return quantize(x.detach(), spec.format, **activation_quantizer_kwargs(spec))
