@@ -57,8 +57,16 @@ def load_hf_config(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     return data
 
 
+# Keys transformers >= 5 writes under another name than the published config.json files.
+_ALIASES = {"num_experts": "num_local_experts"}
+
+
 def _get(cfg: Mapping[str, Any], key: str, default: Any = ...) -> Any:
-    value = cfg.get(key, default)
+    value = cfg.get(key, ...)
+    if value is ... and key in _ALIASES:
+        value = cfg.get(_ALIASES[key], ...)
+    if value is ...:
+        value = default
     if value is ...:
         raise ValueError(
             f"config.json of model_type {cfg.get('model_type')!r} lacks {key!r}; add it "

@@ -160,3 +160,12 @@ def test_config_errors(tmp_path):
         tensors_from_hf_config(tmp_path)
     with pytest.raises(ValueError, match="tiny-dense"):
         builtin_config("tiny-dense")
+
+
+def test_transformers_5_spelling_num_local_experts():
+    """transformers >= 5 writes `num_local_experts` where published configs say `num_experts`."""
+    from mxrl.recipe import builtin_config
+
+    cfg = builtin_config("tiny-moe")
+    renamed = {**{k: v for k, v in cfg.items() if k != "num_experts"}, "num_local_experts": 8}
+    assert tensors_from_hf_config(renamed) == tensors_from_hf_config(cfg)

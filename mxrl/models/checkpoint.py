@@ -1,0 +1,378 @@
+"""Local HF checkpoints: `from_pretrained` and `save_pretrained` (safetensors, sharded or not).
+
+A checkpoint directory holds `config.json` and either one `model.safetensors` or shards
+`model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json`. Routed experts may
+be stored per expert or fused (`mxrl.models.adapter`); loading takes both, saving writes either.
+
+Loading checks every header before reading any data (unknown, missing, duplicated keys, wrong
+shapes), then copies tensor by tensor into the parameters of a model allocated once on the target
+device, so at most one checkpoint tensor is in memory beside the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from mxrl.models.adapter import Target, hf_tensors, target_of, units_of
+from mxrl.models.config import ModelConfig
+from mxrl.models.model import CausalLM, empty_model
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Files that travel with the weights when `save_pretrained(copy_files_from=...)` is given.
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+_FIX_UNKNOWN = (
+    "config.json does not describe this checkpoint (model_type, num_experts, mlp_only_layers, "
+    "tie_word_embeddings, qkv bias?), or the names are not the canonical HF ones"
+)
+_FIX_MISSING = (
+    "the checkpoint is incomplete, or config.json describes a bigger model; fix config.json or "
+    "re-save the checkpoint"
+)
+_FIX_SHAPE = (
+    "config.json does not match the weights (hidden_size, head_dim, num_key_value_heads, "
+    "intermediate sizes?)"
+)
+_FIX_INDEX = f"re-save the checkpoint ({INDEX_NAME} must list exactly the tensors of each shard)"
+_ALL = (-1, "all")  # coverage unit of a tensor that fills its whole parameter
+_SHOW = 5  # names listed per problem in an error
+
+
+def from_pretrained(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    progress: bool | None = None,
+) -> CausalLM:
+    """Load a local HF checkpoint directory into a `CausalLM` in `dtype` on `device` (eval mode).
+
+    progress: show a tqdm bar (None: only when stderr is a terminal).
+    Raises ValueError naming the file or tensors for a bad config, corrupt file, unknown,
+    missing or duplicated tensors, or wrong shapes.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"{str(path)!r} is not a directory; from_pretrained takes a local HF model directory "
+            f"({CONFIG_NAME} + {WEIGHTS_NAME} or sharded *.safetensors with {INDEX_NAME})"
+        )
+    config = ModelConfig.from_hf(path)
+    files = checkpoint_files(path)
+    model = empty_model(config, dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    plan, tied_head = _plan(path, files, params, tied=config.tie_word_embeddings)
+    total = sum(len(items) for items in plan.values())
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, unit="tensor", desc="loading", disable=not show) as bar, torch.no_grad():
+        for file, items in plan.items():
+            bar.set_postfix_str(file.name)
+            with _open(file) as f:
+                for key, target in items:
+                    target.view(params[target.param]).copy_(f.get_tensor(key))
+                    bar.update()
+        if tied_head is not None:
+            _check_tied_head(tied_head, params["model.embed_tokens.weight"])
+    logger.info("loaded %d tensors from %d file(s) of %s as %s", total, len(plan), path, dtype)
+    return model.eval()
+
+
+def checkpoint_files(path: Path) -> list[tuple[Path, set[str] | None]]:
+    """The safetensors files of a checkpoint, each with the keys the index assigns to it (None
+    for a single unindexed file)."""
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"{index} is not a safetensors index ({e!r}); it needs a 'weight_map' object "
+                "of tensor name -> shard file. Re-save the checkpoint."
+            ) from None
+        by_file: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            by_file.setdefault(name, set()).add(key)
+        for name in by_file:
+            if Path(name).name != name or not (path / name).is_file():
+                raise ValueError(
+                    f"{index} lists shard {name!r}, which is not a file in {path}; the checkpoint "
+                    "is incomplete: copy the missing shard or re-save the checkpoint"
+                )
+        return [(path / name, keys) for name, keys in sorted(by_file.items())]
+    if (path / WEIGHTS_NAME).is_file():
+        return [(path / WEIGHTS_NAME, None)]
+    others = sorted(p.name for p in path.glob("*.safetensors")) + sorted(
+        p.name for p in path.glob("*.bin")
+    )
+    hint = (
+        f" (found {others[:3]}: shards need {INDEX_NAME}; .bin files must be converted to "
+        "safetensors)"
+        if others
+        else ""
+    )
+    raise ValueError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path}{hint}")
+
+
+@contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """safe_open that turns a corrupt or truncated file into a ValueError naming it."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(
+            f"cannot read safetensors file {file}: {e}. The file is corrupt or truncated; "
+            "copy it again or re-save the checkpoint"
+        ) from None
+
+
+def _plan(
+    path: Path,
+    files: list[tuple[Path, set[str] | None]],
+    params: dict[str, torch.Tensor],
+    *,
+    tied: bool,
+) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None]:
+    """Read every header; return (file -> [(key, target)], the tied lm_head to check) or raise."""
+    plan: dict[Path, list[tuple[str, Target]]] = {}
+    covered: dict[str, set[tuple[int, str]]] = {}
+    seen: dict[str, Path] = {}
+    unknown: list[str] = []
+    shapes: list[str] = []
+    dups: list[str] = []
+    index_gaps: list[str] = []
+    tied_head: tuple[Path, str] | None = None
+    for file, index_keys in files:
+        with _open(file) as f:
+            keys = list(f.keys())
+            if index_keys is not None and set(keys) != index_keys:
+                gaps = sorted(index_keys ^ set(keys))
+                index_gaps += [
+                    f"{k} ({'not in' if k in index_keys else 'unlisted in'} {file.name})"
+                    for k in gaps
+                ]
+            items = plan.setdefault(file, [])
+            for key in keys:
+                if key in seen:
+                    dups.append(f"{key} (in {seen[key].name} and {file.name})")
+                    continue
+                seen[key] = file
+                shape = tuple(f.get_slice(key).get_shape())
+                if tied and key == "lm_head.weight":
+                    # Tied checkpoints may repeat the embedding as lm_head; checked after loading.
+                    want = tuple(params["model.embed_tokens.weight"].shape)
+                    if shape != want:
+                        shapes.append(f"{key}: {list(shape)}, expected {list(want)}")
+                    tied_head = (file, key)
+                    continue
+                target = target_of(key)
+                param = params.get(target.param)
+                if param is None or (target.expert is not None and target.expert >= len(param)):
+                    unknown.append(key)
+                    continue
+                want = tuple(target.view(param).shape)
+                if shape != want:
+                    shapes.append(f"{key}: {list(shape)}, expected {list(want)}")
+                    continue
+                cov = covered.setdefault(target.param, set())
+                unit = target.unit or _ALL
+                if _ALL in cov or unit in cov or (unit == _ALL and cov):
+                    dups.append(f"{key} (overlaps tensors already read for {target.param})")
+                    continue
+                cov.add(unit)
+                items.append((key, target))
+    missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
+    missing = [m for m in missing if m]
+    problems = [
+        _list("unknown tensors", unknown, _FIX_UNKNOWN),
+        _list("tensors missing", missing, _FIX_MISSING),
+        _list("tensors with the wrong shape", shapes, _FIX_SHAPE),
+        _list("duplicated tensors", dups, "keep each tensor once: one expert layout, one shard"),
+        _list("index/shard disagreements", index_gaps, _FIX_INDEX),
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError(f"cannot load {path}:\n" + "\n".join(problems))
+    return plan, tied_head
+
+
+def _missing(name: str, param: torch.Tensor, cov: set[tuple[int, str]]) -> str:
+    if _ALL in cov:
+        return ""
+    units = units_of(name, param)
+    if not units or not cov:
+        return name
+    lacking = sorted({e for e, _ in units - cov})
+    if not lacking:
+        return ""
+    return f"{name} (experts {_short([str(e) for e in lacking])} incomplete)"
+
+
+def _short(items: list[str]) -> str:
+    head = ", ".join(items[:_SHOW])
+    return head + (f" and {len(items) - _SHOW} more" if len(items) > _SHOW else "")
+
+
+def _list(title: str, items: list[str], fix: str) -> str:
+    return f"  - {len(items)} {title}: {_short(items)}. Fix: {fix}." if items else ""
+
+
+def _check_tied_head(tied_head: tuple[Path, str], embed: torch.Tensor) -> None:
+    file, key = tied_head
+    with _open(file) as f:
+        head = f.get_tensor(key)
+    if not torch.equal(head.to(device=embed.device, dtype=embed.dtype), embed):
+        raise ValueError(
+            f"config.json sets tie_word_embeddings, but {key} in {file} differs from "
+            "model.embed_tokens.weight; set tie_word_embeddings to false to load both"
+        )
+
+
+def save_pretrained(
+    model: CausalLM,
+    path: str | Path,
+    expert_layout: str = "per_expert",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    *,
+    overwrite: bool = False,
+    copy_files_from: str | Path | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Write `model` as an HF checkpoint directory; return its path.
+
+    expert_layout: "per_expert" (as published checkpoints) or "fused" (transformers >= 5 names).
+    max_shard_size: bytes, or a string such as "5GB", "500MB", "2GiB"; one shard is written as
+    `model.safetensors`, more as `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`.
+    dtype: cast every tensor (None keeps each parameter's dtype). config.json records it.
+    overwrite: replace an existing non-empty directory (only once the new one is complete).
+    copy_files_from: a directory whose tokenizer / generation files (SIDE_FILES) are copied over.
+    The checkpoint is written to a temporary sibling directory and renamed into place, so a
+    failed save leaves `path` as it was.
+    """
+    path = Path(path)
+    limit = parse_size(max_shard_size)
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
+        raise ValueError(
+            f"{path} exists and is not an empty directory; pass overwrite=True to replace it, or "
+            "save to a new directory"
+        )
+    state = model.state_dict()
+    tensors = list(hf_tensors(state, expert_layout))
+    first = next(t for _, t in tensors if t.is_floating_point())
+    saved_dtype = str(dtype or first.dtype).removeprefix("torch.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        config = model.config.to_hf(dtype=saved_dtype)
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_shards(tmp, tensors, limit, dtype, progress)
+        if copy_files_from is not None:
+            copy_side_files(copy_files_from, tmp)
+        _move_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("saved %d tensors to %s (%s, %s)", len(tensors), path, expert_layout, saved_dtype)
+    return path
+
+
+def _write_shards(
+    out: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    limit: int,
+    dtype: torch.dtype | None,
+    progress: bool | None,
+) -> None:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = total = 0
+    for name, t in tensors:
+        nbytes = t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+        total += nbytes
+    n = len(shards)
+    names = (
+        [WEIGHTS_NAME]
+        if n == 1
+        else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
+    show = sys.stderr.isatty() if progress is None else progress
+    for fname, shard in tqdm(
+        list(zip(names, shards, strict=True)), desc="saving", disable=not show
+    ):
+        # Fresh contiguous CPU copies: safetensors refuses views sharing storage (expert slices).
+        data = {k: t.detach().to("cpu", dtype or t.dtype, copy=True).contiguous() for k, t in shard}
+        save_file(data, str(out / fname), metadata={"format": "pt"})
+    if n > 1:
+        weight_map = {k: f for f, shard in zip(names, shards, strict=True) for k, _ in shard}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    if not path.exists():
+        tmp.rename(path)
+        return
+    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    path.rename(old)
+    try:
+        tmp.rename(path)
+    except BaseException:
+        old.rename(path)
+        raise
+    shutil.rmtree(old)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB" (10^9, as transformers) or "2GiB" (2^30)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
+    if m is None or float(m.group(1)) <= 0 or m.group(2) not in _UNITS:
+        raise ValueError(
+            f"max_shard_size: {size!r} is not a positive byte count or size string such as "
+            "'5GB', '500MB' or '2GiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def copy_side_files(src: str | Path, dst: str | Path, names: Iterable[str] = SIDE_FILES) -> None:
+    """Copy the tokenizer / generation files present in `src` to `dst`."""
+    for name in names:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -1,0 +1,245 @@
+"""Building blocks of the Qwen decoder: RMSNorm, RoPE, attention, SwiGLU MLP, sparse MoE block.
+
+Legend: B batch, S query length, L key/value length (S plus cached tokens), H hidden size,
+N query heads, K key/value heads, D head_dim, T = B*S tokens, E experts, k experts per token.
+
+Every projection is a plain `nn.Linear` and the routed experts are one `mxrl.nn.GroupedExperts`,
+so `apply_plan` can swap modules in place by name; attribute names are the HF ones, so
+`state_dict()` keys are the canonical (fused-layout) HF tensor names.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxrl.models.config import ModelConfig
+from mxrl.nn import GroupedExperts
+
+
+class KVCache(Protocol):
+    """What `Attention.forward` needs of a KV cache (the engine provides one)."""
+
+    def update(
+        self, layer_idx: int, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys/values (after RoPE); return all of them, [B, K, L, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    """HF's Qwen RMSNorm: normalise in fp32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(x_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE (rotate-half convention, as HF Qwen). No buffers: nothing to load or save.
+
+    inv_freq is computed in fp32 on the CPU exactly as transformers does and cached per device, so
+    the angles are the same bytes on every device and after meta-device construction.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            d = self.head_dim
+            inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            self._inv_freq[device] = inv.to(device)
+        return self._inv_freq[device]
+
+    def forward(
+        self, position_ids_BS: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B, S, D] in `dtype` (angles in fp32)."""
+        freqs = position_ids_BS[..., None].float() * self.inv_freq(position_ids_BS.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BSD[:, None], sin_BSD[:, None]
+    return x_BNSD * cos + _rotate_half(x_BNSD) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
+
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask_BSL: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """rope: (cos, sin) [B, S, D] for the query positions.
+
+        attn_mask_BSL: bool [B, 1, S, L], True = attend; None = causal, with the S queries
+        being the last S of the L positions (prefill: S == L; decode: S == 1, attend to all).
+        kv_cache: None, or an object with `update(layer_idx, k, v) -> (k_all, v_all)`.
+        """
+        B, S, _ = x_BSH.shape
+        q = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        L = k.shape[2]
+        is_causal = attn_mask_BSL is None and S == L and S > 1
+        if attn_mask_BSL is None and 1 < S < L:
+            # SDPA's is_causal aligns top-left; cached prefixes need bottom-right alignment.
+            attn_mask_BSL = causal_mask(S, L, device=x_BSH.device)[None, None]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask_BSL, is_causal=is_causal, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [q_len, kv_len]: query i (at position kv_len - q_len + i) sees keys 0..that position."""
+    offset = kv_len - q_len
+    q_pos = torch.arange(q_len, device=device)[:, None] + offset
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Dense layers and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax top-k router + grouped routed experts (+ Qwen2-MoE shared expert with sigmoid gate)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
+        self.experts = GroupedExperts(
+            c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype
+        )
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if c.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, dtype=dtype)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False, dtype=dtype)
+
+    def route(
+        self, x_TH: torch.Tensor, replay_ids_Tk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids [T, k] int64, topk_weights [T, k] in x's dtype).
+
+        With `replay_ids_Tk` (routing replay) those experts are used, and their weights are
+        the current router's probabilities at those ids, renormalised the same way.
+        """
+        probs_TE = F.softmax(self.gate(x_TH), dim=-1, dtype=torch.float32)
+        if replay_ids_Tk is None:
+            weights_Tk, ids_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
+        else:
+            ids_Tk = replay_ids_Tk.to(device=x_TH.device, dtype=torch.int64)
+            weights_Tk = probs_TE.gather(-1, ids_Tk)
+        if self.norm_topk_prob:
+            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return ids_Tk, weights_Tk.to(x_TH.dtype)
+
+    def forward(
+        self, x_BSH: torch.Tensor, replay_ids_BSk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [B, S, H], chosen expert ids [B, S, k])."""
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(-1, H)
+        replay = None if replay_ids_BSk is None else replay_ids_BSk.reshape(B * S, -1)
+        ids_Tk, weights_Tk = self.route(x_TH, replay)
+        out_TH = self.experts(x_TH, ids_Tk, weights_Tk)
+        if self.shared_expert is not None:
+            gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TH))
+            out_TH = out_TH + gate_T1 * self.shared_expert(x_TH)
+        return out_TH.reshape(B, S, H), ids_Tk.reshape(B, S, -1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.is_moe = layer_idx in c.moe_layers
+        self.self_attn = Attention(c, layer_idx, dtype=dtype)
+        self.mlp: MLP | SparseMoeBlock = (
+            SparseMoeBlock(c, dtype=dtype)
+            if self.is_moe
+            else MLP(c.hidden_size, c.intermediate_size, dtype=dtype)
+        )
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self,
+        x_BSH: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask_BSL: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        replay_ids_BSk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [B, S, H], expert ids [B, S, k] or None for a dense layer)."""
+        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), rope, attn_mask_BSL, kv_cache)
+        if isinstance(self.mlp, SparseMoeBlock):
+            mlp_out, ids = self.mlp(self.post_attention_layernorm(h), replay_ids_BSk)
+            return h + mlp_out, ids
+        return h + self.mlp(self.post_attention_layernorm(h)), None
