@@ -1,0 +1,44 @@
+"""The quantized ops on a CUDA device: same quantized bytes as on the CPU, the same forward up to
+GEMM summation order, and training runs. GPU tier (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mxrl.models import build_model
+from mxrl.nn import QExperts, apply_plan
+from mxrl.recipe import builtin_config, resolve
+from tests.numerics import assert_bytes_equal
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "nvfp4-dequantized"])
+def test_tiny_moe_on_cuda_matches_cpu(preset):
+    cpu = build_model(builtin_config("tiny-moe"), seed=0)
+    gpu = build_model(builtin_config("tiny-moe"), seed=0, device="cuda")
+    for m in (cpu, gpu):
+        apply_plan(m, resolve(preset, {n: p.shape for n, p in m.named_parameters()}))
+    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(gpu(ids.cuda()).cpu(), cpu(ids), rtol=1e-4, atol=1e-4)
+    qc = cpu.model.layers[0].mlp.experts
+    qg = gpu.model.layers[0].mlp.experts
+    assert isinstance(qc, QExperts) and isinstance(qg, QExperts)
+    assert_bytes_equal(qg._quantized("gate_up").lp.cpu(), qc._quantized("gate_up").lp, "lp")
+
+
+def test_training_steps_on_cuda():
+    model = build_model(builtin_config("tiny-moe"), seed=1, device="cuda")
+    apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
+    ids = torch.randint(1, 64, (4, 24), generator=torch.Generator().manual_seed(2)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
