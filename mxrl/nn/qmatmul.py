@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrl.formats import decode_global_scale, dequantize, quantize
+from mxrl.formats import QTensor, decode_global_scale, dequantize, quantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import quantize_activation, quantize_weight
@@ -56,10 +56,15 @@ class QuantizedWeight:
         partner: torch.Tensor | None = None,
         with_col: bool = False,
     ) -> QuantizedWeight:
-        q = quantize_weight(weight, spec, partner)
+        """From a master weight (the trainer)."""
         col = None
         if with_col:
             col = dequantize(quantize_weight(weight, spec, partner, axis=-2))
+        return cls.from_qtensor(quantize_weight(weight, spec, partner), col=col)
+
+    @classmethod
+    def from_qtensor(cls, q: QTensor, col: torch.Tensor | None = None) -> QuantizedWeight:
+        """From the contract bytes (the rollout engine, which never sees master weights)."""
         return cls(
             lp=dequantize(q, global_scale=False),
             s_dec=decode_global_scale(q),
@@ -117,20 +122,26 @@ def _mxfp8_col(t: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(padded, Format.MXFP8, axis=0))[:rows]
 
 
+def emulated_matmul(x: torch.Tensor, wq: QuantizedWeight, spec: TensorSpec):
+    """The forward GEMM (module docstring): y [T, N] fp32 and the activation's QTensor.
+    Shared by the trainer's QMatmul and the rollout engine, so both compute the same thing."""
+    xq = quantize_activation(x, spec)
+    y = dequantize(xq, global_scale=False) @ wq.lp.t()
+    s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
+    s_w = output_scale(wq.s_dec)  # [] or [1, N], None
+    if s_x is not None or s_w is not None:
+        one = torch.ones((), device=y.device)
+        y = y * ((s_x if s_x is not None else one) * (s_w if s_w is not None else one))
+    return y, xq
+
+
 class QMatmul(torch.autograd.Function):
     """y = Qa(x) (x) Qw(w) with the backward of `mode`. `w` is the master weight (a Parameter or
     a view of one: gradients accumulate into it); `wq` its cached quantization."""
 
     @staticmethod
     def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward):
-        xq = quantize_activation(x, spec)
-        x_lp = dequantize(xq, global_scale=False)
-        y = x_lp @ wq.lp.t()
-        s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
-        s_w = output_scale(wq.s_dec)  # [] or [1, N], None
-        if s_x is not None or s_w is not None:
-            one = torch.ones((), device=y.device)
-            y = y * ((s_x if s_x is not None else one) * (s_w if s_w is not None else one))
+        y, xq = emulated_matmul(x, wq, spec)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
         # dequantized mode keeps the forward's activation operand, not the original
         ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)

@@ -1,0 +1,20 @@
+"""The rollout engine: same model code as the trainer, weights as the plan says, verified loads.
+
+    from mxrl.engine import Engine, SamplingParams
+    engine = Engine(model, "nvfp4-dequantized")
+    completions = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64))
+"""
+
+from mxrl.engine.engine import Engine
+from mxrl.engine.params import Completion, SamplingParams
+from mxrl.engine.weights import WeightRecord, check_finite, content_hash, export_weights
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "SamplingParams",
+    "WeightRecord",
+    "check_finite",
+    "content_hash",
+    "export_weights",
+]

@@ -1,0 +1,59 @@
+"""Requests and results of the rollout engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    temperature 0 is greedy (its logprobs are those of the unscaled distribution); top_k 0 and
+    top_p 1.0 disable those filters. `seed` makes a request reproducible: with one SamplingParams
+    for a whole batch, request i uses seed + i; pass a list (one per prompt) to pin each seed.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One request's result.
+
+    tokens: the generated token ids (stop token included when one ended the request).
+    logprobs: float32 [len(tokens)], each the processed logprob of its token under the
+      distribution actually sampled from (temperature, top-k, top-p applied).
+    routed_experts: int64 [num_moe_layers, len(prompt) + len(tokens) - 1, k], the experts each
+      token fed through the model was routed to (the last sampled token is never fed), in the
+      order of the model's MoE layers; None for a dense model. Routing replay uses it.
+    finish_reason: "stop" (a stop token) or "length" (max_new_tokens).
+    """
+
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    routed_experts: torch.Tensor | None = None
+    finish_reason: str = "length"
