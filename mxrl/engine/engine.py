@@ -90,11 +90,16 @@ class Engine:
         if isinstance(value, QTensor) != quantized or (
             quantized and (value.fmt != spec.format or tuple(value.shape) != spec.shape)
         ):
-            got = f"QTensor {value.fmt} {tuple(value.shape)}" if isinstance(value, QTensor) else (
-                f"tensor {value.dtype} {tuple(value.shape)}")
+            got = (
+                f"QTensor {value.fmt} {tuple(value.shape)}"
+                if isinstance(value, QTensor)
+                else (f"tensor {value.dtype} {tuple(value.shape)}")
+            )
             raise ValueError(f"{record.name}: the plan says {spec.format} {spec.shape}, got {got}")
         if not quantized and tuple(value.shape) != spec.shape:
-            raise ValueError(f"{record.name}: shape {tuple(value.shape)}, the plan says {spec.shape}")
+            raise ValueError(
+                f"{record.name}: shape {tuple(value.shape)}, the plan says {spec.shape}"
+            )
         if content_hash(value) != record.hash:
             raise ValueError(
                 f"{record.name}: content hash mismatch (corrupted in transit or on disk); "
@@ -171,8 +176,9 @@ class Engine:
         gens = [_generator(p.seed) for p in per_req]
         outs = [Completion(prompt=[int(t) for t in p]) for p in prompts]
         caches = [
-            RequestCache.allocate(self.net, len(p) + sp.max_new_tokens, self.device,
-                                  self.compute_dtype)
+            RequestCache.allocate(
+                self.net, len(p) + sp.max_new_tokens, self.device, self.compute_dtype
+            )
             for p, sp in zip(prompts, per_req, strict=True)
         ]
         routing: list[list[torch.Tensor]] = [[] for _ in prompts]

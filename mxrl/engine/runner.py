@@ -78,7 +78,10 @@ def forward_step(
             vals = cache.values[layer.layer_idx][:, : s + n]
             mask = causal_mask(n, s + n, device=q.device) if n > 1 else None
             out[:, offset : offset + n] = F.scaled_dot_product_attention(
-                q[None, :, offset : offset + n], keys[None], vals[None], attn_mask=mask,
+                q[None, :, offset : offset + n],
+                keys[None],
+                vals[None],
+                attn_mask=mask,
                 enable_gqa=True,
             )[0]
             offset += n

@@ -58,7 +58,9 @@ def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
         finite = torch.isfinite(t.detach())
         if not bool(finite.all()):
             count = int((~finite).sum())
-            first = tuple(int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape))
+            first = tuple(
+                int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape)
+            )
             bad.append(f"{name} ({count} non-finite, first at {first})")
     if bad:
         raise ValueError(
