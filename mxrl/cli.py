@@ -3,6 +3,7 @@
     mxrl recipe list
     mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
     mxrl demo [--out DIR]
+    mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
     mxrl --version
 
 User errors (a bad recipe, a bad config) print one line on stderr and exit with code 2.
@@ -57,6 +58,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="the demo (today: the NVFP4 plan of the tiny model)")
     demo.add_argument("--out", metavar="DIR", type=Path, help="also write plan.json and audit.txt")
+
+    convert = commands.add_parser(
+        "convert", help="HF checkpoint -> quantized checkpoint (the bytes the engine holds)"
+    )
+    convert.add_argument("--recipe", required=True, help="preset name or recipe YAML path")
+    convert.add_argument("--model", required=True, metavar="HF_DIR", help="HF checkpoint directory")
+    convert.add_argument("--out", required=True, metavar="DIR", type=Path, help="output directory")
+    convert.add_argument(
+        "--shard-size", default="2GB", help="bytes per safetensors shard (default 2GB; or 500MiB)"
+    )
+    convert.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     return parser
 
 
@@ -118,6 +130,36 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import json
+
+    from mxrl.sync.checkpoint import MANIFEST_NAME, convert_checkpoint
+
+    out = convert_checkpoint(
+        args.model, args.recipe, args.out, shard_bytes=args.shard_size, overwrite=args.overwrite
+    )
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    event = manifest["quantization_event"]
+    print(f"mxrl convert: {args.model} -> {out}")
+    print(f"recipe: {manifest['recipe']}, plan hash {manifest['plan_hash']}")
+    by_format: dict[str, list[int]] = {}
+    for t in manifest["tensors"].values():
+        count = by_format.setdefault(t["format"], [0, 0])
+        count[0] += 1
+        count[1] += t["bytes"]
+    for fmt, (n, nbytes) in sorted(by_format.items()):
+        print(f"  {fmt:<10} {n:6d} tensors  {nbytes / 2**20:10.2f} MiB")
+    print(
+        f"  total      {manifest['num_tensors']:6d} tensors  "
+        f"{manifest['num_bytes'] / 2**20:10.2f} MiB in {len(manifest['shards'])} shard(s)"
+    )
+    if event["sqnr_db"]:
+        sqnr = ", ".join(f"{k} {float(v):.1f}" for k, v in event["sqnr_db"].items())
+        print(f"SQNR (dB) of the quantized tensors: {sqnr}")
+    print(f"quantized in {event['seconds']:.2f} s; wrote {out / MANIFEST_NAME}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxrl` console script; returns the exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -133,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_recipe_show(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
     except (ValueError, UserError) as e:
         print(f"mxrl: error: {e}", file=sys.stderr)
         return EXIT_USAGE

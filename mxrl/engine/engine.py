@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mxrl.engine.checkpoint import read_quantized_checkpoint
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.engine.params import Completion, SamplingParams
 from mxrl.engine.runner import RequestCache, forward_step
@@ -22,7 +23,7 @@ from mxrl.engine.sampler import sample
 from mxrl.engine.weights import WeightRecord, content_hash, export_weights
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
-from mxrl.models import CausalLM
+from mxrl.models import CausalLM, ModelConfig
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 
@@ -47,16 +48,51 @@ class Engine:
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int = 32,
     ) -> None:
-        self.config = model.config
-        self.device = torch.device(device) if device is not None else _device_of(model)
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        self.plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
+        plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
+        self._setup(
+            model.config,
+            plan,
+            torch.device(device) if device is not None else _device_of(model),
+            compute_dtype,
+            weight_dtype,
+            tile,
+        )
+        records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
+        self.load_weights(records, self.plan.hash())
+
+    @classmethod
+    def from_records(
+        cls,
+        config: ModelConfig,
+        plan: Plan,
+        records: Iterable[WeightRecord],
+        *,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        tile: int = 32,
+    ) -> Engine:
+        """An engine that never saw master weights: a config, a plan and exported records
+        (a converted checkpoint, a first sync), verified by `load_weights`."""
+        engine = cls.__new__(cls)
+        engine._setup(config, plan, torch.device(device), compute_dtype, weight_dtype, tile)
+        engine.load_weights(records, plan.hash())
+        return engine
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, **kwargs) -> Engine:
+        """Load a quantized checkpoint written by `mxrl convert` (plan, manifest hashes, shard
+        sha256s all checked); kwargs as `from_records`."""
+        plan, config, records = read_quantized_checkpoint(path)
+        return cls.from_records(ModelConfig.from_hf(config), plan, records, **kwargs)
+
+    def _setup(self, config, plan, device, compute_dtype, weight_dtype, tile) -> None:
+        self.config, self.plan, self.device = config, plan, device
         self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.weights_version = 0
-        records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
-        self.load_weights(records, self.plan.hash())
 
     # --- weights -------------------------------------------------------------------------------
     def _build(self) -> CausalLM:
@@ -96,9 +132,10 @@ class Engine:
                 else (f"tensor {value.dtype} {tuple(value.shape)}")
             )
             raise ValueError(f"{record.name}: the plan says {spec.format} {spec.shape}, got {got}")
-        if not quantized and tuple(value.shape) != spec.shape:
+        if not quantized and (tuple(value.shape) != spec.shape or value.dtype != self.weight_dtype):
             raise ValueError(
-                f"{record.name}: shape {tuple(value.shape)}, the plan says {spec.shape}"
+                f"{record.name}: {value.dtype} {tuple(value.shape)}, the engine holds "
+                f"{self.weight_dtype} {spec.shape} (export with bf16_dtype={self.weight_dtype})"
             )
         if content_hash(value) != record.hash:
             raise ValueError(

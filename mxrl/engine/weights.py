@@ -96,7 +96,7 @@ def export_weights(
     for name, spec in plan.items():
         w = params[name].detach()
         if spec.format is Format.BF16:
-            value: WeightValue = w.to(bf16_dtype).contiguous()
+            value: WeightValue = w.to(bf16_dtype, copy=True).contiguous()  # never aliased
         else:
             partner = params[partners[name]].detach() if name in partners else None
             value = quantize_weight(w, spec, partner)

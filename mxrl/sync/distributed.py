@@ -1,0 +1,324 @@
+"""Weight sync over torch.distributed: one trainer rank broadcasts, engine ranks verify and load.
+
+    # trainer rank (src)                          # every engine rank
+    sender = DistributedSender(group, src=0)      receiver = DistributedReceiver(engine, group, src=0)
+    sender.send(export(model, plan, step=s))      receiver.receive()
+
+Every rank of `group` takes part: `src` sends, all others receive (gloo on CPU tensors, NCCL on
+the current CUDA device). Per bucket, three broadcasts from `src`:
+
+1. meta, int64[8]: wire version, flags (1 = last bucket, 2 = the sender aborted), header length,
+   payload length, and the sha256 of the header (4 x int64). Fixed size, so a receiver always
+   knows how much follows, even when it cannot use what arrives.
+2. header, uint8[header length]: JSON of the bucket (index, last, num_buckets, plan hash, step,
+   the QuantizationEvent on the last bucket) and of each record: name, content hash, and its
+   fields (QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and
+   byte count in the payload.
+3. payload, uint8[payload length]: every field's bytes, each at a 16-byte-aligned offset.
+
+Engine ranks rebuild `WeightRecord`s (`QTensor.from_state_dict`) as views of the payload and,
+after the last bucket, load them with ONE `Engine.load_weights` call (`transport.apply_update`),
+which recomputes every content hash. A receiver keeps receiving to the last bucket even after an
+error, so the collectives stay in step; then all ranks all-gather (failed, weights_version), and a
+refusal on any engine rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update leaves each engine
+rank on its previous weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mxrl.engine import Engine
+from mxrl.engine.weights import WeightRecord
+from mxrl.formats import QTensor
+from mxrl.sync.export import Bucket, Export, QuantizationEvent
+from mxrl.sync.transport import SyncReport, apply_update
+
+logger = logging.getLogger(__name__)
+
+WIRE_VERSION = 1
+FLAG_LAST = 1
+FLAG_ABORT = 2
+_META_LEN = 8
+_ALIGN = 16
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.uint8,
+        torch.int8,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e8m0fnu,
+    )
+}
+
+Tamper = Callable[[int, torch.Tensor], None]
+
+
+# --- wire format -------------------------------------------------------------------------------
+def pack_bucket(bucket: Bucket, device: torch.device | str = "cpu") -> tuple[bytes, torch.Tensor]:
+    """(header JSON bytes, flat uint8 payload on `device`) for one bucket."""
+    fields: list[tuple[torch.Tensor, int]] = []
+    records: list[dict[str, Any]] = []
+    offset = 0
+    for record in bucket.records:
+        value = record.value
+        tensors = value.tensors() if isinstance(value, QTensor) else {"": value}
+        described = []
+        for key, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            described.append(
+                {
+                    "key": key,
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "offset": offset,
+                    "nbytes": nbytes,
+                }
+            )
+            fields.append((t, offset))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        records.append(
+            {
+                "name": record.name,
+                "hash": record.hash,
+                "qtensor": isinstance(value, QTensor),
+                "fields": described,
+            }
+        )
+    payload = torch.zeros(offset, dtype=torch.uint8, device=device)
+    for t, off in fields:
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload[off : off + flat.numel()].copy_(flat)
+    header = {
+        "wire": WIRE_VERSION,
+        "index": bucket.index,
+        "last": bucket.last,
+        "num_buckets": bucket.num_buckets,
+        "plan_hash": bucket.plan_hash,
+        "step": bucket.step,
+        "event": bucket.event.to_dict() if bucket.event is not None else None,
+        "payload_bytes": offset,
+        "records": records,
+    }
+    return json.dumps(header, separators=(",", ":")).encode(), payload
+
+
+def unpack_bucket(header: bytes, payload: torch.Tensor) -> Bucket:
+    """Rebuild a bucket from `pack_bucket`'s output; the tensors are views of `payload`.
+    Raises ValueError for a header that does not describe this payload."""
+    try:
+        h = json.loads(header.decode())
+        if h["wire"] != WIRE_VERSION:
+            raise ValueError(f"wire version {h['wire']!r}, this mxrl speaks {WIRE_VERSION}")
+        if h["payload_bytes"] != payload.numel():
+            raise ValueError(
+                f"header says {h['payload_bytes']} payload bytes, got {payload.numel()}"
+            )
+        records = tuple(_record(r, payload) for r in h["records"])
+        event = QuantizationEvent.from_dict(h["event"]) if h["event"] is not None else None
+        return Bucket(
+            index=int(h["index"]),
+            plan_hash=str(h["plan_hash"]),
+            records=records,
+            last=bool(h["last"]),
+            num_buckets=h["num_buckets"],
+            step=int(h["step"]),
+            event=event,
+        )
+    except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"malformed bucket header ({e!r}); the update is refused") from None
+
+
+def _record(r: dict[str, Any], payload: torch.Tensor) -> WeightRecord:
+    name = r["name"]
+    tensors = {}
+    for f in r["fields"]:
+        dtype = _DTYPES.get(f["dtype"])
+        if dtype is None:
+            raise ValueError(f"{name}: dtype {f['dtype']!r} is not one a weight record uses")
+        shape = tuple(int(d) for d in f["shape"])
+        nbytes, off = int(f["nbytes"]), int(f["offset"])
+        if (
+            nbytes != math.prod(shape) * dtype.itemsize
+            or off % _ALIGN
+            or off + nbytes > len(payload)
+        ):
+            raise ValueError(f"{name}.{f['key']}: field does not fit the payload")
+        tensors[f"{name}.{f['key']}" if f["key"] else name] = (
+            payload[off : off + nbytes].view(dtype).reshape(shape)
+        )
+    value = QTensor.from_state_dict(tensors, name) if r["qtensor"] else tensors[name]
+    return WeightRecord(name, value, str(r["hash"]))
+
+
+def _meta(flags: int, header: bytes, payload_len: int, device: torch.device) -> torch.Tensor:
+    digest = torch.frombuffer(bytearray(hashlib.sha256(header).digest()), dtype=torch.int64)
+    head = torch.tensor([WIRE_VERSION, flags, len(header), payload_len], dtype=torch.int64)
+    return torch.cat([head, digest]).to(device)
+
+
+def _comm_device(group: dist.ProcessGroup | None, device: torch.device | str | None):
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_status(
+    failed: int, version: int, group: dist.ProcessGroup | None, device: torch.device
+) -> list[tuple[int, int, int]]:
+    """Every rank's (global rank, failed, weights_version) after an update (the sender's is
+    (src, 0, 0)): one all-gather, so that all ranks agree on the outcome."""
+    mine = torch.tensor([failed, version], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [
+        (dist.get_global_rank(group, i) if group is not None else i, int(t[0]), int(t[1]))
+        for i, t in enumerate(everyone)
+    ]
+
+
+# --- the two ends ------------------------------------------------------------------------------
+class DistributedSender:
+    """The trainer end: broadcasts each bucket of an export from rank `src` (a global rank) to
+    every other rank of `group` (None: the default group).
+
+    tamper: tests only; called as tamper(bucket_index, payload) before the payload is broadcast,
+    to corrupt bytes in transit on purpose.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        src: int = 0,
+        *,
+        device: torch.device | str | None = None,
+        tamper: Tamper | None = None,
+    ) -> None:
+        if dist.get_rank() != src:
+            raise ValueError(
+                f"DistributedSender runs on rank src={src}, this is rank {dist.get_rank()}"
+            )
+        self.group, self.src, self.tamper = group, src, tamper
+        self.device = _comm_device(group, device)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        dist.broadcast(t, src=self.src, group=self.group)
+
+    def send(self, update: Export) -> SyncReport:
+        """Broadcast one export; returns once every engine rank has verified and swapped it.
+        Raises ValueError when any engine rank refused it (they all keep their weights)."""
+        t0 = time.perf_counter()
+        num_tensors = num_bytes = 0
+        buckets = iter(update)
+        while True:
+            try:
+                bucket = next(buckets, None)
+            except Exception:
+                # The export failed mid-way: tell the receivers, so that no rank waits forever.
+                self._broadcast(_meta(FLAG_ABORT, b"", 0, self.device))
+                raise
+            if bucket is None:
+                break
+            header, payload = pack_bucket(bucket, self.device)
+            if self.tamper is not None:
+                self.tamper(bucket.index, payload)
+            flags = FLAG_LAST if bucket.last else 0
+            self._broadcast(_meta(flags, header, payload.numel(), self.device))
+            self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+            if payload.numel():
+                self._broadcast(payload)
+            num_tensors += bucket.num_tensors
+            num_bytes += bucket.nbytes
+        engines = [s for s in _gather_status(0, 0, self.group, self.device) if s[0] != self.src]
+        refused = [rank for rank, failed, _ in engines if failed]
+        if refused:
+            raise ValueError(
+                f"engine rank(s) {refused} refused weight update step {update.step} (their logs "
+                "say why); every engine rank keeps its previous weights"
+            )
+        versions = sorted({version for _, _, version in engines})
+        if len(versions) > 1:
+            logger.warning("engine ranks disagree on weights_version: %s", versions)
+        elapsed = time.perf_counter() - t0
+        return SyncReport(versions[-1], num_tensors, num_bytes, elapsed, update.event)
+
+
+class DistributedReceiver:
+    """The engine end: receives one update from rank `src` per `receive()` call and loads it
+    into `engine` (see the module docstring for what is checked)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        group: dist.ProcessGroup | None = None,
+        src: int = 0,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if dist.get_rank() == src:
+            raise ValueError(f"DistributedReceiver runs on engine ranks, not on src={src}")
+        self.engine, self.group, self.src = engine, group, src
+        self.device = _comm_device(group, device)
+
+    def _receive(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=self.device)
+        if numel:
+            dist.broadcast(t, src=self.src, group=self.group)
+        return t
+
+    def receive(self) -> SyncReport:
+        """Block until one whole update has arrived, then verify and swap it. Raises ValueError
+        (weights unchanged) for a refused update, after every rank has agreed on the outcome."""
+        t0 = time.perf_counter()
+        buckets: list[Bucket] = []
+        error: Exception | None = None
+        while True:
+            meta = self._receive(_META_LEN, torch.int64).cpu()
+            wire, flags, header_len, payload_len = (int(v) for v in meta[:4])
+            if wire != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
+                raise ValueError(
+                    f"the sender speaks sync wire version {wire}, this rank {WIRE_VERSION}: "
+                    "run one mxrl version on every rank"
+                )
+            if flags & FLAG_ABORT:
+                raise ValueError("the trainer aborted the update; the engine keeps its weights")
+            header = bytes(self._receive(header_len, torch.uint8).cpu().numpy())
+            payload = self._receive(payload_len, torch.uint8)
+            if error is None:
+                try:
+                    if hashlib.sha256(header).digest() != meta[4:].numpy().tobytes():
+                        raise ValueError("bucket header corrupted in transit (sha256 mismatch)")
+                    buckets.append(unpack_bucket(header, payload))
+                except ValueError as e:
+                    error = e
+            if flags & FLAG_LAST:
+                break
+        report = None
+        if error is None:
+            try:
+                plan_hash = buckets[0].plan_hash
+                report = apply_update(self.engine, buckets, plan_hash, started=t0)
+            except Exception as e:  # every failure must reach the status all-gather below
+                error = e
+        _gather_status(int(error is not None), self.engine.weights_version, self.group, self.device)
+        if error is not None:
+            logger.error("sync refused on rank %d: %s", dist.get_rank(), error)
+            raise error
+        assert report is not None
+        return report

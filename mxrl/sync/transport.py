@@ -1,0 +1,143 @@
+"""Receiving an update: every bucket of one export, then ONE `engine.load_weights` call.
+
+Both transports (in-process here, torch.distributed in `sync/distributed.py`) end in
+`apply_update`, so they accept and refuse the same updates. `Engine.load_weights` verifies the
+plan hash, each record's name, format, shape and content hash, and that every tensor of the plan
+is present, and stages everything before it swaps; the bucket checks below (same plan hash,
+indices 0..n-1, a last bucket) run inside the stream it reads. A failure anywhere therefore
+raises before anything is swapped: the engine keeps its previous weights, whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from mxrl.engine import Engine
+from mxrl.engine.weights import WeightRecord
+from mxrl.sync.export import Bucket, Export, QuantizationEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One applied update. version: the engine's weights_version after it; seconds: wall time
+    of the whole sync (export, transfer, verification, swap) as seen by the caller; event: the
+    export's QuantizationEvent (None when the sender did not provide one)."""
+
+    version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    event: QuantizationEvent | None
+
+
+class _Tally:
+    """What one update carried, counted while the engine reads it."""
+
+    def __init__(self) -> None:
+        self.num_tensors = self.num_bytes = 0
+        self.event: QuantizationEvent | None = None
+
+
+def checked_records(
+    buckets: Iterable[Bucket], plan_hash: str, tally: _Tally | None = None
+) -> Iterator[WeightRecord]:
+    """The records of one update's buckets, checking that they form one whole update under
+    `plan_hash`; raises ValueError (inside the consumer, e.g. load_weights) otherwise."""
+    expected = 0
+    done = False
+    for bucket in buckets:
+        if done:
+            raise ValueError(
+                f"bucket {bucket.index} arrived after the last bucket of the update; "
+                "the engine keeps its previous weights"
+            )
+        if bucket.plan_hash != plan_hash:
+            raise ValueError(
+                f"bucket {bucket.index} was exported under plan {bucket.plan_hash[:16]}, the "
+                f"update under {plan_hash[:16]}; the engine keeps its previous weights"
+            )
+        if bucket.index != expected:
+            raise ValueError(
+                f"bucket {bucket.index} arrived where bucket {expected} was due (lost or "
+                "reordered); the engine keeps its previous weights"
+            )
+        if bucket.num_buckets is not None and bucket.num_buckets != bucket.index + 1:
+            raise ValueError(
+                f"bucket {bucket.index} says the update has {bucket.num_buckets} buckets, but it "
+                "is the last one; the engine keeps its previous weights"
+            )
+        expected += 1
+        done = bucket.last
+        for record in bucket.records:
+            if tally is not None:
+                tally.num_tensors += 1
+                tally.num_bytes += record.nbytes
+            yield record
+        if tally is not None and bucket.event is not None:
+            tally.event = bucket.event
+    if not done:
+        raise ValueError(
+            f"incomplete update: {expected} bucket(s) arrived and none was marked last; "
+            "the engine keeps its previous weights"
+        )
+
+
+def apply_update(
+    engine: Engine, buckets: Iterable[Bucket], plan_hash: str, *, started: float | None = None
+) -> SyncReport:
+    """Load one update's buckets into `engine` with one verified, atomic `load_weights` call."""
+    t0 = time.perf_counter() if started is None else started
+    tally = _Tally()
+    version = engine.load_weights(checked_records(buckets, plan_hash, tally), plan_hash)
+    report = SyncReport(
+        version=version,
+        num_tensors=tally.num_tensors,
+        num_bytes=tally.num_bytes,
+        seconds=time.perf_counter() - t0,
+        event=tally.event,
+    )
+    logger.info(
+        "sync: engine at version %d (%d tensors, %d bytes, %.3f s)",
+        version,
+        report.num_tensors,
+        report.num_bytes,
+        report.seconds,
+    )
+    return report
+
+
+class InProcessTransport:
+    """Colocated trainer and engine (one process): the records are handed over by reference,
+    quantized bucket by bucket as the engine stages them, and swapped in at once.
+
+        report = InProcessTransport(engine).send(export(model, engine.plan, step=step))
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def send(self, update: Export | Iterable[Bucket]) -> SyncReport:
+        """Apply one export (or its buckets) to the engine. Raises ValueError, with the engine's
+        weights unchanged, for a plan-hash mismatch, a tampered record or an incomplete update."""
+        t0 = time.perf_counter()
+        if isinstance(update, Export):
+            plan_hash = update.plan_hash
+            buckets: Iterator[Bucket] = iter(update)
+        else:
+            buckets = iter(update)
+            first = next(buckets, None)
+            if first is None:
+                raise ValueError("an update without buckets: the engine keeps its weights")
+            plan_hash = first.plan_hash
+            buckets = _prepend(first, buckets)
+        return apply_update(self.engine, buckets, plan_hash, started=t0)
+
+
+def _prepend(first: Bucket, rest: Iterator[Bucket]) -> Iterator[Bucket]:
+    yield first
+    yield from rest
