@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from mxrl.engine.weights import WeightRecord, content_hash
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
+from mxrl.models.checkpoint import open_safetensors
 from mxrl.recipe import Plan
 
 CHECKPOINT_FORMAT = "mxrl-quantized"
@@ -98,7 +98,7 @@ def _records(path: Path, manifest: dict[str, Any]) -> Iterator[WeightRecord]:
         expected = manifest["shards"][shard]["sha256"]
         if sha256_file(file) != expected:
             raise ValueError(_corruption_report(file, names, manifest["tensors"]))
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             for name in names:
                 info = manifest["tensors"][name]
                 yield WeightRecord(name, _value(f, name, info, file), info["hash"])
@@ -130,16 +130,6 @@ def _corruption_report(file: Path, names: list[str], tensors: dict[str, dict[str
         f"shard {file} does not match its sha256 in {MANIFEST_NAME}{where}. The file is corrupt; "
         "copy it again or re-run mxrl convert"
     )
-
-
-@contextmanager
-def _open(file: Path) -> Iterator[Any]:
-    """safe_open that turns a corrupt file into a ValueError naming it."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
-    except SafetensorError as e:
-        raise ValueError(f"cannot read shard {file}: {e}") from None
 
 
 def _read_json(file: Path) -> dict[str, Any]:

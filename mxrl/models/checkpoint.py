@@ -94,7 +94,7 @@ def from_pretrained(
     with tqdm(total=total, unit="tensor", desc="loading", disable=not show) as bar, torch.no_grad():
         for file, items in plan.items():
             bar.set_postfix_str(file.name)
-            with _open(file) as f:
+            with open_safetensors(file) as f:
                 for key, target in items:
                     target.view(params[target.param]).copy_(f.get_tensor(key))
                     bar.update()
@@ -141,7 +141,7 @@ def checkpoint_files(path: Path) -> list[tuple[Path, set[str] | None]]:
 
 
 @contextmanager
-def _open(file: Path) -> Iterator[Any]:
+def open_safetensors(file: Path) -> Iterator[Any]:
     """safe_open that turns a corrupt or truncated file into a ValueError naming it."""
     try:
         with safe_open(str(file), framework="pt") as f:
@@ -170,7 +170,7 @@ def _plan(
     index_gaps: list[str] = []
     tied_head: tuple[Path, str] | None = None
     for file, index_keys in files:
-        with _open(file) as f:
+        with open_safetensors(file) as f:
             keys = list(f.keys())
             if index_keys is not None and set(keys) != index_keys:
                 gaps = sorted(index_keys ^ set(keys))
@@ -246,7 +246,7 @@ def _list(title: str, items: list[str], fix: str) -> str:
 
 def _check_tied_head(tied_head: tuple[Path, str], embed: torch.Tensor) -> None:
     file, key = tied_head
-    with _open(file) as f:
+    with open_safetensors(file) as f:
         head = f.get_tensor(key)
     if not torch.equal(head.to(device=embed.device, dtype=embed.dtype), embed):
         raise ValueError(
@@ -296,7 +296,7 @@ def save_pretrained(
         _write_shards(tmp, tensors, limit, dtype, progress)
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
-        _move_into_place(tmp, path)
+        move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -340,7 +340,9 @@ def _write_shards(
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _move_into_place(tmp: Path, path: Path) -> None:
+def move_into_place(tmp: Path, path: Path) -> None:
+    """Rename a finished temporary directory to `path`, replacing any old one only once the
+    new one is in place (the old one is restored if the rename fails)."""
     if not path.exists():
         tmp.rename(path)
         return

@@ -50,7 +50,7 @@ from mxrl.engine.checkpoint import (
 from mxrl.engine.weights import WeightRecord, content_hash
 from mxrl.formats import QTensor
 from mxrl.models import from_pretrained, parse_size
-from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files
+from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place
 from mxrl.recipe import Plan, Recipe, load_hf_config, resolve, tensors_from_hf_config
 from mxrl.sync.export import DEFAULT_BUCKET_BYTES, Export, export
 
@@ -127,7 +127,7 @@ def write_quantized_checkpoint(
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
         _default_permissions(tmp)
-        _move_into_place(tmp, out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -216,21 +216,6 @@ def _state_dict(record: WeightRecord) -> dict[str, torch.Tensor]:
     v = record.value
     state = v.to_state_dict(record.name) if isinstance(v, QTensor) else {record.name: v}
     return {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
-
-
-def _move_into_place(tmp: Path, path: Path) -> None:
-    if not path.exists():
-        tmp.rename(path)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-    old.rmdir()
-    path.rename(old)
-    try:
-        tmp.rename(path)
-    except BaseException:
-        old.rename(path)
-        raise
-    shutil.rmtree(old)
 
 
 # --- conversion ----------------------------------------------------------------------------------
