@@ -1,0 +1,120 @@
+"""Shared helpers for the benchmark scripts: timing, the device's copy bandwidth, the results
+file (DESIGN.md §9: achieved GB/s and the ratio to a baseline measured in the same run)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_repo_on_path() -> None:
+    """Let `python benchmarks/<script>.py` import mxrl from a checkout that is not installed."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def bench_ms(fn: Callable[[], object], *, quick: bool = False) -> float:
+    """Median milliseconds of fn() on the current CUDA device: warm-up, then timed runs with
+    the L2 cache flushed between them (triton.testing.do_bench when triton is there, else
+    CUDA events around each call)."""
+    warmup, rep = (5, 20) if quick else (25, 100)
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    if do_bench is not None:
+        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return _bench_events(fn, warmup=warmup, rep=rep)
+
+
+def _bench_events(fn: Callable[[], object], *, warmup: int, rep: int) -> float:
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end), 1e-3)
+    n_warm, n_rep = max(1, int(warmup / one)), max(5, int(rep / one))
+    for _ in range(n_warm):
+        fn()
+    times = []
+    for _ in range(n_rep):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gbps(num_bytes: int, ms: float) -> float:
+    return num_bytes / (ms * 1e-3) / 1e9
+
+
+def copy_bandwidth(like: torch.Tensor, *, quick: bool = False) -> dict:
+    """GB/s of `dst.copy_(x)` for a tensor of x's size and dtype, counting bytes read + written
+    (dst allocated once, outside the timing)."""
+    src = torch.empty_like(like).normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), quick=quick)
+    num_bytes = 2 * src.numel() * src.element_size()
+    return {"bytes": num_bytes, "ms": ms, "gbps": gbps(num_bytes, ms)}
+
+
+def environment() -> dict:
+    """Device and versions, recorded with every result."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "device_sm": f"sm_{props.major}{props.minor}",
+        "num_sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def update_results(path: Path, key: str, section: object, metadata: dict) -> None:
+    """Write `section` under `key` of the JSON file at path, and refresh the top-level metadata;
+    other keys (other benchmarks' sections) are kept."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(metadata)
+    data[key] = section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (key, header, format spec); None prints as '-'."""
+    header = [h for _, h, _ in columns]
+    body = [
+        ["-" if row.get(k) is None else format(row[k], spec) for k, _, spec in columns]
+        for row in rows
+    ]
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""`mxrl.kernels.quantize`: `mxrl.formats.quantize` on the chosen backend, same bytes.
+
+The reference backend calls `mxrl.formats.quantize`; the triton backend calls the torch ops of
+`mxrl.kernels.ops` (imported on first use, so that this module imports without triton). Input
+validation and error messages are the reference's own.
+
+Variants the kernels implement (the defaults): mxfp8 RCEIL (row-wise, and column-wise along
+dim -2), nvfp4 in TE order (per tensor, per token, or a caller's global amax), fp8_block with
+fp32 or ue8m0 scales and blocks (1, b) / (b, b) for b in 16, 32, 64, 128. The comparison-only
+modes of the reference (mxfp8 "floor", nvfp4 "torchao") and other axes raise ValueError on the
+triton backend: ask for backend "reference" for those.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import QTensor
+from mxrl.formats import constants as C
+from mxrl.formats import quantize as reference_quantize
+from mxrl.formats.api import _check_input, _parse_format, _raise_if_not_finite
+from mxrl.formats.nvfp4 import _caller_amax
+from mxrl.kernels.backend import Backend, select_backend
+
+KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te",)}
+KERNEL_SCALE_MODES[C.Format.FP8_BLOCK] = ("fp32", "ue8m0")
+KERNEL_FP8_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: C.Format | str,
+    *,
+    axis: int = -1,
+    scale_mode: str | None = None,
+    per_token: bool = False,
+    global_amax: torch.Tensor | float | None = None,
+    block: tuple[int, int] | None = None,
+    check_finite: bool = False,
+    backend: Backend | str | None = None,
+) -> QTensor:
+    """`mxrl.formats.quantize(x, fmt, ...)` (same arguments, same bytes) on `backend`.
+
+    backend: a `Backend` chosen once from config (`select_backend`); None means the default for
+    x's device (triton on CUDA when available, the reference elsewhere)."""
+    chosen = select_backend(backend, x.device if isinstance(x, torch.Tensor) else None)
+    kwargs = dict(
+        axis=axis,
+        scale_mode=scale_mode,
+        per_token=per_token,
+        global_amax=global_amax,
+        block=block,
+        check_finite=check_finite,
+    )
+    if chosen is Backend.REFERENCE:
+        return reference_quantize(x, fmt, **kwargs)
+    fmt = _parse_format(fmt)
+    _check_input(x, fmt, axis, per_token, global_amax, block)
+    mode = _kernel_scale_mode(fmt, scale_mode)
+    if check_finite:
+        _raise_if_not_finite(x, fmt)
+    if fmt is C.Format.MXFP8:
+        ndim = x.dim()
+        if axis in (-1, ndim - 1):
+            q, s, _, _ = _ops().quantize_mxfp8(x, True, False)
+            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape)
+        if ndim >= 2 and axis % ndim == ndim - 2:
+            _, _, q, s = _ops().quantize_mxfp8(x, False, True)
+            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape, axis=ndim - 2)
+        raise ValueError(
+            f"mxfp8 axis={axis} on shape {tuple(x.shape)}: the triton kernels block along the "
+            "last dim or dim -2 (column-wise copy); use backend 'reference' for other axes"
+        )
+    if fmt is C.Format.NVFP4:
+        if per_token and global_amax is not None:
+            raise ValueError(
+                "nvfp4: per_token=True computes one amax per row; global_amax cannot be "
+                "combined with it (pass one or the other)"
+            )
+        g = None if global_amax is None else _caller_amax(global_amax, x.shape, x.device)
+        q, s, gs = _ops().quantize_nvfp4(x, g, per_token)
+        return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
+    br, bk = block or C.FP8_BLOCK_WEIGHT
+    if bk not in KERNEL_FP8_BLOCK_SIZES:
+        raise ValueError(
+            f"fp8_block block {(br, bk)}: the triton kernels take b in {KERNEL_FP8_BLOCK_SIZES}; "
+            "use backend 'reference' for other block sizes"
+        )
+    q, sf = _ops().quantize_fp8_block(x, br, bk, mode == "ue8m0")
+    return QTensor(q, sf, fmt, x.shape)
+
+
+def quantize_mxfp8_both(
+    x: torch.Tensor, *, check_finite: bool = False, backend: Backend | str | None = None
+) -> tuple[QTensor, QTensor]:
+    """MXFP8 row-wise (1x32 along K) and column-wise (32x1 along dim -2) copies of x [..., M, K],
+    each quantized from x (DESIGN.md §1), equal to `formats.quantize(x, "mxfp8")` and
+    `formats.quantize(x, "mxfp8", axis=x.dim() - 2)`. The triton backend reads x once."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"quantize_mxfp8_both takes a [..., M, K] tensor, got {got}")
+    col_axis = x.dim() - 2
+    chosen = select_backend(backend, x.device)
+    if chosen is Backend.REFERENCE:
+        row = reference_quantize(x, C.Format.MXFP8, check_finite=check_finite)
+        return row, reference_quantize(x, C.Format.MXFP8, axis=col_axis)
+    _check_input(x, C.Format.MXFP8, -1, False, None, None)
+    _check_input(x, C.Format.MXFP8, col_axis, False, None, None)
+    if check_finite:
+        _raise_if_not_finite(x, C.Format.MXFP8)
+    q_row, s_row, q_col, s_col = _ops().quantize_mxfp8(x, True, True)
+    e8m0 = torch.float8_e8m0fnu
+    return (
+        QTensor(q_row, s_row.view(e8m0), C.Format.MXFP8, x.shape),
+        QTensor(q_col, s_col.view(e8m0), C.Format.MXFP8, x.shape, axis=col_axis),
+    )
+
+
+def _kernel_scale_mode(fmt: C.Format, scale_mode: str | None) -> str:
+    modes = KERNEL_SCALE_MODES[fmt]
+    mode = modes[0] if scale_mode is None else scale_mode
+    if mode not in modes:
+        raise ValueError(
+            f"{fmt} scale_mode={scale_mode!r}: the triton kernels implement {modes}; "
+            f"use backend 'reference' for the comparison-only modes"
+        )
+    return mode
+
+
+def _ops():
+    from mxrl.kernels import ops  # imports triton: only on the triton backend
+
+    return ops

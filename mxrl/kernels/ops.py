@@ -1,0 +1,97 @@
+"""The Triton quantizers as torch ops (`torch.ops.mxrl.*`), so that torch.compile and CUDA
+graphs see them whole (house style 6). `triton_op` traces the body under fake tensors, which
+gives each op its fake (meta) implementation: output shapes and dtypes, no kernel launch.
+
+Each op takes x of shape [..., K] (made contiguous here: the kernels index a dense [M, K]
+view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference's layouts:
+
+  quantize_mxfp8(x, rowwise, colwise) -> (q_row [..., K], s_row [..., K/32],
+                                          q_col [..., M, K], s_col [..., M/32, K])
+  quantize_nvfp4(x, global_amax?, per_token) -> (q [..., K/2], s [..., K/16], global_scale)
+  quantize_fp8_block(x, block_rows, block_k, ue8m0) -> (q [..., K], sf fp32)
+
+A copy not asked for (rowwise / colwise False) is an empty tensor. Imports triton: load this
+module only through the triton backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op
+
+from mxrl.kernels.triton_fp8_block import launch_fp8_block
+from mxrl.kernels.triton_mxfp8 import launch_mxfp8
+from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dense(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"mxrl::{what} takes float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"mxrl::{what} needs at least one dimension")
+    return x.contiguous()
+
+
+@triton_op("mxrl::quantize_mxfp8", mutates_args=())
+def quantize_mxfp8(
+    x: torch.Tensor, rowwise: bool, colwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = _dense(x, "quantize_mxfp8")
+    shape, k = x.shape, x.shape[-1]
+    if colwise and x.dim() < 2:
+        raise ValueError("mxrl::quantize_mxfp8: the column-wise copy needs a [..., M, K] tensor")
+    q_row, s_row, q_col, s_col = launch_mxfp8(x.reshape(-1, k), rowwise, colwise)
+    if rowwise:
+        q_row, s_row = q_row.view(shape), s_row.view(*shape[:-1], k // 32)
+    if colwise:
+        # [..., M, K] with M % 32 == 0: the 32-row blocks of the flat [prod(...) * M, K] view
+        # never cross a matrix, so its [.., M/32, K] scales are the per-matrix ones.
+        q_col, s_col = q_col.view(shape), s_col.view(*shape[:-2], shape[-2] // 32, k)
+    return q_row, s_row, q_col, s_col
+
+
+@triton_op("mxrl::quantize_nvfp4", mutates_args=())
+def quantize_nvfp4(
+    x: torch.Tensor, global_amax: torch.Tensor | None, per_token: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """global_amax: None (per token, or per tensor computed here) or an fp32 tensor that is a
+    scalar or of x's rank with last dim 1, broadcasting over x's leading dims ([rows, 1],
+    [E, 1, 1]); the global scale comes back in its shape."""
+    x = _dense(x, "quantize_nvfp4")
+    shape, k = x.shape, x.shape[-1]
+    lead = shape[:-1]
+    x_MK = x.reshape(-1, k)
+    if per_token:
+        if global_amax is not None:
+            raise ValueError("mxrl::quantize_nvfp4: per_token and global_amax are exclusive")
+        q, s, gs = launch_nvfp4(x_MK, None)
+        gs = gs.view(*lead, 1)
+    elif global_amax is None:
+        q, s, gs = launch_nvfp4(x_MK, launch_global_amax(x_MK))
+    elif global_amax.dim() == 0:
+        q, s, gs = launch_nvfp4(x_MK, global_amax.to(torch.float32).contiguous())
+    else:
+        g = global_amax.to(torch.float32).contiguous()
+        amax_rows = g.expand(*lead, 1).reshape(-1).contiguous()
+        q, s, _ = launch_nvfp4(x_MK, amax_rows, write_global_scale=False)
+        gs = launch_encode_scale(g)
+    return q.view(*lead, k // 2), s.view(*lead, k // 16), gs
+
+
+@triton_op("mxrl::quantize_fp8_block", mutates_args=())
+def quantize_fp8_block(
+    x: torch.Tensor, block_rows: int, block_k: int, ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = _dense(x, "quantize_fp8_block")
+    shape, k = x.shape, x.shape[-1]
+    if block_rows == 1:
+        x_BRK = x.reshape(1, -1, k)
+        q, sf = launch_fp8_block(x_BRK, (1, block_k), ue8m0)
+        return q.view(shape), sf.view(*shape[:-1], k // block_k)
+    if x.dim() < 2:
+        raise ValueError("mxrl::quantize_fp8_block: square blocks need a [..., R, K] tensor")
+    r = shape[-2]
+    q, sf = launch_fp8_block(x.reshape(-1, r, k), (block_rows, block_k), ue8m0)
+    return q.view(shape), sf.view(*shape[:-2], sf.shape[1], k // block_k)

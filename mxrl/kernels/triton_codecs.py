@@ -1,0 +1,189 @@
+"""Element and scale codecs as Triton device functions, bit-exact with `mxrl.formats.codecs`.
+
+Every function gives the same bytes whether it is emulated (Triton's CPU interpreter) or compiled
+for sm_90; where the two differ the kernels take a constexpr `HW` (True on CUDA):
+- E8M0 codes and power-of-two reciprocals are integer operations on fp32 bit patterns (spec
+  §2.2, §1.3), never a float log2 or a cast to float8_e8m0fnu.
+- E4M3, HW: `.to(tl.float8e4nv)`, which Triton lowers on sm_90 to `cvt.rn.satfinite.e4m3x2.f32`
+  (RNE; finite overflow and ±Inf -> ±448; ±NaN -> 0x7F): the reference's clamp -> cast ->
+  canonical NaN, in one instruction per two values. Not HW: an exact integer encoder (RNE on
+  the fp32 bit pattern), since the interpreter's fp8 cast does not round to nearest even. The
+  GPU tests compare the two on every bf16 value and 2^24 random fp32 bit patterns.
+- E2M1: RNE by exact fp32 arithmetic (one power-of-two multiply and one 2^23 add), checked in
+  the interpreter tests against the reference's threshold table on every bf16 value, random
+  fp32 bit patterns and every rounding edge ±1 ulp; NaN -> +6 (0x7), sign of zero kept.
+- NaN and min/max: the GPU's max.f32 returns the non-NaN operand, the interpreter's np.maximum
+  propagates NaN; `amax_ignore_nan` gives the reference's block amax (NaN ignored) on both.
+  Elsewhere min/max never see a NaN that could reach the output.
+- Every fp32 division is `tl.div_rn` (IEEE `div.rn.f32`; plain `/` lowers to the approximate
+  `div.full.f32`), with operands of one shape (div_rn does not broadcast on the GPU). The
+  quantizers have no a*b+c except in `e2m1_encode`, where the product is exact, so FMA
+  contraction cannot change a result. No fp32 op is flushed to zero (no .ftz in the PTX).
+
+This module imports triton: import it only where triton is available (the triton backend).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mxrl.formats import constants as C
+
+# --- fp32 constants, exact (rebuilt from bit patterns in formats.constants) -------------------
+E4M3_MAX: tl.constexpr = tl.constexpr(C.E4M3_MAX)
+FLT_MAX: tl.constexpr = tl.constexpr(C.FLT_MAX)
+RCP_448: tl.constexpr = tl.constexpr(C.RCP_448)
+RCP_6: tl.constexpr = tl.constexpr(C.RCP_6)
+NVFP4_NUMERATOR: tl.constexpr = tl.constexpr(C.NVFP4_GLOBAL_NUMERATOR)
+E8M0_MAX_CODE: tl.constexpr = tl.constexpr(C.E8M0_MAX_CODE)
+E8M0_NAN_CODE: tl.constexpr = tl.constexpr(C.E8M0_NAN_CODE)
+F32_2_POW_M127_BITS: tl.constexpr = tl.constexpr(C.F32_2_POW_M127_BITS)
+F32_HALF_SUBNORMAL: tl.constexpr = tl.constexpr(C.F32_HALF_SUBNORMAL)
+E4M3_NAN_CODE: tl.constexpr = tl.constexpr(C.E4M3_NAN_CODE)
+E4M3_MAX_BITS: tl.constexpr = tl.constexpr(0x43E00000)  # 448.0
+E4M3_MIN_NORMAL_BITS: tl.constexpr = tl.constexpr(0x3C800000)  # 2^-6
+# Subnormal E4M3 step is 2^-9: adding 2^14 (ulp 2^-9) rounds |v| < 2^-6 to a multiple of it.
+E4M3_SUBNORMAL_MAGIC: tl.constexpr = tl.constexpr(16384.0)
+E4M3_SUBNORMAL_MAGIC_BITS: tl.constexpr = tl.constexpr(0x46800000)
+# fp32 (exponent << 3 | top 3 mantissa bits) minus this = E4M3 code, for |v| >= 2^-6.
+E4M3_REBIAS: tl.constexpr = tl.constexpr((127 - 7) << 3)
+
+
+E2M1_MAX_BITS: tl.constexpr = tl.constexpr(0x40C00000)  # 6.0
+F32_NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000 as int32
+RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23: x + 2^23 rounds x in [0, 2^22] to int
+RNE_MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
+
+
+@triton.jit
+def load_tile(ptrs, mask, EVEN: tl.constexpr):
+    """Load (masked, 0 outside) unless the launcher proved the tile in bounds (EVEN)."""
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(ptrs, value, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def abs_nan_to_zero(x):
+    """|x| with NaN -> 0: the block amax of the kernels ignores NaN (spec §2.4)."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def amax_ignore_nan(x, axis, HW: tl.constexpr):
+    """max |x| along `axis`, NaN ignored (an all-NaN block gives 0), as the reference's
+    `block_amax`. On the GPU `tl.max` combines with max.f32, which already returns the non-NaN
+    operand, so only an all-NaN block needs fixing (per block, not per element); the
+    interpreter's np.maximum propagates NaN, so there NaN is zeroed element-wise first."""
+    if HW:
+        amax = tl.max(tl.abs(x), axis=axis)
+        return tl.where(amax != amax, 0.0, amax)
+    else:
+        return tl.max(abs_nan_to_zero(x), axis=axis)
+
+
+@triton.jit
+def ceil_e8m0(a):
+    """Smallest E8M0 code with 2^(code-127) >= a, fp32 a >= 0 and not NaN -> int32 (§2.2).
+
+    +Inf -> 254 (satfinite); 0 -> 0; the fp32-subnormal rule of TE/torchao."""
+    bits = a.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = tl.where(exponent == 0, mantissa > F32_HALF_SUBNORMAL, mantissa != 0)
+    code = exponent + round_up.to(tl.int32)
+    return tl.minimum(code, E8M0_MAX_CODE)
+
+
+@triton.jit
+def e8m0_reciprocal(code):
+    """Exact fp32 2^(127-code) for int32 code in 0..254 (§1.3 `exp2f_rcp`); 254 -> 2^-127."""
+    bits = tl.where(code == E8M0_MAX_CODE, F32_2_POW_M127_BITS, (E8M0_MAX_CODE - code) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_to_f32(code):
+    """fp32 2^(code-127) for int32 code in 0..254; code 0 -> 2^-127 (subnormal)."""
+    bits = tl.where(code == 0, F32_2_POW_M127_BITS, code << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_encode(v, HW: tl.constexpr):
+    """fp32 -> E4M3 byte (uint8): RNE, saturating to ±448, ±Inf -> ±448, NaN -> 0x7F."""
+    if HW:
+        # One cvt.rn.satfinite.e4m3x2.f32 per two values: it saturates finite overflow and
+        # ±Inf to ±448 and writes 0x7F for ±NaN (spec §1.5, verified on the H200), which is the
+        # reference's clamp -> cast -> canonical NaN. test_hardware_e4m3_cast_equals_exact_encoder
+        # checks it against the integer encoder on every bf16 value and 2^24 random fp32 ones.
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return e4m3_encode_exact(v)
+
+
+@triton.jit
+def e4m3_encode_exact(v):
+    """Integer E4M3 encoder: round to nearest even on the fp32 bit pattern, saturating."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    mag = tl.minimum(mag, E4M3_MAX_BITS)  # saturate (finite overflow and Inf) to 448
+    # Normal E4M3 (|v| >= 2^-6): drop 20 mantissa bits with RNE; a carry moves the exponent.
+    rounded = mag + 0x7FFFF + ((mag >> 20) & 1)
+    normal = (rounded >> 20) - E4M3_REBIAS
+    # Subnormal E4M3: one IEEE add rounds |v| to a multiple of 2^-9 (ties to even).
+    snapped = mag.to(tl.float32, bitcast=True) + E4M3_SUBNORMAL_MAGIC
+    subnormal = snapped.to(tl.int32, bitcast=True) - E4M3_SUBNORMAL_MAGIC_BITS
+    code = tl.where(mag >= E4M3_MIN_NORMAL_BITS, normal, subnormal) | sign
+    code = tl.where(is_nan, E4M3_NAN_CODE, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def e4m3_decode_nonneg(code):
+    """E4M3 code 0..0x7E (int32, sign bit clear) -> its exact fp32 value."""
+    normal_bits = ((code >> 3) + (127 - 7)) << 23 | ((code & 7) << 20)
+    normal = normal_bits.to(tl.float32, bitcast=True)
+    subnormal = (code & 7).to(tl.float32) * 0.001953125  # m * 2^-9, exact
+    return tl.where(code >= 8, normal, subnormal)
+
+
+@triton.jit
+def e2m1_encode(v):
+    """fp32 -> E2M1 code 0..15 (int32): RNE, saturating to ±6, sign of zero kept, NaN -> 0x7
+    (spec §1.5; the bins of `constants.E2M1_RNE_THRESHOLDS`).
+
+    The E2M1 grid has step 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]: with k = 0, 1, 2 for
+    those ranges (from |v|'s exponent), code = RNE(|v| * 2^(1-k)) + 2k, and the RNE of a value
+    in [0, 4] is one IEEE add of 2^23. |v| * 2^(1-k) is exact, so an FMA contraction of the
+    multiply and the add gives the same bits. |v| is saturated on its bit pattern (NaN and Inf
+    become 6.0 there, identically on the GPU and in the interpreter); the sign bit is set for
+    negative non-NaN values only (as int32 those are the bit patterns <= that of -Inf)."""
+    bits = v.to(tl.int32, bitcast=True)
+    mag_bits = tl.minimum(bits & 0x7FFFFFFF, E2M1_MAX_BITS)
+    k = tl.maximum((mag_bits >> 23) - 127, 0)  # 0, 1, 2 (mag <= 6)
+    step_inv = ((128 - k) << 23).to(tl.float32, bitcast=True)  # 2, 1, 0.5
+    snapped = mag_bits.to(tl.float32, bitcast=True) * step_inv + RNE_MAGIC
+    code = (snapped.to(tl.int32, bitcast=True) - RNE_MAGIC_BITS) + 2 * k
+    return tl.where(bits <= F32_NEG_INF_BITS, code | 0x8, code)
+
+
+@triton.jit
+def nvfp4_encode_scale(amax):
+    """S_enc = fl(2688 / amax) capped at FLT_MAX; 0 or Inf amax -> 1 (spec §3.2)."""
+    s_enc = tl.div_rn(tl.full(amax.shape, NVFP4_NUMERATOR, tl.float32), amax)
+    s_enc = tl.minimum(s_enc, FLT_MAX)
+    bad = (amax == 0.0) | (s_enc == 0.0)
+    return tl.where(bad, 1.0, s_enc)

@@ -1,0 +1,175 @@
+"""DeepSeek-V3-style block FP8 quantizer (Triton): 1 x bk activation blocks and bk x bk weight
+blocks. Matches `mxrl.formats.fp8_block.quantize_fp8_block` byte for byte (DeepGEMM, spec §5.2):
+  a = max(amax, 1e-4);  sf = fl(a / 448)   [ue8m0: sf = 2^clamp(ceil_e8m0(sf), 1, 254) - 127]
+  q = E4M3_satfinite(fl(x * fl(1 / sf)));  stored scale = sf (fp32 decode scale)
+
+Legend: x_MK [M, K] (1 x bk: per row); x_BRK [B, R, K] (bk x bk over the last two dims of each
+of B matrices; a partial last row-block takes its amax over the rows that exist, which equals
+the reference's zero padding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from mxrl.formats import constants as C
+from mxrl.kernels.triton_codecs import (
+    E4M3_MAX,
+    E8M0_MAX_CODE,
+    amax_ignore_nan,
+    ceil_e8m0,
+    e4m3_encode,
+    e8m0_to_f32,
+    load_tile,
+    store_tile,
+)
+
+AMAX_FLOOR: tl.constexpr = tl.constexpr(C.f32_from_bits(0x38D1B717))  # fl(1e-4)
+assert AMAX_FLOOR.value == torch.tensor(C.FP8_BLOCK_AMAX_FLOOR, dtype=torch.float32).item()
+
+# 1 x bk: ROWS rows of BLOCK_K columns per program; bk x bk: one block per program.
+DEFAULT_CONFIG = {"ROWS": 16, "BLOCK_K": 512, "num_warps": 4, "num_warps_2d": 8}
+SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+@triton.jit
+def _decode_scale(amax, UE8M0: tl.constexpr):
+    """Block amax (NaN already dropped) -> fp32 decode scale sf."""
+    sf = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
+    if UE8M0:
+        code = tl.maximum(ceil_e8m0(sf), 1)  # ceil_e8m0 already caps at 254
+        sf = e8m0_to_f32(tl.minimum(code, E8M0_MAX_CODE))
+    return sf
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_block_1d_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    UE8M0: tl.constexpr,
+    HW: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EVEN: tl.constexpr,
+    BK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
+    NUM_B: tl.constexpr = BLOCK_K // BK
+    blocks = tl.reshape(x, [ROWS, NUM_B, BK])
+    sf = _decode_scale(amax_ignore_nan(blocks, 2, HW), UE8M0)
+    rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
+    q = e4m3_encode(tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K]), HW)
+    store_tile(q_ptr + offs, q, mask, EVEN)
+    kb = tl.program_id(1) * NUM_B + tl.arange(0, NUM_B)
+    s_mask = (rows < M)[:, None] & (kb < K // BK)[None, :]
+    store_tile(s_ptr + rows[:, None] * (K // BK) + kb[None, :], sf, s_mask, EVEN)
+
+
+@triton.jit(do_not_specialize=["R", "NUM_RB"])
+def _fp8_block_2d_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    K,
+    NUM_RB,
+    UE8M0: tl.constexpr,
+    HW: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EVEN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_r = tl.program_id(0)  # batch * NUM_RB + row block
+    pid_k = tl.program_id(1)
+    batch = pid_r // NUM_RB
+    rb = pid_r % NUM_RB
+    rows = rb * BK + tl.arange(0, BK)
+    cols = pid_k * BK + tl.arange(0, BK)
+    base = batch * R
+    if INDEX_64:
+        base = base.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    offs = (base + rows)[:, None] * K + cols[None, :]
+    x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
+    amax = tl.max(amax_ignore_nan(x, 1, HW), axis=0)
+    sf = _decode_scale(amax, UE8M0)
+    rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
+    store_tile(q_ptr + offs, e4m3_encode(x * rcp, HW), mask, EVEN)
+    tl.store(s_ptr + pid_r * (K // BK) + pid_k, sf)
+
+
+def launch_fp8_block(
+    x_BRK: torch.Tensor,
+    block: tuple[int, int],
+    ue8m0: bool,
+    *,
+    hw: bool | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [B, R, K] u8, sf fp32 [B, ceil(R/br), K/bk]) for contiguous x_BRK [B, R, K].
+
+    block (1, bk): per-row blocks (B, R are just leading dims); (bk, bk): square blocks."""
+    assert x_BRK.dim() == 3 and x_BRK.is_contiguous(), (x_BRK.shape, x_BRK.stride())
+    br, bk = block
+    assert bk in SUPPORTED_BLOCK_SIZES and br in (1, bk), block
+    b, r, k = x_BRK.shape
+    assert k % bk == 0, (k, bk)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    dev = x_BRK.device
+    num_rb = triton.cdiv(r, br)
+    q = torch.empty((b, r, k), dtype=torch.uint8, device=dev)
+    sf = torch.empty((b, num_rb, k // bk), dtype=torch.float32, device=dev)
+    if q.numel() == 0:
+        return q, sf
+    hw = x_BRK.is_cuda if hw is None else hw
+    index_64 = x_BRK.numel() >= 2**31
+    if br == 1:
+        m = b * r
+        block_k = max(bk, cfg["BLOCK_K"])
+        rows = cfg["ROWS"]
+        grid = (triton.cdiv(m, rows), triton.cdiv(k, block_k))
+        wrap_triton(_fp8_block_1d_kernel)[grid](
+            x_BRK,
+            q,
+            sf,
+            m,
+            k,
+            UE8M0=ue8m0,
+            HW=hw,
+            INDEX_64=index_64,
+            EVEN=m % rows == 0 and k % block_k == 0,
+            BK=bk,
+            ROWS=rows,
+            BLOCK_K=block_k,
+            num_warps=cfg["num_warps"],
+        )
+    else:
+        grid = (b * num_rb, k // bk)
+        wrap_triton(_fp8_block_2d_kernel)[grid](
+            x_BRK,
+            q,
+            sf,
+            r,
+            k,
+            num_rb,
+            UE8M0=ue8m0,
+            HW=hw,
+            INDEX_64=index_64,
+            EVEN=r % bk == 0,
+            BK=bk,
+            num_warps=cfg["num_warps_2d"],
+        )
+    return q, sf

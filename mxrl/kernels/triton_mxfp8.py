@@ -1,0 +1,135 @@
+"""MXFP8 quantizer (Triton): row-wise and column-wise copies from one read of the input.
+
+Matches `mxrl.formats.mxfp8.quantize_mxfp8` with scale_mode="rceil" byte for byte:
+  code = ceil_e8m0(amax * fl(1/448));  q = E4M3_satfinite(x * 2^(127 - code))   (spec §2.2-§2.3)
+row-wise: 1x32 blocks along K, scales [M, K/32]; column-wise: 32x1 blocks along M, scales
+[M/32, K]; both data tensors keep x's [M, K] layout (TE, spec §2.1).
+
+Legend: x_MK the input viewed as [M, K] (K contiguous); one program quantizes a
+[BLOCK_M, BLOCK_K] tile, BLOCK_M a multiple of 32 when the column-wise copy is produced, so that
+one load serves both copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from mxrl.kernels.triton_codecs import (
+    RCP_448,
+    amax_ignore_nan,
+    ceil_e8m0,
+    e4m3_encode,
+    e8m0_reciprocal,
+    load_tile,
+    store_tile,
+)
+
+MX_BLOCK: tl.constexpr = tl.constexpr(32)
+
+# (BLOCK_M, BLOCK_K, num_warps); `benchmarks/quantize.py --sweep` measures alternatives.
+DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 4}
+
+
+@triton.jit(do_not_specialize=["M"])  # M only bounds masks: one compile for all row counts
+def _mxfp8_kernel(
+    x_ptr,
+    q_row_ptr,
+    s_row_ptr,
+    q_col_ptr,
+    s_col_ptr,
+    M,
+    K,
+    ROWWISE: tl.constexpr,
+    COLWISE: tl.constexpr,
+    HW: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
+
+    if ROWWISE:
+        NUM_KB: tl.constexpr = BLOCK_K // MX_BLOCK
+        amax = amax_ignore_nan(tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]), 2, HW)
+        code = ceil_e8m0(amax * RCP_448)
+        scaled = tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]) * e8m0_reciprocal(code)[:, :, None]
+        q = e4m3_encode(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), HW)
+        store_tile(q_row_ptr + offs, q, mask, EVEN)
+        kb = pid_k * NUM_KB + tl.arange(0, NUM_KB)
+        s_mask = (rows < M)[:, None] & (kb < K // MX_BLOCK)[None, :]
+        s_offs = rows[:, None] * (K // MX_BLOCK) + kb[None, :]
+        store_tile(s_row_ptr + s_offs, code.to(tl.uint8), s_mask, EVEN)
+
+    if COLWISE:
+        NUM_MB: tl.constexpr = BLOCK_M // MX_BLOCK
+        amax_c = amax_ignore_nan(tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]), 1, HW)
+        code_c = ceil_e8m0(amax_c * RCP_448)
+        scaled_c = tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]) * e8m0_reciprocal(code_c)[:, None, :]
+        q_c = e4m3_encode(tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]), HW)
+        store_tile(q_col_ptr + offs, q_c, mask, EVEN)
+        mb = pid_m * NUM_MB + tl.arange(0, NUM_MB)
+        if INDEX_64:
+            mb = mb.to(tl.int64)
+        sc_mask = (mb < M // MX_BLOCK)[:, None] & (cols < K)[None, :]
+        store_tile(s_col_ptr + mb[:, None] * K + cols[None, :], code_c.to(tl.uint8), sc_mask, EVEN)
+
+
+def launch_mxfp8(
+    x_MK: torch.Tensor,
+    rowwise: bool,
+    colwise: bool,
+    *,
+    hw: bool | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_row [M, K] u8, s_row [M, K/32] u8, q_col [M, K] u8, s_col [M/32, K] u8); a copy
+    not asked for comes back as an empty tensor. x_MK: contiguous 2-D fp32/bf16/fp16."""
+    assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
+    assert rowwise or colwise
+    m, k = x_MK.shape
+    assert k % 32 == 0 and (not colwise or m % 32 == 0), (m, k)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    assert block_m % 32 == 0 and block_k % 32 == 0, cfg
+    dev = x_MK.device
+
+    def out(shape, wanted):
+        return torch.empty(shape if wanted else (0,), dtype=torch.uint8, device=dev)
+
+    q_row, s_row = out((m, k), rowwise), out((m, k // 32), rowwise)
+    q_col, s_col = out((m, k), colwise), out((m // 32, k), colwise)
+    if m == 0 or k == 0:
+        return q_row, s_row, q_col, s_col
+    # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    wrap_triton(_mxfp8_kernel)[grid](
+        x_MK,
+        q_row if rowwise else dummy,
+        s_row if rowwise else dummy,
+        q_col if colwise else dummy,
+        s_col if colwise else dummy,
+        m,
+        k,
+        ROWWISE=rowwise,
+        COLWISE=colwise,
+        HW=x_MK.is_cuda if hw is None else hw,
+        INDEX_64=x_MK.numel() >= 2**31,
+        EVEN=m % block_m == 0 and k % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )
+    return q_row, s_row, q_col, s_col

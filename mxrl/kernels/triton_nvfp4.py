@@ -1,0 +1,285 @@
+"""NVFP4 quantizer (Triton): per-token fused, per-tensor (global amax pass + quantize pass), or
+with a caller's global amax. Matches `mxrl.formats.nvfp4.quantize_nvfp4` (scale_mode="te") byte
+for byte, in TransformerEngine's operation order (spec §3.2-§3.4):
+  S_enc = fl(2688 / amax) (0/Inf amax -> 1, cap FLT_MAX);  S_dec = fl(1 / S_enc)
+  t     = fl(b_amax * fl(S_enc * fl(1/6)));  s = E4M3_satfinite(min(t, FLT_MAX))
+  enc   = min(fl(1 / fl(s * S_dec)), FLT_MAX);  q = E2M1_satfinite(fl(x * enc))
+Outputs: packed E2M1 [M, K/2] (even element in the low nibble), E4M3 block scales [M, K/16],
+S_enc per row [M] (per token) or one fp32 (per tensor).
+
+Legend: x_MK the input viewed as [M, K]; one program owns ROWS whole rows. A row's amax must be
+known before its first block is scaled: when K fits one tile (BLOCK_K >= K) the row stays in
+registers (one read of x); otherwise the program reads its rows twice (the second read mostly
+from L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from mxrl.kernels.triton_codecs import (
+    FLT_MAX,
+    RCP_6,
+    abs_nan_to_zero,
+    amax_ignore_nan,
+    e2m1_encode,
+    e4m3_decode_nonneg,
+    e4m3_encode,
+    load_tile,
+    nvfp4_encode_scale,
+    store_tile,
+)
+
+NV_BLOCK: tl.constexpr = tl.constexpr(16)
+GS_NONE: tl.constexpr = tl.constexpr(0)
+GS_PER_ROW: tl.constexpr = tl.constexpr(1)
+GS_SCALAR: tl.constexpr = tl.constexpr(2)
+
+# Rows in registers up to this many elements per program; larger K loops over the row twice.
+DEFAULT_CONFIG = {"TILE_ELEMS": 8192, "LOOP_BLOCK_K": 4096, "num_warps": 4}
+AMAX_CONFIG = {"BLOCK": 4096, "num_warps": 8, "programs_per_sm": 8}
+
+
+@triton.jit
+def _block_amax(x, HW, ROWS, BLOCK_K):
+    return amax_ignore_nan(tl.reshape(x, [ROWS, BLOCK_K // NV_BLOCK, NV_BLOCK]), 2, HW)
+
+
+@triton.jit
+def _quantize_tile(
+    x, b_amax, rows, row_mask, k0, K, s_enc_6, s_dec, q_ptr, s_ptr, HW, EVEN, ROWS, BLOCK_K
+):
+    """x [ROWS, BLOCK_K] fp32 (columns k0 .. k0 + BLOCK_K of its rows) and its block amax
+    [ROWS, BLOCK_K / 16] -> packed data and block scales."""
+    NUM_B: tl.constexpr = BLOCK_K // NV_BLOCK
+    blocks = tl.reshape(x, [ROWS, NUM_B, NV_BLOCK])
+    t = tl.minimum(b_amax * s_enc_6[:, None], FLT_MAX)
+    s_code = e4m3_encode(t, HW)
+    s_block = e4m3_decode_nonneg(s_code.to(tl.int32))
+    enc = tl.minimum(
+        tl.div_rn(tl.full(t.shape, 1.0, tl.float32), s_block * s_dec[:, None]), FLT_MAX
+    )
+    codes = e2m1_encode(blocks * enc[:, :, None])
+    lo, hi = tl.split(tl.reshape(codes, [ROWS, BLOCK_K // 2, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+
+    half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    q_mask = row_mask[:, None] & (half < K // 2)[None, :]
+    store_tile(q_ptr + rows[:, None] * (K // 2) + half[None, :], packed, q_mask, EVEN)
+    kb = k0 // NV_BLOCK + tl.arange(0, NUM_B)
+    s_mask = row_mask[:, None] & (kb < K // NV_BLOCK)[None, :]
+    store_tile(s_ptr + rows[:, None] * (K // NV_BLOCK) + kb[None, :], s_code, s_mask, EVEN)
+
+
+@triton.jit(do_not_specialize=["M", "amax_stride"])
+def _nvfp4_kernel(
+    x_ptr,
+    amax_ptr,
+    amax_stride,
+    q_ptr,
+    s_ptr,
+    gs_ptr,
+    M,
+    K,
+    PER_TOKEN: tl.constexpr,
+    WRITE_GS: tl.constexpr,
+    HW: tl.constexpr,
+    INDEX_64: tl.constexpr,
+    EVEN: tl.constexpr,
+    SINGLE_TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    if INDEX_64:
+        rows = rows.to(tl.int64)
+    row_mask = rows < M
+    cols = tl.arange(0, BLOCK_K)
+
+    if SINGLE_TILE:
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        x = load_tile(x_ptr + rows[:, None] * K + cols[None, :], mask, EVEN).to(tl.float32)
+        b_amax = _block_amax(x, HW, ROWS, BLOCK_K)
+        if PER_TOKEN:
+            row_amax = tl.max(b_amax, axis=1)  # no NaN left in b_amax
+        else:
+            row_amax = load_tile(amax_ptr + rows * amax_stride, row_mask, EVEN)
+    else:
+        if PER_TOKEN:
+            row_amax = tl.zeros([ROWS], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                c = k0 + cols
+                mask = row_mask[:, None] & (c < K)[None, :]
+                xk = load_tile(x_ptr + rows[:, None] * K + c[None, :], mask, EVEN)
+                row_amax = tl.maximum(row_amax, amax_ignore_nan(xk.to(tl.float32), 1, HW))
+        else:
+            row_amax = load_tile(amax_ptr + rows * amax_stride, row_mask, EVEN)
+
+    s_enc = nvfp4_encode_scale(row_amax)
+    s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
+    s_enc_6 = s_enc * RCP_6
+    if WRITE_GS == GS_PER_ROW:
+        store_tile(gs_ptr + rows, s_enc, row_mask, EVEN)
+    if WRITE_GS == GS_SCALAR:
+        tl.store(gs_ptr + rows * 0, s_enc, mask=rows == 0)
+
+    if SINGLE_TILE:
+        _quantize_tile(
+            x, b_amax, rows, row_mask, 0, K, s_enc_6, s_dec, q_ptr, s_ptr, HW, EVEN, ROWS, BLOCK_K
+        )
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            c = k0 + cols
+            mask = row_mask[:, None] & (c < K)[None, :]
+            xk = load_tile(x_ptr + rows[:, None] * K + c[None, :], mask, EVEN).to(tl.float32)
+            _quantize_tile(
+                xk,
+                _block_amax(xk, HW, ROWS, BLOCK_K),
+                rows,
+                row_mask,
+                k0,
+                K,
+                s_enc_6,
+                s_dec,
+                q_ptr,
+                s_ptr,
+                HW,
+                EVEN,
+                ROWS,
+                BLOCK_K,
+            )
+
+
+@triton.jit(do_not_specialize=["N", "ITERS"])
+def _amax_kernel(
+    x_ptr, amax_bits_ptr, N, ITERS, HW: tl.constexpr, BLOCK: tl.constexpr, INDEX_64: tl.constexpr
+):
+    """max |x| over the whole tensor, NaN ignored, as fp32 bits in one int32 (atomic max:
+    non-negative floats order like their bit patterns; max is order-independent)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    if INDEX_64:
+        pid = pid.to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for it in range(0, ITERS):
+        offs = (it * num_programs + pid) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        if HW:
+            acc = tl.maximum(acc, tl.abs(x))  # max.f32 returns the non-NaN operand
+        else:
+            acc = tl.maximum(acc, abs_nan_to_zero(x))
+    tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["N"])
+def _encode_scale_kernel(amax_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    amax = tl.load(amax_ptr + offs, mask=offs < N, other=0.0)
+    tl.store(out_ptr + offs, nvfp4_encode_scale(amax), mask=offs < N)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: few programs, each loops
+
+
+def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
+    """fp32 [] global max |x| (NaN ignored)."""
+    assert x_MK.is_contiguous()
+    bits = torch.zeros((), dtype=torch.int32, device=x_MK.device)
+    n = x_MK.numel()
+    if n:
+        cfg = AMAX_CONFIG
+        num_blocks = triton.cdiv(n, cfg["BLOCK"])
+        programs = min(num_blocks, _num_sms(x_MK.device) * cfg["programs_per_sm"])
+        wrap_triton(_amax_kernel)[(programs,)](
+            x_MK,
+            bits,
+            n,
+            triton.cdiv(num_blocks, programs),
+            HW=x_MK.is_cuda,
+            BLOCK=cfg["BLOCK"],
+            INDEX_64=n >= 2**31,
+            num_warps=cfg["num_warps"],
+        )
+    return bits.view(torch.float32)
+
+
+def launch_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc (§3.2) element-wise, same shape as `amax` (fp32, contiguous)."""
+    assert amax.dtype == torch.float32 and amax.is_contiguous()
+    out = torch.empty_like(amax)
+    n = amax.numel()
+    if n:
+        block = 1024
+        wrap_triton(_encode_scale_kernel)[(triton.cdiv(n, block),)](amax, out, n, BLOCK=block)
+    return out
+
+
+def launch_nvfp4(
+    x_MK: torch.Tensor,
+    amax: torch.Tensor | None,
+    *,
+    write_global_scale: bool = True,
+    hw: bool | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed [M, K/2] u8, block scales [M, K/16] u8, S_enc) for x_MK contiguous [M, K].
+
+    amax None: per token (S_enc [M]). amax fp32 [] (one for the tensor: S_enc []) or [M] (one per
+    row; S_enc [M] when write_global_scale, else an empty tensor)."""
+    assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
+    m, k = x_MK.shape
+    assert k % 16 == 0, k
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    dev = x_MK.device
+    per_token = amax is None
+    if per_token:
+        gs = torch.empty((m,), dtype=torch.float32, device=dev)
+        gs_mode, amax_arg, amax_stride = 1, gs, 0
+    else:
+        assert amax.dtype == torch.float32 and amax.is_contiguous() and amax.numel() in (1, m)
+        scalar = amax.dim() == 0
+        amax_arg, amax_stride = amax, 0 if scalar else 1
+        if scalar:
+            gs, gs_mode = torch.empty((), dtype=torch.float32, device=dev), 2
+        elif write_global_scale:
+            gs, gs_mode = torch.empty((m,), dtype=torch.float32, device=dev), 1
+        else:
+            gs, gs_mode = torch.empty((0,), dtype=torch.float32, device=dev), 0
+    q = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    s = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+    if m == 0 or k == 0:
+        if gs_mode == 2:
+            gs = launch_encode_scale(amax)
+        return q, s, gs
+
+    # One tile width for all narrow rows (fewer compiles; masked lanes cost little there).
+    k_pow2 = max(256, triton.next_power_of_2(k))
+    single = k_pow2 <= cfg["TILE_ELEMS"]
+    block_k = k_pow2 if single else cfg["LOOP_BLOCK_K"]
+    rows = max(1, cfg["TILE_ELEMS"] // block_k) if single else 1
+    wrap_triton(_nvfp4_kernel)[(triton.cdiv(m, rows),)](
+        x_MK,
+        amax_arg,
+        amax_stride,
+        q,
+        s,
+        gs if gs_mode else q,
+        m,
+        k,
+        PER_TOKEN=per_token,
+        WRITE_GS=gs_mode,
+        HW=x_MK.is_cuda if hw is None else hw,
+        INDEX_64=x_MK.numel() >= 2**31,
+        EVEN=m % rows == 0 and k % block_k == 0,
+        SINGLE_TILE=single,
+        ROWS=rows,
+        BLOCK_K=block_k,
+        num_warps=cfg["num_warps"],
+    )
+    return q, s, gs

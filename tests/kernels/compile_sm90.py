@@ -1,0 +1,99 @@
+"""Compile the kernels for sm_90 without a GPU and report what the PTX holds.
+
+Run as a script (in a process where TRITON_INTERPRET is unset, so triton.jit builds real
+kernels): prints one JSON object {kernel name: {instruction class: count}}. Used by
+test_compile_sm90.py; also handy by hand:
+
+    python -m tests.kernels.compile_sm90
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+PATTERNS = {
+    "cvt_e4m3_satfinite": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+    "div_rn_f32": r"div\.rn\.f32",
+    "div_approx": r"div\.(full|approx)",
+    "rcp_approx": r"rcp\.approx",
+    "ftz": r"\.ftz",
+    "fma_f32": r"\bfma\.rn\.f32",
+}
+
+
+def _variants():
+    from mxrl.kernels import triton_fp8_block as fb
+    from mxrl.kernels import triton_mxfp8 as mx
+    from mxrl.kernels import triton_nvfp4 as nv
+
+    common = {"HW": True, "INDEX_64": False, "EVEN": True}
+    mx_sig = ["x_ptr:*bf16", "q_row_ptr:*u8", "s_row_ptr:*u8", "q_col_ptr:*u8", "s_col_ptr:*u8"]
+    nv_sig = ["x_ptr:*bf16", "amax_ptr:*fp32", "amax_stride:i32", "q_ptr:*u8", "s_ptr:*u8"]
+    nv_sig += ["gs_ptr:*fp32"]
+    fb_sig = ["x_ptr:*bf16", "q_ptr:*u8", "s_ptr:*fp32"]
+    nv_const = {"PER_TOKEN": True, "WRITE_GS": 1, "ROWS": 1, **common}
+    yield (
+        "mxfp8_row_col",
+        mx._mxfp8_kernel,
+        [*mx_sig, "M:i32", "K:i32"],
+        {"ROWWISE": True, "COLWISE": True, "BLOCK_M": 32, "BLOCK_K": 256, **common},
+        4,
+    )
+    yield (
+        "nvfp4_per_token",
+        nv._nvfp4_kernel,
+        [*nv_sig, "M:i32", "K:i32"],
+        {**nv_const, "SINGLE_TILE": True, "BLOCK_K": 8192},
+        4,
+    )
+    yield (
+        "nvfp4_two_pass",
+        nv._nvfp4_kernel,
+        [*nv_sig, "M:i32", "K:i32"],
+        {**nv_const, "SINGLE_TILE": False, "BLOCK_K": 4096},
+        4,
+    )
+    yield (
+        "fp8_block_1x128",
+        fb._fp8_block_1d_kernel,
+        [*fb_sig, "M:i32", "K:i32"],
+        {"UE8M0": False, "BK": 128, "ROWS": 16, "BLOCK_K": 512, **common},
+        4,
+    )
+    yield (
+        "fp8_block_128x128_ue8m0",
+        fb._fp8_block_2d_kernel,
+        [*fb_sig, "R:i32", "K:i32", "NUM_RB:i32"],
+        {"UE8M0": True, "BK": 128, **common},
+        8,
+    )
+
+
+def compile_all() -> dict[str, dict[str, int]]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    report = {}
+    for name, fn, args, constexprs, num_warps in _variants():
+        signature = dict(a.split(":") for a in args)
+        signature.update({k: "constexpr" for k in constexprs})
+        names = [n for n in fn.arg_names if n in signature]
+        signature = {n: signature[n] for n in names}
+        aligned = {
+            (names.index(n),): [["tt.divisibility", 16]]
+            for n, t in signature.items()
+            if t.startswith("*") or n in ("M", "K", "R")
+        }
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        ptx = triton.compile(src, target=target, options={"num_warps": num_warps}).asm["ptx"]
+        report[name] = {key: len(re.findall(p, ptx)) for key, p in PATTERNS.items()}
+    return report
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+    print(json.dumps(compile_all()))

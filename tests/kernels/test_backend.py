@@ -1,0 +1,136 @@
+"""Backend selection rules (house style 5) and the reference dispatch; no triton needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mxrl import kernels
+from mxrl.formats import quantize as reference_quantize
+from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import backend as backend_mod
+from tests import cases
+from tests.numerics import assert_qtensor_bytes_equal
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_backend_values():
+    assert [b.value for b in Backend] == ["reference", "triton"]
+    assert Backend("triton") is Backend.TRITON
+
+
+def test_cpu_default_is_reference(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    assert select_backend(device="cpu") is Backend.REFERENCE
+    assert select_backend(None, torch.device("cpu")) is Backend.REFERENCE
+
+
+def test_cuda_default_is_triton_when_importable(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_backend(device="cuda") is Backend.TRITON
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: False)
+    assert select_backend(device="cuda") is Backend.REFERENCE
+
+
+def test_default_device_follows_cuda_availability(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_backend() is Backend.REFERENCE
+
+
+def test_reference_always_allowed(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: False)
+    assert select_backend("reference", "cpu") is Backend.REFERENCE
+    assert select_backend(Backend.REFERENCE, "cuda") is Backend.REFERENCE
+
+
+def test_triton_without_triton_names_the_package(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="triton package"):
+        select_backend("triton", "cuda")
+
+
+def test_triton_on_cpu_names_cuda(monkeypatch, no_interpreter):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("triton", "cpu")
+
+
+def test_triton_on_cuda_without_cuda(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        select_backend("triton", "cuda")
+
+
+def test_triton_on_cpu_allowed_under_interpreter(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("triton", "cpu") is Backend.TRITON
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="'reference', 'triton'"):
+        select_backend("cutlass")
+
+
+def test_quantize_on_cpu_is_the_reference():
+    x = cases.randn((64, 128), torch.bfloat16, seed=1)
+    for fmt, kw in (("mxfp8", {}), ("nvfp4", {"per_token": True}), ("fp8_block", {})):
+        got = kernels.quantize(x, fmt, **kw)
+        assert_qtensor_bytes_equal(got, reference_quantize(x, fmt, **kw), fmt)
+    row, col = kernels.quantize_mxfp8_both(x)
+    assert_qtensor_bytes_equal(row, reference_quantize(x, "mxfp8"), "row")
+    assert_qtensor_bytes_equal(col, reference_quantize(x, "mxfp8", axis=0), "col")
+
+
+def test_reference_backend_keeps_comparison_modes():
+    x = cases.randn((32, 64), torch.float32, seed=2)
+    got = kernels.quantize(x, "mxfp8", scale_mode="floor", backend="reference")
+    assert_qtensor_bytes_equal(got, reference_quantize(x, "mxfp8", scale_mode="floor"))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "kwargs", "match"),
+    [
+        ("mxfp8", {"scale_mode": "floor"}, "use backend 'reference'"),
+        ("nvfp4", {"scale_mode": "torchao"}, "use backend 'reference'"),
+        ("fp8_block", {"block": (1, 96)}, "other block sizes"),
+        ("mxfp8", {"axis": 0}, "block along the last dim or dim -2"),
+    ],
+)
+def test_triton_rejects_comparison_modes_before_any_kernel(monkeypatch, fmt, kwargs, match):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.zeros((32, 32, 192), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        kernels.quantize(x, fmt, backend="triton", **kwargs)
+
+
+def test_triton_backend_validates_like_the_reference(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        kernels.quantize(torch.zeros(4, 48), "mxfp8", backend="triton")
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        kernels.quantize(torch.zeros(4, 40), "nvfp4", backend="triton")
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.quantize(torch.ones(4, 32), "nvfp4", global_amax=torch.ones(3, 1), backend="triton")
+    with pytest.raises(ValueError, match="non-finite"):
+        bad = torch.tensor([[float("nan")] * 32])
+        kernels.quantize(bad, "mxfp8", check_finite=True, backend="triton")
+    with pytest.raises(ValueError, match=r"\[\.\.\., M, K\]"):
+        kernels.quantize_mxfp8_both(torch.zeros(64), backend="triton")
+
+
+def test_importing_kernels_does_not_import_triton():
+    code = "import sys, mxrl.kernels, mxrl.kernels.api; assert 'triton' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

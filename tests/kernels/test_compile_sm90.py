@@ -1,0 +1,64 @@
+"""The kernels compile for sm_90 (no GPU needed: Triton lowers to PTX on the CPU) and the PTX
+holds what the bit-exactness argument relies on (mxrl/kernels/triton_codecs.py): the satfinite
+E4M3 cvt, IEEE `div.rn.f32` for every division, no approximate division or reciprocal, no
+flush-to-zero. Skipped without triton (CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.kernels.conftest import TRITON_IMPORTABLE
+
+pytestmark = pytest.mark.skipif(not TRITON_IMPORTABLE, reason="needs triton")
+
+
+@pytest.fixture(scope="module")
+def ptx_report() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.compile_sm90"],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_kernel_compiles_for_sm90(ptx_report):
+    assert set(ptx_report) == {
+        "mxfp8_row_col",
+        "nvfp4_per_token",
+        "nvfp4_two_pass",
+        "fp8_block_1x128",
+        "fp8_block_128x128_ue8m0",
+    }
+
+
+def test_e4m3_is_the_satfinite_cvt(ptx_report):
+    for name, counts in ptx_report.items():
+        assert counts["cvt_e4m3_satfinite"] > 0, name
+
+
+def test_divisions_are_ieee_and_nothing_flushes(ptx_report):
+    for name, counts in ptx_report.items():
+        assert counts["div_approx"] == 0, name
+        assert counts["rcp_approx"] == 0, name
+        assert counts["ftz"] == 0, name
+    for name in ("nvfp4_per_token", "nvfp4_two_pass", "fp8_block_1x128"):
+        assert ptx_report[name]["div_rn_f32"] > 0, name
+
+
+def test_fma_only_where_exact(ptx_report):
+    """Only e2m1_encode may contract (its product is exact): no FMA elsewhere."""
+    for name, counts in ptx_report.items():
+        if not name.startswith("nvfp4"):
+            assert counts["fma_f32"] == 0, name
