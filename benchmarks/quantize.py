@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from common import (
     REPO_ROOT,
+    TIMING,
     bench_ms,
     copy_bandwidth,
     ensure_repo_on_path,
@@ -295,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         want = case.reference(x)
         check_exact(case.name, case.run(x), want)
         ms = bench_ms(lambda c=case: c.run(x), quick=args.quick)
+        timing = TIMING["method"]
+        ms_eager = bench_ms(lambda c=case: c.run(x), quick=args.quick, graph=False)
         row = {
             "kernel": case.name,
             "shape": [m, k],
@@ -304,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
             "passes_over_input": case.passes_over_input,
             "ms": ms,
             "gbps": gbps(case.num_bytes, ms),
+            "timing": timing,
+            "ms_eager_launch": ms_eager,  # with Python launch overhead, for context
         }
         row["ratio_to_copy"] = row["gbps"] / copy["gbps"]
         row.update(_torchao_row(case, x, ms, baselines, torchao_missing, args.quick))
@@ -323,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ratio_to_copy", "x copy", ".2f"),
         ("torchao_gbps", "torchao GB/s", ".0f"),
         ("ratio_to_torchao", "x torchao", ".2f"),
+        ("ms_eager_launch", "eager ms", ".3f"),
         ("reference_ms", "reference ms", ".2f"),
     ]
     print(f"\n{env['device']}  torch {env['torch']}  triton {env['triton']}  input {m}x{k} bf16")
