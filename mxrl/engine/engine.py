@@ -23,6 +23,7 @@ from mxrl.engine.sampler import sample
 from mxrl.engine.weights import WeightRecord, content_hash, export_weights
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
+from mxrl.kernels import Backend, select_backend
 from mxrl.models import CausalLM, ModelConfig
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
@@ -36,6 +37,8 @@ class Engine:
     model: the trainer's CausalLM (master weights); only its config and its weights (exported
       once, through `export_weights`) are used. recipe: preset name, YAML path, Recipe or a
       resolved Plan. tile: tokens per fixed-shape tile (batch invariance, see engine/modules.py).
+      backend: the activation quantizer ("reference" | "triton"), chosen once for `device`
+      (default: triton on CUDA when available); every backend writes the same bytes.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class Engine:
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int = 32,
+        backend: Backend | str | None = None,
     ) -> None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
@@ -57,6 +61,7 @@ class Engine:
             compute_dtype,
             weight_dtype,
             tile,
+            backend,
         )
         records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
         self.load_weights(records, self.plan.hash())
@@ -72,11 +77,14 @@ class Engine:
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int = 32,
+        backend: Backend | str | None = None,
     ) -> Engine:
         """An engine that never saw master weights: a config, a plan and exported records
         (a converted checkpoint, a first sync), verified by `load_weights`."""
         engine = cls.__new__(cls)
-        engine._setup(config, plan, torch.device(device), compute_dtype, weight_dtype, tile)
+        engine._setup(
+            config, plan, torch.device(device), compute_dtype, weight_dtype, tile, backend
+        )
         engine.load_weights(records, plan.hash())
         return engine
 
@@ -87,8 +95,9 @@ class Engine:
         plan, config, records = read_quantized_checkpoint(path)
         return cls.from_records(ModelConfig.from_hf(config), plan, records, **kwargs)
 
-    def _setup(self, config, plan, device, compute_dtype, weight_dtype, tile) -> None:
+    def _setup(self, config, plan, device, compute_dtype, weight_dtype, tile, backend) -> None:
         self.config, self.plan, self.device = config, plan, device
+        self.backend = select_backend(backend, device)  # chosen once for the engine's device
         self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
@@ -104,9 +113,9 @@ class Engine:
                     "gate_up": self.plan[f"{name}.gate_up_proj"],
                     "down": self.plan[f"{name}.down_proj"],
                 }
-                new = RolloutExperts(module, specs, self.compute_dtype, self.tile)
+                new = RolloutExperts(module, specs, self.compute_dtype, self.tile, self.backend)
             elif isinstance(module, nn.Linear):
-                new = RolloutLinear(self.plan[f"{name}.weight"], self.compute_dtype)
+                new = RolloutLinear(self.plan[f"{name}.weight"], self.compute_dtype, self.backend)
             else:
                 continue
             parent, _, child = name.rpartition(".")

@@ -16,6 +16,7 @@ from torch import nn
 
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
+from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
 from mxrl.recipe import TensorSpec
@@ -36,10 +37,11 @@ class RolloutLinear(nn.Module):
     """A projection holding what the engine received: a QTensor (plus the materialised GEMM
     operand) or a high-precision weight; the same emulated GEMM as the trainer's QLinear."""
 
-    def __init__(self, spec: TensorSpec, compute_dtype: torch.dtype) -> None:
+    def __init__(self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend) -> None:
         super().__init__()
         self.spec = spec
         self.compute_dtype = compute_dtype
+        self.backend = backend
         self.qweight: QTensor | None = None
         self.wq: QuantizedWeight | None = None
         self.weight: torch.Tensor | None = None
@@ -53,7 +55,7 @@ class RolloutLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wq is not None:
-            y = emulated_matmul(x.float(), self.wq, self.spec)[0].to(x.dtype)
+            y = emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
         else:
             assert self.weight is not None, f"{self.spec.name}: no weights loaded"
             y = F.linear(x, self.weight)
@@ -64,8 +66,16 @@ class RolloutExperts(nn.Module):
     """Grouped experts holding per-projection QTensors or weights; each expert's token group is
     tiled so that expert GEMM shapes never depend on how many tokens the batch routed there."""
 
-    def __init__(self, experts: GroupedExperts, specs: dict[str, TensorSpec], dtype, tile: int):
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        specs: dict[str, TensorSpec],
+        dtype: torch.dtype,
+        tile: int,
+        backend: Backend,
+    ) -> None:
         super().__init__()
+        self.backend = backend
         self.num_experts = experts.num_experts
         self.specs = specs
         self.compute_dtype = dtype
@@ -80,7 +90,8 @@ class RolloutExperts(nn.Module):
     def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         v = self.values[which]
         if isinstance(v, QuantizedWeight):
-            return emulated_matmul(x.float(), v.for_expert(e), self.specs[which])[0].to(x.dtype)
+            y = emulated_matmul(x.float(), v.for_expert(e), self.specs[which], self.backend)[0]
+            return y.to(x.dtype)
         assert v is not None, f"{self.specs[which].name}: no weights loaded"
         return F.linear(x, v[e])
 

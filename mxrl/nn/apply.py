@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from mxrl.formats.constants import Format
+from mxrl.kernels import Backend, select_backend
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.recipe import Plan, TensorSpec
@@ -27,10 +29,15 @@ class Swap:
     formats: tuple[str, ...]
 
 
-def apply_plan(model: nn.Module, plan: Plan) -> list[Swap]:
+def apply_plan(model: nn.Module, plan: Plan, *, backend: Backend | str | None = None) -> list[Swap]:
     """Replace nn.Linear by QLinear and GroupedExperts by QExperts wherever the plan gives a
-    quantized format; bf16 tensors keep their high-precision modules. Returns what was swapped."""
+    quantized format; bf16 tensors keep their high-precision modules. Returns what was swapped.
+
+    backend: the quantizer implementation, chosen here once for the model's device
+    (`mxrl.kernels.select_backend`: triton on CUDA when available, the reference on the CPU)."""
     params = dict(model.named_parameters())
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    chosen = select_backend(backend, device)
     _check_names(params, plan)
     canonical = {id(p): name for name, p in params.items()}
     swaps: list[Swap] = []
@@ -41,7 +48,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> list[Swap]:
             gu, down = plan[f"{name}.gate_up_proj"], plan[f"{name}.down_proj"]
             if gu.format is Format.BF16 and down.format is Format.BF16:
                 continue
-            _replace(model, name, QExperts.from_experts(module, gu, down, plan.backward))
+            _replace(model, name, QExperts.from_experts(module, gu, down, plan.backward, chosen))
             swaps.append(Swap(name, "QExperts", (gu.name, down.name), (gu.format, down.format)))
         elif isinstance(module, nn.Linear):
             spec = plan[canonical[id(module.weight)]]
@@ -52,7 +59,7 @@ def apply_plan(model: nn.Module, plan: Plan) -> list[Swap]:
                     f"{name}.weight is tied to {spec.name}, which the plan makes {spec.format}; "
                     "a tied weight cannot be quantized for one use only: keep it bf16"
                 )
-            _replace(model, name, QLinear.from_linear(module, spec, plan.backward))
+            _replace(model, name, QLinear.from_linear(module, spec, plan.backward, chosen))
             swaps.append(Swap(name, "QLinear", (spec.name,), (spec.format,)))
     _check_unsupported(model, plan, canonical)
     _link_fuse_partners(model)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from mxrl.formats.constants import Format
+from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
@@ -32,24 +33,33 @@ class QLinear(nn.Linear):
         spec: TensorSpec,
         backward: Backward | str,
         *,
+        backend: Backend = Backend.REFERENCE,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.spec = spec
         self.backward_mode = Backward(backward)
+        self.backend = Backend(backend)
         _check_mode(spec, self.backward_mode)
         self._cache = WeightCache()
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: TensorSpec, backward: Backward | str) -> QLinear:
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        spec: TensorSpec,
+        backward: Backward | str,
+        backend: Backend = Backend.REFERENCE,
+    ) -> QLinear:
         q = cls(
             linear.in_features,
             linear.out_features,
             linear.bias is not None,
             spec,
             backward,
+            backend=backend,
             device="meta",
         )
         q.weight = linear.weight
@@ -67,18 +77,24 @@ class QLinear(nn.Linear):
         with_col = self.backward_mode is Backward.QUANTIZED
         return self._cache.get(
             tensors,
-            lambda: QuantizedWeight.build(self.weight, self.spec, partner, with_col=with_col),
+            lambda: QuantizedWeight.build(
+                self.weight, self.spec, partner, with_col=with_col, backend=self.backend
+            ),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = QMatmul.apply(x2, self.weight, self.quantized_weight(), self.spec, self.backward_mode)
+        wq = self.quantized_weight()
+        y = QMatmul.apply(x2, self.weight, wq, self.spec, self.backward_mode, self.backend)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, format={self.spec.format}, backward={self.backward_mode}"
+        return (
+            f"{super().extra_repr()}, format={self.spec.format}, backward={self.backward_mode}, "
+            f"backend={self.backend}"
+        )
 
 
 class QExperts(GroupedExperts):
@@ -95,6 +111,7 @@ class QExperts(GroupedExperts):
         gate_up_spec: TensorSpec,
         down_spec: TensorSpec,
         backward: Backward | str,
+        backend: Backend = Backend.REFERENCE,
     ) -> QExperts:
         q = cls.__new__(cls)
         nn.Module.__init__(q)
@@ -104,6 +121,7 @@ class QExperts(GroupedExperts):
         q.gate_up_proj = experts.gate_up_proj
         q.down_proj = experts.down_proj
         q.backward_mode = Backward(backward)
+        q.backend = Backend(backend)
         q.specs = {"gate_up": gate_up_spec, "down": down_spec}
         for spec in q.specs.values():
             if spec.format is not Format.BF16:
@@ -116,7 +134,8 @@ class QExperts(GroupedExperts):
         spec = self.specs[which]
         with_col = self.backward_mode is Backward.QUANTIZED
         return self._caches[which].get(
-            (param,), lambda: QuantizedWeight.build(param, spec, with_col=with_col)
+            (param,),
+            lambda: QuantizedWeight.build(param, spec, with_col=with_col, backend=self.backend),
         )
 
     def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -125,7 +144,7 @@ class QExperts(GroupedExperts):
         if spec.format is Format.BF16:
             return nn.functional.linear(x, param[e])
         wq = self._quantized(which).for_expert(e)
-        return QMatmul.apply(x, param[e], wq, spec, self.backward_mode)
+        return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return self._run("gate_up", e, x_nH)

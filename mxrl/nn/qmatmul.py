@@ -28,8 +28,10 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize, quantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.kernels import Backend
+from mxrl.kernels import quantize as kernel_quantize
 from mxrl.recipe import Backward, TensorSpec
-from mxrl.recipe.quantize import quantize_activation, quantize_weight
+from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
 
 @dataclass(frozen=True)
@@ -55,12 +57,16 @@ class QuantizedWeight:
         spec: TensorSpec,
         partner: torch.Tensor | None = None,
         with_col: bool = False,
+        backend: Backend = Backend.REFERENCE,
     ) -> QuantizedWeight:
-        """From a master weight (the trainer)."""
+        """From a master weight (the trainer), quantized on `backend` (same bytes on any)."""
+        w = weight.detach()
         col = None
         if with_col:
-            col = dequantize(quantize_weight(weight, spec, partner, axis=-2))
-        return cls.from_qtensor(quantize_weight(weight, spec, partner), col=col)
+            kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
+            col = dequantize(kernel_quantize(w, spec.format, **kwargs, backend=backend))
+        kwargs = weight_quantizer_kwargs(w, spec, partner)
+        return cls.from_qtensor(kernel_quantize(w, spec.format, **kwargs, backend=backend), col=col)
 
     @classmethod
     def from_qtensor(cls, q: QTensor, col: torch.Tensor | None = None) -> QuantizedWeight:
@@ -122,10 +128,15 @@ def _mxfp8_col(t: torch.Tensor) -> torch.Tensor:
     return dequantize(quantize(padded, Format.MXFP8, axis=0))[:rows]
 
 
-def emulated_matmul(x: torch.Tensor, wq: QuantizedWeight, spec: TensorSpec):
+def emulated_matmul(
+    x: torch.Tensor, wq: QuantizedWeight, spec: TensorSpec, backend: Backend = Backend.REFERENCE
+):
     """The forward GEMM (module docstring): y [T, N] fp32 and the activation's QTensor.
-    Shared by the trainer's QMatmul and the rollout engine, so both compute the same thing."""
-    xq = quantize_activation(x, spec)
+    Shared by the trainer's QMatmul and the rollout engine, so both compute the same thing;
+    the activation is quantized on `backend` (chosen once by the caller; same bytes on any)."""
+    xq = kernel_quantize(
+        x.detach(), spec.format, **activation_quantizer_kwargs(spec), backend=backend
+    )
     y = dequantize(xq, global_scale=False) @ wq.lp.t()
     s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
     s_w = output_scale(wq.s_dec)  # [] or [1, N], None
@@ -140,8 +151,8 @@ class QMatmul(torch.autograd.Function):
     a view of one: gradients accumulate into it); `wq` its cached quantization."""
 
     @staticmethod
-    def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward):
-        y, xq = emulated_matmul(x, wq, spec)
+    def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward, backend):
+        y, xq = emulated_matmul(x, wq, spec, backend)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
         # dequantized mode keeps the forward's activation operand, not the original
         ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)
@@ -166,4 +177,4 @@ class QMatmul(torch.autograd.Function):
         dw = dyt_op.t() @ x_op if ctx.needs_input_grad[1] else None
         dx = None if dx is None else dx.to(ctx.x_dtype)
         dw = None if dw is None else dw.to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None

@@ -19,7 +19,13 @@ from mxrl.formats import QTensor, quantize
 from mxrl.formats.constants import Format
 from mxrl.recipe.plan import TensorSpec
 
-__all__ = ["activation_quantizer_kwargs", "quantize_activation", "quantize_weight", "weight_amax"]
+__all__ = [
+    "activation_quantizer_kwargs",
+    "quantize_activation",
+    "quantize_weight",
+    "weight_amax",
+    "weight_quantizer_kwargs",
+]
 
 
 def weight_amax(
@@ -42,16 +48,16 @@ def weight_amax(
     return amax
 
 
-def quantize_weight(
+def weight_quantizer_kwargs(
     weight: torch.Tensor,
     spec: TensorSpec,
     partner: torch.Tensor | None = None,
     *,
     axis: int = -1,
     check_finite: bool = False,
-) -> QTensor:
-    """Quantize a (master) weight per its spec. `axis=-2` gives MXFP8's column-wise copy (blocks
-    along the output features), used by the quantized backward."""
+) -> dict:
+    """quantize() options for a (master) weight per its spec (the module docstring's global
+    scales); `axis=-2` gives MXFP8's column-wise copy (blocks along the output features)."""
     if spec.format is Format.BF16:
         raise ValueError(f"{spec.name} is bf16 in the plan: there is nothing to quantize")
     if tuple(weight.shape) != spec.shape:
@@ -66,6 +72,19 @@ def quantize_weight(
         kwargs["block"] = spec.block
     elif axis != -1:
         kwargs["axis"] = axis % weight.dim()
+    return kwargs
+
+
+def quantize_weight(
+    weight: torch.Tensor,
+    spec: TensorSpec,
+    partner: torch.Tensor | None = None,
+    *,
+    axis: int = -1,
+    check_finite: bool = False,
+) -> QTensor:
+    """Quantize a (master) weight per its spec with the reference quantizer (the export path)."""
+    kwargs = weight_quantizer_kwargs(weight, spec, partner, axis=axis, check_finite=check_finite)
     return quantize(weight.detach(), spec.format, **kwargs)
 
 

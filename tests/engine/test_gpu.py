@@ -34,3 +34,18 @@ def test_cuda_engine_holds_the_cpu_bytes(preset):
     cpu = {r.name: r.hash for r in export_weights(model.cpu().named_parameters(), engine.plan)}
     for record in engine.records():
         assert record.hash == cpu[record.name], record.name
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "nvfp4-dequantized"])
+def test_engine_triton_backend_equals_reference(preset):
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=8, seed=7 + i) for i in range(len(PROMPTS))
+    ]
+    outs = {}
+    for backend in ("reference", "triton"):
+        engine = Engine(tiny(preset), preset, device="cuda", backend=backend)
+        assert engine.backend == backend
+        outs[backend] = engine.generate(PROMPTS, params)
+    for ref, tri in zip(outs["reference"], outs["triton"], strict=True):
+        assert ref.tokens == tri.tokens
+        assert_bytes_equal(tri.logprobs, ref.logprobs, "logprobs")
