@@ -1,0 +1,49 @@
+"""Block-FP8 GEMM on Hopper tensor cores through `torch._scaled_mm` (spec §5.4).
+
+    y [M, N] = x [M, K] @ w [N, K]^T   with x quantized 1x128 (per token) and w 128x128, both
+    `mxrl.formats` fp8_block QTensors (E4M3 bytes, fp32 *decode* scales).
+
+cuBLASLt (SM90, torch >= 2.10) takes the scales as BlockWise1x128 for A — shape [M, K/128],
+M-major (strides (1, M)) — and BlockWise128x128 for B = w^T given column-major — the weight's
+[N/128, K/128] scale, transposed (a view). It accumulates in fp32 with its own summation order
+and rounds the output to `out_dtype`: not bit-identical to the emulated fp32 GEMM
+(`dequantize(x) @ dequantize(w).T`), within the bound its test states (bf16 output rounding plus
+fp32 accumulation-order differences). Blackwell has native MX/NV GEMMs instead; nothing here
+was run on Blackwell.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxrl.formats import QTensor
+from mxrl.formats.constants import Format
+
+BLOCK = 128
+
+
+def fp8_block_matmul(
+    xq: QTensor, wq: QTensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """x (1x128 fp8_block QTensor [M, K]) times w (128x128 fp8_block QTensor [N, K]) transposed,
+    on a CUDA device with FP8 tensor cores (sm_90)."""
+    if xq.fmt is not Format.FP8_BLOCK or wq.fmt is not Format.FP8_BLOCK:
+        raise ValueError(f"fp8_block_matmul takes fp8_block QTensors, got {xq.fmt} and {wq.fmt}")
+    if xq.block != (1, BLOCK) or wq.block not in ((BLOCK, BLOCK), (1, BLOCK)):
+        raise ValueError(
+            f"fp8_block_matmul needs x in 1x128 and w in 128x128 blocks, got {xq.block} and "
+            f"{wq.block}; quantize with block=(1, 128) and block=(128, 128)"
+        )
+    if len(xq.shape) != 2 or len(wq.shape) != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(f"shapes {tuple(xq.shape)} @ {tuple(wq.shape)}^T do not fit")
+    if not xq.qdata.is_cuda:
+        raise ValueError("fp8_block_matmul runs on CUDA (sm_90); use the emulated GEMM on the CPU")
+    m, n = xq.shape[0], wq.shape[0]
+    if n % BLOCK or xq.shape[1] % BLOCK:
+        raise ValueError(f"N={n} and K={xq.shape[1]} must be multiples of {BLOCK}")
+    a = xq.qdata.view(torch.float8_e4m3fn)
+    b = wq.qdata.view(torch.float8_e4m3fn).t()  # [K, N], column-major
+    scale_a = xq.scale.t().contiguous().t()  # [M, K/128], M-major
+    scale_b = wq.scale.t()  # [K/128, N/128] view of the [N/128, K/128] weight scale
+    assert scale_a.shape == (m, xq.shape[1] // BLOCK)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
