@@ -63,7 +63,7 @@ def main() -> int:
         y = fp8_block_matmul(xq, wq, out_dtype=torch.float32)
         ref = dequantize(xq) @ dequantize(wq).t()
         rel = float((y - ref).abs().max() / ref.abs().max())
-        if rel > 1e-4:
+        if rel > 2e-3:  # the bound tests/kernels/test_fp8_gemm.py states
             raise SystemExit(f"fp8 GEMM disagrees with the emulated GEMM at {(m, n, k)}: {rel}")
         del y, ref
         bf16_ms = bench_ms(lambda x=x, w=w: x @ w.t(), quick=args.quick)

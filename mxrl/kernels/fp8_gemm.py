@@ -7,8 +7,8 @@ cuBLASLt (SM90, torch >= 2.10) takes the scales as BlockWise1x128 for A — shap
 M-major (strides (1, M)) — and BlockWise128x128 for B = w^T given column-major — the weight's
 [N/128, K/128] scale, transposed (a view). It accumulates in fp32 with its own summation order
 and rounds the output to `out_dtype`: not bit-identical to the emulated fp32 GEMM
-(`dequantize(x) @ dequantize(w).T`), within the bound its test states (bf16 output rounding plus
-fp32 accumulation-order differences). Blackwell has native MX/NV GEMMs instead; nothing here
+(`dequantize(x) @ dequantize(w).T`), within the bound its test states (Hopper's FP8 MMA
+accumulates with reduced precision between fp32 promotions, plus the output rounding). Blackwell has native MX/NV GEMMs instead; nothing here
 was run on Blackwell.
 """
 
@@ -29,7 +29,7 @@ def fp8_block_matmul(
     on a CUDA device with FP8 tensor cores (sm_90)."""
     if xq.fmt is not Format.FP8_BLOCK or wq.fmt is not Format.FP8_BLOCK:
         raise ValueError(f"fp8_block_matmul takes fp8_block QTensors, got {xq.fmt} and {wq.fmt}")
-    if xq.block != (1, BLOCK) or wq.block not in ((BLOCK, BLOCK), (1, BLOCK)):
+    if xq.block != (1, BLOCK) or wq.block != (BLOCK, BLOCK):
         raise ValueError(
             f"fp8_block_matmul needs x in 1x128 and w in 128x128 blocks, got {xq.block} and "
             f"{wq.block}; quantize with block=(1, 128) and block=(128, 128)"
@@ -38,12 +38,29 @@ def fp8_block_matmul(
         raise ValueError(f"shapes {tuple(xq.shape)} @ {tuple(wq.shape)}^T do not fit")
     if not xq.qdata.is_cuda:
         raise ValueError("fp8_block_matmul runs on CUDA (sm_90); use the emulated GEMM on the CPU")
-    m, n = xq.shape[0], wq.shape[0]
-    if n % BLOCK or xq.shape[1] % BLOCK:
-        raise ValueError(f"N={n} and K={xq.shape[1]} must be multiples of {BLOCK}")
-    a = xq.qdata.view(torch.float8_e4m3fn)
-    b = wq.qdata.view(torch.float8_e4m3fn).t()  # [K, N], column-major
-    scale_a = xq.scale.t().contiguous().t()  # [M, K/128], M-major
-    scale_b = wq.scale.t()  # [K/128, N/128] view of the [N/128, K/128] weight scale
-    assert scale_a.shape == (m, xq.shape[1] // BLOCK)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    m, n, k = xq.shape[0], wq.shape[0], xq.shape[1]
+    if n % BLOCK or k % BLOCK:
+        raise ValueError(f"N={n} and K={k} must be multiples of {BLOCK}")
+    # cuBLASLt gives wrong answers, silently, unless M, K/128 and N/128 are multiples of 4
+    # (seen on the H200 with torch 2.11): pad with zeros (data) and ones (scales), slice back.
+    mp, kp, np_ = _up(m, 4), _up(k, 4 * BLOCK), _up(n, 4 * BLOCK)
+    a = _pad2(xq.qdata, mp, kp).view(torch.float8_e4m3fn)
+    b = _pad2(wq.qdata, np_, kp).view(torch.float8_e4m3fn).t()  # [K, N], column-major
+    sa = _pad2(xq.scale, mp, kp // BLOCK, value=1.0)
+    sb = _pad2(wq.scale, np_ // BLOCK, kp // BLOCK, value=1.0)
+    scale_a = sa.t().contiguous().t()  # [M, K/128], M-major
+    scale_b = sb.t()  # [K/128, N/128] view of the [N/128, K/128] weight scale
+    y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return y[:m, :n] if (mp, np_) != (m, n) else y
+
+
+def _up(v: int, multiple: int) -> int:
+    return -(-v // multiple) * multiple
+
+
+def _pad2(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    if tuple(t.shape) == (rows, cols):
+        return t
+    out = torch.full((rows, cols), value, dtype=t.dtype, device=t.device)
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
