@@ -1,0 +1,57 @@
+"""The run record: config, plan, environment, metrics, events, notes; run comparison reports.
+
+    from mxrl.runs import RunRecord, compare
+    rec = RunRecord.create("runs", config=cfg, plan_json=plan.to_json(), backend=backend)
+    rec.log_metrics(step, metrics)
+    compare(["runs/a", "runs/b"], "reports/ab")
+
+docs/runs.md has the layout, every file's schema and the `mxrl runs` command.
+"""
+
+from mxrl.runs.env import capture_env
+from mxrl.runs.record import (
+    END,
+    NOTE,
+    QUANTIZATION,
+    RESUME,
+    SKIPPED_ROWS,
+    SPIKE,
+    SYNC_VERIFIED,
+    RunRecord,
+    is_run_dir,
+    new_run_id,
+)
+from mxrl.runs.report import Comparison, compare, comparison_table
+from mxrl.runs.summary import (
+    METRIC_KEYS,
+    RunSummary,
+    find_runs,
+    format_list,
+    format_show,
+    resolve_run,
+    summarize,
+)
+
+__all__ = [
+    "END",
+    "METRIC_KEYS",
+    "NOTE",
+    "QUANTIZATION",
+    "RESUME",
+    "SKIPPED_ROWS",
+    "SPIKE",
+    "SYNC_VERIFIED",
+    "Comparison",
+    "RunRecord",
+    "RunSummary",
+    "capture_env",
+    "compare",
+    "comparison_table",
+    "find_runs",
+    "format_list",
+    "format_show",
+    "is_run_dir",
+    "new_run_id",
+    "resolve_run",
+    "summarize",
+]

@@ -1,0 +1,428 @@
+"""RunRecord: one run's folder, written append-only while the loop runs (docs/runs.md).
+
+    rec = RunRecord.create("runs", config=cfg, plan_json=plan.to_json(), backend=backend)
+    rec.log_metrics(step, {"reward/mean": 0.41, "mismatch/k3": 2e-4, ...})
+    rec.log_quantization(export.event)          # a QuantizationEvent (or its dict)
+    rec.log_sync_verified(step, version=report.version, plan_hash=h, ok=True)
+    rec.note("lr warmup looks too short")
+    rec.finish(step)
+
+    rec = RunRecord.open("runs/20250601-120304-a1b2", resume_from=ckpt_step, checkpoint=path)
+
+Layout of runs/<id>/: config.yaml (written once), plan.json, env.json, metrics.jsonl (one object
+per step), events.jsonl (typed events), notes.md. Every write appends and flushes; readers skip a
+line truncated by a killed writer and report it once (logging), and the next append drops it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mxrl.runs.env import capture_env, utc_now
+from mxrl.runs.jsonl import (
+    ReadResult,
+    append_line,
+    decode_float,
+    read_jsonl,
+    repair_tail,
+    rewrite,
+    to_float,
+    to_jsonable,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
+ENV_FILE = "env.json"
+METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+NOTES_FILE = "notes.md"
+RUN_FILES = (CONFIG_FILE, PLAN_FILE, ENV_FILE, METRICS_FILE, EVENTS_FILE, NOTES_FILE)
+
+# event types with a logging helper below (others are free-form: log_event("my_type", ...))
+QUANTIZATION = "quantization"
+SPIKE = "spike"
+RESUME = "resume"
+SKIPPED_ROWS = "skipped_rows"
+SYNC_VERIFIED = "sync_verified"
+NOTE = "note"
+END = "end"
+RESERVED_EVENT_KEYS = ("type", "step", "time")
+MAX_SKIP_REASONS = 10
+
+
+def new_run_id() -> str:
+    """UTC timestamp + 4 hex characters, e.g. 20250601-120304-a1b2 (sorts by start time)."""
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _check_run_id(run_id: str) -> str:
+    if (
+        not isinstance(run_id, str)
+        or not run_id.strip()
+        or run_id in (".", "..")
+        or "/" in run_id
+        or os.sep in run_id
+    ):
+        raise ValueError(f"run_id {run_id!r} must be a non-empty folder name without '/'")
+    return run_id
+
+
+def _check_step(step: Any, what: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{what}: step must be an int >= 0, got {step!r}")
+    return step
+
+
+def is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).is_file() for name in (CONFIG_FILE, ENV_FILE))
+
+
+class RunRecord:
+    """A run folder. Build with `create` (new run) or `open` (read it, or resume: appends)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._repaired: set[str] = set()
+        self._reported: dict[str, str] = {}  # problem key -> message, each logged once
+        self._cache: dict[str, tuple[tuple[int, int], ReadResult]] = {}
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        root: str | os.PathLike[str] = "runs",
+        run_id: str | None = None,
+        *,
+        config: Mapping[str, Any] | Any | None = None,
+        plan_json: str | Any | None = None,
+        backend: str | None = None,
+    ) -> RunRecord:
+        """Make root/<run_id>/ and write config.yaml, plan.json (if given), env.json, notes.md.
+
+        run_id: default `new_run_id()`. An existing folder is never overwritten (ValueError).
+        config: the run's config, a mapping or a dataclass (nested dataclasses, enums, paths,
+        tuples are converted to plain YAML); written once. plan_json: `Plan.to_json()` text, any JSON string, or an object
+        with a `to_json()` method. backend: the kernel backend, recorded in env.json.
+        """
+        run_id = _check_run_id(run_id if run_id is not None else new_run_id())
+        config_data = to_jsonable(config if config is not None else {}, "config")
+        if not isinstance(config_data, dict):
+            raise TypeError(f"config must be a mapping or a dataclass, got {type(config).__name__}")
+        plan_text = None
+        if plan_json is not None:
+            plan_text = plan_json if isinstance(plan_json, str) else plan_json.to_json(indent=2)
+            try:
+                json.loads(plan_text)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"plan_json is not valid JSON ({e}); pass Plan.to_json()"
+                ) from None
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / run_id
+        try:
+            path.mkdir()
+        except FileExistsError:
+            raise ValueError(
+                f"run directory {str(path)!r} already exists; choose another run_id, or "
+                "RunRecord.open() it to resume"
+            ) from None
+        (path / CONFIG_FILE).write_text(
+            yaml.safe_dump(config_data, sort_keys=False, allow_unicode=True)
+        )
+        if plan_text is not None:
+            (path / PLAN_FILE).write_text(plan_text.rstrip("\n") + "\n")
+        env = capture_env(backend)
+        (path / ENV_FILE).write_text(json.dumps(to_jsonable(env), indent=2) + "\n")
+        (path / NOTES_FILE).write_text(f"# Notes: run {run_id}\n")
+        for name in (METRICS_FILE, EVENTS_FILE):
+            (path / name).touch()
+        logger.info("run record %s", path)
+        return cls(path)
+
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        resume_from: int | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
+        backend: str | None = None,
+    ) -> RunRecord:
+        """An existing run. Reading never modifies it; writes append.
+
+        resume_from: the step of the checkpoint the run resumes from. Given, metrics and events
+        of later steps are dropped (`truncate_after`) and a `resume` event is written with the
+        checkpoint path and the new process's environment (its commit, host, backend may differ).
+        """
+        path = Path(path)
+        if not is_run_dir(path):
+            raise ValueError(
+                f"{str(path)!r} is not a run directory (no {CONFIG_FILE} or {ENV_FILE})"
+            )
+        record = cls(path)
+        if resume_from is not None:
+            step = _check_step(resume_from, "resume_from")
+            record.truncate_after(step)
+            record.log_event(
+                RESUME,
+                step,
+                from_step=step,
+                checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+                env=capture_env(backend),
+            )
+        return record
+
+    # -- what was written once -----------------------------------------------------------------
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def config(self) -> dict[str, Any]:
+        try:
+            data = yaml.safe_load((self.path / CONFIG_FILE).read_text())
+        except FileNotFoundError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @property
+    def env(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.path / ENV_FILE).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @property
+    def plan_json(self) -> str | None:
+        try:
+            return (self.path / PLAN_FILE).read_text()
+        except FileNotFoundError:
+            return None
+
+    @property
+    def recipe(self) -> str | None:
+        """config["recipe"] as a name (a dict with a "name" gives the name), else None."""
+        recipe = self.config.get("recipe")
+        if isinstance(recipe, Mapping):
+            recipe = recipe.get("name")
+        return None if recipe is None else str(recipe)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def _append(self, name: str, obj: Mapping[str, Any]) -> None:
+        path = self.path / name
+        if name not in self._repaired:
+            dropped = repair_tail(path)
+            if dropped:
+                logger.warning(
+                    "%s: dropped a truncated last line (%d bytes) before appending", path, dropped
+                )
+            self._repaired.add(name)
+        append_line(path, obj)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """One line of metrics.jsonl: {"step": step, **metrics}; values become floats (NaN and
+        Inf are written as the strings "nan", "inf", "-inf" and read back as floats)."""
+        _check_step(step, "log_metrics")
+        row: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            if key == "step":
+                raise ValueError("log_metrics: pass the step as the first argument, not a key")
+            row[str(key)] = to_float(value, str(key))
+        self._append(METRICS_FILE, row)
+
+    def log_event(self, type: str, step: int | None, **fields: Any) -> dict[str, Any]:
+        """One line of events.jsonl: {"type", "step", "time", **fields}; returns it."""
+        if not isinstance(type, str) or not type.strip():
+            raise ValueError(f"event type must be a non-empty string, got {type!r}")
+        if step is not None:
+            _check_step(step, f"event {type!r}")
+        clash = [k for k in fields if k in RESERVED_EVENT_KEYS]
+        if clash:
+            raise ValueError(f"event {type!r}: {clash} are set by log_event; rename the field(s)")
+        event = {"type": type, "step": step, "time": utc_now(), **fields}
+        self._append(EVENTS_FILE, event)
+        return event
+
+    def log_quantization(self, event: Any) -> dict[str, Any]:
+        """A `mxrl.sync.QuantizationEvent` (or its `to_dict()`); read it back with
+        `QuantizationEvent.from_dict(record.events("quantization")[i])`."""
+        data = dict(event.to_dict() if hasattr(event, "to_dict") else event)
+        step = data.pop("step")
+        return self.log_event(QUANTIZATION, int(step), **data)
+
+    def log_spike(
+        self,
+        step: int,
+        grad_norm: float,
+        z: float,
+        top_layers: Mapping[str, float] | Sequence[tuple[str, float]] = (),
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """A gradient-norm spike: the norm, its z-score, the layers that explain it ({name:
+        value} or (name, value) pairs, e.g. `mxrl.rl.stability.top_growth`'s growth ratios)."""
+        top = dict(top_layers.items() if isinstance(top_layers, Mapping) else top_layers)
+        top = {str(k): to_float(v, f"top_layers.{k}") for k, v in top.items()}
+        return self.log_event(
+            SPIKE,
+            step,
+            grad_norm=to_float(grad_norm, "grad_norm"),
+            z=to_float(z, "z"),
+            top_layers=top,
+            **fields,
+        )
+
+    def log_skipped_rows(
+        self, step: int, count: int, reasons: Sequence[str] = (), **fields: Any
+    ) -> dict[str, Any]:
+        """Dataset rows skipped (bad prompt, no answer...): the count and the first reasons."""
+        return self.log_event(
+            SKIPPED_ROWS,
+            step,
+            count=int(count),
+            reasons=[str(r) for r in list(reasons)[:MAX_SKIP_REASONS]],
+            **fields,
+        )
+
+    def log_sync_verified(
+        self, step: int, version: int, plan_hash: str, ok: bool, **fields: Any
+    ) -> dict[str, Any]:
+        """One weight sync checked by hashes (ok False: the engine refused the update)."""
+        return self.log_event(
+            SYNC_VERIFIED,
+            step,
+            version=int(version),
+            plan_hash=str(plan_hash),
+            ok=bool(ok),
+            **fields,
+        )
+
+    def finish(self, step: int | None, status: str = "done", **fields: Any) -> dict[str, Any]:
+        """The run ended (status "done", "failed", "stopped"...); `mxrl runs list` shows it."""
+        return self.log_event(END, step, status=str(status), **fields)
+
+    def note(self, text: str, step: int | None = None) -> None:
+        """Append a human note to notes.md under a UTC timestamp heading."""
+        text = str(text).strip()
+        if not text:
+            raise ValueError("note: the text is empty")
+        heading = f"## {utc_now()}" + ("" if step is None else f" (step {step})")
+        with open(self.path / NOTES_FILE, "a", encoding="utf-8") as f:
+            f.write(f"\n{heading}\n\n{text}\n")
+            f.flush()
+
+    def truncate_after(self, step: int) -> tuple[int, int]:
+        """Drop metrics and events of steps > `step` (resuming from a checkpoint taken at `step`,
+        so the resumed run logs each later step exactly once). Events without a step are kept.
+        Returns (metric lines dropped, event lines dropped)."""
+        _check_step(step, "truncate_after")
+        dropped = []
+        for name in (METRICS_FILE, EVENTS_FILE):
+            records = self._read(name).records
+            keep = [r for r in records if not _after(r.get("step"), step)]
+            dropped.append(len(records) - len(keep))
+            path = self.path / name
+            if path.exists():
+                rewrite(path, keep)  # also drops a truncated last line and unreadable lines
+            self._repaired.add(name)
+            self._cache.pop(name, None)
+        if any(dropped):
+            logger.info(
+                "%s: dropped %d metric and %d event lines after step %d",
+                self.path,
+                dropped[0],
+                dropped[1],
+                step,
+            )
+        return dropped[0], dropped[1]
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _read(self, name: str) -> ReadResult:
+        path = self.path / name
+        try:
+            st = path.stat()
+            key = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            return ReadResult()
+        cached = self._cache.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        result = read_jsonl(path)
+        for problem in result.problems:
+            self._report(problem, problem)
+        self._cache[name] = (key, result)
+        return result
+
+    def _report(self, key: str, message: str) -> None:
+        if key not in self._reported:
+            logger.warning("run %s: %s", self.run_id, message)
+        self._reported[key] = message
+
+    @property
+    def problems(self) -> list[str]:
+        """What the readers skipped (truncated or unreadable lines, duplicate steps)."""
+        self.metrics()
+        self.events()
+        return sorted(self._reported.values())
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """One dict per step, by step, {"step": int, key: float, ...}. A step logged twice (a
+        resume without truncate_after) keeps its last line, and is reported once."""
+        rows: dict[int, dict[str, Any]] = {}
+        duplicates = 0
+        for r in self._read(METRICS_FILE).records:
+            step = r.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):
+                continue
+            duplicates += step in rows
+            rows[step] = {k: (v if k == "step" else _as_float(v)) for k, v in r.items()}
+        if duplicates:
+            self._report(
+                "duplicate steps",
+                f"{METRICS_FILE}: {duplicates} step(s) logged more than once (kept the last); "
+                "call truncate_after(step) when resuming",
+            )
+        return [rows[step] for step in sorted(rows)]
+
+    def events(self, type: str | None = None) -> list[dict[str, Any]]:
+        """The events in file order, all or of one type (non-finite numbers stay strings, as in
+        QuantizationEvent.to_dict)."""
+        events = self._read(EVENTS_FILE).records
+        return [dict(e) for e in events if type is None or e.get("type") == type]
+
+    def notes(self) -> str:
+        try:
+            return (self.path / NOTES_FILE).read_text()
+        except FileNotFoundError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"RunRecord({str(self.path)!r})"
+
+
+def _after(step: Any, limit: int) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step > limit
+
+
+def _as_float(value: Any) -> float:
+    value = decode_float(value)
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return math.nan  # a hand-edited line with a non-number: visible as a gap, not a crash

@@ -1,0 +1,358 @@
+"""Compare runs: PNG plots (one figure per subject, one series per run) and comparison.md.
+
+    result = compare(["runs/bf16-a", "runs/nvfp4-b"], "reports/ablation")
+    result.figures  # {"reward": Path(".../reward.png"), ...}; a figure without data is skipped
+
+Figures: reward (reward/mean with a ±reward/std band, accuracy), mismatch (mismatch/k3,
+mismatch/k1; log scale when every value is positive), grad_norm (grad/norm, spikes marked from
+the grad/spike metric and spike events), step_time (mean time/rollout_s, time/train_s,
+time/sync_s per run, stacked). Series are labelled by config recipe, else by run id.
+
+matplotlib is imported here only, through `Figure` (no pyplot, no global backend change): the
+files are rendered by the Agg canvas, so no display is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxrl.runs.env import utc_now
+from mxrl.runs.record import SPIKE, RunRecord
+from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, _spikes, _syncs, fmt, summarize
+
+logger = logging.getLogger(__name__)
+
+COMPARISON_FILE = "comparison.md"
+FIGURES = ("reward", "mismatch", "grad_norm", "step_time")
+_DPI = 110
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """What `compare` wrote. figures: name -> PNG path, for the figures that had data;
+    skipped: names of figures without data; problems: what the readers skipped, per run."""
+
+    out_dir: Path
+    markdown: Path
+    table: str
+    figures: dict[str, Path] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+    problems: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    label: str
+    color: Any
+    summary: RunSummary
+    rows: list[dict[str, float]]
+    events: list[dict[str, Any]]
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """Steps and values of a metric; +-inf become NaN (a gap in the line)."""
+        pairs = [(r["step"], r[key]) for r in self.rows if key in r]
+        return [p[0] for p in pairs], [v if math.isfinite(v) else math.nan for _, v in pairs]
+
+
+def _labels(records: Sequence[RunRecord]) -> list[str]:
+    """config recipe when it names runs apart; "recipe [id]" for repeats; else the run id."""
+    recipes = [r.recipe for r in records]
+    labels = []
+    for record, recipe in zip(records, recipes, strict=True):
+        if recipe is None:
+            labels.append(record.run_id)
+        elif recipes.count(recipe) > 1:
+            labels.append(f"{recipe} [{record.run_id}]")
+        else:
+            labels.append(recipe)
+    return labels
+
+
+def compare(
+    runs: Sequence[str | os.PathLike[str] | RunRecord], out_dir: str | os.PathLike[str]
+) -> Comparison:
+    """Write the figures and comparison.md for `runs` (run folders or RunRecords) into out_dir."""
+    from matplotlib import colormaps
+
+    if not runs:
+        raise ValueError("compare: give at least one run")
+    records = [r if isinstance(r, RunRecord) else RunRecord.open(r) for r in runs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    palette = colormaps["tab10"]
+    loaded = [
+        _Run(label, palette(i % 10), summarize(rec), rec.metrics(), rec.events())
+        for i, (rec, label) in enumerate(zip(records, _labels(records), strict=True))
+    ]
+    figures: dict[str, Path] = {}
+    skipped = []
+    for name, plot in _PLOTS.items():
+        fig = plot(loaded)
+        if fig is None:
+            skipped.append(name)
+            continue
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=_DPI)
+        figures[name] = path
+    table = comparison_table([r.summary for r in loaded], [r.label for r in loaded])
+    problems = {r.summary.run_id: r.summary.record.problems for r in loaded}
+    problems = {k: v for k, v in problems.items() if v}
+    markdown = out / COMPARISON_FILE
+    markdown.write_text(_markdown(loaded, table, figures, skipped, problems))
+    return Comparison(out, markdown, table, figures, tuple(skipped), problems)
+
+
+# -- the table -------------------------------------------------------------------------------
+
+# (row label, cell of one run's summary)
+_ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
+    ("run id", lambda s: f"`{s.run_id}`"),
+    ("recipe", lambda s: s.recipe or DASH),
+    ("steps logged", lambda s: str(s.num_steps)),
+    ("reward/mean, final", lambda s: fmt(s.final.get("reward/mean"))),
+    ("reward/mean, mean", lambda s: fmt(s.mean.get("reward/mean"))),
+    ("accuracy, final", lambda s: fmt(s.final.get("accuracy"))),
+    ("accuracy, mean", lambda s: fmt(s.mean.get("accuracy"))),
+    ("response_len/mean, mean", lambda s: fmt(s.mean.get("response_len/mean"))),
+    ("mismatch/k3, final", lambda s: fmt(s.final.get("mismatch/k3"))),
+    ("mismatch/k3, mean", lambda s: fmt(s.mean.get("mismatch/k3"))),
+    ("mismatch/k1, mean", lambda s: fmt(s.mean.get("mismatch/k1"))),
+    ("mismatch/logp_abs_diff_mean, mean", lambda s: fmt(s.mean.get("mismatch/logp_abs_diff_mean"))),
+    ("mismatch/logp_abs_diff_max, max", lambda s: fmt(s.max.get("mismatch/logp_abs_diff_max"))),
+    ("loss/clip_frac, mean", lambda s: fmt(s.mean.get("loss/clip_frac"))),
+    ("grad/norm, mean", lambda s: fmt(s.mean.get("grad/norm"))),
+    ("grad/norm, max", lambda s: fmt(s.max.get("grad/norm"))),
+    ("gradient spikes", _spikes),
+    ("weight syncs verified", lambda s: _syncs(s, markdown=True)),
+    ("quantization events", lambda s: str(s.num_quantization) if s.num_quantization else DASH),
+    ("min layer SQNR at last export (dB)", lambda s: fmt(s.last_min_sqnr_db)),
+    ("skipped dataset rows", lambda s: str(s.num_skipped_rows)),
+    ("step time, mean (s)", lambda s: _step_time(s)),
+    (
+        "rollout / train / sync, mean (s)",
+        lambda s: " / ".join(fmt(s.mean.get(k)) for k in TIME_KEYS),
+    ),
+    ("throughput/tokens_per_s, mean", lambda s: fmt(s.mean.get("throughput/tokens_per_s"))),
+    ("status", lambda s: s.status),
+]
+
+
+def _step_time(s: RunSummary) -> str:
+    parts = [s.mean[k] for k in TIME_KEYS if k in s.mean and math.isfinite(s.mean[k])]
+    return fmt(sum(parts)) if parts else DASH
+
+
+def comparison_table(summaries: Sequence[RunSummary], labels: Sequence[str]) -> str:
+    """Markdown: one column per run, one row per number ("—" where a run lacks the metric)."""
+    header = "| metric | " + " | ".join(_cell(label) for label in labels) + " |"
+    align = "|---|" + "---:|" * len(labels)
+    lines = [header, align]
+    for name, cell in _ROWS:
+        lines.append(f"| {name} | " + " | ".join(_cell(cell(s)) for s in summaries) + " |")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _markdown(
+    runs: Sequence[_Run],
+    table: str,
+    figures: dict[str, Path],
+    skipped: Sequence[str],
+    problems: dict[str, list[str]],
+) -> str:
+    lines = [
+        "# Run comparison",
+        "",
+        f"{len(runs)} run(s), written {utc_now()} by `mxrl runs compare`. Final: the last step "
+        "that logged the metric; mean and max: over its finite values.",
+        "",
+        table,
+        "",
+    ]
+    if figures:
+        lines += ["## Plots", ""]
+        for name, path in figures.items():
+            lines += [f"![{name}]({path.name})", ""]
+    if skipped:
+        lines += [f"Not plotted (no run logged the metrics): {', '.join(skipped)}.", ""]
+    lines += ["## Runs", ""]
+    for r in runs:
+        env = r.summary.record.env
+        git = env.get("git") or {}
+        device = env.get("device") or {}
+        cuda = device.get("cuda_devices") or []
+        where = f"{len(cuda)}x {cuda[0]}" if cuda else f"cpu {device.get('cpu', DASH)}"
+        dirty = " (dirty)" if git.get("dirty") else ""
+        lines.append(
+            f"- **{r.label}**: `{r.summary.record.path}`, commit `{git.get('commit', 'unknown')}`"
+            f"{dirty}, {where}, backend {env.get('backend') or DASH}, "
+            f"started {env.get('start_time', DASH)}"
+        )
+    if problems:
+        lines += ["", "## Problems reading the records", ""]
+        for run_id, items in problems.items():
+            lines += [f"- `{run_id}`: {p}" for p in items]
+    return "\n".join(lines) + "\n"
+
+
+# -- the figures -----------------------------------------------------------------------------
+
+
+def _new_figure(num_axes: int):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0 * num_axes, 4.0), layout="constrained")
+    axes = fig.subplots(1, num_axes, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _has(runs: Sequence[_Run], key: str) -> bool:
+    return any(any(key in r for r in run.rows) for run in runs)
+
+
+def _log_if_positive(ax, runs: Sequence[_Run], key: str) -> None:
+    values = [v for run in runs for v in run.series(key)[1] if not math.isnan(v)]
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+
+
+def _line_axes(ax, runs: Sequence[_Run], key: str, band: str | None = None) -> None:
+    for run in runs:
+        steps, values = run.series(key)
+        if not steps:
+            continue
+        ax.plot(steps, values, color=run.color, label=run.label, linewidth=1.4)
+        if band is not None:
+            lookup = {r["step"]: r[band] for r in run.rows if band in r and key in r}
+            pairs = [(s, v, lookup[s]) for s, v in zip(steps, values, strict=True) if s in lookup]
+            if pairs:
+                xs = [p[0] for p in pairs]
+                ax.fill_between(
+                    xs,
+                    [p[1] - p[2] for p in pairs],
+                    [p[1] + p[2] for p in pairs],
+                    color=run.color,
+                    alpha=0.15,
+                    linewidth=0,
+                )
+    title = key if band is None or not _has(runs, band) else f"{key} (band: ± {band})"
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def plot_reward(runs: Sequence[_Run]):
+    keys = [k for k in ("reward/mean", "accuracy") if _has(runs, k)]
+    if not keys:
+        return None
+    fig, axes = _new_figure(len(keys))
+    for ax, key in zip(axes, keys, strict=True):
+        _line_axes(ax, runs, key, band="reward/std" if key == "reward/mean" else None)
+    return fig
+
+
+def plot_mismatch(runs: Sequence[_Run]):
+    keys = [k for k in ("mismatch/k3", "mismatch/k1") if _has(runs, k)]
+    if not keys:
+        return None
+    fig, axes = _new_figure(len(keys))
+    for ax, key in zip(axes, keys, strict=True):
+        _line_axes(ax, runs, key)
+        _log_if_positive(ax, runs, key)
+    fig.suptitle("train-rollout mismatch, KL(rollout || train) estimators")
+    return fig
+
+
+def plot_grad_norm(runs: Sequence[_Run]):
+    if not _has(runs, "grad/norm"):
+        return None
+    fig, (ax,) = _new_figure(1)
+    _line_axes(ax, runs, "grad/norm")
+    marked = False
+    for run in runs:
+        norm = {r["step"]: r["grad/norm"] for r in run.rows if "grad/norm" in r}
+        from_events = {
+            e["step"]: e.get("grad_norm")
+            for e in run.events
+            if e.get("type") == SPIKE and isinstance(e.get("step"), int)
+        }
+        xs, ys = [], []
+        for step in run.summary.spike_steps:
+            y = norm.get(step, from_events.get(step))
+            try:
+                y = float(y)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(y):
+                xs.append(step)
+                ys.append(y)
+        if xs:
+            ax.scatter(
+                xs,
+                ys,
+                marker="o",
+                s=60,
+                facecolors="none",
+                edgecolors=run.color,
+                linewidths=1.8,
+                zorder=3,
+            )
+            marked = True
+    _log_if_positive(ax, runs, "grad/norm")
+    ax.set_title("grad/norm" + (" (circles: spikes)" if marked else ""))
+    return fig
+
+
+def plot_step_time(runs: Sequence[_Run]):
+    if not any(_has(runs, k) for k in TIME_KEYS):
+        return None
+    fig, (ax,) = _new_figure(1)
+    labels = [run.label for run in runs]
+    bottoms = [0.0] * len(runs)
+    hatches = ("", "//", "..")
+    for key, hatch in zip(TIME_KEYS, hatches, strict=True):
+        means = []
+        for run in runs:
+            v = run.summary.mean.get(key, 0.0)
+            means.append(v if math.isfinite(v) else 0.0)
+        ax.bar(
+            range(len(runs)),
+            means,
+            bottom=bottoms,
+            label=key.removeprefix("time/"),
+            color=[run.color for run in runs],
+            hatch=hatch,
+            edgecolor="black",
+            linewidth=0.6,
+        )
+        bottoms = [b + m for b, m in zip(bottoms, means, strict=True)]
+    ax.set_xticks(range(len(runs)), labels, rotation=15 if len(runs) > 3 else 0, fontsize="small")
+    ax.set_ylabel("seconds per step (mean)")
+    ax.set_title("step time: rollout (plain) / train (//) / sync (..)")
+    ax.grid(True, axis="y", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    parts = [
+        Patch(facecolor="white", edgecolor="black", hatch=h, label=k.removeprefix("time/"))
+        for k, h in zip(TIME_KEYS, hatches, strict=True)
+    ]
+    ax.legend(handles=parts, fontsize="small")
+    return fig
+
+
+_PLOTS = {
+    "reward": plot_reward,
+    "mismatch": plot_mismatch,
+    "grad_norm": plot_grad_norm,
+    "step_time": plot_step_time,
+}

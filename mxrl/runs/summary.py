@@ -1,0 +1,338 @@
+"""Numbers of a run (final and mean of metrics, spikes, syncs), finding runs, the CLI texts.
+
+Functions here return strings; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxrl.runs.record import (
+    CONFIG_FILE,
+    END,
+    ENV_FILE,
+    EVENTS_FILE,
+    METRICS_FILE,
+    QUANTIZATION,
+    SKIPPED_ROWS,
+    SPIKE,
+    SYNC_VERIFIED,
+    RunRecord,
+    is_run_dir,
+)
+
+# The metric keys the loop logs every step (docs/runs.md has their meaning).
+METRIC_KEYS = (
+    "reward/mean",
+    "reward/std",
+    "accuracy",
+    "response_len/mean",
+    "mismatch/k1",
+    "mismatch/k3",
+    "mismatch/logp_abs_diff_mean",
+    "mismatch/logp_abs_diff_max",
+    "loss/clip_frac",
+    "grad/norm",
+    "grad/spike",
+    "time/rollout_s",
+    "time/train_s",
+    "time/sync_s",
+    "throughput/tokens_per_s",
+)
+TIME_KEYS = ("time/rollout_s", "time/train_s", "time/sync_s")
+ACTIVE_WITHIN_S = 15 * 60  # no end event and a write this recent: "active", else "unfinished"
+DASH = "—"
+
+
+@dataclass
+class RunSummary:
+    """What `list`, `show` and `compare` say about one run. final/mean/max: per metric key, over
+    the steps that logged it (mean and max over finite values; NaN when none is finite)."""
+
+    record: RunRecord
+    recipe: str | None
+    num_steps: int
+    last_step: int | None
+    start_time: str | None
+    status: str
+    final: dict[str, float] = field(default_factory=dict)
+    mean: dict[str, float] = field(default_factory=dict)
+    max: dict[str, float] = field(default_factory=dict)
+    spike_steps: list[int] = field(default_factory=list)
+    num_syncs: int = 0
+    num_syncs_ok: int = 0
+    num_quantization: int = 0
+    last_min_sqnr_db: float | None = None
+    num_skipped_rows: int = 0
+    event_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+    @property
+    def syncs_verified(self) -> bool | None:
+        """True: every sync verified; False: at least one failed; None: no sync recorded."""
+        return None if self.num_syncs == 0 else self.num_syncs_ok == self.num_syncs
+
+
+def _num(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def summarize(record: RunRecord) -> RunSummary:
+    rows = record.metrics()
+    events = record.events()
+    s = RunSummary(
+        record=record,
+        recipe=record.recipe,
+        num_steps=len(rows),
+        last_step=max((r["step"] for r in rows), default=None),
+        start_time=record.env.get("start_time"),
+        status=_status(record, events),
+    )
+    values: dict[str, list[float]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k != "step":
+                values.setdefault(k, []).append(v)
+                s.final[k] = v
+    for k, vs in values.items():
+        finite = [v for v in vs if math.isfinite(v)]
+        s.mean[k] = sum(finite) / len(finite) if finite else math.nan
+        s.max[k] = max(finite) if finite else math.nan
+    spikes = {r["step"] for r in rows if r.get("grad/spike", 0.0) > 0}
+    spikes |= {
+        e["step"] for e in events if e.get("type") == SPIKE and isinstance(e.get("step"), int)
+    }
+    s.spike_steps = sorted(spikes)
+    syncs = [e for e in events if e.get("type") == SYNC_VERIFIED]
+    s.num_syncs, s.num_syncs_ok = len(syncs), sum(1 for e in syncs if e.get("ok") is True)
+    quant = [e for e in events if e.get("type") == QUANTIZATION]
+    s.num_quantization = len(quant)
+    if quant:
+        sqnr = [_num(v) for v in (quant[-1].get("sqnr_db") or {}).values()]
+        sqnr = [v for v in sqnr if v is not None]
+        s.last_min_sqnr_db = min(sqnr) if sqnr else None
+    s.num_skipped_rows = sum(
+        int(_num(e.get("count")) or 0) for e in events if e.get("type") == SKIPPED_ROWS
+    )
+    s.event_counts = dict(Counter(str(e.get("type")) for e in events))
+    return s
+
+
+def _status(record: RunRecord, events: Sequence[dict[str, Any]]) -> str:
+    ends = [e for e in events if e.get("type") == END]
+    if ends:
+        return str(ends[-1].get("status", "done"))
+    last_write = max(
+        (
+            p.stat().st_mtime
+            for p in (record.path / n for n in (METRICS_FILE, EVENTS_FILE))
+            if p.exists()
+        ),
+        default=0.0,
+    )
+    age = dt.datetime.now(dt.UTC).timestamp() - last_write
+    return "active" if age < ACTIVE_WITHIN_S else "unfinished"
+
+
+# -- finding runs --------------------------------------------------------------------------------
+
+
+def find_runs(root: str | os.PathLike[str]) -> list[RunRecord]:
+    """The runs under root, newest first (by start time in env.json, else folder time)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"no runs folder {str(root)!r}; pass --root DIR (where the runs are)")
+    records = [RunRecord(p) for p in root.iterdir() if is_run_dir(p)]
+
+    def key(r: RunRecord) -> str:
+        start = r.env.get("start_time")
+        if isinstance(start, str):
+            return start
+        mtime = dt.datetime.fromtimestamp(r.path.stat().st_mtime, dt.UTC)
+        return mtime.strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+    return sorted(records, key=lambda r: (key(r), r.run_id), reverse=True)
+
+
+def resolve_run(ref: str | os.PathLike[str], root: str | os.PathLike[str] = "runs") -> RunRecord:
+    """A run by path, by id under root, or by a unique prefix (else unique part) of an id, e.g.
+    the random suffix; ValueError listing the nearest ids otherwise."""
+    if isinstance(ref, RunRecord):
+        return ref
+    path = Path(ref)
+    if is_run_dir(path):
+        return RunRecord(path)
+    root = Path(root)
+    if is_run_dir(root / path):
+        return RunRecord(root / path)
+    ids = sorted(p.name for p in root.iterdir() if is_run_dir(p)) if root.is_dir() else []
+    text = os.fspath(ref)
+    matches = [i for i in ids if i.startswith(text)] or [i for i in ids if text in i]
+    if len(matches) == 1:
+        return RunRecord(root / matches[0])
+    if len(matches) > 1:
+        raise ValueError(f"run {text!r} is ambiguous under {str(root)!r}: {', '.join(matches)}")
+    if not ids:
+        raise ValueError(
+            f"no run {text!r}: {str(root)!r} holds no runs (a run folder has {CONFIG_FILE} or "
+            f"{ENV_FILE}); pass --root DIR or a path"
+        )
+    near = difflib.get_close_matches(text, ids, n=5, cutoff=0.4)
+    hint = f"nearby: {', '.join(near)}" if near else f"runs there: {', '.join(ids[-5:])}"
+    raise ValueError(f"no run {text!r} under {str(root)!r}; {hint}")
+
+
+# -- texts -----------------------------------------------------------------------------------
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return DASH
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.4g}"
+
+
+def _date(start: str | None) -> str:
+    return start[:16].replace("T", " ") if isinstance(start, str) else DASH
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    rows = [list(header), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def format_list(records: Sequence[RunRecord]) -> str:
+    header = ("id", "recipe", "steps", "last reward", "status", "started (UTC)")
+    rows = []
+    for r in records:
+        s = summarize(r)
+        rows.append(
+            (
+                r.run_id,
+                s.recipe or DASH,
+                str(s.num_steps),
+                fmt(s.final.get("reward/mean")),
+                s.status,
+                _date(s.start_time),
+            )
+        )
+    return format_table(header, rows)
+
+
+def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
+    if isinstance(data, dict) and data:
+        out = []
+        for k, v in data.items():
+            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    text = str(data)
+    return [(prefix, text if len(text) <= 80 else text[:77] + "...")]
+
+
+def _env_lines(env: dict[str, Any]) -> list[str]:
+    if not env:
+        return ["  (no env.json)"]
+    git = env.get("git") or {}
+    dirty = {True: " (dirty)", False: "", None: ""}.get(git.get("dirty"), "")
+    versions = env.get("versions") or {}
+    device = env.get("device") or {}
+    cuda = device.get("cuda_devices") or []
+    gpus = f"{len(cuda)}x {cuda[0]}" if cuda else "none"
+    return [
+        f"  commit:   {git.get('commit', 'unknown')}{dirty}",
+        "  versions: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+        f"  device:   cpu {device.get('cpu', DASH)}; cuda {gpus}",
+        f"  backend:  {env.get('backend') or DASH}; host {env.get('hostname', DASH)}",
+        f"  started:  {env.get('start_time', DASH)}",
+    ]
+
+
+def format_show(record: RunRecord, max_config_lines: int = 40) -> str:
+    s = summarize(record)
+    steps = DASH if s.last_step is None else f"last step {s.last_step}"
+    lines = [
+        f"run {record.run_id}  ({record.path})",
+        f"status: {s.status}; {s.num_steps} steps logged, {steps}; recipe {s.recipe or DASH}",
+        "",
+        "config:",
+    ]
+    flat = _flatten(record.config)
+    lines += [f"  {k}: {v}" for k, v in flat[:max_config_lines]] or ["  (empty)"]
+    if len(flat) > max_config_lines:
+        lines.append(f"  ... {len(flat) - max_config_lines} more in {CONFIG_FILE}")
+    plan = record.plan_json
+    if plan is not None:
+        lines += ["", f"plan: {_plan_line(plan)}"]
+    lines += ["", "env:", *_env_lines(record.env), ""]
+    rows = record.metrics()
+    if rows:
+        last = rows[-1]
+        lines.append(f"last metrics (step {last['step']}):")
+        width = max(len(k) for k in last)
+        lines += [f"  {k:<{width}}  {fmt(v)}" for k, v in last.items() if k != "step"]
+    else:
+        lines.append("last metrics: none logged")
+    lines.append("")
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(s.event_counts.items())) or "none"
+    lines.append(f"events: {counts}")
+    lines.append(f"gradient spikes: {_spikes(s)}")
+    lines.append(f"weight syncs verified: {_syncs(s)}")
+    body = [ln for ln in record.notes().splitlines() if not ln.startswith("# ")]
+    while body and not body[0].strip():
+        body.pop(0)
+    lines += ["", "notes:", *(f"  {ln}".rstrip() for ln in body)] if body else ["", "notes: none"]
+    if record.problems:
+        lines += ["", "problems reading the record:", *(f"  {p}" for p in record.problems)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _plan_line(plan_text: str) -> str:
+    import json
+
+    try:
+        plan = json.loads(plan_text)
+    except json.JSONDecodeError:
+        return "plan.json is not valid JSON"
+    if not isinstance(plan, dict):
+        return "plan.json (not an object)"
+    parts = [str(plan[k]) for k in ("recipe_name", "backward") if k in plan]
+    if "hash" in plan:
+        parts.append(f"hash {plan['hash']}")
+    if isinstance(plan.get("tensors"), list):
+        parts.append(f"{len(plan['tensors'])} tensors")
+    return ", ".join(parts) or "plan.json"
+
+
+def _spikes(s: RunSummary) -> str:
+    if not s.spike_steps:
+        return "0"
+    shown = ", ".join(str(x) for x in s.spike_steps[:8])
+    more = ", ..." if len(s.spike_steps) > 8 else ""
+    return f"{len(s.spike_steps)} (steps {shown}{more})"
+
+
+def _syncs(s: RunSummary, markdown: bool = False) -> str:
+    if s.syncs_verified is None:
+        return DASH
+    word = "yes" if s.syncs_verified else ("**no**" if markdown else "NO")
+    return f"{word} ({s.num_syncs_ok}/{s.num_syncs})"
