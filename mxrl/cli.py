@@ -2,7 +2,8 @@
 
     mxrl recipe list
     mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
-    mxrl demo [--out DIR]
+    mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--plan-only]
+    mxrl train --config FILE
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
     mxrl --version
 
@@ -56,8 +57,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    demo = commands.add_parser("demo", help="the demo (today: the NVFP4 plan of the tiny model)")
-    demo.add_argument("--out", metavar="DIR", type=Path, help="also write plan.json and audit.txt")
+    demo = commands.add_parser(
+        "demo", help="GRPO on the embedded task under bf16, mxfp8 and nvfp4; writes a report"
+    )
+    demo.add_argument("--out", metavar="DIR", type=Path, default=Path("demo"),
+                      help="where runs/ and report.md go (default: ./demo)")  # fmt: skip
+    demo.add_argument("--all", action="store_true", help="the six article presets")
+    demo.add_argument("--seeds", type=int, default=1, help="seeds per recipe (seed bands)")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 60)")
+    demo.add_argument("--plan-only", action="store_true",
+                      help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
+
+    train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/rl/train.py)")
+    train.add_argument("--config", required=True, type=Path, metavar="FILE")
 
     convert = commands.add_parser(
         "convert", help="HF checkpoint -> quantized checkpoint (the bytes the engine holds)"
@@ -110,25 +122,36 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    plan, _ = _resolve_on(DEMO_PRESET, None, "per_expert")
-    print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model")
-    print()
-    print(plan.table())
-    print(f"plan hash: {plan.hash()}")
-    if args.out is not None:
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "plan.json").write_text(plan.to_json(indent=2) + "\n")
-            (args.out / "audit.txt").write_text(plan.table() + "\n")
-        except OSError as e:
-            raise UserError(f"cannot write to {str(args.out)!r}: {e}") from None
-        print(f"wrote {args.out / 'plan.json'} and {args.out / 'audit.txt'}")
-    print()
-    print(
-        "The GRPO demo (bf16 vs mxfp8 vs nvfp4 on this model) is coming in a later release, "
-        "once the RL loop lands."
-    )
+    if args.plan_only:
+        plan, _ = _resolve_on(DEMO_PRESET, None, "per_expert")
+        print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model\n")
+        print(plan.table())
+        print(f"plan hash: {plan.hash()}")
+        return 0
+    from mxrl.rl.demo import ARTICLE_RECIPES, DEMO_RECIPES, run_demo
+
+    if args.seeds < 1:
+        raise UserError("--seeds must be >= 1")
+    _progress_logging()
+    recipes = ARTICLE_RECIPES if args.all else DEMO_RECIPES
+    report = run_demo(args.out, recipes=recipes, seeds=args.seeds, steps=args.steps)
+    print(f"mxrl demo: report at {report}")
     return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from mxrl.rl.train import run_train
+
+    _progress_logging()
+    record = run_train(args.config)
+    print(f"mxrl train: run record at {record.path}")
+    return 0
+
+
+def _progress_logging() -> None:
+    """Step-by-step progress of the loop on stderr; the sync room's per-export lines stay quiet."""
+    logging.getLogger("mxrl.rl").setLevel(logging.INFO)
+    logging.getLogger().handlers[0].setFormatter(logging.Formatter("%(asctime)s %(message)s"))
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -223,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_recipe_show(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "train":
+            return _cmd_train(args)
         if args.command == "convert":
             return _cmd_convert(args)
         if args.command == "runs":

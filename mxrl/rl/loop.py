@@ -1,0 +1,281 @@
+"""Synchronous GRPO (DESIGN.md §3, §8): rollout on the engine, rewards, group advantages, the
+trainer's logprobs and the mismatch metrics, the clipped loss (TIS/MIS optional), backward in the
+recipe's mode, spike detection, the optimizer step, then a verified weight sync.
+
+Every step appends one line of metrics to the run record and its events (quantization, sync,
+spikes); checkpoints hold everything a resumed run needs to continue exactly as an
+uninterrupted one with the same seed would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from mxrl.engine import Engine, SamplingParams
+from mxrl.models import CausalLM
+from mxrl.nn import apply_plan
+from mxrl.recipe import Plan, resolve
+from mxrl.rl.grpo import group_advantages, policy_loss
+from mxrl.rl.mismatch import mismatch_metrics
+from mxrl.rl.sources import PromptSource
+from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
+from mxrl.runs import RunRecord
+from mxrl.sync import InProcessTransport, export
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclass
+class GRPOConfig:
+    """The RL settings (defaults: DESIGN.md §8)."""
+
+    recipe: str = "bf16"
+    steps: int = 20
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    std_normalize: bool = True
+    correction: str | None = None  # None | "tis" | "mis"
+    tis_cap: float = 2.0
+    spike_window: int = 50
+    spike_z: float = 6.0
+    spike_action: str = "log"  # log | skip
+    seed: int = 0
+    device: str = "cpu"
+    backend: str | None = None
+    checkpoint_every: int = 0  # 0: never
+    engine_tile: int = 32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 2:
+            raise ValueError("samples_per_prompt must be >= 2: GRPO normalises within groups")
+        if self.correction not in (None, "tis", "mis"):
+            raise ValueError(f"correction must be none, tis or mis, got {self.correction!r}")
+        if self.spike_action not in ("log", "skip"):
+            raise ValueError(f"spike_action must be log or skip, got {self.spike_action!r}")
+        for name in ("steps", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class GRPOTrainer:
+    """Owns the trainer model (plan applied), the optimizer, the engine and the sync."""
+
+    def __init__(
+        self, cfg: GRPOConfig, model: CausalLM, source: PromptSource, record: RunRecord
+    ) -> None:
+        self.cfg, self.model, self.source, self.record = cfg, model, source, record
+        self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
+        apply_plan(model, self.plan, backend=cfg.backend)
+        self.engine = Engine(
+            model, self.plan, device=cfg.device, backend=cfg.backend, tile=cfg.engine_tile
+        )
+        self.transport = InProcessTransport(self.engine)
+        self.opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.spikes = GradSpikeDetector(
+            window=cfg.spike_window, z_threshold=cfg.spike_z, action=cfg.spike_action
+        )
+        self.prev_layer_norms: dict[str, float] = {}
+        self.step = 0
+
+    # --- one step -------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, step = self.cfg, self.step + 1
+        n = cfg.samples_per_prompt
+        t0 = time.perf_counter()
+        batch = self.source.next_batch(cfg.prompts_per_step)
+        prompts = [p for p in batch.prompts for _ in range(n)]
+        labels = [lab for lab in batch.labels for _ in range(n)]
+        params = [
+            SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                max_new_tokens=cfg.max_new_tokens,
+                stop_token_ids=self.source.stop_token_ids,
+                seed=_seed(cfg.seed, step, i),
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.engine.generate(prompts, params)
+        t_rollout = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        rewards = torch.tensor(
+            [self.source.reward(o.tokens, lab) for o, lab in zip(outs, labels, strict=True)],
+            dtype=torch.float32,
+        )
+        adv = group_advantages(rewards, n, std_normalize=cfg.std_normalize)
+        self.model.train()
+        logp = sequence_logprobs(self.model, prompts, [o.tokens for o in outs], cfg.temperature)
+        mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)
+        rollout = pad_sequence([o.logprobs for o in outs], batch_first=True).to(logp.device)
+        old = logp.detach()  # one update per batch: pi_old is the trainer's current policy
+        mm = mismatch_metrics(rollout.cpu(), old.cpu(), mask)
+        loss, stats = policy_loss(
+            logp, old, adv.to(logp.device), mask.to(logp.device),
+            eps_low=cfg.eps_low, eps_high=cfg.eps_high, rollout_logp=rollout,
+            correction=cfg.correction, tis_cap=cfg.tis_cap,
+        )  # fmt: skip
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        decision = self.spikes.update(grad_norm)
+        layer_norms = layer_grad_norms(self.model)
+        if decision.spike:
+            growth = top_growth(layer_norms, self.prev_layer_norms)
+            self.record.log_spike(step, grad_norm, decision.z, growth, skipped=decision.skip)
+        if not decision.skip:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.prev_layer_norms = layer_norms
+        t_train = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        report = self.transport.send(export(self.model, self.plan, step=step))
+        t_sync = time.perf_counter() - t2
+        if report.event is not None:
+            self.record.log_quantization(report.event)
+        ok = self._verify_sync()
+        self.record.log_sync_verified(step, report.version, self.plan.hash(), ok)
+
+        tokens = sum(len(o.tokens) + len(o.prompt) for o in outs)
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+            "accuracy": float((rewards > 0.5).float().mean()),
+            "response_len/mean": float(mask.sum(-1).mean()),
+            **mm.as_dict(),
+            "loss/clip_frac": stats["loss/clip_frac"],
+            "loss/pg": stats["loss/pg"],
+            "grad/norm": grad_norm,
+            **decision.as_dict(),
+            "time/rollout_s": t_rollout,
+            "time/train_s": t_train,
+            "time/sync_s": t_sync,
+            "throughput/tokens_per_s": tokens / elapsed,
+            "sync/version": float(report.version),
+        }
+        for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
+            if key in stats:
+                metrics[key] = stats[key]
+        self.record.log_metrics(step, metrics)
+        self.step = step
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def _verify_sync(self) -> bool:
+        """The engine holds exactly what a fresh export of the master weights gives (hashes)."""
+        fresh = {
+            r.name: r.hash for b in export(self.model, self.plan, sqnr=False) for r in b.records
+        }
+        return all(fresh.get(r.name) == r.hash for r in self.engine.records())
+
+    def run(self) -> list[dict[str, float]]:
+        history = []
+        while self.step < self.cfg.steps:
+            m = self.train_step()
+            history.append(m)
+            logger.info(
+                "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
+                self.step, self.cfg.steps, m["reward/mean"], m["accuracy"],
+                m["mismatch/k3"], m["grad/norm"],
+                m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
+            )  # fmt: skip
+        self.record.finish(self.step, status="done")
+        return history
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        folder = self.record.path / CHECKPOINT_DIR
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step_{self.step:06d}.pt"
+        tmp = path.with_suffix(".tmp")
+        torch.save(
+            {
+                "step": self.step,
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "source": self.source.state_dict(),
+                "spikes": self.spikes.state_dict(),
+                "prev_layer_norms": self.prev_layer_norms,
+                "plan_hash": self.plan.hash(),
+                "config": asdict(self.cfg),
+            },
+            tmp,
+        )
+        tmp.rename(path)
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> int:
+        state = torch.load(path, map_location=self.cfg.device, weights_only=False)
+        if state["plan_hash"] != self.plan.hash():
+            raise ValueError(
+                f"checkpoint {path} was trained under plan {state['plan_hash'][:12]}, this run "
+                f"resolves {self.plan.hash()[:12]}: resume with the same recipe and model"
+            )
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.source.load_state_dict(state["source"])
+        self.spikes.load_state_dict(state["spikes"])
+        self.prev_layer_norms = state["prev_layer_norms"]
+        self.step = int(state["step"])
+        self.transport.send(export(self.model, self.plan, step=self.step))
+        return self.step
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def sequence_logprobs(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log p(completion token | prefix) for a batch, [B, T_max] (0 past each completion), in one
+    right-padded forward pass (the trainer needs no batch invariance)."""
+    device = next(model.parameters()).device
+    seqs = [
+        torch.tensor([*p, *c], dtype=torch.int64) for p, c in zip(prompts, completions, strict=True)
+    ]
+    lengths = torch.tensor([len(s) for s in seqs])
+    ids = pad_sequence(seqs, batch_first=True).to(device)
+    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).to(device)
+    logits = model(ids[:, :-1], attention_mask=attn[:, :-1].long()).float()
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    t_max = max((len(c) for c in completions), default=0)
+    out = logp_all.new_zeros((len(seqs), t_max))
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        out[i, : len(c)] = logp_all[i, len(p) - 1 : len(p) - 1 + len(c)]
+    return out
+
+
+def _seed(seed: int, step: int, index: int) -> int:
+    """A per-request sampling seed that depends only on (run seed, step, request index)."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)

@@ -1,0 +1,74 @@
+"""Where the RL loop's prompts, labels and rewards come from: the embedded arithmetic task, or a
+prompt dataset file with a tokenizer and a reward function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mxrl.rl.data import PromptDataset, encode_prompt
+from mxrl.rl.task import ArithmeticTask
+
+
+@dataclass
+class PromptBatch:
+    prompts: list[list[int]]
+    labels: list[Any]
+
+
+class PromptSource(Protocol):
+    stop_token_ids: tuple[int, ...]
+
+    def next_batch(self, n: int) -> PromptBatch: ...
+    def reward(self, tokens: list[int], label: Any) -> float: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TaskSource:
+    """The embedded arithmetic task (no model hub needed)."""
+
+    def __init__(self, task: ArithmeticTask) -> None:
+        self.task = task
+        self.stop_token_ids = task.stop_token_ids
+
+    def next_batch(self, n: int) -> PromptBatch:
+        problems = self.task.sample(n)
+        return PromptBatch([self.task.encode_prompt(p) for p in problems], problems)
+
+    def reward(self, tokens: list[int], label: Any) -> float:
+        return self.task.reward(self.task.decode_response(tokens), label)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.task.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.task.load_state_dict(state)
+
+
+class DatasetSource:
+    """A PromptDataset (JSONL / Parquet), a tokenizer (chat template when it has one) and a
+    reward function `fn(response_text, label) -> float`."""
+
+    def __init__(self, dataset: PromptDataset, tokenizer: Any, reward_fn) -> None:
+        self.dataset, self.tokenizer, self.reward_fn = dataset, tokenizer, reward_fn
+        self.stop_token_ids = (int(tokenizer.eos_token_id),)
+
+    def next_batch(self, n: int) -> PromptBatch:
+        rows = self.dataset.next_batch(n)
+        return PromptBatch(
+            [encode_prompt(r.prompt, self.tokenizer) for r in rows], [r.label for r in rows]
+        )
+
+    def reward(self, tokens: list[int], label: Any) -> float:
+        ids = list(tokens)
+        eos = self.stop_token_ids[0]
+        if eos in ids:
+            ids = ids[: ids.index(eos)]
+        return float(self.reward_fn(self.tokenizer.decode(ids), label))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)

@@ -1,0 +1,115 @@
+"""Supervised warm-up for the embedded task: a random tiny model never earns a reward, so RL has
+nothing to learn from; a few hundred SFT steps bring it to partial accuracy (headroom for RL).
+The result is cached under ~/.cache/mxrl (MXRL_CACHE overrides), keyed by everything it depends
+on, so `mxrl demo` pays for it once per machine."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn.utils.rnn import pad_sequence
+
+from mxrl import __version__
+from mxrl.engine import Engine, SamplingParams
+from mxrl.models import CausalLM, build_model
+from mxrl.rl.task import ArithmeticTask
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MXRL_CACHE", Path.home() / ".cache" / "mxrl"))
+
+
+def sft(
+    model: CausalLM, task: ArithmeticTask, steps: int, batch_size: int = 64, lr: float = 3e-3
+) -> list[float]:
+    """Cross-entropy on the answer tokens (prompt tokens masked), AdamW; returns the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    device = next(model.parameters()).device
+    losses = []
+    model.train()
+    for _ in range(steps):
+        examples = task.supervised_examples(batch_size)
+        seqs = [torch.tensor(e.tokens) for e in examples]
+        masks = [torch.tensor(e.loss_mask, dtype=torch.float32) for e in examples]
+        ids = pad_sequence(seqs, batch_first=True).to(device)
+        target_mask = pad_sequence(masks, batch_first=True).to(device)
+        lengths = torch.tensor([len(s) for s in seqs], device=device)
+        attn = (torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]).long()
+        logits = model(ids[:, :-1], attention_mask=attn[:, :-1]).float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+        ).view_as(target_mask)
+        loss = (nll * target_mask).sum() / target_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@torch.no_grad()
+def greedy_accuracy(model: CausalLM, task: ArithmeticTask, recipe: str = "bf16") -> float:
+    """Accuracy on the task's fixed eval problems, greedy, through an engine."""
+    engine = Engine(model, recipe, weight_dtype=torch.float32)
+    problems = task.eval_problems()
+    outs = engine.generate(
+        [task.encode_prompt(p) for p in problems],
+        SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens,
+                       stop_token_ids=task.stop_token_ids),
+    )  # fmt: skip
+    hits = [
+        task.reward(task.decode_response(o.tokens), p) for o, p in zip(outs, problems, strict=True)
+    ]
+    return sum(hits) / len(hits)
+
+
+def warmed_up_model(
+    config: dict,
+    task: ArithmeticTask,
+    steps: int,
+    *,
+    seed: int = 0,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+) -> tuple[CausalLM, dict]:
+    """The SFT-warmed model for (config, task, steps, seed), from the cache when present.
+    Returns (model in fp32 on CPU, info with loss and accuracy)."""
+    key_src = json.dumps(
+        {"config": config, "task": task.state_dict() | {"pos": None}, "steps": steps,
+         "seed": seed, "batch": batch_size, "lr": lr, "mxrl": __version__},
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    folder = cache_dir() / "warmup"
+    weights, meta = folder / f"{key}.safetensors", folder / f"{key}.json"
+    model = build_model(config, seed=seed)
+    if weights.exists() and meta.exists():
+        try:
+            model.load_state_dict(load_file(str(weights)))
+            info = json.loads(meta.read_text())
+            logger.info("warm-up: cached %s (accuracy %.2f)", weights, info["accuracy"])
+            return model, info
+        except (OSError, RuntimeError, ValueError, KeyError) as err:
+            logger.warning("warm-up cache %s unreadable (%s): training again", weights, err)
+    fresh = ArithmeticTask(seed=task.seed, max_operand=task.max_operand, ops=task.ops)
+    losses = sft(model, fresh, steps, batch_size=batch_size, lr=lr)
+    info = {"steps": steps, "final_loss": losses[-1], "accuracy": greedy_accuracy(model, fresh)}
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = weights.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    tmp.rename(weights)
+    meta.write_text(json.dumps(info, indent=2))
+    logger.info("warm-up: %d SFT steps, loss %.3f, accuracy %.2f -> %s", steps, losses[-1],
+                info["accuracy"], weights)  # fmt: skip
+    return model, info
