@@ -224,6 +224,24 @@ class PromptDataset:
 # --- rendering ------------------------------------------------------------------------------
 
 
+def decode_tokens(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Text of generated ids. Ids the tokenizer cannot decode (a model's vocab may be larger
+    than its tokenizer's: tiny-moe has 64, CharTokenizer 52) become U+FFFD, which no reward
+    accepts as part of an answer."""
+    ids = [int(t) for t in token_ids]
+    try:
+        return tokenizer.decode(ids)
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError):
+        pass  # some id is out of the tokenizer's vocab: decode one token at a time
+    out = []
+    for t in ids:
+        try:
+            out.append(tokenizer.decode([t]))
+        except (ValueError, IndexError, KeyError, TypeError, OverflowError):
+            out.append("\ufffd")
+    return "".join(out)
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return callable(getattr(tokenizer, "apply_chat_template", None)) and bool(
         getattr(tokenizer, "chat_template", None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mxrl.rl.data import PromptDataset, encode_prompt
+from mxrl.rl.data import PromptDataset, decode_tokens, encode_prompt
 from mxrl.rl.task import ArithmeticTask
 
 
@@ -65,7 +65,7 @@ class DatasetSource:
         eos = self.stop_token_ids[0]
         if eos in ids:
             ids = ids[: ids.index(eos)]
-        return float(self.reward_fn(self.tokenizer.decode(ids), label))
+        return float(self.reward_fn(decode_tokens(self.tokenizer, ids), label))
 
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxrl.models.tokenizer import CharTokenizer
+from mxrl.rl.data import decode_tokens
 from mxrl.rl.rewards import integer_reward
 
 _OPS: dict[str, Callable[[int, int], int]] = {
@@ -183,17 +184,7 @@ class ArithmeticTask:
         ids = [int(t) for t in token_ids]
         if eos in ids:
             ids = ids[: ids.index(eos)]
-        try:
-            return self.tokenizer.decode(ids)
-        except (ValueError, IndexError, KeyError):
-            pass  # some id is out of the tokenizer's vocab: decode one token at a time
-        out = []
-        for t in ids:
-            try:
-                out.append(self.tokenizer.decode([t]))
-            except (ValueError, IndexError, KeyError):
-                out.append("\ufffd")
-        return "".join(out)
+        return decode_tokens(self.tokenizer, ids)
 
     def reward(self, response_text: str, problem: Problem) -> float:
         """1.0 when the response starts with exactly problem.answer, else 0.0."""

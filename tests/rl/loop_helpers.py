@@ -1,0 +1,60 @@
+"""A tiny deterministic GRPO run for the loop tests and the golden file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mxrl.models import build_model
+from mxrl.recipe import builtin_config
+from mxrl.rl.loop import GRPOConfig, GRPOTrainer
+from mxrl.rl.sources import TaskSource
+from mxrl.rl.task import ArithmeticTask
+from mxrl.runs import RunRecord
+
+# Timings and throughput vary from run to run, and the engine's weights version counts loads
+# in this process (a resumed process has made fewer); everything else is numerics.
+NONDETERMINISTIC = ("time/", "throughput/", "sync/version")
+
+
+class ParitySource(TaskSource):
+    """The arithmetic prompts with a reward that a random model already earns about half the
+    time (parity of the first sampled token id), so advantages and gradients are not zero."""
+
+    def reward(self, tokens, label) -> float:
+        return float(tokens[0] % 2)
+
+
+def tiny_config(**overrides) -> GRPOConfig:
+    base = dict(
+        recipe="nvfp4-dequantized",
+        steps=3,
+        prompts_per_step=4,
+        samples_per_prompt=4,
+        max_new_tokens=6,
+        lr=3e-3,
+        seed=0,
+        engine_tile=16,
+    )
+    return GRPOConfig(**{**base, **overrides})
+
+
+def tiny_trainer(root: Path, run_id: str, **overrides) -> GRPOTrainer:
+    cfg = tiny_config(**overrides)
+    model = build_model(builtin_config("tiny-moe"), seed=0)
+    record = RunRecord.create(root, run_id, config=cfg)
+    return GRPOTrainer(cfg, model, ParitySource(ArithmeticTask(seed=0)), record)
+
+
+def numerics(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC)} for r in rows]
+
+
+if __name__ == "__main__":  # python -m tests.rl.loop_helpers: rewrite tests/golden/grpo_tiny.json
+    import json
+    import tempfile
+
+    trainer = tiny_trainer(Path(tempfile.mkdtemp()), "golden")
+    trainer.run()
+    out = Path(__file__).resolve().parents[1] / "golden" / "grpo_tiny.json"
+    out.write_text(json.dumps(numerics(trainer.record.metrics()), indent=1) + "\n")
+    print(f"wrote {out}")
