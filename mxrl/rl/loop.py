@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.grpo import group_advantages, policy_loss
+from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
@@ -248,32 +248,6 @@ class GRPOTrainer:
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     found = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
     return found[-1] if found else None
-
-
-def sequence_logprobs(
-    model: CausalLM,
-    prompts: Sequence[Sequence[int]],
-    completions: Sequence[Sequence[int]],
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """log p(completion token | prefix) for a batch, [B, T_max] (0 past each completion), in one
-    right-padded forward pass (the trainer needs no batch invariance)."""
-    device = next(model.parameters()).device
-    seqs = [
-        torch.tensor([*p, *c], dtype=torch.int64) for p, c in zip(prompts, completions, strict=True)
-    ]
-    lengths = torch.tensor([len(s) for s in seqs])
-    ids = pad_sequence(seqs, batch_first=True).to(device)
-    attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).to(device)
-    logits = model(ids[:, :-1], attention_mask=attn[:, :-1].long()).float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    t_max = max((len(c) for c in completions), default=0)
-    out = logp_all.new_zeros((len(seqs), t_max))
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        out[i, : len(c)] = logp_all[i, len(p) - 1 : len(p) - 1 + len(c)]
-    return out
 
 
 def _seed(seed: int, step: int, index: int) -> int:
