@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mxrl.kernels import select_backend
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl.loop import GRPOConfig, GRPOTrainer
 from mxrl.rl.sources import TaskSource
@@ -68,6 +69,7 @@ def run_demo(
             record = RunRecord.create(
                 out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
                 config={**asdict(cfg), "warmup": warm}, plan_json=plan,
+                backend=str(select_backend(cfg.backend, device)),
             )  # fmt: skip
             trainer = GRPOTrainer(cfg, model, TaskSource(ArithmeticTask(seed=1 + seed)), record)
             logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)

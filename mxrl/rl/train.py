@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import yaml
 
+from mxrl.kernels import select_backend
 from mxrl.models import CharTokenizer, from_pretrained, load_tokenizer
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl.data import PromptDataset
@@ -116,13 +117,14 @@ def run_train(path: str | Path) -> RunRecord:
         if ckpt is None:
             raise ValueError(f"resume: no checkpoint under {resume}/checkpoints")
         step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["step"])
-        record = RunRecord.open(resume, resume_from=step, checkpoint=ckpt, backend=cfg.backend)
+        backend = str(select_backend(cfg.backend, cfg.device))
+        record = RunRecord.open(resume, resume_from=step, checkpoint=ckpt, backend=backend)
         trainer = GRPOTrainer(cfg, model, source, record)
         trainer.load_checkpoint(ckpt)
     else:
         record = RunRecord.create(
             raw.get("out", "runs"), raw.get("run_id"), config=raw, plan_json=plan,
-            backend=cfg.backend,
+            backend=str(select_backend(cfg.backend, cfg.device)),
         )  # fmt: skip
         trainer = GRPOTrainer(cfg, model, source, record)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
