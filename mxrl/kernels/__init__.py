@@ -1,8 +1,10 @@
-"""Fast paths (Triton on CUDA), each byte-exact with the reference in `mxrl.formats`.
+"""Fast paths (Triton on CUDA): quantizers byte-exact with the reference in `mxrl.formats`, and
+GEMMs with low-bit weights within a stated bound of the emulated GEMM (`decode_gemm`).
 
     from mxrl.kernels import Backend, quantize, quantize_mxfp8_both, select_backend
     backend = select_backend(cfg.kernel_backend, device)   # once, from config
     q = quantize(x, "nvfp4", per_token=True, backend=backend)
+    y = low_bit_linear(x, wq, backend=backend)    # GEMM with an NVFP4 / MXFP8 weight (decode)
 
 Importing this package does not import triton (CI has none): the kernels load on first use of
 the triton backend. docs/kernels.md lists each kernel and the reference it matches.
@@ -10,5 +12,23 @@ the triton backend. docs/kernels.md lists each kernel and the reference it match
 
 from mxrl.kernels.api import quantize, quantize_mxfp8_both
 from mxrl.kernels.backend import Backend, select_backend, triton_available
+from mxrl.kernels.decode_gemm import (
+    GemmConfig,
+    grouped_low_bit_linear,
+    grouped_low_bit_matmul,
+    low_bit_linear,
+    low_bit_matmul,
+)
 
-__all__ = ["Backend", "quantize", "quantize_mxfp8_both", "select_backend", "triton_available"]
+__all__ = [
+    "Backend",
+    "GemmConfig",
+    "grouped_low_bit_linear",
+    "grouped_low_bit_matmul",
+    "low_bit_linear",
+    "low_bit_matmul",
+    "quantize",
+    "quantize_mxfp8_both",
+    "select_backend",
+    "triton_available",
+]
