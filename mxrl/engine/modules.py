@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.formats import QTensor
-from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
@@ -116,6 +115,3 @@ class RolloutExperts(nn.Module):
                 start += n
         return out
 
-
-def is_quantized(spec: TensorSpec) -> bool:
-    return spec.format is not Format.BF16
