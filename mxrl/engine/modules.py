@@ -114,4 +114,3 @@ class RolloutExperts(nn.Module):
                 out.index_add_(0, idx, h * w[start : start + n, None].to(h.dtype))
                 start += n
         return out
-
