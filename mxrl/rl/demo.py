@@ -23,7 +23,7 @@ from mxrl.rl.loop import GRPOConfig, GRPOTrainer
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask
 from mxrl.rl.warmup import warmed_up_model
-from mxrl.runs import RunRecord, compare
+from mxrl.runs import RunRecord, compare, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -94,17 +94,14 @@ def _write_report(out: Path, runs: list[RunRecord], comparison, warm: dict, seco
         "|---|---|---|---|---|---|---|---|",
     ]
     for rec in runs:
-        m = rec.metrics()
-        rewards = [row["reward/mean"] for row in m]
+        summary = summarize(rec)
+        rewards = [row["reward/mean"] for row in rec.metrics()]
         first, last = _mean(rewards[:10]), _mean(rewards[-10:])
-        k3 = _mean([row["mismatch/k3"] for row in m])
-        spikes = int(sum(row.get("grad/spike", 0.0) for row in m))
-        syncs = rec.events("sync_verified")
-        verified = bool(syncs) and all(e.get("ok") for e in syncs)
         lines.append(
-            f"| {rec.run_id} | {rec.config.get('recipe')} | {first:.3f} | {last:.3f} | "
-            f"{'yes' if last > first else 'no'} | {k3:.2e} | {spikes} | "
-            f"{'yes' if verified else 'NO'} ({len(syncs)}) |"
+            f"| {rec.run_id} | {summary.recipe} | {first:.3f} | {last:.3f} | "
+            f"{'yes' if last > first else 'no'} | {summary.mean.get('mismatch/k3', float('nan')):.2e} | "
+            f"{len(summary.spike_steps)} | {'yes' if summary.syncs_verified else 'NO'} "
+            f"({summary.num_syncs}) |"
         )
     lines += ["", "## Plots", ""]
     for name, fig in comparison.figures.items():
