@@ -4,6 +4,15 @@ Batch invariance by construction: every token-parallel op (norms, projections, r
 runs on tiles of exactly `tile` tokens (the last one zero-padded), so each kernel sees the same
 shapes whatever else is in the batch, and a row's result cannot depend on the other rows.
 Attention runs per request on that request's own keys, with no padding in any reduction.
+
+Low-bit GEMMs (`uses_low_bit_gemm`): on the triton backend, NVFP4 and MXFP8 weights stay packed
+(the QTensor the engine received, 4.5 / 8.25 bits per weight; no dequantized copy) and go
+through `mxrl.kernels.decode_gemm`'s Triton GEMMs: the activation quantized per the plan by the
+same quantizer as the trainer's, products exact, the fp32 sum in the kernel's order (within
+`decode_gemm.error_bound` of the emulated GEMM). Routed experts take one grouped launch for all
+experts. Each launch configuration is fixed by the weight's shape alone (the dense tile is fixed;
+the grouped one is `GROUPED_CONFIG_ROWS` rows per M tile), and every output row is computed
+from its own activation row only, so batch invariance holds on this path too.
 """
 
 from __future__ import annotations
@@ -15,10 +24,41 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.formats import QTensor
+from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
+from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.decode_gemm import (
+    GemmConfig,
+    choose_config,
+    grouped_low_bit_matmul,
+    low_bit_matmul,
+    num_sms,
+)
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
 from mxrl.recipe import TensorSpec
+from mxrl.recipe.quantize import activation_quantizer_kwargs
+
+LOW_BIT_GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
+# The grouped experts' fixed launch shape: rows per M tile (an expert with more rows loops over
+# tiles) and the number of busy experts split-K is sized for (a decode step's top-k).
+GROUPED_CONFIG_ROWS = 16
+GROUPED_CONFIG_EXPERTS = 8
+
+
+def uses_low_bit_gemm(spec: TensorSpec, backend: Backend) -> bool:
+    """Whether the engine holds this weight packed and runs the low-bit GEMM (module docstring):
+    the triton backend and an NVFP4 / MXFP8 weight whose K fills whole scale blocks."""
+    return (
+        backend is Backend.TRITON
+        and spec.format in LOW_BIT_GEMM_FORMATS
+        and spec.shape[-1] % (16 if spec.format is Format.NVFP4 else 32) == 0
+    )
+
+
+def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
+    """x [T, K] quantized as the GEMM of `spec` takes it (the trainer's quantizer options)."""
+    return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -47,13 +87,21 @@ class RolloutLinear(nn.Module):
         self.bias: torch.Tensor | None = None
 
     def materialize(self, value: QTensor | torch.Tensor) -> dict:
-        """What `install` will set, computed without touching the module (staging)."""
+        """What `install` will set, computed without touching the module (staging). A weight
+        for the low-bit GEMM stays packed (wq None); others get their dequantized operand."""
         if isinstance(value, QTensor):
-            return {"qweight": value, "wq": QuantizedWeight.from_qtensor(value), "weight": None}
+            packed = uses_low_bit_gemm(self.spec, self.backend)
+            wq = None if packed else QuantizedWeight.from_qtensor(value)
+            return {"qweight": value, "wq": wq, "weight": None}
         return {"qweight": None, "wq": None, "weight": value.to(self.compute_dtype)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wq is not None:
+        if self.qweight is not None and self.wq is None:
+            x2 = x.reshape(-1, x.shape[-1])
+            xq = quantize_activation(x2, self.spec, self.backend)
+            y = low_bit_matmul(xq, self.qweight, out_dtype=x.dtype, backend=self.backend)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+        elif self.wq is not None:
             y = emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
         else:
             assert self.weight is not None, f"{self.spec.name}: no weights loaded"
@@ -79,11 +127,16 @@ class RolloutExperts(nn.Module):
         self.specs = specs
         self.compute_dtype = dtype
         self.tile = tile
-        self.values: dict[str, QuantizedWeight | torch.Tensor | None] = dict.fromkeys(specs)
+        self.values: dict[str, QTensor | QuantizedWeight | torch.Tensor | None] = dict.fromkeys(
+            specs
+        )
+        # both projections packed: one grouped low-bit GEMM launch each for all experts
+        self.grouped = all(uses_low_bit_gemm(spec, backend) for spec in specs.values())
+        self._configs: dict[str, GemmConfig] = {}
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
-            return QuantizedWeight.from_qtensor(value)
+            return value if self.grouped else QuantizedWeight.from_qtensor(value)
         return value.to(self.compute_dtype)
 
     def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +152,8 @@ class RolloutExperts(nn.Module):
         return self._linear("down", e, F.silu(gate) * up)
 
     def forward(self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor):
+        if self.grouped:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk)
         k = ids_Tk.shape[1]
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -113,4 +168,46 @@ class RolloutExperts(nn.Module):
                 h = tiled(lambda t, e=e: self._expert(e, t), x_TH[idx], self.tile)
                 out.index_add_(0, idx, h * w[start : start + n, None].to(h.dtype))
                 start += n
+        return out
+
+    # --- packed experts: grouped low-bit GEMMs ------------------------------------------------
+
+    def _config(self, which: str, wq: QTensor) -> GemmConfig:
+        """The launch configuration of one projection, fixed by its shape (batch invariance)."""
+        if which not in self._configs:
+            n, k = wq.shape[-2], wq.shape[-1]
+            groups = min(self.num_experts, GROUPED_CONFIG_EXPERTS)
+            sms = num_sms(wq.device)
+            self._configs[which] = choose_config(GROUPED_CONFIG_ROWS, groups, n, k, sms)
+        return self._configs[which]
+
+    def _grouped(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        wq = self.values[which]
+        assert isinstance(wq, QTensor), f"{self.specs[which].name}: no weights loaded"
+        xq = quantize_activation(x, self.specs[which], self.backend)
+        return grouped_low_bit_matmul(
+            xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
+        )
+
+    def _forward_grouped(
+        self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor
+    ) -> torch.Tensor:
+        """The expert loop's result from two grouped launches: rows sorted by expert, each
+        token's k outputs then summed in ascending expert order (the loop's index_add order)."""
+        t, k = ids_Tk.shape
+        flat = ids_Tk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x_TH.device)
+        offsets[1:] = torch.cumsum(counts, 0)
+        x_sorted = x_TH[order // k]
+        gate, up = self._grouped("gate_up", x_sorted, offsets).chunk(2, dim=-1)
+        h = self._grouped("down", F.silu(gate) * up, offsets)
+        h = h * weights_Tk.reshape(-1)[order, None].to(h.dtype)
+        row_of = torch.empty_like(order)
+        row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row
+        row_of = row_of.view(t, k).gather(1, ids_Tk.argsort(dim=1, stable=True))
+        out = torch.zeros_like(x_TH)
+        for j in range(k):  # fixed order, elementwise: a token's sum never sees other tokens
+            out = out + h[row_of[:, j]]
         return out

@@ -50,6 +50,7 @@ __all__ = [
     "grouped_low_bit_matmul",
     "low_bit_linear",
     "low_bit_matmul",
+    "num_sms",
     "reference_low_bit_matmul",
 ]
 
@@ -130,10 +131,10 @@ def default_config(
     grouped: min(E, T) expert slots, of which `active_experts` (default all) expected busy)."""
     n, k = wq.shape[-2], wq.shape[-1]
     if len(wq.shape) == 2:
-        return choose_config(t, 1, n, k, _num_sms(device))
+        return choose_config(t, 1, n, k, num_sms(device))
     slots = max(1, min(wq.shape[0], t))
     groups = min(slots, active_experts) if active_experts else slots
-    return choose_config(-(-t // groups), groups, n, k, _num_sms(device))
+    return choose_config(-(-t // groups), groups, n, k, num_sms(device))
 
 
 def low_bit_linear(
@@ -351,7 +352,8 @@ def _quantize_activation(
     return kernel_quantize(x, Format.MXFP8, backend=backend)
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 under Triton's interpreter)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # Triton's interpreter
