@@ -17,7 +17,10 @@ Backward, by mode:
                   column-wise copies of w and x are quantized from the high-precision tensors,
                   never from the row-wise copies. T is zero-padded to a multiple of 32 for the
                   column-wise copies (zeros change no block amax and add nothing to the product).
+                  dy, x (and w, in QuantizedWeight.build) are quantized on the forward's backend;
+                  on triton both copies of dy come from one read (`quantize_mxfp8_both`).
 All GEMMs accumulate in fp32; gradients pass straight through the quantizer to the master weight.
+Every backend quantizes to the same bytes, so the backend never changes a gradient.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrl.formats import QTensor, decode_global_scale, dequantize, quantize
+from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
-from mxrl.kernels import Backend
+from mxrl.kernels import Backend, quantize_mxfp8_both
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
@@ -121,11 +124,21 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
 
-def _mxfp8_col(t: torch.Tensor) -> torch.Tensor:
-    """deq of the 32x1 (column-wise) MXFP8 copy of a 2-D tensor, rows padded to 32."""
+def _mxfp8_col(t: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """deq of the 32x1 (column-wise) MXFP8 copy of a 2-D tensor, rows zero-padded to 32 (the
+    quantizers take whole blocks only)."""
     rows = t.shape[0]
-    padded = _pad_rows(t.float(), MXFP8_BLOCK)
-    return dequantize(quantize(padded, Format.MXFP8, axis=0))[:rows]
+    padded = _pad_rows(t, MXFP8_BLOCK)
+    return dequantize(kernel_quantize(padded, Format.MXFP8, axis=0, backend=backend))[:rows]
+
+
+def _mxfp8_row_and_col(t: torch.Tensor, backend: Backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """deq of the 1x32 (row-wise) and 32x1 (column-wise) MXFP8 copies of a 2-D tensor, each
+    from t, rows zero-padded to 32 as in `_mxfp8_col` (padding rows are blocks of their own in
+    the row-wise copy, so the kept rows' bytes are those of the unpadded tensor)."""
+    rows = t.shape[0]
+    row, col = quantize_mxfp8_both(_pad_rows(t, MXFP8_BLOCK), backend=backend)
+    return dequantize(row)[:rows], dequantize(col)[:rows]
 
 
 def emulated_matmul(
@@ -154,6 +167,7 @@ class QMatmul(torch.autograd.Function):
     def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward, backend):
         y, xq = emulated_matmul(x, wq, spec, backend)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
+        ctx.backend = backend  # the quantized backward quantizes dy and x on it too
         # dequantized mode keeps the forward's activation operand, not the original
         ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)
         return y.to(x.dtype)
@@ -170,9 +184,9 @@ class QMatmul(torch.autograd.Function):
         else:
             assert wq.col is not None, "quantized backward needs the column-wise weight copy"
             w_op = wq.col
-            dy_op = dequantize(quantize(dy32, Format.MXFP8))
-            dyt_op = _mxfp8_col(dy32)
-            x_op = _mxfp8_col(x_saved)
+            # dy and x in their own dtype: the quantizers read fp32, bf16 and fp16 exactly
+            dy_op, dyt_op = _mxfp8_row_and_col(dy, ctx.backend)
+            x_op = _mxfp8_col(x_saved, ctx.backend)
         dx = dy_op @ w_op if ctx.needs_input_grad[0] else None
         dw = dyt_op.t() @ x_op if ctx.needs_input_grad[1] else None
         dx = None if dx is None else dx.to(ctx.x_dtype)

@@ -149,6 +149,30 @@ def test_quantized_backward_pads_tokens_with_zeros():
     assert_bytes_equal(dw, dw_padded, "dw")
 
 
+def _deq_col_padded(t):
+    """deq of the column-wise MXFP8 copy of t [rows, C] after zero-padding rows to 32, cut back."""
+    rows = t.shape[0]
+    padded = torch.cat([t.float(), torch.zeros(-rows % 32, t.shape[1])])
+    return dequantize(quantize(padded, "mxfp8", axis=0))[:rows]
+
+
+@pytest.mark.parametrize("rows", [33, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_backward_with_padded_tokens_is_the_reference_computation(rows, dtype):
+    """Odd token counts (padded to 64 and 96 for the column-wise copies), fp32 and bf16
+    activations: dX and dW are the module docstring's formulas written out with the reference
+    quantizers of mxrl.formats, bit for bit (the CPU quantizes on the reference backend)."""
+    q = make_linear("mxfp8", "quantized")
+    x, dy = inputs(seed=rows, rows=rows)
+    x, dy = x.to(dtype), dy.to(dtype)
+    dx, dw = _grads(q, x, dy)
+    w = q.weight.detach()
+    dy_row = dequantize(quantize(dy.float(), "mxfp8"))
+    w_col = dequantize(quantize(w, "mxfp8", axis=0))
+    assert_bytes_equal(dx, (dy_row @ w_col).to(dtype), "dx")
+    assert_bytes_equal(dw, _deq_col_padded(dy).t() @ _deq_col_padded(x), "dw")
+
+
 def test_quantized_backward_refuses_nvfp4():
     with pytest.raises(ValueError, match=r"quantized.*mxfp8"):
         make_linear("nvfp4", "quantized")
