@@ -56,7 +56,7 @@ __all__ = [
 
 BOUND_ULPS = 4
 GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
-DOT_MODES = ("bf16", "ieee")
+DOT_MODES = ("bf16", "ieee", "fma")
 NVFP4_DECODES = ("asm", "triton")
 # programs per SM that split-K aims for, by block_m (small M: more, smaller programs)
 SPLIT_TARGET = {16: 3.6, 32: 1.8, 64: 0.9, 128: 0.9}
@@ -66,10 +66,12 @@ SPLIT_TARGET = {16: 3.6, 32: 1.8, 64: 0.9, 128: 0.9}
 class GemmConfig:
     """Launch configuration of the Triton GEMM (`choose_config` picks one per shape).
 
-    block_m/n/k: tile sizes (powers of two; block_m, block_n >= 16; block_k >= 32).
+    block_m/n/k: tile sizes (powers of two; block_n >= 16; block_k >= 32; block_m >= 16 on
+      the tensor cores, >= 1 with dot "fma").
     split_k: programs sharing one output tile along K (partials reduced in a fixed order).
-    dot: "bf16" (tensor cores: MXFP8 operands as bf16, NVFP4 as fp16, exact in both) or "ieee"
-      (fp32 FMA, IEEE adds; slow, for checks).
+    dot: "bf16" (tensor cores: MXFP8 operands as bf16, NVFP4 as fp16, exact in both), "fma"
+      (CUDA cores: fp32 products summed per output; for a few rows, where a tensor-core tile
+      would pad M to 16) or "ieee" (tl.dot in fp32 with IEEE adds; slow, for checks).
     nvfp4_decode: "asm" (inline PTX, 4 bytes per call: the fast path) or "triton" (the same
       values from Triton ops, one byte at a time); GPU only, the interpreter runs "triton".
     """
@@ -84,7 +86,8 @@ class GemmConfig:
     nvfp4_decode: str = "asm"
 
     def __post_init__(self) -> None:
-        for name, low in (("block_m", 16), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
+        low_m = 1 if self.dot == "fma" else 16
+        for name, low in (("block_m", low_m), ("block_n", 16), ("block_k", 32), ("num_warps", 1)):
             v = getattr(self, name)
             if v < low or v & (v - 1):
                 raise ValueError(f"GemmConfig.{name}={v}: must be a power of two >= {low}")
@@ -399,4 +402,5 @@ def _launch(
         cfg.dot == "ieee",
         xq.device.type == "cuda",
         cfg.nvfp4_decode == "asm",
+        cfg.dot == "fma",
     )

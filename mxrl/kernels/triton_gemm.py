@@ -167,11 +167,16 @@ def _load_codes(
 
 
 @triton.jit
-def _dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr):
+def _dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_FMA: tl.constexpr = False):
     """acc [BM, BN] += xv [BM, BK] @ wv [BN, BK]^T, products exact (module docstring).
 
-    xv, wv: fp16 (NVFP4 halves) or fp32 (MXFP8, fed to the tensor cores as bf16)."""
-    if DOT_IEEE:
+    xv, wv: fp16 (NVFP4 halves) or fp32 (MXFP8, fed to the tensor cores as bf16). DOT_FMA: on
+    the CUDA cores, fp32 products summed along K per output (small BM: no tensor-core tile
+    padding M to 16, and the decoded weights never leave registers)."""
+    if DOT_FMA:
+        prod = xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
+        return acc + tl.sum(prod, axis=2)
+    elif DOT_IEEE:
         return tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)), acc, input_precision="ieee")
     elif HW:
         if xv.dtype == tl.float16:
@@ -270,6 +275,7 @@ def _low_bit_gemm_kernel(
     NV_ASM: tl.constexpr,
     MX_BLOCK_DOT: tl.constexpr,
     DOT_IEEE: tl.constexpr,
+    DOT_FMA: tl.constexpr,
     EVEN_K: tl.constexpr,
     MASK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -324,12 +330,12 @@ def _low_bit_gemm_kernel(
                     if FMT == FMT_NVFP4:
                         x_even, x_odd = nvfp4_halves(xq, xs, BLOCK_M, BLOCK_K, HW, NV_ASM)
                         w_even, w_odd = nvfp4_halves(wq, ws, BLOCK_N, BLOCK_K, HW, NV_ASM)
-                        acc = _dot(acc, x_even, w_even, HW, DOT_IEEE)
-                        acc = _dot(acc, x_odd, w_odd, HW, DOT_IEEE)
+                        acc = _dot(acc, x_even, w_even, HW, DOT_IEEE, DOT_FMA)
+                        acc = _dot(acc, x_odd, w_odd, HW, DOT_IEEE, DOT_FMA)
                     else:
                         xv = mxfp8_values(xq, xs, BLOCK_M, BLOCK_K, HW)
                         wv = mxfp8_values(wq, ws, BLOCK_N, BLOCK_K, HW)
-                        acc = _dot(acc, xv, wv, HW, DOT_IEEE)
+                        acc = _dot(acc, xv, wv, HW, DOT_IEEE, DOT_FMA)
             if SPLIT_K == 1:
                 _store_y(
                     acc,
@@ -364,7 +370,7 @@ def _low_bit_gemm_kernel(
                     offs = rows[:, None] * N + cols[None, :]
                     total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
                     for s in range(1, SPLIT_K):  # in split order (not unrolled)
-                        p_ptrs = part_ptr + s * T.to(tl.int64) * N + offs
+                        p_ptrs = part_ptr + (s * T).to(tl.int64) * N + offs  # T may be a constant
                         total += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                     _store_y(
                         total,
@@ -436,15 +442,18 @@ def low_bit_gemm(
     dot_ieee: bool,
     hw: bool,
     nv_asm: bool,
+    dot_fma: bool = False,
 ) -> torch.Tensor:
     """y [T, N] of `out_dtype` (module docstring). Codes and scales as uint8 (QTensor fields
     viewed as bytes), S_enc fp32: xgs [] or [T, 1], wgs [] / [N, 1] (dense) or [] / [E, 1, 1] /
     [E, N, 1] (grouped, offsets [E+1] given). num_slots: grid rows over experts (grouped).
     hw: compiled for the GPU (False: Triton's interpreter); nv_asm: NVFP4 decoded by the inline
-    PTX (NVFP4_DECODE_ASM; GPU only), else by Triton ops (same values)."""
+    PTX (NVFP4_DECODE_ASM; GPU only), else by Triton ops (same values); dot_fma: the CUDA-core
+    dot (any block_m >= 1) instead of the tensor cores (block_m >= 16)."""
     y, _ = launch_low_bit_gemm(
         xq, xs, xgs, wq, ws, wgs, offsets, counters, fmt, out_dtype, block_m, block_n, block_k,
         split_k, num_slots, num_warps, num_stages, dot_ieee, hw, nv_asm, reduce=True,
+        dot_fma=dot_fma,
     )  # fmt: skip
     return y
 
@@ -452,6 +461,7 @@ def low_bit_gemm(
 def launch_low_bit_gemm(
     xq, xs, xgs, wq, ws, wgs, offsets, counters, fmt, out_dtype, block_m, block_n, block_k,
     split_k, num_slots, num_warps, num_stages, dot_ieee, hw, nv_asm, *, reduce=True,
+    dot_fma=False,
 ):  # fmt: skip
     """The kernel launch behind `mxrl::low_bit_gemm`; reduce=False (tests) skips the in-kernel
     split-K reduction and returns the partials workspace [S, T, N] as well."""
@@ -561,8 +571,9 @@ def launch_low_bit_gemm(
         HAS_GS=has_gs,
         HW=hw,
         NV_ASM=hw and nv_asm and fmt == FMT_CODES["nvfp4"],
-        MX_BLOCK_DOT=fmt == FMT_CODES["mxfp8"] and block_m <= 32,
+        MX_BLOCK_DOT=fmt == FMT_CODES["mxfp8"] and 16 <= block_m <= 32 and not dot_fma,
         DOT_IEEE=dot_ieee,
+        DOT_FMA=dot_fma,
         EVEN_K=k % block_k == 0,
         MASK_N=n % block_n != 0,
         SPLIT_K=split_k,

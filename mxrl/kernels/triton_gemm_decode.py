@@ -27,31 +27,36 @@ F32_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
 # [2^-10, 2688] with at most 6 significant bits. $0,$1: even elements (low nibbles), $2,$3: odd
 # elements (high nibbles), each f16x2 in the element order of the packed input bytes $4; $5,$6:
 # the scale (times 2^6) of each input byte, f16x2.
-NVFP4_DECODE_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, u;
-.reg .b16 l0, l1, h0, h1;
-shl.b32 t, $4, 2;
-and.b32 t, t, 0x1C1C1C1C;
-shl.b32 u, $4, 4;
-and.b32 u, u, 0x80808080;
-or.b32 lo, t, u;
-shr.b32 t, $4, 2;
-and.b32 t, t, 0x1C1C1C1C;
-and.b32 u, $4, 0x80808080;
-or.b32 hi, t, u;
-mov.b32 {l0, l1}, lo;
-mov.b32 {h0, h1}, hi;
-cvt.rn.f16x2.e4m3x2 $0, l0;
-cvt.rn.f16x2.e4m3x2 $1, l1;
-cvt.rn.f16x2.e4m3x2 $2, h0;
-cvt.rn.f16x2.e4m3x2 $3, h1;
-mul.rn.f16x2 $0, $0, $5;
-mul.rn.f16x2 $1, $1, $6;
-mul.rn.f16x2 $2, $2, $5;
-mul.rn.f16x2 $3, $3, $6;
-}
-""")
+# one line (no newlines in the string: torch.compile re-emits the kernel source)
+NVFP4_DECODE_ASM: tl.constexpr = tl.constexpr(
+    " ".join(
+        [
+            "{",
+            ".reg .b32 lo, hi, t, u;",
+            ".reg .b16 l0, l1, h0, h1;",
+            "shl.b32 t, $4, 2;",
+            "and.b32 t, t, 0x1C1C1C1C;",
+            "shl.b32 u, $4, 4;",
+            "and.b32 u, u, 0x80808080;",
+            "or.b32 lo, t, u;",
+            "shr.b32 t, $4, 2;",
+            "and.b32 t, t, 0x1C1C1C1C;",
+            "and.b32 u, $4, 0x80808080;",
+            "or.b32 hi, t, u;",
+            "mov.b32 {l0, l1}, lo;",
+            "mov.b32 {h0, h1}, hi;",
+            "cvt.rn.f16x2.e4m3x2 $0, l0;",
+            "cvt.rn.f16x2.e4m3x2 $1, l1;",
+            "cvt.rn.f16x2.e4m3x2 $2, h0;",
+            "cvt.rn.f16x2.e4m3x2 $3, h1;",
+            "mul.rn.f16x2 $0, $0, $5;",
+            "mul.rn.f16x2 $1, $1, $6;",
+            "mul.rn.f16x2 $2, $2, $5;",
+            "mul.rn.f16x2 $3, $3, $6;",
+            "}",
+        ]
+    )
+)
 E4M3_PER_E2M1: tl.constexpr = tl.constexpr(64.0)  # the E4M3 image of an E2M1 code is value * 2^-6
 
 

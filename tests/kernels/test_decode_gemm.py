@@ -298,6 +298,35 @@ def test_dense_within_bound(fmt, split_k, block_m):
 
 
 @interpreter
+@pytest.mark.parametrize(("split_k", "block_m"), [(1, 1), (3, 2), (2, 8)])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fma_dot_within_bound_and_exact(fmt, split_k, block_m):
+    """The CUDA-core dot (dot="fma", any block_m): within the bound on random inputs, bit for
+    bit on exact-sum inputs, dense and grouped."""
+    k = 224 if fmt == "mxfp8" else 208
+    cfg = _cfg(split_k=split_k, block_m=block_m, dot="fma")
+    x, w = random_operands(fmt, 5, 80, k)
+    xq, wq = quantize_pair(fmt, x, w)
+    assert_within_bound(low_bit_matmul(xq, wq, backend="triton", config=cfg), xq, wq)
+    x, w = exact_operands(fmt, 5, 64, 256)
+    xq, wq = quantize_pair(fmt, x, w)
+    y = low_bit_matmul(xq, wq, backend="triton", config=cfg)
+    assert_bitwise(y, reference_low_bit_matmul(xq, wq), f"{fmt} fma exact")
+    counts = [0, 3, 1, 0]
+    off = offsets_for(counts)
+    x, w = random_operands(fmt, sum(counts), 48, 128, e=len(counts))
+    xq, wq = quantize_pair(fmt, x, w)
+    y = grouped_low_bit_matmul(xq, wq, off, backend="triton", config=cfg)
+    assert_within_bound(y, xq, wq, off, f"{fmt} grouped fma")
+
+
+def test_tensor_core_configs_need_sixteen_rows():
+    with pytest.raises(ValueError, match="block_m=8"):
+        GemmConfig(block_m=8)
+    assert GemmConfig(block_m=1, dot="fma").block_m == 1
+
+
+@interpreter
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dense_even_tiles_and_per_tensor_activation(fmt):
     x, w = random_operands(fmt, 5, 64, 256)

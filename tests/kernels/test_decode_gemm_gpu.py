@@ -254,13 +254,6 @@ def test_op_under_fake_tensors():
         assert y.shape == (3, 128) and y.dtype == torch.bfloat16 and y.device.type == "cuda"
 
 
-@pytest.mark.xfail(
-    reason="seen on the H200 (torch 2.11, triton 3.6, 2026-11-30): inductor's re-tracing of the "
-    "triton_op fails (CompilationError \"'int' object has no attribute 'to'\" in the kernel "
-    "source, then an unterminated string in the generated module); eager calls and CUDA-graph "
-    "capture work. Open: make the kernel source re-traceable.",
-    strict=False,
-)
 def test_op_under_torch_compile_fullgraph():
     from mxrl.kernels import triton_gemm as tg
 
