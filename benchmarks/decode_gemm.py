@@ -4,7 +4,7 @@ and the speedup over BF16 measured in the same run; writes the `decode_gemm` sec
 benchmarks/results/h200.json (other sections are kept).
 
     python benchmarks/decode_gemm.py [--out benchmarks/results/h200.json] [--quick]
-                                     [--ms 1 8 32 128] [--sweep]
+                                     [--ms 1 8 32 128] [--sweep [M ...]]
 
 Shapes (N, K): attention q (4096, 2048), k/v (512, 2048), o (2048, 4096); routed experts
 gate+up (1536, 2048) and down (2048, 768), 128 experts of which 8 are active, each active
@@ -27,13 +27,16 @@ weight GB/s = weight bytes the GEMM must read (codes + block scales + global sca
 16 / 8.25 = 1.94 (MXFP8). Every row first checks the GEMM against the emulated GEMM
 (`error_bound`); it aborts on a violation.
 
---sweep also times launch configurations (split_k x block_n) at M = 1 and 32 and records the
-fastest, to tune `choose_config` (mxrl/kernels/decode_gemm.py).
+--sweep also times the launch configurations of `sweep_configs` (tensor-core tiles; the
+CUDA-core dot for a few rows) at M = 1, 8, 32 (or the M given) and records the fastest, to tune
+`choose_config` (mxrl/kernels/decode_gemm.py). Every row also records the read floor: the time a
+pure streaming-read kernel takes for the same bytes, and the speedup it would give (`ceiling`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from pathlib import Path
@@ -92,7 +95,13 @@ def _clone(q: QTensor) -> QTensor:
     return QTensor(q.qdata.clone(), q.scale.clone(), q.fmt, q.shape, q.axis, gs)
 
 
+COMPILE_ONLY = {"on": False}  # --compile-only: run every call once, time nothing
+
+
 def _rotating_ms(fns, quick: bool) -> tuple[float, str]:
+    if COMPILE_ONLY["on"]:
+        fns[0]()
+        return 1.0, "not timed (--compile-only)"
     ms = bench_ms(lambda: [f() for f in fns], quick=quick)
     return ms / len(fns), TIMING["method"]
 
@@ -102,6 +111,38 @@ def _err_over_bound(y, xq, wq, offsets=None) -> float:
     err = (y.float() - reference_low_bit_matmul(xq, wq, offsets)).abs()
     ratio = err / error_bound(xq, wq, offsets).clamp_min(1e-30)
     return float(ratio.nan_to_num(nan=float("inf")).max()) if ratio.numel() else 0.0
+
+
+@functools.cache
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read(src, out, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + tl.program_id(0), tl.sum(tl.load(src + offs, mask=offs < n, other=0), 0))
+
+    return _read
+
+
+def _read_floor_ms(nbytes: int, l2: int, quick: bool) -> float:
+    """The time to stream `nbytes` of cold weights once with a pure read kernel (one wide load
+    per element, a sum per program): the floor for any kernel that reads those bytes, measured
+    the same way as the GEMMs (best of a few block sizes)."""
+    kernel = _read_kernel()
+    words = -(-nbytes // 16) * 4
+    bufs = [torch.ones(words, dtype=torch.int32, device="cuda") for _ in range(_copies(nbytes, l2))]
+    best = math.inf
+    for block, warps in ((1024, 4), (4096, 4), (4096, 8), (16384, 8)):
+        grid = (-(-words // block),)
+        out = torch.empty(grid[0], dtype=torch.int32, device="cuda")
+
+        def read(b, grid=grid, out=out, block=block, warps=warps):
+            return kernel[grid](b, out, words, BLOCK=block, num_warps=warps)
+
+        best = min(best, _rotating_ms([lambda b=b: read(b) for b in bufs], quick)[0])
+    return best
 
 
 def _checked_config(run, xq, wq, offsets, cfg: GemmConfig, what: str):
@@ -123,7 +164,8 @@ def _checked_config(run, xq, wq, offsets, cfg: GemmConfig, what: str):
     )
 
 
-def _row(fmt, name, n, k, m, experts, w_bytes, bf16_bytes, ms, act_ms, bf16, cfg, check, timing):
+def _row(fmt, name, n, k, m, experts, w_bytes, bf16_bytes, ms, act_ms, bf16, cfg, check, timing,
+         floor_ms):  # fmt: skip
     ratio, note = check
     limit = 16 / BITS_PER_WEIGHT[fmt]
     target = TARGETS[fmt] if m <= 32 else None
@@ -145,6 +187,10 @@ def _row(fmt, name, n, k, m, experts, w_bytes, bf16_bytes, ms, act_ms, bf16, cfg
         "with_act_quant_ms": act_ms,
         "speedup_with_act_quant": bf16["ms"] / act_ms,
         "byte_ratio_limit": limit,
+        "read_floor_ms": floor_ms,
+        "read_floor_gbps": gbps(w_bytes, floor_ms),
+        "speedup_ceiling": bf16["ms"] / floor_ms,
+        "floor_over_ms": floor_ms / ms,
         "target": target,
         "target_met": None if target is None else speedup >= target,
         "max_err_over_bound": ratio,
@@ -163,6 +209,7 @@ def bench_dense(name, n, k, ms_list, quick, l2, sweep) -> tuple[list[dict], list
     wqs = {fmt: quantize(w, fmt) for fmt in FORMATS}
     copies = {fmt: [_clone(q) for _ in range(_copies(q.nbytes, l2))] for fmt, q in wqs.items()}
     del w
+    floors = {fmt: _read_floor_ms(q.nbytes, l2, quick) for fmt, q in wqs.items()}
     rows, sweeps = [], []
     for m in ms_list:
         x = (torch.randn(m, k, generator=g, device="cuda") * 3.0).to(torch.bfloat16)
@@ -184,14 +231,14 @@ def bench_dense(name, n, k, ms_list, quick, l2, sweep) -> tuple[list[dict], list
             act_ms, _ = _rotating_ms(act_fns, quick)
             rows.append(
                 _row(fmt, name, n, k, m, None, wq.nbytes, 2 * n * k, ms, act_ms, bf16, cfg,
-                     (ratio, note), timing)
+                     (ratio, note), timing, floors[fmt])
             )  # fmt: skip
-            if sweep and m in (1, 32):
+            if m in sweep:
                 sweeps += _sweep(fmt, name, m, xq, wq, copies[fmt], None, None, bf16_ms, quick)
     return rows, sweeps
 
 
-def bench_grouped(name, n, k, ms_list, quick, sweep) -> tuple[list[dict], list[dict]]:
+def bench_grouped(name, n, k, ms_list, quick, l2, sweep) -> tuple[list[dict], list[dict]]:
     """Call i runs experts 8i .. 8i+7 (16 disjoint sets: the whole 128-expert tensor, several
     times the L2, is read once per 16 calls)."""
     g = torch.Generator(device="cuda").manual_seed(n + k + 1)
@@ -205,6 +252,7 @@ def bench_grouped(name, n, k, ms_list, quick, sweep) -> tuple[list[dict], list[d
     w16_t = w16.transpose(-2, -1)  # [E, K, N] view: torch._grouped_mm's mat_b
     del w, amax
     sets = range(NUM_EXPERTS // ACTIVE)
+    floors: dict = {}
     rows, sweeps = [], []
     for m in ms_list:
         t = m * ACTIVE
@@ -250,6 +298,8 @@ def bench_grouped(name, n, k, ms_list, quick, sweep) -> tuple[list[dict], list[d
             )  # fmt: skip
             per_expert = (wq.qdata.numel() + wq.scale.numel()) // NUM_EXPERTS
             w_bytes = ACTIVE * (per_expert + (4 if wq.global_scale is not None else 0))
+            if (fmt, w_bytes) not in floors:
+                floors[fmt, w_bytes] = _read_floor_ms(w_bytes, l2, quick)
 
             def ours(i, wq=wq, xq=xq, offsets=offsets, c=cfg):
                 return grouped_low_bit_matmul(
@@ -263,57 +313,65 @@ def bench_grouped(name, n, k, ms_list, quick, sweep) -> tuple[list[dict], list[d
             act_ms, _ = _rotating_ms([lambda i=i: ours_act(i) for i in sets], quick)
             rows.append(
                 _row(fmt, name, n, k, m, ACTIVE, w_bytes, 2 * ACTIVE * n * k, ms, act_ms, bf16,
-                     cfg, (ratio, note), timing)
+                     cfg, (ratio, note), timing, floors[fmt, w_bytes])
             )  # fmt: skip
-            if sweep and m in (1, 32):
+            if m in sweep:
                 sweeps += _sweep(fmt, name, m, xq, wq, None, offsets, list(sets), bf16["ms"], quick)
     return rows, sweeps
 
 
+def sweep_configs(base: GemmConfig, rows_per_group: int, k: int) -> list[GemmConfig]:
+    """The launch configurations `--sweep` times: tensor-core tiles (block_n x block_k x
+    split_k around `base`) and, for a few rows per group, the CUDA-core dot (block_m = the rows
+    rounded up to a power of two)."""
+    out = []
+
+    def add(**kw):
+        cfg = GemmConfig(**{**base.__dict__, **kw})
+        if (cfg.split_k == 1 or cfg.split_k * cfg.block_k <= k) and cfg not in out:
+            out.append(cfg)
+
+    splits = (1, 2, 4, 8, 16)
+    for block_n, block_k in ((32, 128), (64, 128), (128, 128), (64, 256)):
+        for split_k in splits:
+            add(block_n=block_n, block_k=block_k, split_k=split_k)
+    if rows_per_group <= 8:
+        block_m = 1 << max(0, (rows_per_group - 1).bit_length())
+        tiles = ((32, 128), (64, 128), (32, 256), (64, 256))  # (block_n, block_k)
+        for block_n, block_k in tiles if block_m <= 2 else ((16, 128), (32, 128), (32, 64)):
+            for split_k in splits:
+                add(dot="fma", block_m=block_m, block_n=block_n, block_k=block_k,
+                    split_k=split_k, num_stages=3)  # fmt: skip
+    return out
+
+
 def _sweep(fmt, name, m, xq, wq, copies, offsets, sets, bf16_ms, quick) -> list[dict]:
-    """Time split_k x block_n around the default config (each checked against the bound)."""
+    """Time `sweep_configs` around the default config (each checked against the bound)."""
     grouped = offsets is not None
     base = default_config(xq.shape[0], wq, xq.device, ACTIVE if grouped else None)
-    k = wq.shape[-1]
     out = []
-    for block_n in (32, 64, 128):
-        for split_k in (1, 2, 4, 8, 16):
-            if split_k > 1 and split_k * base.block_k > k:
-                continue
-            cfg = GemmConfig(**{**base.__dict__, "block_n": block_n, "split_k": split_k})
-            if grouped:
-                y = grouped_low_bit_matmul(xq, wq, offsets[0], config=cfg)
-                if _err_over_bound(y, xq, wq, offsets[0]) > 1.0:
-                    out.append({"fmt": fmt, "shape": name, "M": m, "config": cfg.__dict__,
-                                "error": "outside the bound"})  # fmt: skip
-                    continue
-                fns = [
-                    lambda i=i, c=cfg: grouped_low_bit_matmul(
-                        xq, wq, offsets[i], out_dtype=torch.bfloat16, config=c
-                    )
-                    for i in sets
-                ]
-            else:
-                if _err_over_bound(low_bit_matmul(xq, wq, config=cfg), xq, wq) > 1.0:
-                    out.append({"fmt": fmt, "shape": name, "M": m, "config": cfg.__dict__,
-                                "error": "outside the bound"})  # fmt: skip
-                    continue
-                fns = [
-                    lambda q=q, c=cfg: low_bit_matmul(xq, q, out_dtype=torch.bfloat16, config=c)
-                    for q in copies
-                ]
-            ms, _ = _rotating_ms(fns, quick)
-            out.append(
-                {
-                    "fmt": fmt,
-                    "shape": name,
-                    "M": m,
-                    "config": cfg.__dict__,
-                    "default": cfg == base,
-                    "ms": ms,
-                    "speedup_vs_bf16": bf16_ms / ms,
-                }
-            )
+    for cfg in sweep_configs(base, m, wq.shape[-1]):
+        if grouped:
+            y = grouped_low_bit_matmul(xq, wq, offsets[0], config=cfg)
+            ok = _err_over_bound(y, xq, wq, offsets[0]) <= 1.0
+            fns = [
+                lambda i=i, c=cfg: grouped_low_bit_matmul(
+                    xq, wq, offsets[i], out_dtype=torch.bfloat16, config=c
+                )
+                for i in sets
+            ]
+        else:
+            ok = _err_over_bound(low_bit_matmul(xq, wq, config=cfg), xq, wq) <= 1.0
+            fns = [
+                lambda q=q, c=cfg: low_bit_matmul(xq, q, out_dtype=torch.bfloat16, config=c)
+                for q in copies
+            ]
+        row = {"fmt": fmt, "shape": name, "M": m, "config": cfg.__dict__, "default": cfg == base}
+        if not ok:
+            out.append({**row, "error": "outside the bound"})
+            continue
+        ms, _ = _rotating_ms(fns, quick)
+        out.append({**row, "ms": ms, "speedup_vs_bf16": bf16_ms / ms})
     return out
 
 
@@ -322,8 +380,24 @@ def main() -> int:
     ap.add_argument("--out", type=str, default=str(REPO_ROOT / "benchmarks/results/h200.json"))
     ap.add_argument("--quick", action="store_true", help="fewer timed replays")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 8, 32, 128])
-    ap.add_argument("--sweep", action="store_true", help="also time launch configs (M=1, 32)")
+    ap.add_argument(
+        "--sweep", type=int, nargs="*", default=[], metavar="M",
+        help="also time the launch configs of `sweep_configs` at these M (default with no value: "
+        "1 8 32)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, metavar="NAME",
+        help=f"only these shapes (of {', '.join(n for n, _, _ in DENSE + EXPERTS)})",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compile-only", action="store_true",
+        help="run every kernel once (fills Triton's cache, e.g. from parallel processes before a "
+        "timed run) and write nothing",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.sweep == [] and "--sweep" in sys.argv:
+        args.sweep = [1, 8, 32]
+    COMPILE_ONLY["on"] = args.compile_only
     if not torch.cuda.is_available():
         print("needs a CUDA device (the Triton low-bit GEMM)", file=sys.stderr)
         return 2
@@ -331,15 +405,28 @@ def main() -> int:
     l2 = _l2_bytes()
     copy = copy_bandwidth(torch.empty(64 << 20, dtype=torch.float32, device="cuda"))
     rows, sweeps = [], []
+    known = {name for name, _, _ in DENSE + EXPERTS}
+    if args.shapes and not set(args.shapes) <= known:
+        print(f"unknown shape(s) {set(args.shapes) - known}; choose from {sorted(known)}")
+        return 2
     for name, n, k in DENSE:
+        if args.shapes and name not in args.shapes:
+            continue
         r, s = bench_dense(name, n, k, args.ms, args.quick, l2, args.sweep)
         rows, sweeps = rows + r, sweeps + s
         torch.cuda.empty_cache()
     for name, n, k in EXPERTS:
-        r, s = bench_grouped(name, n, k, args.ms, args.quick, args.sweep)
+        if args.shapes and name not in args.shapes:
+            continue
+        r, s = bench_grouped(name, n, k, args.ms, args.quick, l2, args.sweep)
         rows, sweeps = rows + r, sweeps + s
         torch.cuda.empty_cache()
 
+    if args.compile_only:
+        print(
+            f"compiled {len(rows)} rows and {len(sweeps)} sweep configs (nothing timed or written)"
+        )
+        return 0
     env = environment()
     print(f"{env['device']}  torch {env['torch']}  triton {env['triton']}")
     print(f"copy bandwidth (read + write) {copy['gbps']:.0f} GB/s, L2 {l2 >> 20} MB\n")
@@ -354,6 +441,8 @@ def main() -> int:
         ("speedup_vs_bf16", "x BF16", ".2f"),
         ("speedup_with_act_quant", "x BF16 +act q", ".2f"),
         ("byte_ratio_limit", "limit", ".2f"),
+        ("speedup_ceiling", "ceiling", ".2f"),
+        ("floor_over_ms", "floor/ms", ".2f"),
         ("max_err_over_bound", "err/bound", ".1e"),
     ]
     print(format_table(rows, columns))
@@ -377,7 +466,9 @@ def main() -> int:
             best = min(cand, key=lambda s: s["ms"])
             default = next((s for s in cand if s.get("default")), None)
             dflt = f"default x{default['speedup_vs_bf16']:.2f}" if default else "default not swept"
-            cfg = {k: best["config"][k] for k in ("block_n", "split_k")}
+            cfg = {
+                k: best["config"][k] for k in ("dot", "block_m", "block_n", "block_k", "split_k")
+            }
             print(f"  {key}: best {cfg} x{best['speedup_vs_bf16']:.2f} BF16 ({dflt})")
 
     section = {

@@ -178,7 +178,8 @@ class RolloutExperts(nn.Module):
             n, k = wq.shape[-2], wq.shape[-1]
             groups = min(self.num_experts, GROUPED_CONFIG_EXPERTS)
             sms = num_sms(wq.device)
-            self._configs[which] = choose_config(GROUPED_CONFIG_ROWS, groups, n, k, sms)
+            fmt = self.specs[which].format.value
+            self._configs[which] = choose_config(GROUPED_CONFIG_ROWS, groups, n, k, sms, fmt)
         return self._configs[which]
 
     def _grouped(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

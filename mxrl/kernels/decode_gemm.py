@@ -58,8 +58,8 @@ BOUND_ULPS = 4
 GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
 DOT_MODES = ("bf16", "ieee", "fma")
 NVFP4_DECODES = ("asm", "triton")
-# programs per SM that split-K aims for, by block_m (small M: more, smaller programs)
-SPLIT_TARGET = {16: 3.6, 32: 1.8, 64: 0.9, 128: 0.9}
+# programs per SM that split-K aims for, by path / block_m (H200 sweep, docs/kernels.md)
+SPLIT_TARGET = {"fma": 3.6, 16: 1.4, 32: 1.4, 64: 0.9, 128: 0.9}
 
 
 @dataclass(frozen=True)
@@ -107,24 +107,40 @@ class GemmConfig:
         return cls(block_m, 32, 32, split_k, 4 if block_m <= 64 else 8, 1, "ieee")
 
 
-def choose_config(rows_per_group: int, num_groups: int, n: int, k: int, num_sms: int) -> GemmConfig:
-    """Tiles for `num_groups` groups (experts; 1 dense) of about `rows_per_group` rows each.
+def choose_config(
+    rows_per_group: int, num_groups: int, n: int, k: int, num_sms: int, fmt: str = "nvfp4"
+) -> GemmConfig:
+    """Tiles for `num_groups` groups (experts; 1 dense) of about `rows_per_group` rows each,
+    tuned on the H200 with `benchmarks/decode_gemm.py --sweep` (docs/kernels.md has the table).
 
-    One M tile covers a decode batch (block_m = next power of two of the rows, 16..128), so the
-    weights are read once per launch; split-K then multiplies the programs until about
-    SPLIT_TARGET[block_m] per SM (latency hiding: several small programs per SM, each streaming
-    a few KB of weights), never below one block_k per split. Registers (sm_90, ptxas): 96-175
-    per thread at block_m <= 32 with 4 warps, so 2-5 programs fit on an SM."""
-    block_m = min(128, max(16, _next_pow2(rows_per_group)))
-    block_n, block_k = 64, 128
-    num_warps, num_stages = (4, 3) if block_m <= 32 else (8, 2)
-    m_tiles = -(-max(rows_per_group, 1) // block_m)
+    - 1 or 2 rows (decode): the CUDA-core dot (block_m = the rows, block_n 32, block_k 256): a
+      tensor-core tile would pad M to 16 and stage every decoded weight through shared memory.
+    - more rows: one tensor-core M tile covers the batch (block_m = next power of two of the
+      rows, 16..128), so the weights are read once per launch; NVFP4 at block_m <= 32 takes
+      block_k 256, MXFP8 block_n 128 (fewer, longer programs: the sweep's best).
+    Split-K then multiplies the programs until about SPLIT_TARGET[block_m] per SM (latency
+    hiding), never below one block_k per split. fmt: "nvfp4" or "mxfp8"."""
+    rows = max(rows_per_group, 1)
+    if rows <= 2:
+        block_m, block_n, block_k = rows, 32, 256 if k >= 512 else 128
+        cfg = dict(dot="fma", num_warps=4, num_stages=3)
+        per_sm = SPLIT_TARGET["fma"]
+    else:
+        block_m = min(128, max(16, _next_pow2(rows)))
+        small = block_m <= 32
+        block_n = 128 if (fmt == "mxfp8" and small) else 64
+        block_k = 256 if (fmt == "nvfp4" and small and k >= 512) else 128
+        cfg = dict(num_warps=4, num_stages=3) if small else dict(num_warps=8, num_stages=2)
+        if block_m == 32 and block_k == 256:
+            cfg["num_warps"] = 8  # 4 warps spill (ptxas: 255 registers + 40 B of stack)
+        per_sm = SPLIT_TARGET[block_m]
+    m_tiles = -(-rows // block_m)
     programs = -(-n // block_n) * max(num_groups, 1) * m_tiles
-    target = int(SPLIT_TARGET[block_m] * num_sms)
+    target = int(per_sm * num_sms)
     split = 1
     while programs * split < target and split < 16 and 2 * split * block_k <= k:
         split *= 2
-    return GemmConfig(block_m, block_n, block_k, split, num_warps, num_stages)
+    return GemmConfig(block_m, block_n, block_k, split, **cfg)
 
 
 def default_config(
@@ -132,12 +148,12 @@ def default_config(
 ) -> GemmConfig:
     """The config the GEMMs use for T activation rows and the weight wq ([N, K], or [E, N, K]
     grouped: min(E, T) expert slots, of which `active_experts` (default all) expected busy)."""
-    n, k = wq.shape[-2], wq.shape[-1]
+    n, k, fmt = wq.shape[-2], wq.shape[-1], wq.fmt.value
     if len(wq.shape) == 2:
-        return choose_config(t, 1, n, k, num_sms(device))
+        return choose_config(t, 1, n, k, num_sms(device), fmt)
     slots = max(1, min(wq.shape[0], t))
     groups = min(slots, active_experts) if active_experts else slots
-    return choose_config(-(-t // groups), groups, n, k, num_sms(device))
+    return choose_config(-(-t // groups), groups, n, k, num_sms(device), fmt)
 
 
 def low_bit_linear(

@@ -167,6 +167,24 @@ def _load_codes(
 
 
 @triton.jit
+def _fma_dot(acc, xv, wv):
+    """acc [BM, BN] += xv [BM, BK] @ wv [BN, BK]^T on the CUDA cores, one row of x at a time:
+    fp32 products (exact) summed along K, the weight tile staying in its load layout."""
+    BM: tl.constexpr = xv.shape[0]
+    w32 = wv.to(tl.float32)
+    x32 = xv.to(tl.float32)
+    if BM == 1:
+        return acc + tl.sum(w32 * x32, axis=1)[None, :]
+    else:
+        r = tl.arange(0, BM)
+        for m in tl.static_range(BM):
+            xm = tl.sum(tl.where(r[:, None] == m, x32, 0.0), axis=0)  # row m (one nonzero term)
+            part = tl.sum(w32 * xm[None, :], axis=1)
+            acc = tl.where(r[:, None] == m, acc + part[None, :], acc)
+        return acc
+
+
+@triton.jit
 def _dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_FMA: tl.constexpr = False):
     """acc [BM, BN] += xv [BM, BK] @ wv [BN, BK]^T, products exact (module docstring).
 
@@ -174,8 +192,7 @@ def _dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_FMA: tl.cons
     the CUDA cores, fp32 products summed along K per output (small BM: no tensor-core tile
     padding M to 16, and the decoded weights never leave registers)."""
     if DOT_FMA:
-        prod = xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
-        return acc + tl.sum(prod, axis=2)
+        return _fma_dot(acc, xv, wv)
     elif DOT_IEEE:
         return tl.dot(xv.to(tl.float32), tl.trans(wv.to(tl.float32)), acc, input_precision="ieee")
     elif HW:

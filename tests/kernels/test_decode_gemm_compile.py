@@ -1,11 +1,13 @@
 """The low-bit GEMM kernel compiles for sm_90 on the CPU (Triton lowers to PTX and runs ptxas
 without a GPU), in the configurations `choose_config` picks for the benchmark shapes and the
 ones the GPU tests use, and its PTX holds what triton_gemm.py's argument relies on:
-- tensor-core MMAs (mma.sync for block_m <= 32, wgmma above) for the bf16 dot, none for "ieee";
+- tensor-core MMAs (mma.sync for block_m <= 32, wgmma above) for the bf16 dot, none for "ieee"
+  or the CUDA-core "fma" dot;
 - the hardware E4M3 -> f16x2 cvt for decoding (MXFP8 bytes, NVFP4's E4M3 images);
 - split-K: one acq_rel GPU-scope atomic per program after a CTA barrier, partials read with
   ld.global.cg (L2, not a possibly stale L1);
-- no flush-to-zero, no approximate division or reciprocal; no register spills on the bf16 path.
+- no flush-to-zero, no approximate division or reciprocal; no register spills on the bf16 and fma
+  paths.
 Skipped without triton (CI). Run by hand: `python -m tests.kernels.test_decode_gemm_compile`
 (prints one JSON line per variant: PTX instruction counts and the cubin's registers).
 """
@@ -60,7 +62,7 @@ def variants():
     for fmt_name, fmt in (("nvfp4", 1), ("mxfp8", 0)):
         for m in (1, 32, 128):
             for n, k, groups in ((4096, 2048, 1), (512, 2048, 1), (1536, 2048, 8)):
-                cfg = choose_config(m, groups, n, k, 132)
+                cfg = choose_config(m, groups, n, k, 132, fmt_name)
                 key = (fmt, groups > 1, cfg)
                 if key not in seen:
                     seen.add(key)
@@ -68,6 +70,9 @@ def variants():
         for bm, warps in ((16, 4), (64, 4), (128, 8)):
             yield f"{fmt_name}-bf16-bm{bm}", fmt, False, GemmConfig(bm, 64, 128, 4, warps, 2), True
             yield f"{fmt_name}-ieee-bm{bm}", fmt, False, GemmConfig.ieee(bm, 4), True
+        for bm, bn, bk in ((1, 32, 128), (1, 64, 256), (8, 16, 128)):
+            cfg = GemmConfig(bm, bn, bk, 4, 4, 3, dot="fma")
+            yield f"{fmt_name}-fma-bm{bm}-bn{bn}-bk{bk}", fmt, True, cfg, True
         triton_ops = GemmConfig(16, 64, 128, 4, nvfp4_decode="triton")
         yield f"{fmt_name}-triton-decode", fmt, True, triton_ops, True
         yield f"{fmt_name}-interpreter-path", fmt, False, GemmConfig(16, 64, 128, 2), False
@@ -87,8 +92,9 @@ def compile_variant(fmt: int, grouped: bool, cfg, hw: bool = True):
         "HAS_GS": fmt == 1,
         "HW": hw,
         "NV_ASM": hw and fmt == 1 and cfg.nvfp4_decode == "asm",
-        "MX_BLOCK_DOT": fmt == 0 and cfg.block_m <= 32,
+        "MX_BLOCK_DOT": fmt == 0 and 16 <= cfg.block_m <= 32 and cfg.dot != "fma",
         "DOT_IEEE": cfg.dot == "ieee",
+        "DOT_FMA": cfg.dot == "fma",
         "EVEN_K": True,
         "MASK_N": False,
         "SPLIT_K": cfg.split_k,
@@ -190,9 +196,9 @@ def test_no_ftz_no_approximations(ptx_report):
         assert c["ftz"] == 0 and c["div_approx"] == 0 and c["rcp_approx"] == 0, (name, c)
 
 
-def test_no_register_spills_on_the_tensor_core_path(ptx_report):
+def test_no_register_spills_on_the_tensor_core_and_fma_paths(ptx_report):
     for name, c in ptx_report.items():
-        if "stack" in c and c["dot"] == "bf16" and c["hw"]:
+        if "stack" in c and c["dot"] in ("bf16", "fma") and c["hw"]:
             assert c["local"] == 0 and c["stack"] == 0, (name, c)
 
 

@@ -132,8 +132,8 @@ def test_grouped_top8_routing(fmt):
 
 
 # (dot, NVFP4 decode): the fast path, NVFP4 decoded by Triton ops instead of the inline PTX,
-# and the fp32 FMA dot
-PATHS = [("bf16", "asm"), ("bf16", "triton"), ("ieee", "asm")]
+# the CUDA-core dot of few-row decode, and the fp32 tl.dot with IEEE adds
+PATHS = [("bf16", "asm"), ("bf16", "triton"), ("fma", "asm"), ("ieee", "asm")]
 PATH_IDS = ["-".join(p) for p in PATHS]
 
 
@@ -146,6 +146,8 @@ def test_exact_sums_bit_identical(fmt, dot, decode, split_k):
         xq, wq = quantize_pair(fmt, x, w)
         if dot == "ieee":
             cfg = GemmConfig.ieee(block_m, split_k)
+        elif dot == "fma":
+            cfg = GemmConfig(min(block_m, 8), 32, 256, split_k, dot="fma")
         else:
             cfg = choose_config(m, 1, 512, 2048, 132)
             cfg = GemmConfig(**{**cfg.__dict__, "split_k": split_k, "block_m": block_m})
@@ -157,6 +159,8 @@ def test_exact_sums_bit_identical(fmt, dot, decode, split_k):
     xq, wq = quantize_pair(fmt, x, w, w_scale="expert")
     off = offsets_for(counts, DEV)
     cfg = GemmConfig.ieee(16, split_k) if dot == "ieee" else GemmConfig(16, 64, 128, split_k)
+    if dot == "fma":
+        cfg = GemmConfig(2, 32, 128, split_k, dot="fma")
     cfg = GemmConfig(**{**cfg.__dict__, "nvfp4_decode": decode})
     y = grouped_low_bit_matmul(xq, wq, off, config=cfg)
     assert_bitwise(y, reference_low_bit_matmul(xq, wq, off), f"{fmt} {dot} grouped exact")
@@ -170,6 +174,8 @@ def test_every_weight_code_decodes_exactly(fmt, dot, decode):
     wq = random_code_weight(fmt, n, k, device=DEV)
     for block_m in (16, 64):
         cfg = GemmConfig.ieee(block_m, 2) if dot == "ieee" else GemmConfig(block_m, 64, 128, 2)
+        if dot == "fma":
+            cfg = GemmConfig(block_m // 16, 32, 128, 2, dot="fma")  # block_m 1 and 4
         cfg = GemmConfig(**{**cfg.__dict__, "nvfp4_decode": decode})
         y = low_bit_matmul(xq, wq, config=cfg)
         assert_bitwise(y, reference_low_bit_matmul(xq, wq), f"{fmt} one-hot block_m={block_m}")
