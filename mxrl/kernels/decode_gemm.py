@@ -59,7 +59,7 @@ GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
 DOT_MODES = ("bf16", "ieee", "fma")
 NVFP4_DECODES = ("asm", "triton")
 # programs per SM that split-K aims for, by path / block_m (H200 sweep, docs/kernels.md)
-SPLIT_TARGET = {"fma": 3.6, 16: 1.4, 32: 1.4, 64: 0.9, 128: 0.9}
+SPLIT_TARGET = {"fma": 3.6, "nvfp4-16": 1.4, 16: 3.6, 32: 1.8, 64: 0.9, 128: 0.9}
 
 
 @dataclass(frozen=True)
@@ -115,24 +115,25 @@ def choose_config(
 
     - 1 or 2 rows (decode): the CUDA-core dot (block_m = the rows, block_n 32, block_k 256): a
       tensor-core tile would pad M to 16 and stage every decoded weight through shared memory.
-    - more rows: one tensor-core M tile covers the batch (block_m = next power of two of the
-      rows, 16..128), so the weights are read once per launch; NVFP4 at block_m <= 32 takes
-      block_k 256, MXFP8 block_n 128 (fewer, longer programs: the sweep's best).
-    Split-K then multiplies the programs until about SPLIT_TARGET[block_m] per SM (latency
+    - NVFP4, 3..16 rows: tensor cores, block_m 16, block_k 256 (fewer, longer programs).
+    - otherwise one tensor-core M tile covers the batch (block_m = next power of two of the
+      rows, 16..128), block_n 64, block_k 128, so the weights are read once per launch.
+    Split-K then multiplies the programs until about SPLIT_TARGET[path] per SM (latency
     hiding), never below one block_k per split. fmt: "nvfp4" or "mxfp8"."""
     rows = max(rows_per_group, 1)
     if rows <= 2:
         block_m, block_n, block_k = rows, 32, 256 if k >= 512 else 128
         cfg = dict(dot="fma", num_warps=4, num_stages=3)
         per_sm = SPLIT_TARGET["fma"]
+    elif fmt == "nvfp4" and rows <= 16:
+        block_m, block_n, block_k = 16, 64, 256 if k >= 512 else 128
+        cfg = dict(num_warps=4, num_stages=3)
+        per_sm = SPLIT_TARGET["nvfp4-16"]
     else:
         block_m = min(128, max(16, _next_pow2(rows)))
+        block_n, block_k = 64, 128
         small = block_m <= 32
-        block_n = 128 if (fmt == "mxfp8" and small) else 64
-        block_k = 256 if (fmt == "nvfp4" and small and k >= 512) else 128
         cfg = dict(num_warps=4, num_stages=3) if small else dict(num_warps=8, num_stages=2)
-        if block_m == 32 and block_k == 256:
-            cfg["num_warps"] = 8  # 4 warps spill (ptxas: 255 registers + 40 B of stack)
         per_sm = SPLIT_TARGET[block_m]
     m_tiles = -(-rows // block_m)
     programs = -(-n // block_n) * max(num_groups, 1) * m_tiles
