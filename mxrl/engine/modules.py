@@ -130,8 +130,13 @@ class RolloutExperts(nn.Module):
         self.values: dict[str, QTensor | QuantizedWeight | torch.Tensor | None] = dict.fromkeys(
             specs
         )
-        # both projections packed: one grouped low-bit GEMM launch each for all experts
-        self.grouped = all(uses_low_bit_gemm(spec, backend) for spec in specs.values())
+        # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
+        # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
+        self.grouped = all(
+            uses_low_bit_gemm(spec, backend)
+            and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
+            for spec in specs.values()
+        )
         self._configs: dict[str, GemmConfig] = {}
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):

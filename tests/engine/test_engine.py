@@ -183,3 +183,28 @@ def test_bad_requests_are_refused():
         engine.generate([[1]], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_grouped_low_bit_experts_need_per_token_nvfp4_activations():
+    """The packed grouped path runs every expert's rows in one launch, so it takes only
+    per-row activation scales; a per-tensor NVFP4 plan keeps the per-expert tiles."""
+    from types import SimpleNamespace
+
+    from mxrl.engine.modules import RolloutExperts
+    from mxrl.kernels import Backend
+
+    plan = Engine(tiny("nvfp4-hp"), "nvfp4-hp").plan
+    specs = {
+        "gate_up": plan["model.layers.0.mlp.experts.gate_up_proj"],
+        "down": plan["model.layers.0.mlp.experts.down_proj"],
+    }
+    assert all(s.activations == "per_token" for s in specs.values())
+    experts = SimpleNamespace(num_experts=8)
+
+    def grouped(specs, backend=Backend.TRITON):
+        return RolloutExperts(experts, specs, torch.bfloat16, 8, backend).grouped
+
+    assert grouped(specs)
+    assert not grouped(specs, Backend.REFERENCE)
+    per_tensor = {k: dataclasses.replace(s, activations="per_tensor") for k, s in specs.items()}
+    assert not grouped(per_tensor)
