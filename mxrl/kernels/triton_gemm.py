@@ -47,7 +47,13 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from mxrl.kernels.triton_gemm_decode import mxfp8_values, nvfp4_halves
-from mxrl.kernels.triton_gemm_tiles import dot, find_group, load_codes, mxfp8_block_dots, store_y
+from mxrl.kernels.triton_gemm_tiles import (
+    find_group,
+    load_codes,
+    mxfp8_block_dots,
+    store_y,
+    tile_dot,
+)
 
 FMT_MXFP8: tl.constexpr = tl.constexpr(0)
 FMT_NVFP4: tl.constexpr = tl.constexpr(1)
@@ -146,12 +152,12 @@ def _low_bit_gemm_kernel(
                     if FMT == FMT_NVFP4:
                         x_even, x_odd = nvfp4_halves(xq, xs, BLOCK_M, BLOCK_K, HW, NV_ASM)
                         w_even, w_odd = nvfp4_halves(wq, ws, BLOCK_N, BLOCK_K, HW, NV_ASM)
-                        acc = dot(acc, x_even, w_even, HW, DOT_IEEE, DOT_FMA)
-                        acc = dot(acc, x_odd, w_odd, HW, DOT_IEEE, DOT_FMA)
+                        acc = tile_dot(acc, x_even, w_even, HW, DOT_IEEE, DOT_FMA)
+                        acc = tile_dot(acc, x_odd, w_odd, HW, DOT_IEEE, DOT_FMA)
                     else:
                         xv = mxfp8_values(xq, xs, BLOCK_M, BLOCK_K, HW)
                         wv = mxfp8_values(wq, ws, BLOCK_N, BLOCK_K, HW)
-                        acc = dot(acc, xv, wv, HW, DOT_IEEE, DOT_FMA)
+                        acc = tile_dot(acc, xv, wv, HW, DOT_IEEE, DOT_FMA)
             if SPLIT_K == 1:
                 store_y(
                     acc,

@@ -75,7 +75,7 @@ def mxfp8_block_dots(
             32,
         )
         zero = tl.zeros([BM, BN], dtype=tl.float32)
-        part = dot(zero, e4m3_to_f16(xq, HW), e4m3_to_f16(wq, HW), HW, DOT_IEEE)
+        part = tile_dot(zero, e4m3_to_f16(xq, HW), e4m3_to_f16(wq, HW), HW, DOT_IEEE)
         sx = tl.sum(tl.where(blk[None, :] == j, sx_all, 0.0), axis=1)  # column j (exact)
         sw = tl.sum(tl.where(blk[None, :] == j, sw_all, 0.0), axis=1)
         acc = acc + part * (sx[:, None] * sw[None, :])
@@ -137,7 +137,7 @@ def fma_dot(acc, xv, wv):
 
 
 @triton.jit
-def dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_FMA: tl.constexpr = False):
+def tile_dot(acc, xv, wv, HW: tl.constexpr, DOT_IEEE: tl.constexpr, DOT_FMA: tl.constexpr = False):
     """acc [BM, BN] += xv [BM, BK] @ wv [BN, BK]^T, products exact (module docstring).
 
     xv, wv: fp16 (NVFP4 halves) or fp32 (MXFP8, fed to the tensor cores as bf16). DOT_FMA: on
