@@ -160,20 +160,9 @@ def _low_bit_gemm_kernel(
                         acc = tile_dot(acc, xv, wv, HW, DOT_IEEE, DOT_FMA)
             if SPLIT_K == 1:
                 store_y(
-                    acc,
-                    rows,
-                    m_mask,
-                    cols,
-                    n_mask,
-                    y_ptr,
-                    N,
-                    xgs_ptr,
-                    xgs_stride,
-                    wgs_base,
-                    wgs_stride_n,
-                    HAS_GS,
-                    HW,
-                )
+                    acc, rows, m_mask, cols, n_mask, y_ptr, N, xgs_ptr, xgs_stride, wgs_base,
+                    wgs_stride_n, HAS_GS, HW,
+                )  # fmt: skip
             else:
                 p_ptrs = part_ptr + (split.to(tl.int64) * T + rows[:, None]) * N + cols[None, :]
                 tl.store(p_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -195,20 +184,9 @@ def _low_bit_gemm_kernel(
                         p_ptrs = part_ptr + (s * T).to(tl.int64) * N + offs  # T may be a constant
                         total += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                     store_y(
-                        total,
-                        rows,
-                        m_mask,
-                        cols,
-                        n_mask,
-                        y_ptr,
-                        N,
-                        xgs_ptr,
-                        xgs_stride,
-                        wgs_base,
-                        wgs_stride_n,
-                        HAS_GS,
-                        HW,
-                    )
+                        total, rows, m_mask, cols, n_mask, y_ptr, N, xgs_ptr, xgs_stride, wgs_base,
+                        wgs_stride_n, HAS_GS, HW,
+                    )  # fmt: skip
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
