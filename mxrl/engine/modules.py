@@ -27,12 +27,12 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.backend import num_sms
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
     choose_config,
     grouped_low_bit_matmul,
     low_bit_matmul,
-    num_sms,
 )
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul

@@ -61,6 +61,14 @@ def select_backend(
     return backend
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 under Triton's interpreter: few programs,
+    each looping), for sizing launch grids."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def check_triton_runs_on(device: torch.device) -> None:
     """Raise ValueError naming what is missing for the triton backend on `device`."""
     if not triton_available():

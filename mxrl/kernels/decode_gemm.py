@@ -38,7 +38,7 @@ import torch
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import Format
 from mxrl.kernels.api import quantize as kernel_quantize
-from mxrl.kernels.backend import Backend, select_backend
+from mxrl.kernels.backend import Backend, num_sms, select_backend
 
 __all__ = [
     "BOUND_ULPS",
@@ -50,7 +50,6 @@ __all__ = [
     "grouped_low_bit_matmul",
     "low_bit_linear",
     "low_bit_matmul",
-    "num_sms",
     "reference_low_bit_matmul",
 ]
 
@@ -370,13 +369,6 @@ def _quantize_activation(
             )
         return kernel_quantize(x, Format.NVFP4, per_token=per_token, backend=backend)
     return kernel_quantize(x, Format.MXFP8, backend=backend)
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 under Triton's interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # Triton's interpreter
 
 
 def _next_pow2(v: int) -> int:

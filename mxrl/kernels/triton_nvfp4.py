@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from mxrl.kernels.backend import num_sms
 from mxrl.kernels.triton_codecs import (
     FLT_MAX,
     RCP_6,
@@ -181,12 +182,6 @@ def _encode_scale_kernel(amax_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, nvfp4_encode_scale(amax), mask=offs < N)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the CPU interpreter: few programs, each loops
-
-
 def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
     """fp32 [] global max |x| (NaN ignored)."""
     assert x_MK.is_contiguous()
@@ -195,7 +190,7 @@ def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
     if n:
         cfg = AMAX_CONFIG
         num_blocks = triton.cdiv(n, cfg["BLOCK"])
-        programs = min(num_blocks, _num_sms(x_MK.device) * cfg["programs_per_sm"])
+        programs = min(num_blocks, num_sms(x_MK.device) * cfg["programs_per_sm"])
         wrap_triton(_amax_kernel)[(programs,)](
             x_MK,
             bits,

@@ -23,6 +23,26 @@ PATTERNS = {
 }
 
 
+def report_in_subprocess(module: str, timeout: int) -> dict:
+    """Run `python -m module` with TRITON_INTERPRET unset (real sm_90 compiles, whatever this
+    process has imported) and parse the JSON object it prints last."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", module],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _variants():
     from mxrl.kernels import triton_fp8_block as fb
     from mxrl.kernels import triton_mxfp8 as mx

@@ -5,14 +5,9 @@ flush-to-zero. Skipped without triton (CI)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.kernels.compile_sm90 import report_in_subprocess
 from tests.kernels.conftest import TRITON_IMPORTABLE
 
 pytestmark = pytest.mark.skipif(not TRITON_IMPORTABLE, reason="needs triton")
@@ -20,17 +15,7 @@ pytestmark = pytest.mark.skipif(not TRITON_IMPORTABLE, reason="needs triton")
 
 @pytest.fixture(scope="module")
 def ptx_report() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.compile_sm90"],
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return report_in_subprocess("tests.kernels.compile_sm90", timeout=600)
 
 
 def test_every_kernel_compiles_for_sm90(ptx_report):

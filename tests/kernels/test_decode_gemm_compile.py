@@ -19,10 +19,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.kernels.compile_sm90 import report_in_subprocess
 
 # not from conftest: importing it turns the interpreter on, and this module compiles for real
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
@@ -155,17 +156,7 @@ def report() -> dict[str, dict]:
 def ptx_report() -> dict:
     if not TRITON_IMPORTABLE:
         pytest.skip("needs triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.test_decode_gemm_compile"],
-        env=env,
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return report_in_subprocess("tests.kernels.test_decode_gemm_compile", timeout=900)
 
 
 def test_compiles_with_tensor_cores_where_asked(ptx_report):
