@@ -34,6 +34,7 @@ from mxrl.kernels.decode_gemm import (
     grouped_low_bit_matmul,
     low_bit_matmul,
 )
+from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
 from mxrl.recipe import TensorSpec
@@ -154,7 +155,7 @@ class RolloutExperts(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self._linear("gate_up", e, x).chunk(2, dim=-1)
-        return self._linear("down", e, F.silu(gate) * up)
+        return self._linear("down", e, invariant.silu(gate) * up)
 
     def forward(self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor):
         if self.grouped:
@@ -208,7 +209,7 @@ class RolloutExperts(nn.Module):
         offsets[1:] = torch.cumsum(counts, 0)
         x_sorted = x_TH[order // k]
         gate, up = self._grouped("gate_up", x_sorted, offsets).chunk(2, dim=-1)
-        h = self._grouped("down", F.silu(gate) * up, offsets)
+        h = self._grouped("down", invariant.silu(gate) * up, offsets)
         h = h * weights_Tk.reshape(-1)[order, None].to(h.dtype)
         row_of = torch.empty_like(order)
         row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mxrl.engine.modules import tiled
 from mxrl.models import CausalLM, causal_mask
 from mxrl.models.layers import SparseMoeBlock, apply_rope
+from mxrl.nn import invariant
 
 
 @dataclass
@@ -108,7 +109,7 @@ def _moe(block: SparseMoeBlock, x_TH: torch.Tensor, tile: int):
     weights_Tk = torch.cat([r[1] for r in routed])[: x_TH.shape[0]]
     out = block.experts(x_TH, ids_Tk, weights_Tk)
     if block.shared_expert is not None:
-        gate = torch.sigmoid(tiled(block.shared_expert_gate, x_TH, tile))
+        gate = invariant.sigmoid(tiled(block.shared_expert_gate, x_TH, tile))
         out = out + gate * tiled(block.shared_expert, x_TH, tile)
     return out, ids_Tk
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.models.config import ModelConfig
-from mxrl.nn import GroupedExperts
+from mxrl.nn import GroupedExperts, invariant
 
 
 class KVCache(Protocol):
@@ -53,13 +53,23 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq is computed in fp32 on the CPU exactly as transformers does and cached per device, so
     the angles are the same bytes on every device and after meta-device construction.
+
+    On the CPU, cos and sin come from a table filled `TABLE_CHUNK` positions at a time, each
+    chunk by one fixed-shape call: a position's values are computed once, the same way whatever
+    batch asks for them (ATen's CPU cos/sin round differently in their vector body and scalar
+    tail, so computing them over a batch's positions made them depend on the batch; see
+    `mxrl.nn.invariant`). On CUDA they are computed per element, which is already invariant.
     """
+
+    TABLE_CHUNK = 256
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        # the CPU table, [positions, D] fp32, grown by whole chunks
+        self._table_cos = self._table_sin = torch.empty(0, head_dim, device="cpu")
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
@@ -68,13 +78,31 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 
+    def _angles(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def _cpu_table(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids.numel() and int(position_ids.min()) < 0:
+            raise ValueError("position_ids must be >= 0 (absolute token positions)")
+        needed = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        while self._table_cos.shape[0] < needed:
+            start = self._table_cos.shape[0]
+            cos, sin = self._angles(torch.arange(start, start + self.TABLE_CHUNK))
+            self._table_cos = torch.cat([self._table_cos, cos])
+            self._table_sin = torch.cat([self._table_sin, sin])
+        return self._table_cos[position_ids], self._table_sin[position_ids]
+
     def forward(
         self, position_ids_BS: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [B, S, D] in `dtype` (angles in fp32)."""
-        freqs = position_ids_BS[..., None].float() * self.inv_freq(position_ids_BS.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if position_ids_BS.device.type == "cpu":
+            cos, sin = self._cpu_table(position_ids_BS)
+        else:
+            cos, sin = self._angles(position_ids_BS)
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}"
@@ -161,7 +189,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(invariant.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):
@@ -209,7 +237,7 @@ class SparseMoeBlock(nn.Module):
         ids_Tk, weights_Tk = self.route(x_TH, replay)
         out_TH = self.experts(x_TH, ids_Tk, weights_Tk)
         if self.shared_expert is not None:
-            gate_T1 = torch.sigmoid(self.shared_expert_gate(x_TH))
+            gate_T1 = invariant.sigmoid(self.shared_expert_gate(x_TH))
             out_TH = out_TH + gate_T1 * self.shared_expert(x_TH)
         return out_TH.reshape(B, S, H), ids_Tk.reshape(B, S, -1)
 
