@@ -8,14 +8,15 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.mxrl-installed
 
-.PHONY: install test lint format demo test-gpu clean
+.PHONY: install test test-main test-capabilities test-triton lint format demo test-gpu clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "make: keeping the torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -23,6 +24,11 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install --disable-pip-version-check -q "$(TORCH_SPEC)"; \
 	fi
 	$(PY) -m pip install --disable-pip-version-check -q -e ".[dev]"
+	@if $(PY) -c "import triton" 2>/dev/null; then \
+		echo "make: keeping the triton already installed: $$($(PY) -c 'import triton; print(triton.__version__)')"; \
+	else \
+		$(PY) -m pip install --disable-pip-version-check -q "$(TRITON_SPEC)"; \
+	fi
 	@touch $(STAMP)
 
 lint: $(STAMP)
@@ -33,8 +39,26 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-test: lint
-	$(PY) -m pytest -q
+# make test = lint, the main run, the capability matrix, the Triton tier (README, "Tests").
+test: lint test-main test-capabilities test-triton
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q -m "not triton"
+
+# The tests marked `capability` again under every other CPU capability this processor supports
+# (ATen kernels and MKL code path of an AVX2-only / baseline x86-64 machine; tests/numeric_env.py).
+test-capabilities: $(STAMP)
+	@caps="$$($(PY) -m tests.numeric_env)" || exit 1; \
+	for cap in $$caps; do \
+		$(PY) -m tests.numeric_env $$cap -m pytest -q -p no:cacheprovider \
+			-m "capability and not triton" || exit 1; \
+	done
+
+# Triton's kernels under its CPU interpreter, byte for byte against the reference, and the sm_90
+# compile checks: a process of its own (TRITON_INTERPRET=1 before triton is imported), where a
+# skipped test fails (MXRL_REQUIRE_TRITON=1).
+test-triton: $(STAMP)
+	TRITON_INTERPRET=1 MXRL_REQUIRE_TRITON=1 $(PY) -m pytest -q -p no:cacheprovider -m triton
 
 # On a CUDA machine: the GPU tier (kernels, device invariance of the reference).
 test-gpu: $(STAMP)

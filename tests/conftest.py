@@ -1,5 +1,19 @@
+"""Suite-wide settings: the GPU skip, the Triton tier's must-run rule, hypothesis profiles.
+
+`make test` runs the suite in three parts (README, "Tests"): the main run, the `capability`
+tests again under every other CPU capability, and the `triton` tier in its own process with
+TRITON_INTERPRET=1 set before anything imports triton. That process also sets
+MXRL_REQUIRE_TRITON=1, under which a `triton` test that skips on a machine without CUDA is a
+failure: the tier proves the kernels' byte-exactness in CI, so it may not silently not run.
+"""
+
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+REQUIRE_TRITON = os.environ.get("MXRL_REQUIRE_TRITON", "0") == "1"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,11 +25,42 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_TIER_PASSED: list[str] = []
+
+
+def _tier_must_run(item) -> bool:
+    return REQUIRE_TRITON and "triton" in item.keywords and not torch.cuda.is_available()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.passed and report.when == "call" and _tier_must_run(item):
+        _TIER_PASSED.append(item.nodeid)
+    if report.skipped and "gpu" not in item.keywords and _tier_must_run(item):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"MXRL_REQUIRE_TRITON=1: this Triton-tier test skipped ({reason}); the tier must run "
+            "here: install triton (make does) and set TRITON_INTERPRET=1 before triton is imported"
+        )
+
+
+def pytest_collectreport(report):
+    # a whole module skipped by importorskip("triton")
+    skipped_tier = report.skipped and "triton" in str(report.longrepr)
+    if REQUIRE_TRITON and skipped_tier and not torch.cuda.is_available():
+        report.outcome = "failed"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if REQUIRE_TRITON and not torch.cuda.is_available() and not _TIER_PASSED:
+        print("\nMXRL_REQUIRE_TRITON=1 but no Triton-tier test ran: select them with -m triton")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 # Property tests: 40 examples in CI; HYPOTHESIS_PROFILE=thorough for a long local run.
-import os  # noqa: E402
-
-from hypothesis import settings  # noqa: E402
-
 settings.register_profile("ci", max_examples=40, deadline=None)
 settings.register_profile("thorough", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -15,6 +15,8 @@ from mxrl.models import build_model
 from mxrl.recipe import builtin_config
 from tests.numerics import assert_bytes_equal
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 PRESETS = [
     "bf16",
     "mxfp8",

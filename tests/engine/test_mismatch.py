@@ -18,6 +18,8 @@ from mxrl.nn import apply_plan
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl import measure_mismatch
 
+pytestmark = pytest.mark.capability  # holds on every CPU capability (tests/numeric_env.py)
+
 BROKEN_NVFP4 = {  # nvfp4-dequantized with per-tensor activation scales: breaks the contract
     "name": "nvfp4-per-tensor-activations",
     "backward": "dequantized",

@@ -9,6 +9,8 @@ import torch
 
 from mxrl.formats import quantize
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 
 @pytest.mark.parametrize(
     ("fmt", "shape", "kwargs", "pattern"),

@@ -14,6 +14,8 @@ import torch
 from mxrl.formats import codecs
 from tests.numerics import assert_bytes_equal
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 
 def _f32(values) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, dtype=np.float32))

@@ -12,6 +12,8 @@ from mxrl.formats import dequantize, quantize
 from tests import cases
 from tests.numerics import assert_bytes_equal, sqnr_db
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 F32 = np.float32
 
 

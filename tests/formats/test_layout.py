@@ -9,6 +9,8 @@ import torch
 from mxrl.formats import quantize, swizzle_scales, unswizzle_scales
 from tests.numerics import assert_bytes_equal
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 SHAPES = [(1, 1), (1, 4), (128, 4), (130, 5), (300, 17), (256, 64), (7, 130)]
 
 

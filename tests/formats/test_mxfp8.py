@@ -11,6 +11,8 @@ from mxrl.formats import codecs, dequantize, quantize
 from tests import cases
 from tests.numerics import assert_bytes_equal, sqnr_db
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 torchao_mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 Mode = torchao_mx.ScaleCalculationMode
 

@@ -15,6 +15,8 @@ from mxrl.formats.constants import FLT_MAX, RCP_6_BITS
 from tests import cases
 from tests.numerics import assert_bytes_equal, sqnr_db
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 F32 = np.float32
 
 

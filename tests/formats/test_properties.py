@@ -14,12 +14,15 @@ exceptions that follow from the formats, not from the code:
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxrl.formats import codecs, dequantize, quantize
 from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
+
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 
 SETTINGS = settings()  # examples and deadline from the profile (tests/conftest.py)
 

@@ -10,6 +10,8 @@ from mxrl.formats import QTensor, dequantize, quantize
 from tests import cases
 from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 VARIANTS = [
     ("mxfp8", {}, (64, 96)),
     ("mxfp8", {"axis": 0}, (64, 96)),

@@ -10,7 +10,7 @@ import pytest
 from tests.kernels.compile_sm90 import report_in_subprocess
 from tests.kernels.conftest import TRITON_IMPORTABLE
 
-pytestmark = pytest.mark.skipif(not TRITON_IMPORTABLE, reason="needs triton")
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not TRITON_IMPORTABLE, reason="needs triton")]
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,14 @@ _interpreter_ready = pytest.mark.skipif(
     reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton is "
     "imported (pytest tests/kernels, or TRITON_INTERPRET=1 pytest)",
 )
+
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 # NumPy's IEEE division by zero in masked lanes (1/0 -> inf, never stored)
 _numpy_div0 = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
 
 
 def interpreter(fn):
-    return _interpreter_ready(_numpy_div0(fn))
+    return pytest.mark.triton(_interpreter_ready(_numpy_div0(fn)))
 
 
 # --- operands ------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tests.kernels.compile_sm90 import report_in_subprocess
 
 # not from conftest: importing it turns the interpreter on, and this module compiles for real
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.triton
 
 PATTERNS = {
     "wgmma": r"wgmma\.mma_async",

@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 tc = pytest.importorskip("mxrl.kernels.triton_codecs")
 pytestmark = [
+    pytest.mark.triton,
     pytest.mark.skipif(
         not conftest.INTERPRETER_READY,
         reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton "

@@ -76,6 +76,7 @@ def _check_backends_agree(monkeypatch, device: str, rows: int, dtype: torch.dtyp
     assert calls == [((padded, N), True, True), ((padded, K), False, True)], calls
 
 
+@pytest.mark.triton
 @pytest.mark.skipif(
     not kernels_conftest.INTERPRETER_READY,
     reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton is "

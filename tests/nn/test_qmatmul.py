@@ -13,6 +13,8 @@ from mxrl.nn import GroupedExperts, QExperts, QLinear
 from mxrl.recipe import TensorSpec
 from tests.numerics import assert_bytes_equal
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 T, N, K = 64, 96, 128
 
 

@@ -47,14 +47,3 @@ def tiny_trainer(root: Path, run_id: str, **overrides) -> GRPOTrainer:
 
 def numerics(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC)} for r in rows]
-
-
-if __name__ == "__main__":  # python -m tests.rl.loop_helpers: rewrite tests/golden/grpo_tiny.json
-    import json
-    import tempfile
-
-    trainer = tiny_trainer(Path(tempfile.mkdtemp()), "golden")
-    trainer.run()
-    out = Path(__file__).resolve().parents[1] / "golden" / "grpo_tiny.json"
-    out.write_text(json.dumps(numerics(trainer.record.metrics()), indent=1) + "\n")
-    print(f"wrote {out}")

@@ -21,6 +21,8 @@ from mxrl.sync import (
 from mxrl.sync.checkpoint import MANIFEST_NAME, PLAN_NAME
 from tests.sync.helpers import PROMPT, engine_logits, hashes, tiny
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 PRESET = "nvfp4-dequantized"
 SHARD_BYTES = 150_000  # the tiny model's 0.38 MiB export -> 3 shards
 

@@ -11,6 +11,8 @@ from mxrl.recipe import resolve
 from mxrl.sync import QuantizationEvent, export
 from tests.sync.helpers import hashes, tiny
 
+pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
+
 
 def plan_of(model, preset):
     return resolve(preset, {n: p.shape for n, p in model.named_parameters()})
