@@ -2,15 +2,20 @@
 trainer's logprobs and the mismatch metrics, the clipped loss (TIS/MIS optional), backward in the
 recipe's mode, spike detection, the optimizer step, then a verified weight sync.
 
-Every step appends one line of metrics to the run record and its events (quantization, sync,
-spikes); checkpoints hold everything a resumed run needs to continue exactly as an
-uninterrupted one with the same seed would have.
+Every step appends one line of metrics to the run record and its events (quantization, sync
+with the engine's digest, spikes); checkpoints hold everything a resumed run, in a fresh process,
+needs to continue byte for byte as an uninterrupted one with the same seed would have: master
+weights, optimizer, data stream, spike detector, the global RNGs and the engine's weights version
+(tests/rl/test_resume.py kills a `mxrl train` run with SIGKILL and compares).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import Engine, SamplingParams
+from mxrl.engine import Engine, SamplingParams, WeightRecord
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
@@ -98,6 +103,14 @@ class GRPOTrainer:
         )
         self.prev_layer_norms: dict[str, float] = {}
         self.step = 0
+        # The trainer owns the model's gradients from here: a model handed over with gradients
+        # left by an earlier phase (the SFT warm-up leaves its last step's) would add them to
+        # step 1's, so a cached warm-up and a fresh one would train differently.
+        self.opt.zero_grad(set_to_none=True)
+        # Nothing in the loop draws from the global RNGs today (sampling uses per-request
+        # generators); seeding them makes their state a function of the run, saved in checkpoints.
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
 
     # --- one step -------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -155,8 +168,11 @@ class GRPOTrainer:
         t_sync = time.perf_counter() - t2
         if report.event is not None:
             self.record.log_quantization(report.event)
-        ok = self._verify_sync()
-        self.record.log_sync_verified(step, report.version, self.plan.hash(), ok)
+        served = list(self.engine.records())
+        ok = self._verify_sync(served)
+        self.record.log_sync_verified(
+            step, report.version, self.plan.hash(), ok, engine_digest=engine_digest(served)
+        )
 
         tokens = sum(len(o.tokens) + len(o.prompt) for o in outs)
         elapsed = time.perf_counter() - t0
@@ -185,12 +201,12 @@ class GRPOTrainer:
             self.save_checkpoint()
         return metrics
 
-    def _verify_sync(self) -> bool:
+    def _verify_sync(self, served: list[WeightRecord]) -> bool:
         """The engine holds exactly what a fresh export of the master weights gives (hashes)."""
         fresh = {
             r.name: r.hash for b in export(self.model, self.plan, sqnr=False) for r in b.records
         }
-        return all(fresh.get(r.name) == r.hash for r in self.engine.records())
+        return all(fresh.get(r.name) == r.hash for r in served)
 
     def run(self) -> list[dict[str, float]]:
         history = []
@@ -208,6 +224,8 @@ class GRPOTrainer:
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        """runs/<id>/checkpoints/step_NNNNNN.pt, written to a temporary name and renamed, so a
+        run killed at any moment leaves only whole checkpoints."""
         folder = self.record.path / CHECKPOINT_DIR
         folder.mkdir(exist_ok=True)
         path = folder / f"step_{self.step:06d}.pt"
@@ -220,6 +238,9 @@ class GRPOTrainer:
                 "source": self.source.state_dict(),
                 "spikes": self.spikes.state_dict(),
                 "prev_layer_norms": self.prev_layer_norms,
+                "rng": self._rng_state(),
+                "engine_version": self.engine.weights_version,
+                "engine_digest": engine_digest(self.engine.records()),
                 "plan_hash": self.plan.hash(),
                 "config": asdict(self.cfg),
             },
@@ -229,6 +250,10 @@ class GRPOTrainer:
         return path
 
     def load_checkpoint(self, path: str | Path) -> int:
+        """Continue from a checkpoint: restores everything `save_checkpoint` wrote and re-sends
+        the weights to the engine, which ends at the checkpoint's weights version. A checkpoint
+        from before the RNG and engine keys loads too (RNGs as seeded at construction, version
+        step + 1: the loop's numbering), with a warning that it may not continue bitwise."""
         state = torch.load(path, map_location=self.cfg.device, weights_only=False)
         if state["plan_hash"] != self.plan.hash():
             raise ValueError(
@@ -241,8 +266,48 @@ class GRPOTrainer:
         self.spikes.load_state_dict(state["spikes"])
         self.prev_layer_norms = state["prev_layer_norms"]
         self.step = int(state["step"])
+        missing = [k for k in ("rng", "engine_version", "engine_digest") if k not in state]
+        if missing:
+            logger.warning(
+                "checkpoint %s predates %s: it resumes, but may not continue bitwise", path, missing
+            )
+        if "rng" in state:
+            self._set_rng_state(state["rng"])
         self.transport.send(export(self.model, self.plan, step=self.step))
+        # Engine.load_weights counts loads in this process (one when the engine was built, one
+        # per sync): here that made 2, the uninterrupted run's engine was at the saved version.
+        self.engine.weights_version = int(state.get("engine_version", self.step + 1))
+        served = engine_digest(self.engine.records())
+        if state.get("engine_digest", served) != served:
+            logger.warning(
+                "checkpoint %s: the re-sent weights give engine digest %s, the run served %s at "
+                "step %d: the export is not reproducible here, so the rollouts will differ",
+                path, served[:12], state["engine_digest"][:12], self.step,
+            )  # fmt: skip
         return self.step
+
+    def _rng_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        device = torch.device(self.cfg.device)
+        if device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(device)
+        return state
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"].cpu())  # torch.load mapped it to cfg.device
+        random.setstate(state["python"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"].cpu(), torch.device(self.cfg.device))
+
+
+def engine_digest(records: Iterable[WeightRecord]) -> str:
+    """sha256 over the (name, content hash) pairs of the weights an engine holds, in name order:
+    two engines serve the same bytes exactly when their digests are equal (`sync_verified`
+    events carry it, so two runs can be compared step by step from their records)."""
+    h = hashlib.sha256()
+    for name, content in sorted((r.name, r.hash) for r in records):
+        h.update(f"{name}\0{content}\n".encode())
+    return h.hexdigest()
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -60,6 +60,22 @@ def test_batch_invariance(preset):
     assert both[1].tokens == batch[0].tokens  # position in the batch does not matter either
 
 
+@pytest.mark.parametrize("preset", ["bf16", "mxfp8", "nvfp4-dequantized"])
+def test_a_request_gives_the_same_bytes_at_every_offset_of_a_tile(preset):
+    """A filler request of 1..8 tokens ahead of the probe moves the probe's rows through every
+    offset of the 8-token tiles (and through every vector lane of the CPU's kernels); its
+    tokens, logprobs and routing stay the bytes it gets alone."""
+    engine = Engine(tiny(preset), preset, tile=8)
+    probe, params = PROMPTS[0], _params(7)
+    alone = engine.generate([probe], [params])[0]
+    for lead in range(1, 9):
+        filler = [(5 * i + lead) % 60 + 1 for i in range(lead)]
+        got = engine.generate([filler, probe], [_params(1000 + lead), params])[1]
+        assert got.tokens == alone.tokens, f"after a {lead}-token request"
+        assert_bytes_equal(got.logprobs, alone.logprobs, f"logprobs after {lead}")
+        assert_bytes_equal(got.routed_experts, alone.routed_experts, f"routing after {lead}")
+
+
 def test_completion_fields_and_stop_tokens():
     engine = Engine(tiny(), "nvfp4-dequantized")
     out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=6))[0]
