@@ -5,6 +5,7 @@
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--plan-only]
     mxrl train --config FILE
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
+                 [--allow-unmatched]
     mxrl --version
 
 User errors (a bad recipe, a bad config) print one line on stderr and exit with code 2.
@@ -81,6 +82,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shard-size", default="2GB", help="bytes per safetensors shard (default 2GB; or 500MiB)"
     )
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    convert.add_argument(
+        "--allow-unmatched",
+        action="store_true",
+        help="convert even if a recipe rule matches no tensor or the recipe quantizes nothing",
+    )
     _add_runs_parser(commands)
     return parser
 
@@ -110,6 +116,7 @@ def _resolve_on(recipe: str, model: str | None, expert_layout: str):
 
 def _cmd_recipe_show(args: argparse.Namespace) -> int:
     plan, label = _resolve_on(args.recipe, args.model, args.expert_layout)
+    _warn_problems(plan)
     if args.json:
         print(plan.to_json(indent=2))
         return 0
@@ -118,7 +125,15 @@ def _cmd_recipe_show(args: argparse.Namespace) -> int:
     print()
     print(plan.table())
     print(f"plan hash: {plan.hash()}")
+    if plan.problems:
+        print(f"\nWARNING: {len(plan.problems)} problem(s), see above; convert and train refuse it")
     return 0
+
+
+def _warn_problems(plan) -> None:
+    """A plan that does not do what its recipe says, on stderr before anything else."""
+    for problem in plan.problems:
+        print(f"mxrl: warning: {problem}", file=sys.stderr)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -159,8 +174,21 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     from mxrl.sync.checkpoint import MANIFEST_NAME, convert_checkpoint
 
+    def announce(plan) -> None:
+        print(
+            f"mxrl convert: {args.model} under recipe {plan.recipe_name}, plan {plan.hash()[:12]}"
+        )
+        print(plan.summary(), flush=True)
+        _warn_problems(plan)
+
     out = convert_checkpoint(
-        args.model, args.recipe, args.out, shard_bytes=args.shard_size, overwrite=args.overwrite
+        args.model,
+        args.recipe,
+        args.out,
+        shard_bytes=args.shard_size,
+        overwrite=args.overwrite,
+        strict=not args.allow_unmatched,
+        on_plan=announce,
     )
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     event = manifest["quantization_event"]

@@ -91,6 +91,18 @@ def test_recipe_show_defaults_to_the_tiny_model(capsys, tmp_path):
     assert _lines(out, "model.layers.3.self_attn.q_proj.weight", "mxfp8", "rules[0]")
 
 
+def test_recipe_show_warns_about_a_rule_that_matches_nothing(capsys, tmp_path):
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(
+        "name: typo\nrules:\n  - match: {name: '*.mlp.expertz.*'}\n    format: nvfp4\n"
+    )
+    code, out, err = run(capsys, "recipe", "show", str(recipe))
+    assert code == 0  # show is the audit: it prints the plan, and says what is wrong first
+    assert "mxrl: warning: rules[0] {name: *.mlp.expertz.*} -> nvfp4 matches no tensor" in err
+    assert "quantizes nothing here" in err
+    assert "WARNING: 2 problem(s)" in out and "convert and train refuse it" in out
+
+
 def test_demo_plan_only(capsys):
     """`mxrl demo --plan-only` prints the demo's NVFP4 plan of the tiny model (the full demo is
     exercised, shrunk, in tests/rl/test_train_and_demo.py)."""

@@ -105,6 +105,11 @@ def _human_count(n: int) -> str:
     return str(n)
 
 
+def format_summary(plan: Plan) -> str:
+    """The per-format summary lines of the audit (tensors, parameters, bytes per format)."""
+    return "\n".join(_summary(plan))
+
+
 def _summary(plan: Plan) -> list[str]:
     per_format: dict[Format, list[float]] = {}
     bf16_bytes = 0.0

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format, block_along_k
-from mxrl.recipe.audit import format_table
+from mxrl.recipe.audit import format_summary, format_table
 from mxrl.recipe.names import (
     Kind,
     TensorInfo,
@@ -115,11 +115,14 @@ class Plan(Mapping[str, TensorSpec]):
     backward: Backward
     num_layers: int
     specs: tuple[TensorSpec, ...]
+    # what the recipe says but this plan does not do (`check`); not part of the contract
+    problems: tuple[str, ...] = field(default=(), compare=False)
     _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backward", Backward(self.backward))
         object.__setattr__(self, "specs", tuple(self.specs))
+        object.__setattr__(self, "problems", tuple(self.problems))
         index = {s.name: s for s in self.specs}
         if len(index) != len(self.specs):
             counts = Counter(s.name for s in self.specs)
@@ -152,6 +155,31 @@ class Plan(Mapping[str, TensorSpec]):
         text = json.dumps(contract, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any tensor of the plan is stored in a low-precision format."""
+        return any(s.format is not Format.BF16 for s in self.specs)
+
+    def check(self, strict: bool = True) -> None:
+        """Refuse (strict) or loudly warn about a plan that does not do what its recipe says:
+        a name glob that matches no tensor, a low-precision rule that assigns none, a recipe
+        that quantizes nothing in this model (`problems`, found by `resolve`)."""
+        if not self.problems:
+            return
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        message = f"recipe {self.recipe_name!r} does not do what it says on this model:\n{lines}"
+        if strict:
+            raise ValueError(
+                f"{message}\nFix the recipe's rules (`mxrl recipe show RECIPE --model DIR` prints "
+                "the plan), or allow it explicitly (--allow-unmatched; `strict: false` in a "
+                "train config)."
+            )
+        logger.warning("%s\n(allowed: not strict)", message)
+
+    def summary(self) -> str:
+        """The audit's per-format summary (what `convert` and `train` print first)."""
+        return format_summary(self)
+
     def table(self) -> str:
         """The audit: one line per tensor (per expert group for per-expert tensors), a summary."""
         return format_table(self)
@@ -164,6 +192,7 @@ class Plan(Mapping[str, TensorSpec]):
             "backward": self.backward.value,
             "num_layers": self.num_layers,
             "hash": self.hash(),
+            "problems": list(self.problems),
             "tensors": [s.to_dict() for s in self.specs],
         }
         return json.dumps(data, indent=indent, sort_keys=False)
@@ -181,6 +210,7 @@ class Plan(Mapping[str, TensorSpec]):
             backward=data["backward"],
             num_layers=int(data["num_layers"]),
             specs=tuple(TensorSpec(**t) for t in data["tensors"]),
+            problems=tuple(data.get("problems", ())),
         )
         if "hash" in data and data["hash"] != plan.hash():
             raise ValueError(
@@ -222,17 +252,23 @@ def resolve(
         for r in recipe.rules
     ]
     provenances = [r.describe(i) for i, r in enumerate(recipe.rules)]
+    num_rules = len(recipe.rules)
+    selected, assigned = [0] * num_rules, [0] * num_rules  # tensors each rule matches / takes
     specs = []
     for name, shape in shapes.items():
         info = infos[name]
         if not is_matmul_weight(name, info, shape):
             specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL))
             continue
-        for i, rule in enumerate(recipe.rules):
-            if rule.match.matches(name, info, rule_layers[i]):
-                fmt, provenance = rule.format, provenances[i]
-                acts, block, fuse = rule.activations, rule.block, rule.fuse is not None
-                break
+        hits = [r.match.matches(name, info, rule_layers[i]) for i, r in enumerate(recipe.rules)]
+        for i, hit in enumerate(hits):
+            selected[i] += hit
+        first = next((i for i, hit in enumerate(hits) if hit), None)
+        if first is not None:
+            rule = recipe.rules[first]
+            assigned[first] += 1
+            fmt, provenance = rule.format, provenances[first]
+            acts, block, fuse = rule.activations, rule.block, rule.fuse is not None
         else:
             fmt, provenance, acts, block, fuse = recipe.default, DEFAULT_RULE, None, None, False
             if fmt is Format.NVFP4:
@@ -243,10 +279,44 @@ def resolve(
         _check_block(name, shape, fmt, block, provenance)
         specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
     _check_fuse_groups(specs)
-    plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs))
+    problems = _problems(recipe, provenances, selected, assigned, specs)
+    plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs), problems)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
     return plan
+
+
+def _problems(
+    recipe: Recipe,
+    provenances: list[str],
+    selected: list[int],
+    assigned: list[int],
+    specs: list[TensorSpec],
+) -> tuple[str, ...]:
+    """What the recipe says but the plan does not do (`Plan.check`). A bf16 rule selecting a
+    kind or layers that this model lacks is fine (presets serve many families); a name glob
+    that matches nothing is probably a typo whatever its format, and a low-precision rule that
+    takes no tensor quantizes nothing it was written for."""
+    out = []
+    for i, rule in enumerate(recipe.rules):
+        where = provenances[i]
+        if selected[i] == 0 and (rule.match.name is not None or rule.format is not Format.BF16):
+            hint = " (a typo in the glob?)" if rule.match.name is not None else ""
+            out.append(f"{where} -> {rule.format} matches no tensor of this model{hint}")
+        elif assigned[i] == 0 and rule.format is not Format.BF16:
+            out.append(
+                f"{where} -> {rule.format}: every tensor it matches ({selected[i]}) is taken by "
+                "an earlier rule"
+            )
+    asks = recipe.default is not Format.BF16 or any(
+        r.format is not Format.BF16 for r in recipe.rules
+    )
+    if asks and not any(s.format is not Format.BF16 for s in specs):
+        out.append(
+            f"recipe {recipe.name!r} asks for low precision, but every tensor of this model "
+            "resolves to bf16: it quantizes nothing here"
+        )
+    return tuple(out)
 
 
 def _spec(name, shape, info: TensorInfo, fmt, acts, group, block, rule) -> TensorSpec:

@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -230,8 +230,14 @@ def convert_checkpoint(
     shard_bytes: int | str = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool | None = None,
+    strict: bool = True,
+    on_plan: Callable[[Plan], None] | None = None,
 ) -> Path:
     """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
+
+    The plan is resolved on config.json first and handed to `on_plan` (the CLI prints its
+    summary), then checked (`Plan.check`: strict refuses a recipe that does not do what it
+    says on this model), all before a byte is read or written.
 
     The weights are loaded in the checkpoint's own dtype (config.json `dtype` / `torch_dtype`;
     float32 when absent), which every quantizer reads exactly, so the bytes equal a live export
@@ -249,7 +255,10 @@ def convert_checkpoint(
         raise ValueError(f"--model {str(model_dir)!r} is not a directory (an HF checkpoint)")
     config = load_hf_config(model_dir)
     # Resolve on the config first: a bad recipe fails before gigabytes are read.
-    resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
+    first = resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
+    if on_plan is not None:
+        on_plan(first)
+    first.check(strict=strict)
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})

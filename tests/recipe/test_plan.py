@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from mxrl.formats.constants import Format
-from mxrl.recipe import Plan, TensorSpec, builtin_config, resolve, tensors_from_hf_config
+from mxrl.recipe import (
+    Plan,
+    TensorSpec,
+    builtin_config,
+    list_presets,
+    resolve,
+    tensors_from_hf_config,
+)
 
 TINY = tuple(tensors_from_hf_config(builtin_config()))
 REPO = Path(__file__).resolve().parents[2]
@@ -187,3 +194,60 @@ def test_tensor_spec_validation():
         TensorSpec(**base, format="fp8_block")
     with pytest.raises(ValueError, match="duplicate"):
         Plan("t", "high_precision", 1, (spec, spec))
+
+
+# --- a plan that does not do what its recipe says ----------------------------------------------
+
+
+def _moe_tensors():
+    from tests.recipe.hf_configs import QWEN3_30B_A3B
+
+    return tensors_from_hf_config(QWEN3_30B_A3B)
+
+
+def _recipe(*rules, default="bf16"):
+    return {"name": "probe", "default": default, "rules": list(rules)}
+
+
+def test_a_name_glob_that_matches_nothing_is_a_problem_even_for_bf16():
+    typo = {"match": {"name": "*.mlp.expertz.*"}, "format": "bf16"}
+    good = {"match": {"kind": "routed_expert"}, "format": "nvfp4"}
+    plan = resolve(_recipe(typo, good), _moe_tensors())
+    assert plan.problems == (
+        "rules[0] {name: *.mlp.expertz.*} -> bf16 matches no tensor of this model "
+        "(a typo in the glob?)",
+    )
+    with pytest.raises(ValueError, match=r"expertz.*\n.*--allow-unmatched"):
+        plan.check()
+
+
+def test_low_precision_rules_that_take_nothing_are_problems(caplog):
+    shadow = {"match": {"kind": "routed_expert"}, "format": "bf16"}
+    nv = {"match": {"kind": "routed_expert"}, "format": "nvfp4"}
+    mla = {"match": {"kind": "mla"}, "format": "mxfp8"}
+    plan = resolve(_recipe(shadow, nv, mla), _moe_tensors())
+    assert len(plan.problems) == 3
+    assert "rules[1] {kind: routed_expert} -> nvfp4: every tensor it matches" in plan.problems[0]
+    assert "rules[2] {kind: mla} -> mxfp8 matches no tensor" in plan.problems[1]
+    assert "quantizes nothing here" in plan.problems[2]
+    with caplog.at_level("WARNING"):
+        plan.check(strict=False)
+    assert "does not do what it says" in caplog.text
+
+
+def test_bf16_exceptions_for_kinds_a_model_lacks_are_fine():
+    """Presets keep routers, MLA and shared experts bf16 for every family they serve."""
+    for preset in list_presets():
+        plan = resolve(preset, _moe_tensors())  # no MLA, no shared expert
+        assert plan.problems == (), preset
+        plan.check()
+    assert resolve("bf16", _moe_tensors()).problems == ()
+
+
+def test_an_nvfp4_preset_on_a_dense_model_quantizes_nothing():
+    from tests.recipe.hf_configs import QWEN3_0_6B
+
+    plan = resolve("nvfp4-dequantized", tensors_from_hf_config(QWEN3_0_6B))
+    assert not plan.quantized
+    assert any("quantizes nothing" in p for p in plan.problems)
+    assert Plan.from_json(plan.to_json()).problems == plan.problems  # kept in the record

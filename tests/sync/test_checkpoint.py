@@ -219,3 +219,26 @@ def test_cli_convert_user_errors_exit_2(hf_dir, tmp_path, capsys, args, message)
     err = capsys.readouterr().err
     assert err.startswith("mxrl: error:") and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_convert_refuses_a_recipe_that_quantizes_nothing(tmp_path, capsys):
+    """nvfp4-dequantized on a dense Qwen3 (no routed experts) would write an all-bf16 checkpoint
+    labelled nvfp4: refused before anything is written, after printing the plan's summary;
+    --allow-unmatched converts it anyway (and still warns)."""
+    from mxrl.models import build_model
+    from tests.models.configs import CONFIGS
+
+    dense = tmp_path / "dense"
+    save_pretrained(build_model(CONFIGS["qwen3-tied"], seed=0), dense)
+    out = tmp_path / "out"
+    argv = ["convert", "--recipe", PRESET, "--model", str(dense), "--out", str(out)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "summary: recipe nvfp4-dequantized" in captured.out  # printed first
+    assert "bf16" in captured.out and "nvfp4 " not in captured.out
+    assert "quantizes nothing here" in captured.err and "--allow-unmatched" in captured.err
+    assert "rules[4] {kind: routed_expert} -> nvfp4 matches no tensor" in captured.err
+    assert not out.exists()
+    assert main([*argv, "--allow-unmatched"]) == 0
+    assert "mxrl: warning:" in capsys.readouterr().err
+    assert (out / MANIFEST_NAME).is_file()
