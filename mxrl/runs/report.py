@@ -3,10 +3,12 @@
     result = compare(["runs/bf16-a", "runs/nvfp4-b"], "reports/ablation")
     result.figures  # {"reward": Path(".../reward.png"), ...}; a figure without data is skipped
 
-Figures: reward (reward/mean with a ±reward/std band, accuracy), mismatch (mismatch/k3,
-mismatch/k1; log scale when every value is positive), grad_norm (grad/norm, spikes marked from
-the grad/spike metric and spike events), step_time (mean time/rollout_s, time/train_s,
-time/sync_s per run, stacked). Series are labelled by config recipe, else by run id.
+Figures: reward (reward/mean; accuracy too where it is not the same numbers), mismatch
+(mismatch/k3, mismatch/k1; log scale when every value is positive), grad_norm (grad/norm, spikes
+marked from the grad/spike metric and spike events), step_time (mean time/rollout_s,
+time/train_s, time/sync_s per run, stacked). Series are labelled by config recipe, else by run
+id. Runs of one recipe (seeds) are drawn as one line, their mean per step, with a band of one
+standard error of that mean over the seeds; a single run is a plain line. Steps are integers.
 
 matplotlib is imported here only, through `Figure` (no pyplot, no global backend change): the
 files are rendered by the Agg canvas, so no display is needed.
@@ -225,39 +227,84 @@ def _log_if_positive(ax, runs: Sequence[_Run], key: str) -> None:
         ax.set_yscale("log")
 
 
-def _line_axes(ax, runs: Sequence[_Run], key: str, band: str | None = None) -> None:
+# y-axis label of each plotted metric
+_YLABELS = {
+    "reward/mean": "mean reward per step",
+    "accuracy": "accuracy (share of rewards > 0.5)",
+    "mismatch/k3": "k3 estimate of KL(rollout || train)",
+    "mismatch/k1": "k1 estimate of KL(rollout || train)",
+    "grad/norm": "gradient norm (before clipping)",
+}
+
+
+def _groups(runs: Sequence[_Run]) -> list[list[_Run]]:
+    """Runs of one recipe together (seeds), in first-seen order; runs without one alone."""
+    groups: dict[str, list[_Run]] = {}
     for run in runs:
-        steps, values = run.series(key)
+        recipe = run.summary.recipe
+        groups.setdefault(recipe if recipe else f"id:{run.summary.run_id}", []).append(run)
+    return list(groups.values())
+
+
+def _mean_and_stderr(group: Sequence[_Run], key: str) -> tuple[list[int], list[float], list[float]]:
+    """Per step logged by every run of the group: the mean and its standard error over runs
+    (0 for a single run)."""
+    per_run = [dict(zip(*run.series(key), strict=True)) for run in group]
+    steps = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    means, errors = [], []
+    for step in steps:
+        values = [d[step] for d in per_run if not math.isnan(d[step])]
+        n = len(values)
+        mean = sum(values) / n if n else math.nan
+        var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+        means.append(mean)
+        errors.append(math.sqrt(var / n) if n > 1 else 0.0)
+    return steps, means, errors
+
+
+def _line_axes(ax, runs: Sequence[_Run], key: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    seeded = 0
+    for group in _groups(runs):
+        steps, means, errors = _mean_and_stderr(group, key)
         if not steps:
             continue
-        ax.plot(steps, values, color=run.color, label=run.label, linewidth=1.4)
-        if band is not None:
-            lookup = {r["step"]: r[band] for r in run.rows if band in r and key in r}
-            pairs = [(s, v, lookup[s]) for s, v in zip(steps, values, strict=True) if s in lookup]
-            if pairs:
-                xs = [p[0] for p in pairs]
-                ax.fill_between(
-                    xs,
-                    [p[1] - p[2] for p in pairs],
-                    [p[1] + p[2] for p in pairs],
-                    color=run.color,
-                    alpha=0.15,
-                    linewidth=0,
-                )
-    title = key if band is None or not _has(runs, band) else f"{key} (band: ± {band})"
-    ax.set_title(title)
-    ax.set_xlabel("step")
+        first = group[0]
+        label = first.summary.recipe or first.label
+        if len(group) > 1:
+            seeded = max(seeded, len(group))
+            label = f"{label} (mean of {len(group)} seeds)"
+            ax.fill_between(
+                steps,
+                [m - e for m, e in zip(means, errors, strict=True)],
+                [m + e for m, e in zip(means, errors, strict=True)],
+                color=first.color,
+                alpha=0.2,
+                linewidth=0,
+            )
+        ax.plot(steps, means, color=first.color, label=label, linewidth=1.4)
+    ax.set_title(key + (" (band: ± 1 standard error over seeds)" if seeded else ""))
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel(_YLABELS.get(key, key))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
 
 
+def _same_series(runs: Sequence[_Run], a: str, b: str) -> bool:
+    return all(run.series(a) == run.series(b) for run in runs)
+
+
 def plot_reward(runs: Sequence[_Run]):
     keys = [k for k in ("reward/mean", "accuracy") if _has(runs, k)]
+    if len(keys) == 2 and _same_series(runs, *keys):
+        keys = keys[:1]  # 0/1 rewards: accuracy is the mean reward again
     if not keys:
         return None
     fig, axes = _new_figure(len(keys))
     for ax, key in zip(axes, keys, strict=True):
-        _line_axes(ax, runs, key, band="reward/std" if key == "reward/mean" else None)
+        _line_axes(ax, runs, key)
     return fig
 
 

@@ -88,3 +88,52 @@ def test_same_recipe_labels_and_truncated_runs(tmp_path):
 def test_compare_needs_a_run(tmp_path):
     with pytest.raises(ValueError, match="at least one run"):
         compare([], tmp_path)
+
+
+def _axes_of(fig):
+    return fig.get_axes()
+
+
+def test_seeds_of_a_recipe_are_one_mean_line_with_a_standard_error_band(tmp_path):
+    from mxrl.runs.report import _groups, _mean_and_stderr, _Run, plot_reward
+
+    recs = [write_run(tmp_path, f"nv-{i}", "nvfp4-dequantized", spike_at=None) for i in range(3)]
+    other = write_run(tmp_path, "bf", "bf16", spike_at=None)
+    # shift the seeds' rewards apart: +0, +0.1, +0.2 at every step
+    for i, rec in enumerate(recs):
+        rows = rec.metrics()
+        (rec.path / "metrics.jsonl").write_text("")
+        for row in rows:
+            step = row.pop("step")
+            rec.log_metrics(step, {**row, "reward/mean": row["reward/mean"] + 0.1 * i})
+    runs = [_Run(r.run_id, "C0", summarize(r), r.metrics(), r.events()) for r in [*recs, other]]
+    groups = _groups(runs)
+    assert [len(g) for g in groups] == [3, 1]
+    steps, means, errors = _mean_and_stderr(groups[0], "reward/mean")
+    assert steps == list(range(30))
+    assert means[0] == pytest.approx(0.1 + 0.1)  # mean of 0.1, 0.2, 0.3
+    assert errors[0] == pytest.approx(0.1 / 3**0.5)  # std 0.1 over 3 seeds
+    fig = plot_reward(runs)
+    (ax,) = [a for a in _axes_of(fig) if a.get_title().startswith("reward/mean")]
+    assert "standard error over seeds" in ax.get_title()
+    assert ax.get_xlabel() == "GRPO step" and ax.get_ylabel() == "mean reward per step"
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["nvfp4-dequantized (mean of 3 seeds)", "bf16"]
+    assert len(ax.collections) == 1  # one band: the seeded recipe; none for the single run
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+def test_accuracy_is_not_plotted_again_when_it_is_the_reward(tmp_path):
+    from mxrl.runs.report import _Run, plot_reward
+
+    rec = write_run(tmp_path, "r", "bf16", keys=("reward/mean", "accuracy"), spike_at=None)
+    runs = [_Run("r", "C0", summarize(rec), rec.metrics(), rec.events())]
+    assert len(_axes_of(plot_reward(runs))) == 2  # synthetic accuracy differs from reward
+    rows = rec.metrics()
+    (rec.path / "metrics.jsonl").write_text("")
+    for row in rows:
+        step = row.pop("step")
+        rec.log_metrics(step, {**row, "accuracy": row["reward/mean"]})
+    runs = [_Run("r", "C0", summarize(rec), rec.metrics(), rec.events())]
+    (ax,) = _axes_of(plot_reward(runs))
+    assert ax.get_title() == "reward/mean"
