@@ -147,6 +147,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise UserError("--seeds must be >= 1")
+    _writable_dir(args.out, "--out")
     _progress_logging()
     recipes = ARTICLE_RECIPES if args.all else DEMO_RECIPES
     report = run_demo(args.out, recipes=recipes, seeds=args.seeds, steps=args.steps)
@@ -161,6 +162,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     record = run_train(args.config)
     print(f"mxrl train: run record at {record.path}")
     return 0
+
+
+def _writable_dir(path: Path, flag: str) -> None:
+    """Create `path` (and parents) and prove it writable, before any work is done."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mxrl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(
+            f"{flag} {str(path)!r} is not a writable directory ({e.strerror or e}); "
+            "pass a folder you can write to"
+        ) from None
 
 
 def _progress_logging() -> None:

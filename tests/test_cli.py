@@ -118,6 +118,17 @@ def test_demo_refuses_bad_seeds(capsys):
     assert code == 2 and "--seeds" in err
 
 
+def test_demo_refuses_an_unwritable_out_before_any_work(capsys, tmp_path):
+    code, _, err = run(capsys, "demo", "--out", "/dev/null/x")
+    assert code == 2
+    assert err.startswith("mxrl: error: --out '/dev/null/x' is not a writable directory")
+    assert "Traceback" not in err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, _, err = run(capsys, "demo", "--out", str(blocker / "sub"))
+    assert code == 2 and "not a writable directory" in err
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
