@@ -17,6 +17,7 @@ import torch
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.formats.numerics import tensor_bytes
+from mxrl.models.adapter import hf_location
 from mxrl.recipe import Plan
 
 WeightValue = QTensor | torch.Tensor
@@ -51,8 +52,8 @@ def content_hash(value: WeightValue) -> str:
 
 
 def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
-    """Refuse master weights holding NaN/Inf, naming every such tensor (before anything is
-    quantized or sent)."""
+    """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
+    where a per-expert HF checkpoint keeps it (before anything is quantized or sent)."""
     bad = []
     for name, t in named_tensors.items():
         finite = torch.isfinite(t.detach())
@@ -61,11 +62,14 @@ def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
             first = tuple(
                 int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape)
             )
-            bad.append(f"{name} ({count} non-finite, first at {first})")
+            value = float(t.detach()[first])
+            where = hf_location(name, first, tuple(t.shape))
+            bad.append(f"{name}: {count} non-finite, first {where} = {value}")
     if bad:
         raise ValueError(
             f"refusing to export: {len(bad)} master weight(s) hold NaN/Inf: {'; '.join(bad[:5])}. "
-            "The training step diverged; restore the last good checkpoint (nothing was sent)."
+            "Nothing was sent. After an optimizer step this means the step diverged: restore "
+            "the last good checkpoint; right after loading a model, its checkpoint holds them."
         )
 
 

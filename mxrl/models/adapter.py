@@ -70,6 +70,23 @@ def target_of(name: str) -> Target:
     return Target(f"{prefix}.{proj}", int(expert), part)
 
 
+def hf_location(param_name: str, index: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """Where element `index` of parameter `param_name` (of `shape`) lives in a per-expert HF
+    checkpoint, e.g. `model.layers.1.mlp.experts.3.up_proj.weight[1, 2]`: the name a user
+    finds in their files. Other parameters keep their name."""
+    if param_name.endswith(_GATE_UP_SUFFIX) and len(index) == 3:
+        expert, row, col = index
+        inter = shape[1] // 2
+        part, row = ("gate", row) if row < inter else ("up", row - inter)
+        prefix = param_name.removesuffix(".gate_up_proj")
+        return f"{prefix}.{expert}.{part}_proj.weight[{row}, {col}]"
+    if param_name.endswith(_DOWN_SUFFIX) and len(index) == 3:
+        expert, row, col = index
+        prefix = param_name.removesuffix(".down_proj")
+        return f"{prefix}.{expert}.down_proj.weight[{row}, {col}]"
+    return f"{param_name}[{', '.join(str(i) for i in index)}]"
+
+
 def units_of(param_name: str, param: torch.Tensor) -> set[tuple[int, str]]:
     """Every per-expert unit a fused expert parameter is made of (empty for other parameters)."""
     if param_name.endswith(_GATE_UP_SUFFIX):

@@ -174,10 +174,19 @@ def test_load_weights_refuses_bad_updates_and_keeps_previous_weights():
 
 
 def test_nan_master_weight_is_refused_by_name():
+    """Named as the parameter and as the element of the per-expert HF tensor a user's files
+    hold (gate_up_proj [E, 2I, H]: rows I.. of expert e are experts.e.up_proj)."""
     model = tiny()
     with torch.no_grad():
         model.model.layers[1].mlp.experts.down_proj[2, 3, 4] = float("nan")
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.down_proj") as err:
+        Engine(model, "nvfp4-dequantized")
+    assert "first model.layers.1.mlp.experts.2.down_proj.weight[3, 4] = nan" in str(err.value)
+    model = tiny()
+    inter = model.config.moe_intermediate_size
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts.gate_up_proj[3, inter + 1, 2] = float("-inf")
+    with pytest.raises(ValueError, match=r"experts\.3\.up_proj\.weight\[1, 2\] = -inf"):
         Engine(model, "nvfp4-dequantized")
 
 

@@ -109,7 +109,8 @@ def test_non_finite_master_weight_is_refused_before_any_bucket(bad):
         dict(model.named_parameters())[name][3, 1, 4] = bad
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj") as err:
         export(model, plan)  # raises here: there is no Export to iterate
-    assert "nothing was sent" in str(err.value)
+    assert "Nothing was sent" in str(err.value)
+    assert f"first model.layers.2.mlp.experts.3.down_proj.weight[1, 4] = {bad}" in str(err.value)
 
 
 def test_bucket_records_never_alias_bf16_master_weights():
