@@ -14,6 +14,7 @@ from mxrl.rl.stability import SpikeDecision
 from tests.rl.golden import GOLDEN, pinned_metrics
 from tests.rl.loop_helpers import numerics, tiny_trainer
 
+OLDER_LACKS = ("rng", "engine_version", "engine_digest")
 REQUIRED = [
     "step",
     "reward/mean",
@@ -62,15 +63,28 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
     resumed.run()
     want = numerics(full.record.metrics())[2:]
     got = numerics(resumed.record.metrics())
-    assert got == want
+    assert got == want  # sync/version included: the engine continues at the saved version
+
+    def served(trainer):
+        return [(e["step"], e["engine_digest"]) for e in trainer.record.events("sync_verified")]
+
+    assert served(resumed) == served(full)[2:]
 
 
-def test_checkpoint_from_another_plan_is_refused(tmp_path):
+def test_checkpoint_from_another_plan_is_refused_and_an_older_one_loads(tmp_path, caplog):
     first = tiny_trainer(tmp_path, "a", steps=1, checkpoint_every=1)
     first.run()
     other = tiny_trainer(tmp_path, "b", recipe="mxfp8")
     with pytest.raises(ValueError, match="same recipe"):
         other.load_checkpoint(latest_checkpoint(first.record.path))
+    # a checkpoint written before the RNG and engine keys: it loads, with a warning
+    state = torch.load(latest_checkpoint(first.record.path), weights_only=False)
+    older = tmp_path / "older.pt"
+    torch.save({k: v for k, v in state.items() if k not in OLDER_LACKS}, older)
+    again = tiny_trainer(tmp_path, "c", steps=1)
+    assert again.load_checkpoint(older) == 1
+    assert again.engine.weights_version == first.engine.weights_version == 2
+    assert "may not continue bitwise" in caplog.text
 
 
 def test_golden_metrics():
