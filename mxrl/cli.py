@@ -301,6 +301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `mxrl recipe show ... | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's flush quiet
         return 0
+    except KeyboardInterrupt:
+        print("mxrl: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except BaseException as e:
+        from mxrl.runs import RunInterrupted
+
+        if not isinstance(e, RunInterrupted):
+            raise
+        print(f"mxrl: {e}; the run record says so", file=sys.stderr)
+        return 128 + 15  # SIGTERM
     raise AssertionError(f"unhandled command {args}")
 
 

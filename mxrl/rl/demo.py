@@ -71,7 +71,9 @@ def run_demo(
                 config={**asdict(cfg), "warmup": warm}, plan_json=plan,
                 backend=str(select_backend(cfg.backend, device)),
             )  # fmt: skip
-            trainer = GRPOTrainer(cfg, model, TaskSource(ArithmeticTask(seed=1 + seed)), record)
+            with record.guard(lambda: 0):  # a failure before step 1 is recorded too
+                source = TaskSource(ArithmeticTask(seed=1 + seed))
+                trainer = GRPOTrainer(cfg, model, source, record)
             logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)
             trainer.run()
             runs.append(record)

@@ -32,7 +32,7 @@ from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
-from mxrl.runs import RunRecord
+from mxrl.runs import FINISHED, RunRecord
 from mxrl.sync import InProcessTransport, export
 
 logger = logging.getLogger(__name__)
@@ -209,17 +209,20 @@ class GRPOTrainer:
         return all(fresh.get(r.name) == r.hash for r in served)
 
     def run(self) -> list[dict[str, float]]:
+        """Train to `cfg.steps`; the record ends finished, failed (the exception, then raised
+        again) or interrupted (Ctrl-C, SIGTERM): `RunRecord.guard`."""
         history = []
-        while self.step < self.cfg.steps:
-            m = self.train_step()
-            history.append(m)
-            logger.info(
-                "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
-                self.step, self.cfg.steps, m["reward/mean"], m["accuracy"],
-                m["mismatch/k3"], m["grad/norm"],
-                m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
-            )  # fmt: skip
-        self.record.finish(self.step, status="done")
+        with self.record.guard(lambda: self.step):
+            while self.step < self.cfg.steps:
+                m = self.train_step()
+                history.append(m)
+                logger.info(
+                    "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
+                    self.step, self.cfg.steps, m["reward/mean"], m["accuracy"],
+                    m["mismatch/k3"], m["grad/norm"],
+                    m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
+                )  # fmt: skip
+            self.record.finish(self.step, status=FINISHED)
         return history
 
     # --- checkpoints ----------------------------------------------------------------------

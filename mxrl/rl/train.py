@@ -11,6 +11,7 @@ the demo.
       warmup_steps: 300              # builtin:arithmetic only (cached SFT warm-up)
     out: runs                        # run records are written under it
     resume: null                     # a run directory: continue from its last checkpoint
+    strict: true                     # refuse a recipe that does not do what it says here
     rl:                              # GRPOConfig fields (mxrl/rl/loop.py)
       recipe: nvfp4-dequantized
       steps: 200
@@ -43,7 +44,7 @@ from mxrl.runs import RunRecord
 
 logger = logging.getLogger(__name__)
 
-TOP_KEYS = {"model", "dtype", "data", "out", "resume", "rl", "run_id"}
+TOP_KEYS = {"model", "dtype", "data", "out", "resume", "rl", "run_id", "strict"}
 DATA_KEYS = {"source", "prompt_key", "label_key", "reward", "warmup_steps", "seed"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -111,6 +112,12 @@ def run_train(path: str | Path) -> RunRecord:
     ):
         cfg = dataclasses.replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
     plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
+    logger.info("mxrl train: recipe %s, plan %s\n%s", plan.recipe_name, plan.hash()[:12],
+                plan.summary())  # fmt: skip
+    strict = raw.get("strict", True)
+    if not isinstance(strict, bool):
+        raise ValueError(f"{path}: strict must be true or false, got {strict!r}")
+    plan.check(strict=strict)  # before any run directory is written
     resume = raw.get("resume")
     if resume:
         ckpt = latest_checkpoint(resume)
@@ -119,14 +126,16 @@ def run_train(path: str | Path) -> RunRecord:
         step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["step"])
         backend = str(select_backend(cfg.backend, cfg.device))
         record = RunRecord.open(resume, resume_from=step, checkpoint=ckpt, backend=backend)
-        trainer = GRPOTrainer(cfg, model, source, record)
-        trainer.load_checkpoint(ckpt)
+        with record.guard(lambda: step):
+            trainer = GRPOTrainer(cfg, model, source, record)
+            trainer.load_checkpoint(ckpt)
     else:
         record = RunRecord.create(
             raw.get("out", "runs"), raw.get("run_id"), config=raw, plan_json=plan,
             backend=str(select_backend(cfg.backend, cfg.device)),
         )  # fmt: skip
-        trainer = GRPOTrainer(cfg, model, source, record)
+        with record.guard(lambda: 0):  # a failure before step 1 is recorded too
+            trainer = GRPOTrainer(cfg, model, source, record)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
             record.log_skipped_rows(

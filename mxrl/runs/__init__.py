@@ -11,12 +11,16 @@ docs/runs.md has the layout, every file's schema and the `mxrl runs` command.
 from mxrl.runs.env import capture_env
 from mxrl.runs.record import (
     END,
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
     NOTE,
     QUANTIZATION,
     RESUME,
     SKIPPED_ROWS,
     SPIKE,
     SYNC_VERIFIED,
+    RunInterrupted,
     RunRecord,
     is_run_dir,
     new_run_id,
@@ -34,6 +38,9 @@ from mxrl.runs.summary import (
 
 __all__ = [
     "END",
+    "FAILED",
+    "FINISHED",
+    "INTERRUPTED",
     "METRIC_KEYS",
     "NOTE",
     "QUANTIZATION",
@@ -42,6 +49,7 @@ __all__ = [
     "SPIKE",
     "SYNC_VERIFIED",
     "Comparison",
+    "RunInterrupted",
     "RunRecord",
     "RunSummary",
     "capture_env",

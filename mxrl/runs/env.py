@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -115,6 +116,7 @@ def capture_env(backend: str | None = None) -> dict[str, Any]:
         "device": device_info(),
         "backend": None if backend is None else str(getattr(backend, "value", backend)),
         "hostname": socket.gethostname(),
+        "pid": os.getpid(),
         "platform": platform.platform(),
         "argv": list(sys.argv),
         "start_time": utc_now(),

@@ -16,13 +16,17 @@ line truncated by a killed writer and report it once (logging), and the next app
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import math
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+import signal
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,20 @@ SKIPPED_ROWS = "skipped_rows"
 SYNC_VERIFIED = "sync_verified"
 NOTE = "note"
 END = "end"
+
+# how a run ended (the END event's status)
+FINISHED, FAILED, INTERRUPTED = "finished", "failed", "interrupted"
+
+
+class RunInterrupted(BaseException):
+    """SIGTERM inside `RunRecord.guard` (a BaseException, like KeyboardInterrupt, so that no
+    `except Exception` on the way swallows it)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"interrupted by {signal_name}")
+        self.signal_name = signal_name
+
+
 RESERVED_EVENT_KEYS = ("type", "step", "time")
 MAX_SKIP_REASONS = 10
 
@@ -97,6 +115,7 @@ class RunRecord:
         self._repaired: set[str] = set()
         self._reported: dict[str, str] = {}  # problem key -> message, each logged once
         self._cache: dict[str, tuple[tuple[int, int], ReadResult]] = {}
+        self._ended = False  # this process recorded the run's end
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -217,10 +236,18 @@ class RunRecord:
 
     @property
     def recipe(self) -> str | None:
-        """config["recipe"] as a name (a dict with a "name" gives the name), else None."""
-        recipe = self.config.get("recipe")
+        """The recipe's name: config["recipe"] (the demo), config["rl"]["recipe"] (`mxrl train`
+        files; a dict with a "name" gives the name), else plan.json's recipe_name; else None."""
+        config = self.config
+        recipe = config.get("recipe")
+        rl = config.get("rl")
+        if recipe is None and isinstance(rl, Mapping):
+            recipe = rl.get("recipe")
         if isinstance(recipe, Mapping):
             recipe = recipe.get("name")
+        if recipe is None and self.plan_json is not None:
+            with contextlib.suppress(json.JSONDecodeError, AttributeError):
+                recipe = json.loads(self.plan_json).get("recipe_name")
         return None if recipe is None else str(recipe)
 
     # -- writing --------------------------------------------------------------------------------
@@ -313,9 +340,47 @@ class RunRecord:
             **fields,
         )
 
-    def finish(self, step: int | None, status: str = "done", **fields: Any) -> dict[str, Any]:
-        """The run ended (status "done", "failed", "stopped"...); `mxrl runs list` shows it."""
+    def finish(self, step: int | None, status: str = FINISHED, **fields: Any) -> dict[str, Any]:
+        """The run ended: status "finished", "failed" (with `error`) or "interrupted" (with
+        `signal`); `mxrl runs list` shows it. Written once per process (`guard`)."""
+        self._ended = True
         return self.log_event(END, step, status=str(status), **fields)
+
+    @contextlib.contextmanager
+    def guard(self, step: Callable[[], int | None]) -> Iterator[RunRecord]:
+        """Every way out of the block ends in a recorded state: an exception is recorded as
+        `failed` (its type, message and traceback tail, at `step()`), Ctrl-C and SIGTERM as
+        `interrupted`; then it propagates. SIGTERM raises `RunInterrupted` inside the block
+        (main thread only). A block that already recorded an end (an inner guard, or
+        `finish`) is left as it is. SIGKILL cannot be caught: such a run has no end event and
+        `mxrl runs list` shows it `unfinished` once its process is gone."""
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+
+            def on_sigterm(signum, frame):
+                raise RunInterrupted("SIGTERM")
+
+            previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield self
+        except (KeyboardInterrupt, RunInterrupted) as e:
+            if not self._ended:
+                name = e.signal_name if isinstance(e, RunInterrupted) else "SIGINT"
+                self.finish(_safe_step(step), INTERRUPTED, signal=name)
+            raise
+        except Exception as e:
+            if not self._ended:
+                tail = traceback.format_exception(type(e), e, e.__traceback__)[-12:]
+                self.finish(
+                    _safe_step(step),
+                    FAILED,
+                    error=f"{type(e).__name__}: {e}"[:2000],
+                    traceback="".join(tail)[-4000:],
+                )
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
 
     def note(self, text: str, step: int | None = None) -> None:
         """Append a human note to notes.md under a UTC timestamp heading."""
@@ -426,3 +491,10 @@ def _as_float(value: Any) -> float:
     if isinstance(value, bool | int | float):
         return float(value)
     return math.nan  # a hand-edited line with a non-number: visible as a gap, not a crash
+
+
+def _safe_step(step: Callable[[], int | None]) -> int | None:
+    try:
+        return step()
+    except Exception:  # the step counter of a half-built run: record the end without it
+        return None

@@ -9,6 +9,7 @@ import datetime as dt
 import difflib
 import math
 import os
+import socket
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,12 @@ from mxrl.runs.record import (
     END,
     ENV_FILE,
     EVENTS_FILE,
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
     METRICS_FILE,
     QUANTIZATION,
+    RESUME,
     SKIPPED_ROWS,
     SPIKE,
     SYNC_VERIFIED,
@@ -133,9 +138,23 @@ def summarize(record: RunRecord) -> RunSummary:
 
 
 def _status(record: RunRecord, events: Sequence[dict[str, Any]]) -> str:
+    """finished / failed (step) / interrupted (signal) from the END event; without one:
+    running (its process is alive on this host), else unfinished (it died unrecorded:
+    SIGKILL, out of memory, power); for another host, the age of the last write decides."""
     ends = [e for e in events if e.get("type") == END]
     if ends:
-        return str(ends[-1].get("status", "done"))
+        end = ends[-1]
+        status = str(end.get("status", FINISHED))
+        status = FINISHED if status == "done" else status  # records written before 2026-11-30
+        step = end.get("step")
+        if status == FAILED:
+            return "failed before step 1" if not step else f"failed at step {step}"
+        if status == INTERRUPTED:
+            return f"interrupted ({end.get('signal', 'signal')}) at step {step}"
+        return status
+    alive = _process_alive(record, events)
+    if alive is not None:
+        return "running" if alive else "unfinished"
     last_write = max(
         (
             p.stat().st_mtime
@@ -146,6 +165,26 @@ def _status(record: RunRecord, events: Sequence[dict[str, Any]]) -> str:
     )
     age = dt.datetime.now(dt.UTC).timestamp() - last_write
     return "active" if age < ACTIVE_WITHIN_S else "unfinished"
+
+
+def _process_alive(record: RunRecord, events: Sequence[dict[str, Any]]) -> bool | None:
+    """Whether the run's latest process (the last resume's, else the creator's) still runs;
+    None when that is not knowable here (another host, or a record without a pid)."""
+    env = record.env
+    for e in reversed(events):
+        if e.get("type") == RESUME and isinstance(e.get("env"), dict):
+            env = e["env"]
+            break
+    pid = env.get("pid")
+    if not isinstance(pid, int) or env.get("hostname") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 # -- finding runs --------------------------------------------------------------------------------
@@ -273,9 +312,11 @@ def format_show(record: RunRecord, max_config_lines: int = 40) -> str:
     lines = [
         f"run {record.run_id}  ({record.path})",
         f"status: {s.status}; {s.num_steps} steps logged, {steps}; recipe {s.recipe or DASH}",
-        "",
-        "config:",
     ]
+    ends = record.events(END)
+    if ends and ends[-1].get("error"):
+        lines.append(f"error: {ends[-1]['error']}")
+    lines += ["", "config:"]
     flat = _flatten(record.config)
     lines += [f"  {k}: {v}" for k, v in flat[:max_config_lines]] or ["  (empty)"]
     if len(flat) > max_config_lines:

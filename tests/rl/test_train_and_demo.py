@@ -80,3 +80,74 @@ def test_dataset_source_runs_a_step(tmp_path):
     trainer = GRPOTrainer(tiny_config(steps=1, recipe="bf16"), model, source, record)
     metrics = trainer.train_step()
     assert 0.0 <= metrics["reward/mean"] <= 1.0
+
+
+def test_train_failing_before_step_one_is_recorded_failed(tmp_path, capsys, monkeypatch):
+    import mxrl.rl.train as train_mod
+
+    class Broken(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            raise ValueError("the engine refused the weights")
+
+    monkeypatch.setattr(train_mod, "GRPOTrainer", Broken)
+    cfg = _write(tmp_path / "train.yaml", {
+        "model": "builtin:tiny-moe",
+        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
+        "out": str(tmp_path / "runs"),
+        "run_id": "broken",
+        "rl": {"recipe": "mxfp8", "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2},
+    })  # fmt: skip
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert "the engine refused the weights" in capsys.readouterr().err
+    assert main(["runs", "list", "--root", str(tmp_path / "runs")]) == 0
+    listed = capsys.readouterr().out
+    assert "broken" in listed and "mxfp8" in listed and "failed before step 1" in listed
+    assert main(["runs", "show", "broken", "--root", str(tmp_path / "runs")]) == 0
+    assert "ValueError: the engine refused the weights" in capsys.readouterr().out
+
+
+def test_train_refuses_a_recipe_that_quantizes_nothing_before_writing_a_run(tmp_path, capsys):
+    cfg = _write(tmp_path / "train.yaml", {
+        "model": "builtin:tiny-moe",
+        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
+        "out": str(tmp_path / "runs"),
+        "rl": {"recipe": str(_write(tmp_path / "typo.yaml", {
+            "name": "typo", "rules": [{"match": {"name": "*.expertz.*"}, "format": "nvfp4"}],
+        })), "steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2},
+    })  # fmt: skip
+    assert main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "quantizes nothing here" in err and "strict: false" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sigterm_ends_a_train_run_as_interrupted(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cfg = _write(tmp_path / "train.yaml", {
+        "model": "builtin:tiny-moe",
+        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
+        "out": str(tmp_path / "runs"),
+        "run_id": "term",
+        "rl": {"recipe": "bf16", "steps": 500, "prompts_per_step": 2, "samples_per_prompt": 2},
+    })  # fmt: skip
+    env = {**os.environ, "MXRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mxrl.cli", "train", "--config", str(cfg)],
+                            env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    metrics = tmp_path / "runs" / "term" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "interrupted by SIGTERM" in err
+    record = RunRecord.open(tmp_path / "runs" / "term")
+    (end,) = record.events("end")
+    assert end["status"] == "interrupted" and end["signal"] == "SIGTERM"
+    assert end["step"] == len(record.metrics())

@@ -18,8 +18,8 @@ def test_list_newest_first(make_run, capsys):
     assert code == 0 and err == ""
     header, first, second = out.splitlines()
     assert header.split()[:4] == ["id", "recipe", "steps", "last"]
-    assert first.split()[:6] == ["new-run", "nvfp4-hp", "12", "0.32", "done", "2025-03-01"]
-    assert second.split()[:6] == ["old-run", "bf16", "30", "0.68", "done", "2025-01-01"]
+    assert first.split()[:6] == ["new-run", "nvfp4-hp", "12", "0.32", "finished", "2025-03-01"]
+    assert second.split()[:6] == ["old-run", "bf16", "30", "0.68", "finished", "2025-01-01"]
 
 
 def test_list_empty_and_missing_root(tmp_path, capsys):
@@ -34,7 +34,7 @@ def test_show(make_run, capsys):
     code, out, err = run(capsys, "runs", "show", "20250601", "--root", make_run.root)  # a prefix
     assert code == 0 and err == ""
     assert out.startswith("run 20250601-120000-abcd")
-    assert "status: done; 30 steps logged, last step 29" in out
+    assert "status: finished; 30 steps logged, last step 29" in out
     assert "  grpo.group_size: 8" in out and "  recipe: nvfp4-dequantized" in out
     assert "plan: hash h0" in out
     assert "  backend:  reference" in out and "  commit:   " in out

@@ -290,3 +290,70 @@ def test_repair_tail_edges(tmp_path):
     path.write_bytes(b'{"a": 1}\n' + b"x" * 100_000)  # a partial line longer than one chunk
     assert repair_tail(path) == 100_000 and path.read_bytes() == b'{"a": 1}\n'
     assert repair_tail(path) == 0
+
+
+# --- how a run ends ----------------------------------------------------------------------------
+
+
+def _status(rec):
+    from mxrl.runs import summarize
+
+    return summarize(rec).status
+
+
+def test_guard_records_a_failure_with_its_step_and_error(tmp_path):
+    rec = RunRecord.create(tmp_path, "f", config={"rl": {"recipe": "mxfp8"}})
+    assert rec.recipe == "mxfp8"  # `mxrl train` files keep the recipe under rl:
+    step = 0
+    with pytest.raises(ZeroDivisionError), rec.guard(lambda: step):
+        step = 3
+        1 / 0  # noqa: B018
+    (end,) = rec.events("end")
+    assert end["status"] == "failed" and end["step"] == 3
+    assert end["error"] == "ZeroDivisionError: division by zero"
+    assert "1 / 0" in end["traceback"]
+    assert _status(rec) == "failed at step 3"
+
+
+def test_a_failure_before_step_one_says_so_and_inner_guards_record_once(tmp_path):
+    rec = RunRecord.create(tmp_path, "f0", config={})
+    with pytest.raises(ValueError, match="bad weights"), rec.guard(lambda: 0), rec.guard(lambda: 0):
+        raise ValueError("bad weights")
+    assert len(rec.events("end")) == 1
+    assert _status(rec) == "failed before step 1"
+
+
+def test_ctrl_c_and_sigterm_are_recorded_as_interrupted(tmp_path):
+    import os
+    import signal
+
+    from mxrl.runs import RunInterrupted
+
+    rec = RunRecord.create(tmp_path, "i", config={})
+    with pytest.raises(KeyboardInterrupt), rec.guard(lambda: 5):
+        raise KeyboardInterrupt
+    assert _status(rec) == "interrupted (SIGINT) at step 5"
+    rec = RunRecord.create(tmp_path, "t", config={})
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RunInterrupted), rec.guard(lambda: 2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 0.5) if hasattr(signal, "sigtimedwait") else None
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    (end,) = rec.events("end")
+    assert end["status"] == "interrupted" and end["signal"] == "SIGTERM"
+
+
+def test_a_run_without_an_end_is_running_while_its_process_lives(tmp_path):
+    import subprocess
+    import sys
+
+    rec = RunRecord.create(tmp_path, "alive", config={})
+    assert _status(rec) == "running"  # this process
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    env = rec.env
+    env["pid"] = int(child.stdout)  # a process that has exited: killed without a record
+    (rec.path / "env.json").write_text(json.dumps(env))
+    assert _status(rec) == "unfinished"
+    rec.finish(4)
+    assert _status(rec) == "finished"
