@@ -1,5 +1,5 @@
 """Shared helpers for the benchmark scripts: timing, the device's copy bandwidth, the results
-file (DESIGN.md §9: achieved GB/s and the ratio to a baseline measured in the same run)."""
+file (docs/design.md §9: achieved GB/s and the ratio to a baseline measured in the same run)."""
 
 from __future__ import annotations
 

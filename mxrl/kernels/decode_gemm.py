@@ -5,7 +5,7 @@
     y = grouped_low_bit_linear(x_sorted, wq, offs)   # x [T, K] sorted by expert, wq [E, N, K],
                                                      # offs [E+1]: expert e owns rows offs[e]:offs[e+1]
 
-Semantics: `mxrl.nn.qmatmul.emulated_matmul` (DESIGN.md §2), which this module reproduces
+Semantics: `mxrl.nn.qmatmul.emulated_matmul` (docs/design.md §2), which this module reproduces
 without importing it (kernels sit left of nn):
   xq = quantize(x, fmt, per_token=...)               same bytes as the trainer's activations
   y  = fl( (lp(xq) @ lp(wq)^T)_fp32  *  fl(s_x * s_w) )
@@ -189,7 +189,7 @@ def grouped_low_bit_linear(
     """y [T, N] for rows x_sorted [T, K] grouped by expert (expert e owns rows
     expert_offsets[e]:expert_offsets[e+1], offsets [E+1] int32/int64 on x's device, last = T)
     through the per-expert weights wq (QTensor [E, N, K]), one launch for all experts. NVFP4
-    activations get per-token scales (routed experts, DESIGN.md §1). active_experts: expected
+    activations get per-token scales (routed experts, docs/design.md §1). active_experts: expected
     number of experts with rows, a performance hint only (default min(E, T))."""
     _check_weight(wq, 3)
     chosen = select_backend(backend, x_sorted.device)

@@ -1,4 +1,4 @@
-"""The quantized GEMM as an autograd function, with the three backward modes (DESIGN.md §2, §7).
+"""The quantized GEMM as an autograd function, with the three backward modes (docs/design.md §2, §7).
 
 Legend: x [T, K] activations (T tokens), w [N, K] master weight, y [T, N] = x w^T.
 

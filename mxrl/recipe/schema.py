@@ -1,4 +1,4 @@
-"""Recipes: ordered rules, first match wins (DESIGN.md §6).
+"""Recipes: ordered rules, first match wins (docs/design.md §6).
 
 ```yaml
 name: nvfp4-dequantized
@@ -37,7 +37,7 @@ from mxrl.recipe.names import Kind, TensorInfo
 
 
 class Backward(StrEnum):
-    """How backward GEMMs see quantized operands (DESIGN.md §7)."""
+    """How backward GEMMs see quantized operands (docs/design.md §7)."""
 
     HIGH_PRECISION = "high_precision"
     DEQUANTIZED = "dequantized"

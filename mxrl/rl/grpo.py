@@ -1,5 +1,5 @@
 """GRPO / DAPO building blocks on padded tensors: group advantages and the clipped policy loss
-with rollout correction (TIS / MIS) and an optional KL term (DESIGN.md §8).
+with rollout correction (TIS / MIS) and an optional KL term (docs/design.md §8).
 
 Every formula follows `background/rl_frameworks.md` §2, which records how verl, slime, TRL and
 OpenRLHF implement them; the section is cited beside each piece.

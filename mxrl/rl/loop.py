@@ -1,4 +1,4 @@
-"""Synchronous GRPO (DESIGN.md §3, §8): rollout on the engine, rewards, group advantages, the
+"""Synchronous GRPO (docs/design.md §3, §8): rollout on the engine, rewards, group advantages, the
 trainer's logprobs and the mismatch metrics, the clipped loss (TIS/MIS optional), backward in the
 recipe's mode, spike detection, the optimizer step, then a verified weight sync.
 
@@ -42,7 +42,7 @@ CHECKPOINT_DIR = "checkpoints"
 
 @dataclass
 class GRPOConfig:
-    """The RL settings (defaults: DESIGN.md §8)."""
+    """The RL settings (defaults: docs/design.md §8)."""
 
     recipe: str = "bf16"
     steps: int = 20

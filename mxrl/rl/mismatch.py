@@ -1,4 +1,4 @@
-"""Train-rollout mismatch metrics (DESIGN.md §8), computed every step, correction on or off.
+"""Train-rollout mismatch metrics (docs/design.md §8), computed every step, correction on or off.
 
 With log-ratio d = logp_train - logp_rollout on the sampled tokens (samples drawn from the
 rollout policy), the estimators of KL(rollout || train) are

@@ -1,4 +1,4 @@
-"""Training stability: gradient-norm spike detection and per-layer gradient norms (DESIGN.md §8;
+"""Training stability: gradient-norm spike detection and per-layer gradient norms (docs/design.md §8;
 the seed articles report occasional NVFP4 gradient spikes, which this names and optionally skips).
 
 Spike rule, on x = log(grad_norm) against the last `window` finite values:

@@ -47,7 +47,7 @@ _SQNR_CHUNK = 1 << 22  # elements per float64 partial sum: bounds the temporary 
 
 @dataclass(frozen=True)
 class QuantizationEvent:
-    """One export of the master weights (DESIGN.md §1: traceable records of every quantization).
+    """One export of the master weights (docs/design.md §1: traceable records of every quantization).
 
     num_bytes: bytes of every record (quantized data, scales, global scales, bf16 tensors).
     seconds: time spent quantizing, hashing and measuring (not in the consumer of the buckets).

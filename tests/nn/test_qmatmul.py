@@ -1,6 +1,6 @@
 """QLinear / QExperts numerics, bit for bit: the forward is the exact emulated GEMM of the
 dequantized operands times the global scales; each backward mode multiplies exactly the operands
-DESIGN.md §7 names. Expected values are built from mxrl.formats directly, not from mxrl.nn."""
+docs/design.md §7 names. Expected values are built from mxrl.formats directly, not from mxrl.nn."""
 
 from __future__ import annotations
 
