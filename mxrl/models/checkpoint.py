@@ -6,13 +6,16 @@ be stored per expert or fused (`mxrl.models.adapter`); loading takes both, savin
 
 Loading checks every header before reading any data (unknown, missing, duplicated keys, wrong
 shapes), then copies tensor by tensor into the parameters of a model allocated once on the target
-device, so at most one checkpoint tensor is in memory beside the model.
+device, so at most one checkpoint tensor is in memory beside the model. Each tensor is checked
+for NaN/Inf as it is copied (one min/max pass over what was loaded, no copy), and the first one
+holding any stops the load, named by its key in the file (`check_finite=False` skips it).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 import sys
@@ -70,13 +73,17 @@ def from_pretrained(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     *,
+    check_finite: bool = True,
     progress: bool | None = None,
 ) -> CausalLM:
     """Load a local HF checkpoint directory into a `CausalLM` in `dtype` on `device` (eval mode).
 
+    check_finite: refuse a tensor holding NaN/Inf, or a value that overflows to Inf in `dtype`
+      (False loads it anyway, e.g. to inspect a diverged run's checkpoint).
     progress: show a tqdm bar (None: only when stderr is a terminal).
     Raises ValueError naming the file or tensors for a bad config, corrupt file, unknown,
-    missing or duplicated tensors, or wrong shapes.
+    missing or duplicated tensors, or wrong shapes; and naming the file, the key as stored in
+    it, the index and the value for the first non-finite value.
     """
     path = Path(path)
     if not path.is_dir():
@@ -96,7 +103,11 @@ def from_pretrained(
             bar.set_postfix_str(file.name)
             with open_safetensors(file) as f:
                 for key, target in items:
-                    target.view(params[target.param]).copy_(f.get_tensor(key))
+                    stored = f.get_tensor(key)
+                    loaded = target.view(params[target.param])
+                    loaded.copy_(stored)
+                    if check_finite:
+                        _check_finite(file, key, stored, loaded)
                     bar.update()
         if tied_head is not None:
             _check_tied_head(tied_head, params["model.embed_tokens.weight"])
@@ -242,6 +253,34 @@ def _short(items: list[str]) -> str:
 
 def _list(title: str, items: list[str], fix: str) -> str:
     return f"  - {len(items)} {title}: {_short(items)}. Fix: {fix}." if items else ""
+
+
+def _check_finite(file: Path, key: str, stored: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Raise ValueError if `loaded` (the parameter slice `stored` was copied into: same shape,
+    so same indices) holds NaN/Inf. The common case is one fused min/max pass (NaN propagates
+    through both, Inf shows in one); only a failing tensor is searched for its first index."""
+    if not loaded.is_floating_point() or loaded.numel() == 0:
+        return
+    lo, hi = torch.aminmax(loaded)
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return
+    bad = ~torch.isfinite(loaded)
+    num_bad = int(bad.sum())
+    first = int(bad.reshape(-1).to(torch.uint8).argmax())  # argmax: the first maximal value
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), loaded.shape))
+    value = stored[index].item()
+    what = f"{key} in {file.name} holds {value} at index {index}"
+    if math.isfinite(value):  # finite in the file, out of range of the load dtype
+        raise ValueError(
+            f"cannot load {file.parent}: {what}, which overflows to {loaded[index].item()} in "
+            f"{loaded.dtype} ({num_bad} non-finite value(s) in that tensor once cast). Load in "
+            "a dtype with a wider range (torch.float32 or torch.bfloat16)."
+        )
+    raise ValueError(
+        f"cannot load {file.parent}: {what} ({num_bad} non-finite value(s) in that tensor). "
+        "The checkpoint holds NaN/Inf: it was saved from a diverged run or is damaged; load an "
+        "earlier checkpoint, or pass check_finite=False to load it anyway (e.g. to inspect it)."
+    )
 
 
 def _check_tied_head(tied_head: tuple[Path, str], embed: torch.Tensor) -> None:

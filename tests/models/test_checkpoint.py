@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from mxrl.models import build_model, from_pretrained, parse_size, save_pretrained
 from mxrl.models import checkpoint as ckpt
 from mxrl.recipe import builtin_config
+from mxrl.sync.checkpoint import convert_checkpoint
 from tests.models.configs import CONFIGS
 from tests.numerics import assert_bytes_equal
 
@@ -104,6 +106,48 @@ def _edit_single(tmp_path, tiny, edit):
     edit(state)
     save_file(state, str(out / "model.safetensors"))
     return out
+
+
+def test_nan_in_a_per_expert_checkpoint_is_named_by_its_key_in_the_file(tmp_path, tiny):
+    out = save_pretrained(tiny, tmp_path / "ck", max_shard_size="400KB", progress=False)
+    key = "model.layers.2.mlp.experts.3.up_proj.weight"
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"][key]
+    state = load_file(shard)
+    state[key][13, 33] = float("nan")
+    state[key][20, 0] = float("inf")
+    save_file(state, str(shard))
+    want = (
+        f"{key} in {shard.name} holds nan at index (13, 33) (2 non-finite value(s) in that "
+        "tensor). The checkpoint holds NaN/Inf"
+    )
+    with pytest.raises(ValueError, match=re.escape(want)) as e:
+        from_pretrained(out, progress=False)
+    assert "check_finite=False" in str(e.value) and "gate_up_proj" not in str(e.value)
+    with pytest.raises(ValueError, match=re.escape(want)):  # mxrl convert loads it the same way
+        convert_checkpoint(out, "nvfp4-dequantized", tmp_path / "q", progress=False)
+    assert not (tmp_path / "q").exists()
+    loaded = from_pretrained(out, check_finite=False, progress=False)  # the opt-out
+    gate_up = loaded.state_dict()["model.layers.2.mlp.experts.gate_up_proj"]
+    assert torch.isnan(gate_up[3, 32 + 13, 33])  # up is the second half
+
+
+def test_inf_in_a_fused_checkpoint_and_overflow_on_load(tmp_path, tiny):
+    out = save_pretrained(tiny, tmp_path / "fused", "fused", progress=False)
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    state = load_file(out / "model.safetensors")
+    state[key][5, 60, 7] = -float("inf")
+    save_file(state, str(out / "model.safetensors"))
+    want = f"{key} in model.safetensors holds -inf at index (5, 60, 7) (1 non-finite value(s)"
+    with pytest.raises(ValueError, match=re.escape(want)):
+        from_pretrained(out, progress=False)
+    state[key][5, 60, 7] = 1e6  # finite in the fp32 file, Inf in fp16
+    save_file(state, str(out / "model.safetensors"))
+    from_pretrained(out, progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"holds 1000000\.0 at index \(5, 60, 7\), which overflows to inf in torch\.float16",
+    ):
+        from_pretrained(out, dtype=torch.float16, progress=False)
 
 
 def test_unknown_keys_are_named_with_a_count(tmp_path, tiny):
