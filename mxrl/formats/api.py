@@ -36,8 +36,12 @@ def quantize(
       scale_mode "te" (default) or "torchao" (comparison only).
     fmt="fp8_block": `block=(128, 128)` (default; weights, over the last two dims) or `(1, 128)`
       (activations); scale_mode "fp32" (default) or "ue8m0" (power-of-two scales).
-    check_finite=True raises on NaN/Inf; otherwise hardware saturation semantics apply
-    (NaN ignored by the block amax; Inf saturates to the format's max).
+    check_finite=True raises on NaN/Inf, naming their count and the first index and value.
+    Otherwise a NaN/±Inf input comes out NaN, and its block's finite elements keep the bytes
+    they would have were it 0: every amax is over the finite elements; MXFP8 and block FP8 store
+    the element as the E4M3 NaN byte 0x7F; NVFP4 (E2M1 has no NaN) sets its 16-element block's
+    scale to 0x7F, so that whole block dequantizes to NaN (docs/formats.md, "Non-finite inputs").
+    A tensor with a zero-size dimension is refused (there is nothing to quantize).
     """
     fmt = _parse_format(fmt)
     _check_input(x, fmt, axis, per_token, global_amax, block)
@@ -101,6 +105,16 @@ def _check_input(x, fmt, axis, per_token, global_amax, block) -> None:
         raise ValueError(
             f"axis={axis}: only mxfp8 has column-wise copies; transpose the tensor for {fmt}"
         )
+    if block is not None and not _is_block_pair(block):
+        raise ValueError(
+            f"fp8_block block must be a pair of positive ints (rows, cols), (1, b) or (b, b), "
+            f"got {block!r}; e.g. block=(128, 128) for weights, (1, 128) for activations"
+        )
+    if x.numel() == 0:
+        raise ValueError(
+            f"quantize({fmt}): x has shape {shape}, with a zero-size dimension: there is nothing "
+            "to quantize. Skip the call for an empty batch (an expert that got no tokens)."
+        )
 
     if fmt is C.Format.MXFP8:
         if not -x.dim() <= axis < x.dim():
@@ -133,6 +147,14 @@ def _check_input(x, fmt, axis, per_token, global_amax, block) -> None:
             )
 
 
+def _is_block_pair(block) -> bool:
+    return (
+        isinstance(block, (tuple, list))
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    )
+
+
 def _raise_if_not_finite(x: torch.Tensor, fmt: C.Format) -> None:
     bad = ~torch.isfinite(x)
     num_bad = int(bad.sum())
@@ -142,5 +164,6 @@ def _raise_if_not_finite(x: torch.Tensor, fmt: C.Format) -> None:
         raise ValueError(
             f"quantize({fmt}): input of shape {tuple(x.shape)} holds {num_bad} non-finite "
             f"value(s) (NaN/Inf); first at index {index} = {x[index].item()}. Fix what produced "
-            "it, or pass check_finite=False to get hardware saturation semantics."
+            "it, or pass check_finite=False to quantize it anyway (NaN/Inf then dequantize to "
+            "NaN: docs/formats.md, non-finite inputs)."
         )

@@ -3,11 +3,13 @@
 All functions take and return tensors on any device; inputs are fp32 unless said otherwise and
 every step is one eager op, so the result is the same on CPU and GPU.
 
-Policy choices (spec §1.5, documented in docs/formats.md):
-- E4M3: round to nearest even, saturate to ±448; ±Inf -> ±448; NaN -> 0x7F (sign dropped),
-  as the hardware `cvt.rn.satfinite` does.
+Policy choices (spec §1.5; docs/formats.md, "Non-finite inputs"):
+- E4M3: round to nearest even, finite overflow saturates to ±448 as the hardware
+  `cvt.rn.satfinite` does; NaN and ±Inf -> 0x7F (NaN, sign dropped). The hardware writes ±448
+  for ±Inf: mxrl does not, so that a non-finite input never comes out as a finite value.
 - E2M1: round to nearest even, saturate to ±6; the sign of zero is kept (-0.0 -> 0x8, as
-  ml_dtypes and torchao do); NaN -> +6 (0x7, hardware satfinite).
+  ml_dtypes and torchao do); NaN -> +6 (0x7, hardware satfinite), ±Inf -> ±6. E2M1 has no
+  NaN: NVFP4 marks a block holding NaN/Inf through its E4M3 scale (`nvfp4.py`).
 - E8M0 codes are computed with integer bit operations, never `.to(float8_e8m0fnu)` (which rounds
   to nearest, spec §1.3).
 """
@@ -39,13 +41,15 @@ def fdiv(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> 
 
 
 def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> E4M3 byte (uint8), RNE with saturation; spec §1.5 reference recipe."""
+    """fp32 -> E4M3 byte (uint8): RNE, finite overflow saturates to ±448 (spec §1.5 reference
+    recipe); NaN and ±Inf -> 0x7F (mxrl's non-finite policy, not satfinite's ±448)."""
     assert x.dtype == torch.float32, x.dtype
     clamped = torch.clamp(x, -C.E4M3_MAX, C.E4M3_MAX)
     codes = clamped.to(torch.float8_e4m3fn).view(torch.uint8)
-    # torch keeps the NaN sign on CPU (0xFF) but not on CUDA (0x7F): canonicalise to 0x7F.
-    is_nan = (codes & 0x7F) == C.E4M3_NAN_CODE
-    return torch.where(is_nan, torch.full_like(codes, C.E4M3_NAN_CODE), codes)
+    # One canonical NaN byte for NaN of either sign (torch keeps the sign on the CPU, not on
+    # CUDA) and for ±Inf (which the clamp above turned into ±448).
+    non_finite = ~torch.isfinite(x)
+    return torch.where(non_finite, torch.full_like(codes, C.E4M3_NAN_CODE), codes)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ activations [..., K] (per token). The reference is DeepGEMM's `per_block_cast_to
   a  = max(amax, 1e-4);  sf = fl(a / 448)   [scale_mode="ue8m0": sf rounded up to 2^k, §5.1]
   q  = E4M3_satfinite(fl(x * fl(1 / sf)))
 Stored scale = sf (the *decode* scale, DeepSeek's `weight_scale_inv`); x_hat = fl(E4M3(q) * sf).
+Non-finite inputs: amax is over the block's finite elements (`block_amax`), and a NaN or ±Inf
+element is stored as the E4M3 NaN byte 0x7F (`codecs.e4m3_encode`): it dequantizes to NaN, the
+scale and the other elements are those of the block with that element 0 (docs/formats.md).
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Legend: x_hp [..., K] high precision; blocks of 32 along `axis` (the last dim for the row-wise
 copy; dim 0 of a 2-D tensor for the column-wise copy, which keeps x's layout as TE does, §2.1).
+
+Non-finite inputs: the scale comes from the block's finite elements (`block_amax`), and a NaN or
+±Inf element is stored as the E4M3 NaN byte 0x7F (`codecs.e4m3_encode`), so it dequantizes to
+NaN and its block's other elements keep their bytes.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ SCALE_MODES = ("rceil", "floor")
 
 
 def block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim, NaN ignored (the kernels' fmaxf/__hmax semantics, §2.4)."""
+    """max |x| over the last dim, over the FINITE elements only: NaN and ±Inf count as 0 (a block
+    with no finite element has amax 0). Every amax of every format is taken through here, so the
+    finite elements of a block holding NaN/Inf get the bytes they would get were it 0
+    (docs/formats.md, "Non-finite inputs"). TE's kernels ignore NaN too (fmaxf, spec §2.4) but
+    let an Inf amax saturate the scale, which zeroes the block's finite elements."""
     mag = blocks.abs()
-    mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    mag = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
     return mag.amax(dim=-1)
 
 

@@ -11,6 +11,13 @@ Operation order is TransformerEngine's (§3.3), each step one fp32 op:
   q      = E2M1_satfinite(fl(x * enc))
 `scale_mode="torchao"` reproduces torchao's `nvfp4_quantize` instead (two divisions, block scale
 clamped to [2^-6, 448], §3.4-§3.5): for comparison only.
+
+Non-finite inputs (docs/formats.md, "Non-finite inputs"): E2M1 holds neither NaN nor Inf, so the
+block's E4M3 scale carries it. Every amax (block, per token, per tensor) is over the finite
+elements only, and every step above runs as if NaN/Inf were 0 for the scales; then a 16-element
+block holding any NaN/±Inf gets scale byte 0x7F (E4M3 NaN): all 16 elements dequantize to NaN.
+Its element codes are the normal encoding with the finite scale (NaN -> 0x7, ±Inf -> ±6, finite
+elements as if the bad one were 0); other blocks and the global scale are untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ _E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's lower clamp (
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = fl(2688 / amax) with the §3.2 edge rules: 0 or Inf amax -> 1; capped at FLT_MAX."""
+    """S_enc = fl(2688 / amax) with the §3.2 edge rules: 0 or Inf amax -> 1; capped at FLT_MAX.
+    (The amaxes quantize computes are finite, and a caller's global_amax must be: the Inf rule
+    is kept for the spec's sake.)"""
     s_enc = codecs.fdiv(C.NVFP4_GLOBAL_NUMERATOR, amax)
     s_enc = torch.clamp(s_enc, max=C.FLT_MAX)
     bad = (amax == 0) | (s_enc == 0)
@@ -48,8 +57,15 @@ def _caller_amax(global_amax, shape: torch.Size, device: torch.device) -> torch.
             f"nvfp4: global_amax of shape {tuple(g.shape)} does not fit x of shape {tuple(shape)}; "
             "pass a scalar, or a tensor of x's rank with last dim 1 (e.g. [rows, 1] or [E, 1, 1])"
         )
-    if bool(torch.isnan(g).any()) or bool((g < 0).any()):
-        raise ValueError("nvfp4: global_amax must be non-negative and not NaN")
+    bad = ~torch.isfinite(g) | (g < 0)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], g.shape))
+        raise ValueError(
+            f"nvfp4: global_amax must be finite and non-negative; it holds {g[first].item()} at "
+            f"index {first}. A NaN/Inf amax means the tensor it came from holds NaN/Inf: take "
+            "the amax over its finite elements, or find what produced them (check_finite=True "
+            "on that tensor names the first one)"
+        )
     return g
 
 
@@ -103,6 +119,9 @@ def quantize_nvfp4(
     if scale_mode == "torchao":
         scaled = torch.clamp(scaled, -C.E2M1_MAX, C.E2M1_MAX)
     codes = codecs.e2m1_encode(scaled).reshape(shape)
+    # A block holding NaN/Inf: its scale byte becomes E4M3 NaN (module docstring).
+    block_bad = ~torch.isfinite(blocks_x).all(dim=-1)
+    scale_codes = torch.where(block_bad, torch.full_like(scale_codes, C.E4M3_NAN_CODE), scale_codes)
     return QTensor(
         qdata=codecs.pack_nibbles(codes).contiguous(),
         scale=scale_codes.contiguous().view(torch.float8_e4m3fn),

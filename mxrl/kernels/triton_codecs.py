@@ -5,16 +5,23 @@ for sm_90; where the two differ the kernels take a constexpr `HW` (True on CUDA)
 - E8M0 codes and power-of-two reciprocals are integer operations on fp32 bit patterns (spec
   §2.2, §1.3), never a float log2 or a cast to float8_e8m0fnu.
 - E4M3, HW: `.to(tl.float8e4nv)`, which Triton lowers on sm_90 to `cvt.rn.satfinite.e4m3x2.f32`
-  (RNE; finite overflow and ±Inf -> ±448; ±NaN -> 0x7F): the reference's clamp -> cast ->
-  canonical NaN, in one instruction per two values. Not HW: an exact integer encoder (RNE on
-  the fp32 bit pattern), since the interpreter's fp8 cast does not round to nearest even. The
-  GPU tests compare the two on every bf16 value and 2^24 random fp32 bit patterns.
+  (RNE; finite overflow and ±Inf -> ±448; ±NaN -> 0x7F), then a select that writes 0x7F for
+  ±Inf too (mxrl's non-finite policy: never a finite byte for a non-finite value): the
+  reference's clamp -> cast -> 0x7F for non-finite. `e4m3_encode` pays its own compare;
+  `e4m3_encode_masked` reuses the is-finite mask of x the amax already computed (MXFP8 and
+  block FP8 elements). Not HW: an exact integer encoder (RNE on the fp32 bit pattern, NaN and
+  Inf bit patterns -> 0x7F), since the interpreter's fp8 cast does not round to nearest even
+  (nor saturate). The GPU tests compare the two on every bf16 value and 2^24 random fp32 bit
+  patterns.
 - E2M1: RNE by exact fp32 arithmetic (one power-of-two multiply and one 2^23 add), checked in
   the interpreter tests against the reference's threshold table on every bf16 value, random
   fp32 bit patterns and every rounding edge ±1 ulp; NaN -> +6 (0x7), sign of zero kept.
-- NaN and min/max: the GPU's max.f32 returns the non-NaN operand, the interpreter's np.maximum
-  propagates NaN; `amax_ignore_nan` gives the reference's block amax (NaN ignored) on both.
-  Elsewhere min/max never see a NaN that could reach the output.
+- NaN, Inf and min/max: every amax is over the finite elements only (the reference's
+  `block_amax`): `finite_abs` maps NaN and ±Inf to 0 with one compare + select per element
+  before the max, so no max ever sees a NaN (the GPU's max.f32 would return the non-NaN operand
+  where the interpreter's np.maximum propagates NaN) or an Inf, and the compiled and
+  interpreted kernels run the same code. Elsewhere min/max never see a NaN that could reach
+  the output (the amaxes, hence the scales, are finite).
 - Every fp32 division is `tl.div_rn` (IEEE `div.rn.f32`; plain `/` lowers to the approximate
   `div.full.f32`), with operands of one shape (div_rn does not broadcast on the GPU). The
   quantizers have no a*b+c except in `e2m1_encode`, where the product is exact, so FMA
@@ -51,6 +58,7 @@ E4M3_REBIAS: tl.constexpr = tl.constexpr((127 - 7) << 3)
 
 
 E2M1_MAX_BITS: tl.constexpr = tl.constexpr(0x40C00000)  # 6.0
+F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # |bits| >= this: Inf or NaN
 F32_NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000 as int32
 RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23: x + 2^23 rounds x in [0, 2^22] to int
 RNE_MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
@@ -74,22 +82,24 @@ def store_tile(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def abs_nan_to_zero(x):
-    """|x| with NaN -> 0: the block amax of the kernels ignores NaN (spec §2.4)."""
-    return tl.where(x != x, 0.0, tl.abs(x))
+def is_finite(x):
+    """x is neither NaN nor ±Inf (one compare: NaN compares false)."""
+    return tl.abs(x) <= FLT_MAX
 
 
 @triton.jit
-def amax_ignore_nan(x, axis, HW: tl.constexpr):
-    """max |x| along `axis`, NaN ignored (an all-NaN block gives 0), as the reference's
-    `block_amax`. On the GPU `tl.max` combines with max.f32, which already returns the non-NaN
-    operand, so only an all-NaN block needs fixing (per block, not per element); the
-    interpreter's np.maximum propagates NaN, so there NaN is zeroed element-wise first."""
-    if HW:
-        amax = tl.max(tl.abs(x), axis=axis)
-        return tl.where(amax != amax, 0.0, amax)
-    else:
-        return tl.max(abs_nan_to_zero(x), axis=axis)
+def finite_abs(x):
+    """|x|, with NaN and ±Inf -> 0: what every amax of the kernels is taken over."""
+    mag = tl.abs(x)
+    return tl.where(mag <= FLT_MAX, mag, 0.0)
+
+
+@triton.jit
+def finite_amax(x, axis):
+    """max |x| along `axis` over the finite elements (a block with none gives 0), as the
+    reference's `block_amax`. Identical on the GPU and in the interpreter: no NaN or Inf
+    reaches the max (module docstring)."""
+    return tl.max(finite_abs(x), axis=axis)
 
 
 @triton.jit
@@ -121,25 +131,40 @@ def e8m0_to_f32(code):
 
 @triton.jit
 def e4m3_encode(v, HW: tl.constexpr):
-    """fp32 -> E4M3 byte (uint8): RNE, saturating to ±448, ±Inf -> ±448, NaN -> 0x7F."""
+    """fp32 -> E4M3 byte (uint8): RNE, finite overflow saturates to ±448; NaN, ±Inf -> 0x7F."""
     if HW:
         # One cvt.rn.satfinite.e4m3x2.f32 per two values: it saturates finite overflow and
-        # ±Inf to ±448 and writes 0x7F for ±NaN (spec §1.5, verified on the H200), which is the
-        # reference's clamp -> cast -> canonical NaN. test_hardware_e4m3_cast_equals_exact_encoder
-        # checks it against the integer encoder on every bf16 value and 2^24 random fp32 ones.
-        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # ±Inf to ±448 and writes 0x7F for ±NaN (spec §1.5, verified on the H200); the select
+        # then turns ±Inf's ±448 into 0x7F: the reference's clamp -> cast -> 0x7F for
+        # non-finite. test_hardware_e4m3_cast_equals_exact_encoder checks it against the
+        # integer encoder on every bf16 value and 2^24 random fp32 ones.
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(is_finite(v), code, E4M3_NAN_CODE).to(tl.uint8)
+    else:
+        return e4m3_encode_exact(v)
+
+
+@triton.jit
+def e4m3_encode_masked(v, finite, HW: tl.constexpr):
+    """`e4m3_encode(v, HW)` where the caller already holds `finite` = is_finite(v): v = x times a
+    finite non-zero scale that cannot overflow (MXFP8, block FP8), so v is finite exactly where x
+    is, and the mask the amax needed saves the HW branch its compare (one select per element)."""
+    if HW:
+        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(finite, code, E4M3_NAN_CODE).to(tl.uint8)
     else:
         return e4m3_encode_exact(v)
 
 
 @triton.jit
 def e4m3_encode_exact(v):
-    """Integer E4M3 encoder: round to nearest even on the fp32 bit pattern, saturating."""
+    """Integer E4M3 encoder: round to nearest even on the fp32 bit pattern, finite overflow
+    saturating; NaN and ±Inf -> 0x7F."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
-    is_nan = mag > 0x7F800000
-    mag = tl.minimum(mag, E4M3_MAX_BITS)  # saturate (finite overflow and Inf) to 448
+    non_finite = mag >= F32_INF_BITS
+    mag = tl.minimum(mag, E4M3_MAX_BITS)  # saturate finite overflow to 448
     # Normal E4M3 (|v| >= 2^-6): drop 20 mantissa bits with RNE; a carry moves the exponent.
     rounded = mag + 0x7FFFF + ((mag >> 20) & 1)
     normal = (rounded >> 20) - E4M3_REBIAS
@@ -147,7 +172,7 @@ def e4m3_encode_exact(v):
     snapped = mag.to(tl.float32, bitcast=True) + E4M3_SUBNORMAL_MAGIC
     subnormal = snapped.to(tl.int32, bitcast=True) - E4M3_SUBNORMAL_MAGIC_BITS
     code = tl.where(mag >= E4M3_MIN_NORMAL_BITS, normal, subnormal) | sign
-    code = tl.where(is_nan, E4M3_NAN_CODE, code)
+    code = tl.where(non_finite, E4M3_NAN_CODE, code)
     return code.to(tl.uint8)
 
 
@@ -182,7 +207,8 @@ def e2m1_encode(v):
 
 @triton.jit
 def nvfp4_encode_scale(amax):
-    """S_enc = fl(2688 / amax) capped at FLT_MAX; 0 or Inf amax -> 1 (spec §3.2)."""
+    """S_enc = fl(2688 / amax) capped at FLT_MAX; 0 or Inf amax -> 1 (spec §3.2). The kernels'
+    amaxes are finite (`finite_amax`), and so must a caller's be (`nvfp4._caller_amax`)."""
     s_enc = tl.div_rn(tl.full(amax.shape, NVFP4_NUMERATOR, tl.float32), amax)
     s_enc = tl.minimum(s_enc, FLT_MAX)
     bad = (amax == 0.0) | (s_enc == 0.0)

@@ -5,7 +5,8 @@ blocks. Matches `mxrl.formats.fp8_block.quantize_fp8_block` byte for byte (DeepG
 
 Legend: x_MK [M, K] (1 x bk: per row); x_BRK [B, R, K] (bk x bk over the last two dims of each
 of B matrices; a partial last row-block takes its amax over the rows that exist, which equals
-the reference's zero padding).
+the reference's zero padding). Non-finite inputs as the reference: amax over the finite
+elements (`finite_amax`), NaN/±Inf elements -> 0x7F (`e4m3_encode_masked`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from mxrl.formats import constants as C
 from mxrl.kernels.triton_codecs import (
     E4M3_MAX,
     E8M0_MAX_CODE,
-    amax_ignore_nan,
     ceil_e8m0,
-    e4m3_encode,
+    e4m3_encode_masked,
     e8m0_to_f32,
+    finite_amax,
+    is_finite,
     load_tile,
     store_tile,
 )
@@ -37,7 +39,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 @triton.jit
 def _decode_scale(amax, UE8M0: tl.constexpr):
-    """Block amax (NaN already dropped) -> fp32 decode scale sf."""
+    """Block amax (finite, NaN/Inf already dropped) -> fp32 decode scale sf."""
     sf = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
     if UE8M0:
         code = tl.maximum(ceil_e8m0(sf), 1)  # ceil_e8m0 already caps at 254
@@ -69,9 +71,9 @@ def _fp8_block_1d_kernel(
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
     NUM_B: tl.constexpr = BLOCK_K // BK
     blocks = tl.reshape(x, [ROWS, NUM_B, BK])
-    sf = _decode_scale(amax_ignore_nan(blocks, 2, HW), UE8M0)
+    sf = _decode_scale(finite_amax(blocks, 2), UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
-    q = e4m3_encode(tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K]), HW)
+    q = e4m3_encode_masked(tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K]), is_finite(x), HW)
     store_tile(q_ptr + offs, q, mask, EVEN)
     kb = tl.program_id(1) * NUM_B + tl.arange(0, NUM_B)
     s_mask = (rows < M)[:, None] & (kb < K // BK)[None, :]
@@ -104,10 +106,10 @@ def _fp8_block_2d_kernel(
     mask = (rows < R)[:, None] & (cols < K)[None, :]
     offs = (base + rows)[:, None] * K + cols[None, :]
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
-    amax = tl.max(amax_ignore_nan(x, 1, HW), axis=0)
+    amax = tl.max(finite_amax(x, 1), axis=0)
     sf = _decode_scale(amax, UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
-    store_tile(q_ptr + offs, e4m3_encode(x * rcp, HW), mask, EVEN)
+    store_tile(q_ptr + offs, e4m3_encode_masked(x * rcp, is_finite(x), HW), mask, EVEN)
     tl.store(s_ptr + pid_r * (K // BK) + pid_k, sf)
 
 

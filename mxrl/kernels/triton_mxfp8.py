@@ -4,6 +4,8 @@ Matches `mxrl.formats.mxfp8.quantize_mxfp8` with scale_mode="rceil" byte for byt
   code = ceil_e8m0(amax * fl(1/448));  q = E4M3_satfinite(x * 2^(127 - code))   (spec §2.2-§2.3)
 row-wise: 1x32 blocks along K, scales [M, K/32]; column-wise: 32x1 blocks along M, scales
 [M/32, K]; both data tensors keep x's [M, K] layout (TE, spec §2.1).
+Non-finite inputs as the reference: amax over the finite elements (`finite_amax`), NaN/±Inf
+elements -> 0x7F (`e4m3_encode_masked`), in both copies.
 
 Legend: x_MK the input viewed as [M, K] (K contiguous); one program quantizes a
 [BLOCK_M, BLOCK_K] tile, BLOCK_M a multiple of 32 when the column-wise copy is produced, so that
@@ -19,10 +21,11 @@ from torch.library import wrap_triton
 
 from mxrl.kernels.triton_codecs import (
     RCP_448,
-    amax_ignore_nan,
     ceil_e8m0,
-    e4m3_encode,
+    e4m3_encode_masked,
     e8m0_reciprocal,
+    finite_amax,
+    is_finite,
     load_tile,
     store_tile,
 )
@@ -59,13 +62,14 @@ def _mxfp8_kernel(
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     offs = rows[:, None] * K + cols[None, :]
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
+    finite = is_finite(x)  # the amaxes' compare, reused by the E4M3 encodes (both copies)
 
     if ROWWISE:
         NUM_KB: tl.constexpr = BLOCK_K // MX_BLOCK
-        amax = amax_ignore_nan(tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]), 2, HW)
+        amax = finite_amax(tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]), 2)
         code = ceil_e8m0(amax * RCP_448)
         scaled = tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]) * e8m0_reciprocal(code)[:, :, None]
-        q = e4m3_encode(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), HW)
+        q = e4m3_encode_masked(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), finite, HW)
         store_tile(q_row_ptr + offs, q, mask, EVEN)
         kb = pid_k * NUM_KB + tl.arange(0, NUM_KB)
         s_mask = (rows < M)[:, None] & (kb < K // MX_BLOCK)[None, :]
@@ -74,10 +78,10 @@ def _mxfp8_kernel(
 
     if COLWISE:
         NUM_MB: tl.constexpr = BLOCK_M // MX_BLOCK
-        amax_c = amax_ignore_nan(tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]), 1, HW)
+        amax_c = finite_amax(tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]), 1)
         code_c = ceil_e8m0(amax_c * RCP_448)
         scaled_c = tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]) * e8m0_reciprocal(code_c)[:, None, :]
-        q_c = e4m3_encode(tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]), HW)
+        q_c = e4m3_encode_masked(tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]), finite, HW)
         store_tile(q_col_ptr + offs, q_c, mask, EVEN)
         mb = pid_m * NUM_MB + tl.arange(0, NUM_MB)
         if INDEX_64:

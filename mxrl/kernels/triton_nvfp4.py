@@ -6,6 +6,9 @@ for byte, in TransformerEngine's operation order (spec §3.2-§3.4):
   enc   = min(fl(1 / fl(s * S_dec)), FLT_MAX);  q = E2M1_satfinite(fl(x * enc))
 Outputs: packed E2M1 [M, K/2] (even element in the low nibble), E4M3 block scales [M, K/16],
 S_enc per row [M] (per token) or one fp32 (per tensor).
+Non-finite inputs as the reference: every amax (block, row, tensor) is over the finite elements
+(`finite_amax`, `finite_abs`), and a 16-block holding NaN/±Inf stores scale 0x7F (E4M3 NaN), its
+element codes computed with the finite scale as for any block (NaN -> 0x7, ±Inf -> ±6).
 
 Legend: x_MK the input viewed as [M, K]; one program owns ROWS whole rows. A row's amax must be
 known before its first block is scaled: when K fits one tile (BLOCK_K >= K) the row stays in
@@ -22,13 +25,15 @@ from torch.library import wrap_triton
 
 from mxrl.kernels.backend import num_sms
 from mxrl.kernels.triton_codecs import (
+    E4M3_NAN_CODE,
     FLT_MAX,
     RCP_6,
-    abs_nan_to_zero,
-    amax_ignore_nan,
     e2m1_encode,
     e4m3_decode_nonneg,
     e4m3_encode,
+    finite_abs,
+    finite_amax,
+    is_finite,
     load_tile,
     nvfp4_encode_scale,
     store_tile,
@@ -45,8 +50,8 @@ AMAX_CONFIG = {"BLOCK": 4096, "num_warps": 8, "programs_per_sm": 8}
 
 
 @triton.jit
-def _block_amax(x, HW, ROWS, BLOCK_K):
-    return amax_ignore_nan(tl.reshape(x, [ROWS, BLOCK_K // NV_BLOCK, NV_BLOCK]), 2, HW)
+def _block_amax(x, ROWS, BLOCK_K):
+    return finite_amax(tl.reshape(x, [ROWS, BLOCK_K // NV_BLOCK, NV_BLOCK]), 2)
 
 
 @triton.jit
@@ -54,7 +59,8 @@ def _quantize_tile(
     x, b_amax, rows, row_mask, k0, K, s_enc_6, s_dec, q_ptr, s_ptr, HW, EVEN, ROWS, BLOCK_K
 ):
     """x [ROWS, BLOCK_K] fp32 (columns k0 .. k0 + BLOCK_K of its rows) and its block amax
-    [ROWS, BLOCK_K / 16] -> packed data and block scales."""
+    [ROWS, BLOCK_K / 16] (finite elements only) -> packed data and block scales; a block
+    holding NaN/Inf stores scale 0x7F (its element codes are computed as for the others)."""
     NUM_B: tl.constexpr = BLOCK_K // NV_BLOCK
     blocks = tl.reshape(x, [ROWS, NUM_B, NV_BLOCK])
     t = tl.minimum(b_amax * s_enc_6[:, None], FLT_MAX)
@@ -66,6 +72,8 @@ def _quantize_tile(
     codes = e2m1_encode(blocks * enc[:, :, None])
     lo, hi = tl.split(tl.reshape(codes, [ROWS, BLOCK_K // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
+    all_finite = tl.min(is_finite(blocks).to(tl.int32), axis=2)
+    s_code = tl.where(all_finite != 0, s_code, E4M3_NAN_CODE).to(tl.uint8)
 
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     q_mask = row_mask[:, None] & (half < K // 2)[None, :]
@@ -103,9 +111,9 @@ def _nvfp4_kernel(
     if SINGLE_TILE:
         mask = row_mask[:, None] & (cols < K)[None, :]
         x = load_tile(x_ptr + rows[:, None] * K + cols[None, :], mask, EVEN).to(tl.float32)
-        b_amax = _block_amax(x, HW, ROWS, BLOCK_K)
+        b_amax = _block_amax(x, ROWS, BLOCK_K)
         if PER_TOKEN:
-            row_amax = tl.max(b_amax, axis=1)  # no NaN left in b_amax
+            row_amax = tl.max(b_amax, axis=1)  # finite: no NaN/Inf left in b_amax
         else:
             row_amax = load_tile(amax_ptr + rows * amax_stride, row_mask, EVEN)
     else:
@@ -115,7 +123,7 @@ def _nvfp4_kernel(
                 c = k0 + cols
                 mask = row_mask[:, None] & (c < K)[None, :]
                 xk = load_tile(x_ptr + rows[:, None] * K + c[None, :], mask, EVEN)
-                row_amax = tl.maximum(row_amax, amax_ignore_nan(xk.to(tl.float32), 1, HW))
+                row_amax = tl.maximum(row_amax, finite_amax(xk.to(tl.float32), 1))
         else:
             row_amax = load_tile(amax_ptr + rows * amax_stride, row_mask, EVEN)
 
@@ -138,7 +146,7 @@ def _nvfp4_kernel(
             xk = load_tile(x_ptr + rows[:, None] * K + c[None, :], mask, EVEN).to(tl.float32)
             _quantize_tile(
                 xk,
-                _block_amax(xk, HW, ROWS, BLOCK_K),
+                _block_amax(xk, ROWS, BLOCK_K),
                 rows,
                 row_mask,
                 k0,
@@ -155,11 +163,9 @@ def _nvfp4_kernel(
 
 
 @triton.jit(do_not_specialize=["N", "ITERS"])
-def _amax_kernel(
-    x_ptr, amax_bits_ptr, N, ITERS, HW: tl.constexpr, BLOCK: tl.constexpr, INDEX_64: tl.constexpr
-):
-    """max |x| over the whole tensor, NaN ignored, as fp32 bits in one int32 (atomic max:
-    non-negative floats order like their bit patterns; max is order-independent)."""
+def _amax_kernel(x_ptr, amax_bits_ptr, N, ITERS, BLOCK: tl.constexpr, INDEX_64: tl.constexpr):
+    """max |x| over the finite elements of the whole tensor, as fp32 bits in one int32 (atomic
+    max: non-negative floats order like their bit patterns; max is order-independent)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if INDEX_64:
@@ -168,10 +174,7 @@ def _amax_kernel(
     for it in range(0, ITERS):
         offs = (it * num_programs + pid) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        if HW:
-            acc = tl.maximum(acc, tl.abs(x))  # max.f32 returns the non-NaN operand
-        else:
-            acc = tl.maximum(acc, abs_nan_to_zero(x))
+        acc = tl.maximum(acc, finite_abs(x))
     tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
 
 
@@ -183,7 +186,7 @@ def _encode_scale_kernel(amax_ptr, out_ptr, N, BLOCK: tl.constexpr):
 
 
 def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
-    """fp32 [] global max |x| (NaN ignored)."""
+    """fp32 [] global max |x| over the finite elements (NaN and ±Inf ignored)."""
     assert x_MK.is_contiguous()
     bits = torch.zeros((), dtype=torch.int32, device=x_MK.device)
     n = x_MK.numel()
@@ -196,7 +199,6 @@ def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
             bits,
             n,
             triton.cdiv(num_blocks, programs),
-            HW=x_MK.is_cuda,
             BLOCK=cfg["BLOCK"],
             INDEX_64=n >= 2**31,
             num_warps=cfg["num_warps"],

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from mxrl.formats import quantize
+from mxrl.formats import dequantize, quantize
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 
@@ -39,6 +39,43 @@ def test_bad_arguments_raise_value_error(fmt, shape, kwargs, pattern):
         quantize(torch.ones(shape), fmt, **kwargs)
 
 
+EMPTY = r"shape \(%s\), with a zero-size dimension: there is nothing to quantize. Skip the call"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shape", "kwargs"),
+    [
+        ("mxfp8", (0, 64), {}),
+        ("mxfp8", (0, 64), {"axis": 0}),
+        ("mxfp8", (4, 0), {}),
+        ("nvfp4", (0, 64), {}),
+        ("nvfp4", (0, 64), {"per_token": True}),
+        ("nvfp4", (4, 0), {"per_token": True}),
+        ("nvfp4", (2, 0, 64), {"global_amax": 1.0}),
+        ("fp8_block", (0, 128), {}),
+        ("fp8_block", (4, 0), {"block": (1, 128)}),
+        ("fp8_block", (0,), {"block": (1, 128)}),
+    ],
+)
+def test_zero_size_tensor_is_refused(fmt, shape, kwargs):
+    """Before: empty outputs for some, RuntimeError / IndexError / ZeroDivisionError for others.
+    Nothing in mxrl quantizes an empty tensor on purpose (an expert with no tokens is skipped)."""
+    dims = ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "")
+    with pytest.raises(ValueError, match=EMPTY % dims):
+        quantize(torch.ones(shape), fmt, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "block", [(128,), (1, 128, 1), "128", 128, (1.0, 128), (True, 128), (0, 128), (1, -128)]
+)
+def test_malformed_block_is_refused(block):
+    """Before: "not enough values to unpack", or (1.0, 128) accepted."""
+    with pytest.raises(
+        ValueError, match=r"block must be a pair of positive ints.*block=\(128, 128\)"
+    ):
+        quantize(torch.ones(4, 128), "fp8_block", block=block)
+
+
 def test_bad_dtype_raises_type_error():
     with pytest.raises(TypeError, match="int64"):
         quantize(torch.ones(4, 32, dtype=torch.int64), "mxfp8")
@@ -53,7 +90,9 @@ def test_check_finite_names_count_and_first_index(fmt):
     with pytest.raises(ValueError, match=re.escape("3 non-finite value(s)")) as err:
         quantize(x, fmt, check_finite=True)
     assert "(1, 17)" in str(err.value)
-    quantize(x, fmt)  # without the check: hardware saturation semantics, no error
+    # without the check: no error; NaN/Inf come out NaN (tests/formats/test_non_finite.py)
+    q = quantize(x, fmt)
+    assert not torch.isfinite(dequantize(q)[~torch.isfinite(x)]).any()
 
 
 def test_inputs_are_not_modified():

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -86,6 +88,27 @@ def test_sqnr_and_dequantize(block):
     q = quantize(x, "fp8_block", block=block)
     assert sqnr_db(x.float(), dequantize(q)) >= 28.0
     assert dequantize(q).dtype == torch.float32 and dequantize(q).shape == x.shape
+
+
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)], ids=["128x128", "1x128"])
+def test_non_finite_elements_are_nan_and_leave_the_scale_alone(block):
+    """docs/formats.md, "Non-finite inputs": the block amax ignores NaN and ±Inf (before, one
+    Inf made scale = inf and the whole block dequantize to NaN), NaN and ±Inf encode 0x7F
+    (not 448). tests/formats/test_non_finite.py has the full table."""
+    x = cases.randn((130, 256), torch.float32, seed=4)
+    bad = torch.zeros_like(x, dtype=torch.bool)
+    for (r, c), v in (((3, 7), math.nan), ((64, 200), math.inf), ((129, 128), -math.inf)):
+        x[r, c] = v
+        bad[r, c] = True
+    q = quantize(x, "fp8_block", block=block)
+    clean = quantize(torch.where(bad, 0.0, x), "fp8_block", block=block)
+    assert_bytes_equal(q.scale, clean.scale, "scales")
+    assert torch.isfinite(q.scale).all()
+    assert (q.qdata[bad] == 0x7F).all()
+    assert_bytes_equal(q.qdata[~bad], clean.qdata[~bad], "finite elements")
+    deq = dequantize(q)
+    assert torch.isnan(deq[bad]).all()
+    assert_bytes_equal(deq[~bad], dequantize(clean)[~bad], "finite values")
 
 
 def test_ue8m0_scales_are_powers_of_two_not_below_fp32_scale():

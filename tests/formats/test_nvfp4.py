@@ -138,20 +138,30 @@ def test_dequantize_applies_block_then_global_scale():
     assert_bytes_equal(dequantize(q), ((values * s_block) * s_dec).reshape(4, 64), "dequant")
 
 
-def test_nan_and_inf_follow_hardware_semantics():
-    """NaN is ignored by the amaxes and encodes +6 (0x7); Inf makes S_enc = 1 (§3.2) and
-    saturates its block scale to 448 and itself to code 6."""
-    x = torch.linspace(-1, 1, 32).reshape(1, 32).repeat(2, 1)
+def test_nan_and_inf_mark_their_block_through_its_scale():
+    """docs/formats.md, "Non-finite inputs": the amaxes ignore NaN and ±Inf (S_enc and the
+    other blocks are those of the tensor with 0 there); the block holding one gets scale byte
+    0x7F (E4M3 NaN), so its 16 values dequantize to NaN; its element codes are the normal
+    encoding (NaN and +Inf 0x7, -Inf 0xF). Before, an Inf made S_enc = 1 and saturated to a
+    finite 2688. tests/formats/test_non_finite.py has the full table."""
+    x = torch.linspace(-1, 1, 48).reshape(1, 48).repeat(3, 1)
     x[0, 3] = float("nan")
-    q = quantize(x[:1], "nvfp4")
-    clean = quantize(torch.where(torch.isnan(x[:1]), 0.0, x[:1]), "nvfp4")
-    assert_bytes_equal(q.scale, clean.scale, "scale ignores NaN")
-    assert int(codecs.unpack_nibbles(q.qdata)[0, 3]) == 0x7
-    x[1, 5] = float("inf")
-    qi = quantize(x[1:], "nvfp4")
-    assert float(qi.global_scale) == 1.0
-    assert int(qi.scale.view(torch.uint8)[0, 0]) == 0x7E
-    assert int(codecs.unpack_nibbles(qi.qdata)[0, 5]) == 0x7
+    x[1, 21] = float("inf")
+    x[2, 40] = -float("inf")
+    for kwargs in ({}, {"per_token": True}):
+        q = quantize(x, "nvfp4", **kwargs)
+        clean = quantize(torch.where(torch.isfinite(x), x, 0.0), "nvfp4", **kwargs)
+        assert_bytes_equal(q.global_scale, clean.global_scale, "global scale: finite amax")
+        scale, want = q.scale.view(torch.uint8), clean.scale.view(torch.uint8).clone()
+        want[0, 0] = want[1, 1] = want[2, 2] = 0x7F
+        assert_bytes_equal(scale, want, "the bad blocks' scales are 0x7F, only those")
+        codes = codecs.unpack_nibbles(q.qdata)
+        assert [int(codes[0, 3]), int(codes[1, 21]), int(codes[2, 40])] == [0x7, 0x7, 0xF]
+        deq = dequantize(q)
+        nan_blocks = torch.zeros(3, 48, dtype=torch.bool)
+        nan_blocks[0, :16] = nan_blocks[1, 16:32] = nan_blocks[2, 32:] = True
+        assert torch.isnan(deq[nan_blocks]).all()
+        assert_bytes_equal(deq[~nan_blocks], dequantize(clean)[~nan_blocks], "other blocks")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -129,6 +129,17 @@ def test_triton_backend_validates_like_the_reference(monkeypatch):
         kernels.quantize(bad, "mxfp8", check_finite=True, backend="triton")
     with pytest.raises(ValueError, match=r"\[\.\.\., M, K\]"):
         kernels.quantize_mxfp8_both(torch.zeros(64), backend="triton")
+    for fmt, kw in (("mxfp8", {}), ("nvfp4", {"per_token": True}), ("fp8_block", {})):
+        with pytest.raises(ValueError, match="zero-size dimension: there is nothing to quantize"):
+            kernels.quantize(torch.zeros(0, 128), fmt, backend="triton", **kw)
+    with pytest.raises(ValueError, match="nothing to quantize"):
+        kernels.quantize_mxfp8_both(torch.zeros(0, 64), backend="triton")
+    for block in ((128,), (1.0, 128), (0, 128)):
+        with pytest.raises(ValueError, match="block must be a pair of positive ints"):
+            kernels.quantize(torch.zeros(4, 128), "fp8_block", block=block, backend="triton")
+    with pytest.raises(ValueError, match=r"finite and non-negative.*inf"):
+        amax = torch.tensor(float("inf"))
+        kernels.quantize(torch.ones(4, 32), "nvfp4", global_amax=amax, backend="triton")
 
 
 def test_importing_kernels_does_not_import_triton():

@@ -13,8 +13,10 @@ import torch
 
 from mxrl.formats import codecs
 from mxrl.formats import constants as C
+from mxrl.formats.mxfp8 import block_amax
 from mxrl.formats.nvfp4 import global_encode_scale
 from tests import cases
+from tests.formats import test_non_finite as NF
 from tests.kernels import conftest
 from tests.kernels import variants as V
 from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
@@ -43,6 +45,24 @@ def test_kernels_match_reference_on_suite(variant):
         V.assert_same_bytes(variant, V.run_kernel(variant, x), V.run_reference(variant, x), label)
         checked += 1
     assert checked >= 8, f"{variant.name}: only {checked} inputs checked"
+
+
+@pytest.mark.parametrize("config", NF.CONFIGS, ids=NF.CONFIG_IDS)
+def test_non_finite_table(config):
+    """tests/formats/test_non_finite.py's policy checks on the kernels' output (one NaN, +Inf or
+    -Inf), and the kernels' bytes equal the reference's."""
+    from mxrl.formats import quantize as reference_quantize
+    from mxrl.kernels import quantize
+
+    def on_triton(x, fmt, **kwargs):
+        return quantize(x, fmt, backend="triton", **kwargs)
+
+    for label, value in NF.VALUES.items():
+        for index in NF.INDICES:
+            x = NF.make_input(torch.bfloat16, index, value)
+            got = NF.check_policy(on_triton, config, x)
+            want = reference_quantize(x, config[1], **NF.call_kwargs(config, x))
+            assert_qtensor_bytes_equal(got, want, f"{config[0]} {label} at {index}")
 
 
 # --- element codecs, element-wise over many fp32 values ------------------------------------------
@@ -76,6 +96,12 @@ def _codec_inputs() -> torch.Tensor:
 
 
 @triton.jit
+def _abs_nan_to_zero(v):
+    """|v| with NaN -> 0 and Inf kept: feeds ceil_e8m0 / nvfp4_encode_scale their +Inf rule."""
+    return tl.where(v != v, 0.0, tl.abs(v))
+
+
+@triton.jit
 def _codec_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
@@ -84,12 +110,14 @@ def _codec_kernel(x_ptr, out_ptr, n, OP: tl.constexpr, BLOCK: tl.constexpr):
     elif OP == 1:
         r = tc.e2m1_encode(v)
     elif OP == 2:
-        r = tc.ceil_e8m0(tc.abs_nan_to_zero(v))
+        r = tc.ceil_e8m0(_abs_nan_to_zero(v))
     elif OP == 3:
-        r = tc.nvfp4_encode_scale(tc.abs_nan_to_zero(v)).to(tl.int32, bitcast=True)
+        r = tc.nvfp4_encode_scale(_abs_nan_to_zero(v)).to(tl.int32, bitcast=True)
     elif OP == 4:
-        code = tc.ceil_e8m0(tc.abs_nan_to_zero(v))
+        code = tc.ceil_e8m0(_abs_nan_to_zero(v))
         r = tc.e8m0_reciprocal(code).to(tl.int32, bitcast=True)
+    elif OP == 5:
+        r = tc.finite_abs(v).to(tl.int32, bitcast=True)
     else:
         r = tc.e4m3_decode_nonneg(tl.abs(v).to(tl.int32) & 0x7F).to(tl.int32, bitcast=True)
     tl.store(out_ptr + offs, r, mask=offs < n)
@@ -133,7 +161,14 @@ def test_nvfp4_encode_scale(codec_kernel):
 def test_e4m3_decode(codec_kernel):
     codes = torch.arange(0, 0x7F, dtype=torch.uint8)
     want = codecs.e4m3_decode(codes).view(torch.int32)
-    assert_bytes_equal(codec_kernel(codes.float(), 5), want, "e4m3 decode")
+    assert_bytes_equal(codec_kernel(codes.float(), 6), want, "e4m3 decode")
+
+
+def test_finite_abs_is_the_reference_block_amax_input(codec_kernel):
+    """What every amax is taken over: |x|, NaN and ±Inf -> 0 (`formats.mxfp8.block_amax`)."""
+    x = _codec_inputs()
+    want = block_amax(x.reshape(-1, 1)).view(torch.int32)
+    assert_bytes_equal(codec_kernel(x, 5), want, "finite_abs")
 
 
 # --- launcher paths the suite does not reach with default configs --------------------------------
@@ -179,10 +214,15 @@ def test_fp8_block_other_block_sizes(block):
 
 
 def test_empty_rows():
-    from mxrl.formats import quantize as reference_quantize
-    from mxrl.kernels import quantize
+    """`quantize` refuses a zero-size tensor on both backends (test_backend.py); the torch ops,
+    called directly, launch nothing and return empty outputs of the right shapes."""
+    from mxrl.kernels import ops, quantize
 
     x = torch.zeros((0, 64), dtype=torch.bfloat16)
     for fmt, kw in (("mxfp8", {}), ("nvfp4", {}), ("nvfp4", {"per_token": True})):
-        got = quantize(x, fmt, backend="triton", **kw)
-        assert_qtensor_bytes_equal(got, reference_quantize(x, fmt, **kw), f"{fmt} {kw}")
+        with pytest.raises(ValueError, match="nothing to quantize"):
+            quantize(x, fmt, backend="triton", **kw)
+    q_row, s_row, _, _ = ops.quantize_mxfp8(x, True, False)
+    assert q_row.shape == (0, 64) and s_row.shape == (0, 2)
+    q, s, gs = ops.quantize_nvfp4(x, None, True)
+    assert q.shape == (0, 32) and s.shape == (0, 4) and gs.shape == (0, 1)

@@ -11,6 +11,7 @@ import torch
 
 from mxrl.formats import QTensor
 from mxrl.formats import quantize as reference_quantize
+from mxrl.formats.constants import FLT_MAX
 from mxrl.kernels import quantize, quantize_mxfp8_both
 from tests import cases
 from tests.numerics import assert_qtensor_bytes_equal
@@ -41,9 +42,12 @@ class Variant:
         if self.fmt == "mxfp8" and kwargs.get("axis") == 0:
             kwargs["axis"] = x.dim() - 2
         if self.amax is not None:
-            mag = x.float().abs().nan_to_num(nan=0.0)
+            # the caller's amax is over the finite elements, as quantize's own (NaN/Inf -> 0)
+            xf = x.float()
+            mag = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
             if self.amax == "scalar":
-                kwargs["global_amax"] = mag.amax() * 1.25  # not the tensor's own amax
+                # not the tensor's own amax (capped: a global_amax must be finite)
+                kwargs["global_amax"] = torch.clamp(mag.amax() * 1.25, max=FLT_MAX)
             elif self.amax == "rows":
                 kwargs["global_amax"] = mag.amax(dim=-1, keepdim=True)
             else:
@@ -74,9 +78,11 @@ COL_SHAPES = [(32, 32), (64, 96), (128, 160), (992, 512), (2, 64, 64)]
 
 
 def with_non_finite(x: torch.Tensor, seed: int = 5) -> torch.Tensor:
-    """x with NaN, +Inf and -Inf at a few places, plus one all-NaN 32-element row segment
-    (hardware semantics as the reference implements them: NaN ignored by the amax, Inf
-    saturates)."""
+    """x with NaN, +Inf and -Inf at a few places, plus one all-NaN 32-element row segment.
+    The reference's policy (docs/formats.md, "Non-finite inputs"): every amax is over the
+    finite elements; MXFP8 / block FP8 store NaN and ±Inf as 0x7F; NVFP4 stores its E2M1 codes
+    (NaN -> 0x7, ±Inf -> ±6) and marks the 16-block with scale 0x7F. The kernels must give
+    those bytes, including the all-NaN segment (amax 0)."""
     g = torch.Generator().manual_seed(seed)
     y = x.clone()
     flat = y.view(-1)
