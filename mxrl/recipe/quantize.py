@@ -34,7 +34,7 @@ def weight_amax(
     """The NVFP4 global amax a weight is quantized with (module docstring); None otherwise."""
     if spec.format is not Format.NVFP4:
         return None
-    w = weight.detach().float().abs()
+    w = _finite_abs(weight)
     if w.dim() == 3:
         if spec.role == "gate_up" and spec.fuse_group is None:
             half = w.shape[1] // 2
@@ -44,8 +44,15 @@ def weight_amax(
         return w.amax(dim=(1, 2), keepdim=True)
     amax = w.amax()
     if partner is not None:
-        amax = torch.maximum(amax, partner.detach().float().abs().amax())
+        amax = torch.maximum(amax, _finite_abs(partner).amax())
     return amax
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    """|t| with NaN/Inf as 0: global amaxes are over finite elements (docs/formats.md,
+    "Non-finite inputs"), so a non-finite weight element spoils its own block only."""
+    mag = t.detach().float().abs()
+    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
 
 
 def weight_quantizer_kwargs(
