@@ -1,25 +1,35 @@
-"""The rollout engine: the trainer's model code, weights held as the plan says, batched
-generation with a KV cache, and verified weight loading shared by construction and live sync.
+"""The rollout engine: the trainer's model code, weights held as the plan says, continuous
+batching over a paged KV cache with prefix sharing, and verified weight loading shared by
+construction and live sync.
 
     engine = Engine(model, "nvfp4-dequantized")
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, seed=0))
     engine.load_weights(export_weights(model.named_parameters(), engine.plan), engine.plan.hash())
+
+Roles: engine.py (weights, the generate loop), scheduler.py + block_manager.py (which tokens
+run, where their KV lives), runner.py + kv_cache.py (one step through the model's own modules),
+modules.py (the weight holders swapped into the model), sampler.py.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.checkpoint import read_quantized_checkpoint
+from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.engine.params import Completion, SamplingParams
-from mxrl.engine.runner import RequestCache, forward_step
+from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import sample
+from mxrl.engine.scheduler import Scheduler
+from mxrl.engine.sequence import Sequence as Request
 from mxrl.engine.weights import WeightRecord, content_hash, export_weights
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
@@ -30,6 +40,37 @@ from mxrl.recipe import Plan, Recipe, resolve
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_CPU_KV_BYTES = 1 << 30
+TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """The KV cache and the scheduler's limits.
+
+    block_size: tokens per KV block. kv_cache_bytes: the cache's size; None: on CUDA
+    `gpu_memory_fraction` of the memory free once the weights are loaded, on the CPU 1 GiB.
+    max_num_seqs: sequences per step; max_num_batched_tokens: tokens per step (longer prompts
+    are prefilled in chunks).
+    """
+
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.5
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
+
 
 class Engine:
     """Rollout engine for an mxrl model (see module docstring).
@@ -39,6 +80,7 @@ class Engine:
       resolved Plan. tile: tokens per fixed-shape tile (batch invariance, see engine/modules.py).
       backend: the activation quantizer ("reference" | "triton"), chosen once for `device`
       (default: triton on CUDA when available); every backend writes the same bytes.
+      cache: the KV cache and scheduler limits (`CacheOptions`).
     """
 
     def __init__(
@@ -51,6 +93,7 @@ class Engine:
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int = 32,
         backend: Backend | str | None = None,
+        cache: CacheOptions | None = None,
     ) -> None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
@@ -62,6 +105,7 @@ class Engine:
             weight_dtype,
             tile,
             backend,
+            cache,
         )
         records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
         self.load_weights(records, self.plan.hash())
@@ -78,12 +122,13 @@ class Engine:
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int = 32,
         backend: Backend | str | None = None,
+        cache: CacheOptions | None = None,
     ) -> Engine:
         """An engine that never saw master weights: a config, a plan and exported records
         (a converted checkpoint, a first sync), verified by `load_weights`."""
         engine = cls.__new__(cls)
         engine._setup(
-            config, plan, torch.device(device), compute_dtype, weight_dtype, tile, backend
+            config, plan, torch.device(device), compute_dtype, weight_dtype, tile, backend, cache
         )
         engine.load_weights(records, plan.hash())
         return engine
@@ -95,13 +140,18 @@ class Engine:
         plan, config, records = read_quantized_checkpoint(path)
         return cls.from_records(ModelConfig.from_hf(config), plan, records, **kwargs)
 
-    def _setup(self, config, plan, device, compute_dtype, weight_dtype, tile, backend) -> None:
+    def _setup(
+        self, config, plan, device, compute_dtype, weight_dtype, tile, backend, cache
+    ) -> None:
         self.config, self.plan, self.device = config, plan, device
         self.backend = select_backend(backend, device)  # chosen once for the engine's device
         self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
+        self.cache_options = cache if cache is not None else CacheOptions()
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.weights_version = 0
+        self._kv: KVCache | None = None  # allocated at the first generate (weights loaded)
+        self._blocks: BlockManager | None = None
 
     # --- weights -------------------------------------------------------------------------------
     def _build(self) -> CausalLM:
@@ -115,11 +165,15 @@ class Engine:
                 }
                 new = RolloutExperts(module, specs, self.compute_dtype, self.tile, self.backend)
             elif isinstance(module, nn.Linear):
-                new = RolloutLinear(self.plan[f"{name}.weight"], self.compute_dtype, self.backend)
+                spec = self.plan[f"{name}.weight"]
+                new = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)
             else:
                 continue
             parent, _, child = name.rpartition(".")
             setattr(net.get_submodule(parent) if parent else net, child, new)
+        if net.lm_head is None:  # tied: the logits GEMM reads the embedding, on tiles too
+            spec = self.plan[TIED_EMBEDDING]
+            net.lm_head = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)
         return net.eval()
 
     def _target(self, name: str) -> tuple[nn.Module, str]:
@@ -198,7 +252,10 @@ class Engine:
                 setattr(module, attr, payload)
             else:
                 setattr(module, attr, nn.Parameter(payload, requires_grad=False))
+                if name == TIED_EMBEDDING and self.config.tie_word_embeddings:
+                    self.net.lm_head.weight = payload
             self.weights[name] = value
+        self._blocks = None  # cached prefixes hold keys/values of the old weights
         self.weights_version += 1
         logger.info("engine: loaded %d tensors (version %d)", len(staged), self.weights_version)
         return self.weights_version
@@ -209,49 +266,130 @@ class Engine:
             yield WeightRecord(name, value, content_hash(value))
 
     # --- generation ----------------------------------------------------------------------------
+    def _cache(self) -> tuple[KVCache, BlockManager]:
+        """The KV cache (allocated once, sized by `CacheOptions`) and a block manager."""
+        c, opt = self.config, self.cache_options
+        if self._kv is None:
+            per_block = KVCache.bytes_per_block(
+                c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim,
+                self.compute_dtype,
+            )  # fmt: skip
+            budget = opt.kv_cache_bytes
+            if budget is None and self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * opt.gpu_memory_fraction)
+            elif budget is None:
+                budget = DEFAULT_CPU_KV_BYTES
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"the KV cache budget ({budget} bytes) holds no block of {opt.block_size} "
+                    f"tokens ({per_block} bytes); raise kv_cache_bytes or gpu_memory_fraction"
+                )
+            self._kv = KVCache(
+                c.num_hidden_layers, num_blocks, opt.block_size, c.num_key_value_heads,
+                c.head_dim, self.compute_dtype, self.device,
+            )  # fmt: skip
+            logger.info(
+                "engine: KV cache of %d blocks x %d tokens (%.1f MiB)",
+                num_blocks, opt.block_size, num_blocks * per_block / 2**20,
+            )  # fmt: skip
+        if self._blocks is None:
+            self._blocks = BlockManager(self._kv.k[0].shape[0], opt.block_size)
+        return self._kv, self._blocks
+
     @torch.no_grad()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Completion]:
-        """One Completion per prompt (token-id lists). See SamplingParams for seeds."""
+        """One Completion per prompt (token-id lists). See SamplingParams for seeds.
+
+        Requests are batched continuously: all are queued, each step runs what fits (docs
+        engine.md), finished ones free their KV blocks for the waiting ones. Requests with the
+        same prompt share its KV blocks. Outputs do not depend on any of this."""
         per_req = _per_request(params, len(prompts))
         vocab = self.config.vocab_size
         for i, p in enumerate(prompts):
             if not p or any(not 0 <= int(t) < vocab for t in p):
                 raise ValueError(f"prompt {i} is empty or holds ids outside [0, {vocab})")
-        gens = [_generator(p.seed) for p in per_req]
-        outs = [Completion(prompt=[int(t) for t in p]) for p in prompts]
-        caches = [
-            RequestCache.allocate(
-                self.net, len(p) + sp.max_new_tokens, self.device, self.compute_dtype
-            )
-            for p, sp in zip(prompts, per_req, strict=True)
+        kv, blocks = self._cache()
+        opt = self.cache_options
+        scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
+        seqs = [
+            Request(i, [int(t) for t in p], sp, _generator(sp.seed))
+            for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True))
         ]
-        routing: list[list[torch.Tensor]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        feed = [torch.tensor(o.prompt, device=self.device) for o in outs]
-        while active:
-            logits, routed = forward_step(
-                self.net, [feed[i] for i in active], [caches[i] for i in active], self.tile
-            )
-            tokens, lps = sample(logits, [per_req[i] for i in active], [gens[i] for i in active])
-            still = []
-            for j, i in enumerate(active):
-                routing[i].append(routed[j])
-                outs[i].tokens.append(tokens[j])
-                logprobs[i].append(lps[j])
-                if tokens[j] in per_req[i].stop_token_ids:
-                    outs[i].finish_reason = "stop"
-                elif len(outs[i].tokens) < per_req[i].max_new_tokens:
-                    still.append(i)
-                    feed[i] = torch.tensor([tokens[j]], device=self.device)
-            active = still
-        for i, o in enumerate(outs):
-            o.logprobs = torch.tensor(logprobs[i], dtype=torch.float32)
-            if self.config.moe_layers:
-                o.routed_experts = torch.cat(routing[i], dim=1)
-        return outs
+        for seq in seqs:  # every request checked before any work
+            scheduler.add(seq)
+        runner = ModelRunner(self.net, kv, self.device)
+        while not scheduler.finished:
+            batch = scheduler.schedule()
+            if not batch:
+                raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
+            logits, routing = runner.step(batch)
+            sampling = []
+            for s, routed in zip(batch, routing, strict=True):
+                self._record_routing(s.seq, s.start, routed)
+                s.seq.num_computed += s.num_tokens
+                blocks.register(s.seq, lambda q=s.seq: torch.cat(q.routing))
+                if s.sample:
+                    sampling.append(s.seq)
+            params_now = [q.params for q in sampling]
+            tokens, lps = sample(logits, params_now, [q.generator for q in sampling])
+            for seq, token, lp in zip(sampling, tokens, lps, strict=True):
+                seq.tokens.append(token)
+                seq.logprobs.append(lp)
+                if token in seq.params.stop_token_ids:
+                    scheduler.finish(seq, "stop")
+                elif seq.num_generated >= seq.params.max_new_tokens:
+                    scheduler.finish(seq, "length")
+        return [self._completion(seq) for seq in seqs]
+
+    @torch.no_grad()
+    def next_token_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """fp32 logits [R, V] of the token after each prompt: the prefill `generate` runs,
+        without sampling (for checks: the engine's forward against the trainer's)."""
+        kv, blocks = self._cache()
+        opt = self.cache_options
+        scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
+        seqs = [
+            Request(i, [int(t) for t in p], SamplingParams(max_new_tokens=1), _generator(0))
+            for i, p in enumerate(prompts)
+        ]
+        for seq in seqs:
+            scheduler.add(seq)
+        runner = ModelRunner(self.net, kv, self.device)
+        out: dict[int, torch.Tensor] = {}
+        while not scheduler.finished:
+            batch = scheduler.schedule()
+            logits, _ = runner.step(batch)
+            done = [s.seq for s in batch if s.sample]
+            for s in batch:
+                s.seq.num_computed += s.num_tokens
+            for seq, row in zip(done, logits, strict=True):
+                out[seq.index] = row
+                scheduler.finish(seq, "length")
+        return torch.stack([out[i] for i in range(len(seqs))])
+
+    def _record_routing(self, seq: Request, start: int, routed: torch.Tensor) -> None:
+        """Keep the experts of positions not recorded yet (a recomputed one is the same)."""
+        if start > seq.num_routed:  # positions taken from the prefix cache: their computer's
+            blocks = self._blocks
+            for index in range(seq.num_routed // blocks.block_size, start // blocks.block_size):
+                seq.routing.append(blocks.routing[seq.block_table[index]])
+            seq.num_routed = start
+        skip = seq.num_routed - start
+        if skip < routed.shape[0]:
+            seq.routing.append(routed[max(skip, 0) :])
+            seq.num_routed = start + routed.shape[0]
+
+    def _completion(self, seq: Request) -> Completion:
+        out = Completion(prompt=seq.prompt, tokens=seq.tokens[len(seq.prompt) :])
+        out.logprobs = torch.tensor(seq.logprobs, dtype=torch.float32)
+        out.finish_reason = seq.finish_reason
+        if self.config.moe_layers:
+            out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
+        return out
 
 
 def _per_request(params, n: int) -> list[SamplingParams]:

@@ -1,9 +1,10 @@
-"""The engine's weight-holding modules and batch-invariant token tiling.
+"""The engine's weight-holding modules (module swaps of the model's projections and experts)
+and batch-invariant token tiling.
 
-Batch invariance by construction: every token-parallel op (norms, projections, router, experts)
-runs on tiles of exactly `tile` tokens (the last one zero-padded), so each kernel sees the same
-shapes whatever else is in the batch, and a row's result cannot depend on the other rows.
-Attention runs per request on that request's own keys, with no padding in any reduction.
+Batch invariance by construction (docs/engine.md): every GEMM of these modules runs on tiles of
+exactly `tile` tokens (the last one zero-padded), so each kernel sees the same shapes whatever
+else is in the batch, and a row's result cannot depend on the other rows. Everything else the
+model does between them is row-wise or element-wise (mxrl.nn.invariant).
 
 Low-bit GEMMs (`uses_low_bit_gemm`): on the triton backend, NVFP4 and MXFP8 weights stay packed
 (the QTensor the engine received, 4.5 / 8.25 bits per weight; no dequantized copy) and go
@@ -77,11 +78,14 @@ class RolloutLinear(nn.Module):
     """A projection holding what the engine received: a QTensor (plus the materialised GEMM
     operand) or a high-precision weight; the same emulated GEMM as the trainer's QLinear."""
 
-    def __init__(self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend) -> None:
+    def __init__(
+        self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend, tile: int
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.compute_dtype = compute_dtype
         self.backend = backend
+        self.tile = tile
         self.qweight: QTensor | None = None
         self.wq: QuantizedWeight | None = None
         self.weight: torch.Tensor | None = None
@@ -97,17 +101,20 @@ class RolloutLinear(nn.Module):
         return {"qweight": None, "wq": None, "weight": value.to(self.compute_dtype)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None and self.wq is None:
-            x2 = x.reshape(-1, x.shape[-1])
-            xq = quantize_activation(x2, self.spec, self.backend)
-            y = low_bit_matmul(xq, self.qweight, out_dtype=x.dtype, backend=self.backend)
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        elif self.wq is not None:
-            y = emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
-        else:
-            assert self.weight is not None, f"{self.spec.name}: no weights loaded"
-            y = F.linear(x, self.weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = tiled(self._matmul, x2, self.tile)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tile, K] -> [tile, N] in x's dtype."""
+        if self.qweight is not None and self.wq is None:
+            xq = quantize_activation(x, self.spec, self.backend)
+            return low_bit_matmul(xq, self.qweight, out_dtype=x.dtype, backend=self.backend)
+        if self.wq is not None:
+            return emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
+        assert self.weight is not None, f"{self.spec.name}: no weights loaded"
+        return F.linear(x, self.weight)
 
 
 class RolloutExperts(nn.Module):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.models.config import ModelConfig
+from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
 
 
@@ -119,7 +120,8 @@ def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
 
 
 class Attention(nn.Module):
-    """Grouped-query attention through `F.scaled_dot_product_attention`."""
+    """Grouped-query attention through `F.scaled_dot_product_attention`; under the engine's
+    forward context (mxrl.models.context) the context's ragged attention instead."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype) -> None:
         super().__init__()
@@ -159,6 +161,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        ctx = get_forward_context()
+        if ctx is not None:  # the engine's ragged batch: [1, T] tokens of many requests
+            if B != 1:
+                raise ValueError(f"under a forward context the batch is one ragged row, got B={B}")
+            out = ctx.attention(self.layer_idx, q[0], k[0], v[0])  # [N, T, D]
+            return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         L = k.shape[2]

@@ -3,7 +3,6 @@
 import torch
 
 from mxrl.engine import Engine
-from mxrl.engine.runner import RequestCache, forward_step
 from mxrl.models import build_model
 from mxrl.recipe import builtin_config
 
@@ -21,6 +20,4 @@ def hashes(records) -> dict[str, str]:
 
 def engine_logits(engine: Engine, ids=PROMPT) -> torch.Tensor:
     """The engine's logits for the last token of `ids` (one prefill through its own runner)."""
-    cache = RequestCache.allocate(engine.net, len(ids), engine.device, engine.compute_dtype)
-    logits, _ = forward_step(engine.net, [torch.tensor(ids)], [cache], engine.tile)
-    return logits
+    return engine.next_token_logits([ids])

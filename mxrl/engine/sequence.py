@@ -1,0 +1,60 @@
+"""One request as the scheduler sees it: its tokens, its KV blocks, what is computed so far."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mxrl.engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its KV blocks freed)
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """index: the request's position in `Engine.generate`'s list. tokens: prompt then the
+    generated tokens. num_computed: how many of `tokens` have their keys/values in the cache
+    (prefix-cache hits count). block_table: the cache blocks holding tokens 0, B, 2B, ...
+    routing: per MoE layer, the experts of each token fed so far (int64 [num_fed, k] pieces).
+    """
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str = "length"
+    routing: list[torch.Tensor] = field(default_factory=list)  # [positions fed, layers, k] parts
+    num_routed: int = 0  # positions whose routing is recorded (a recomputed one is not again)
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks (block_manager)
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens this request can hold at most: its prompt and every token it may generate
+        (the last sampled one is never fed, so its KV needs one slot less)."""
+        return len(self.prompt) + self.params.max_new_tokens - 1
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed

@@ -1,0 +1,153 @@
+"""The paged KV cache and the scheduler: prefix sharing for GRPO groups, chunked prefill,
+continuous batching, preemption and the memory bound -- none of which may change a byte of any
+request's output (the engine's forward is batch- and chunk-invariant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.engine import Engine, SamplingParams
+from mxrl.engine.block_manager import BlockManager
+from mxrl.engine.engine import CacheOptions
+from mxrl.engine.runner import ModelRunner
+from mxrl.engine.sequence import Sequence
+from tests.engine.test_engine import PROMPTS, tiny
+from tests.numerics import assert_bytes_equal
+
+pytestmark = pytest.mark.capability
+
+LONG = [(7 * i + 3) % 60 + 1 for i in range(37)]  # 37 tokens: 2 full blocks of 16 + 5
+
+
+def _params(n: int, **kw) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, max_new_tokens=6, seed=500 + i, **kw) for i in range(n)]
+
+
+def _same(got, want, what=""):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.tokens == w.tokens, f"{what} request {i} tokens"
+        assert_bytes_equal(g.logprobs, w.logprobs, f"{what} request {i} logprobs")
+        assert_bytes_equal(g.routed_experts, w.routed_experts, f"{what} request {i} routing")
+        assert g.finish_reason == w.finish_reason
+
+
+def _alone(engine: Engine, prompts, params):
+    return [engine.generate([p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+
+
+def _count_fed_tokens(monkeypatch) -> list[int]:
+    fed: list[int] = []
+    original = ModelRunner.step
+
+    def step(self, batch):
+        fed.append(sum(s.num_tokens for s in batch))
+        return original(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "step", step)
+    return fed
+
+
+# --- the block manager --------------------------------------------------------------------------
+
+
+def _seq(tokens, index=0):
+    return Sequence(index, list(tokens), SamplingParams(), torch.Generator())
+
+
+def test_blocks_are_counted_shared_and_reused_until_handed_out_again():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = _seq(range(10))
+    assert bm.prompt_hashes(a) == bm.prompt_hashes(_seq(range(10)))  # content, not identity
+    assert len(bm.prompt_hashes(a)) == 2  # never the block of the last token
+    bm.admit(a, [])
+    assert bm.ensure(a, 10) and len(a.block_table) == 3 and bm.num_free == 1
+    a.num_computed = 10
+    bm.register(a, lambda: torch.zeros((10, 2, 2), dtype=torch.int64))
+    b = _seq(range(10), index=1)
+    cached = bm.cached_prefix(bm.prompt_hashes(b))
+    assert cached == a.block_table[:2]
+    assert bm.can_admit(b, cached, 10)  # 2 shared + 1 new block
+    bm.admit(b, cached)
+    assert b.num_computed == 8 and bm.ensure(b, 10) and bm.num_free == 0
+    assert not bm.ensure(_seq(range(30), 2), 5)  # nothing left: refused, nothing taken
+    bm.release(a)
+    bm.release(b)
+    assert bm.num_free == 4
+    c = _seq(range(10), index=3)  # the prefix outlives its sequences while unclaimed
+    assert bm.cached_prefix(bm.prompt_hashes(c)) == cached
+    hog = _seq(range(100, 116), index=4)
+    assert bm.ensure(hog, 16)  # takes every block, the cached ones too
+    assert bm.cached_prefix(bm.prompt_hashes(c)) == []
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["bf16", "nvfp4-dequantized"])
+def test_grpo_groups_share_their_prompt_and_get_the_bytes_they_get_alone(preset, monkeypatch):
+    engine = Engine(tiny(preset), preset, tile=8)
+    prompts = [LONG] * 4 + [PROMPTS[0]] * 4
+    params = _params(len(prompts))
+    want = _alone(engine, prompts, params)
+    fed = _count_fed_tokens(monkeypatch)
+    engine._blocks = None  # forget the prefixes the lone runs left in the cache
+    got = engine.generate(prompts, params)
+    _same(got, want, "grouped")
+    # LONG's two full blocks (32 tokens) are computed once, not four times
+    prefill = len(LONG) + 3 * (len(LONG) - 32) + 4 * len(PROMPTS[0])
+    decode = sum(len(o.tokens) - 1 for o in got)
+    assert sum(fed) == prefill + decode
+
+
+def test_chunked_prefill_and_a_small_step_budget_change_nothing():
+    engine = Engine(tiny("mxfp8"), "mxfp8", tile=8)
+    prompts, params = [LONG, *PROMPTS], _params(len(PROMPTS) + 1)
+    want = engine.generate(prompts, params)
+    small = Engine(tiny("mxfp8"), "mxfp8", tile=8, cache=CacheOptions(max_num_batched_tokens=5))
+    _same(small.generate(prompts, params), want, "5 tokens per step")
+    few = Engine(tiny("mxfp8"), "mxfp8", tile=8, cache=CacheOptions(max_num_seqs=2))
+    _same(few.generate(prompts, params), want, "2 sequences per step")
+
+
+def test_preemption_recomputes_the_same_bytes(monkeypatch):
+    """Four 15-token prompts fit one block each; decoding, each needs a second block, and a
+    5-block cache has one to spare: sequences are preempted and recomputed."""
+    from mxrl.engine.scheduler import Scheduler
+
+    model = tiny("nvfp4-hp")
+    prompts = [[(i * 11 + j) % 60 + 1 for j in range(15)] for i in range(4)]
+    params = _params(len(prompts))
+    want = Engine(model, "nvfp4-hp", tile=8).generate(prompts, params)
+    preempted = []
+    original = Scheduler._preempt
+    monkeypatch.setattr(
+        Scheduler, "_preempt", lambda self, seq: (preempted.append(seq.index), original(self, seq))
+    )
+    per_block = 2 * 4 * 16 * 2 * 16 * 4  # k+v, 4 layers, 16 tokens, 2 kv heads, dim 16, fp32
+    tight = Engine(model, "nvfp4-hp", tile=8, cache=CacheOptions(kv_cache_bytes=5 * per_block))
+    _same(tight.generate(prompts, params), want, "preempted")
+    assert preempted, "the cache was meant to be too small for all four at once"
+
+
+def test_a_request_larger_than_the_cache_is_refused_before_any_work(monkeypatch):
+    per_block = 2 * 4 * 16 * 2 * 16 * 4
+    engine = Engine(tiny(), "bf16", tile=8, cache=CacheOptions(kv_cache_bytes=2 * per_block))
+    fed = _count_fed_tokens(monkeypatch)
+    with pytest.raises(ValueError, match=r"request 1 needs up to 42 tokens.*holds 32"):
+        engine.generate([PROMPTS[1], LONG], _params(2))
+    assert fed == []
+    with pytest.raises(ValueError, match="holds no block"):
+        Engine(tiny(), "bf16", cache=CacheOptions(kv_cache_bytes=100)).generate(
+            [PROMPTS[0]], _params(1)
+        )
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        CacheOptions(max_num_seqs=0)
+
+
+def test_next_token_logits_are_the_first_samples_logits():
+    engine = Engine(tiny(), "bf16", tile=8)
+    logits = engine.next_token_logits([LONG, PROMPTS[1]])
+    assert logits.shape == (2, engine.config.vocab_size) and logits.dtype == torch.float32
+    greedy = engine.generate([LONG, PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=1))
+    assert [o.tokens[0] for o in greedy] == logits.argmax(-1).tolist()
