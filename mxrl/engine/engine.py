@@ -41,6 +41,7 @@ from mxrl.recipe import Plan, Recipe, resolve
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_TILE_CPU, DEFAULT_TILE_CUDA = 32, 128
 TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -77,7 +78,9 @@ class Engine:
 
     model: the trainer's CausalLM (master weights); only its config and its weights (exported
       once, through `export_weights`) are used. recipe: preset name, YAML path, Recipe or a
-      resolved Plan. tile: tokens per fixed-shape tile (batch invariance, see engine/modules.py).
+      resolved Plan. tile: tokens per fixed-shape GEMM tile (batch invariance, engine/modules.py;
+      default 32 on the CPU, 128 on CUDA, where a 128-row tile costs a decode GEMM no more
+      than one row: both read the weights once).
       backend: the activation quantizer ("reference" | "triton"), chosen once for `device`
       (default: triton on CUDA when available); every backend writes the same bytes.
       cache: the KV cache and scheduler limits (`CacheOptions`).
@@ -91,7 +94,7 @@ class Engine:
         device: torch.device | str | None = None,
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
-        tile: int = 32,
+        tile: int | None = None,
         backend: Backend | str | None = None,
         cache: CacheOptions | None = None,
     ) -> None:
@@ -120,7 +123,7 @@ class Engine:
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
-        tile: int = 32,
+        tile: int | None = None,
         backend: Backend | str | None = None,
         cache: CacheOptions | None = None,
     ) -> Engine:
@@ -145,11 +148,22 @@ class Engine:
     ) -> None:
         self.config, self.plan, self.device = config, plan, device
         self.backend = select_backend(backend, device)  # chosen once for the engine's device
+        if tile is None:  # one GEMM launch for a GPU decode step of up to 128 sequences
+            tile = DEFAULT_TILE_CUDA if device.type == "cuda" else DEFAULT_TILE_CPU
+        if tile < 1:
+            raise ValueError(f"tile must be >= 1, got {tile}")
         self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
         self.cache_options = cache if cache is not None else CacheOptions()
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.weights_version = 0
+        # the Triton paged attention on the triton backend, where the cache's shape allows it
+        c = config
+        self._attention_kernel = (
+            self.backend is Backend.TRITON
+            and _pow2_at_least_16(self.cache_options.block_size)
+            and _pow2_at_least_16(c.head_dim)
+        )
         self._kv: KVCache | None = None  # allocated at the first generate (weights loaded)
         self._blocks: BlockManager | None = None
 
@@ -321,7 +335,7 @@ class Engine:
         ]
         for seq in seqs:  # every request checked before any work
             scheduler.add(seq)
-        runner = ModelRunner(self.net, kv, self.device)
+        runner = ModelRunner(self.net, kv, self.device, self._attention_kernel)
         while not scheduler.finished:
             batch = scheduler.schedule()
             if not batch:
@@ -358,7 +372,7 @@ class Engine:
         ]
         for seq in seqs:
             scheduler.add(seq)
-        runner = ModelRunner(self.net, kv, self.device)
+        runner = ModelRunner(self.net, kv, self.device, self._attention_kernel)
         out: dict[int, torch.Tensor] = {}
         while not scheduler.finished:
             batch = scheduler.schedule()
@@ -390,6 +404,10 @@ class Engine:
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+def _pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
 
 
 def _per_request(params, n: int) -> list[SamplingParams]:

@@ -59,7 +59,9 @@ class PagedAttention:
 
     slot_mapping: int64 [T], the cache slot (block * B + offset) of every new token.
     requests: per request (first new token's index in T, number of new tokens, keys in the
-    cache after this step, block table).
+    cache after this step, block table). kernel: attend with the Triton kernel
+    (`mxrl.kernels.attention`, one launch per layer; the engine's triton backend) instead of the
+    reference below (the CPU path).
     """
 
     def __init__(
@@ -67,8 +69,20 @@ class PagedAttention:
         cache: KVCache,
         slot_mapping: torch.Tensor,
         requests: list[tuple[int, int, int, list[int]]],
+        *,
+        group: int = 1,
+        kernel: bool = False,
     ) -> None:
         self.cache, self.slot_mapping, self.requests = cache, slot_mapping, requests
+        self.kernel = kernel
+        if kernel:
+            from mxrl.kernels.attention import attention_tiles
+
+            device = slot_mapping.device
+            width = max(len(r[3]) for r in requests)
+            tables = [r[3] + [0] * (width - len(r[3])) for r in requests]
+            self.block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
+            self.tiles = attention_tiles([r[:3] for r in requests], group, device)
 
     def __call__(
         self, layer_idx: int, q_NTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor
@@ -77,6 +91,12 @@ class PagedAttention:
         nb, bs, heads_kv, d = kc.shape
         kc.view(nb * bs, heads_kv, d)[self.slot_mapping] = k_KTD.transpose(0, 1).to(kc.dtype)
         vc.view(nb * bs, heads_kv, d)[self.slot_mapping] = v_KTD.transpose(0, 1).to(vc.dtype)
+        if self.kernel:
+            from mxrl.kernels.attention import paged_attention
+
+            q = q_NTD.transpose(0, 1).to(kc.dtype)  # [T, N, D]
+            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, d**-0.5)
+            return o.transpose(0, 1).to(q_NTD.dtype)
         out = torch.empty_like(q_NTD)
         for start, n, kv_len, table in self.requests:
             blocks = torch.tensor(table[: -(-kv_len // bs)], device=kc.device)

@@ -145,6 +145,14 @@ class RolloutExperts(nn.Module):
             and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
             for spec in specs.values()
         )
+        # bf16 experts computed in bf16 on a GPU: one torch._grouped_mm per projection (sm90+)
+        self.grouped_bf16 = (
+            backend is Backend.TRITON
+            and dtype is torch.bfloat16
+            and all(spec.format is Format.BF16 for spec in specs.values())
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0)
+        )
         self._configs: dict[str, GemmConfig] = {}
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
@@ -166,7 +174,9 @@ class RolloutExperts(nn.Module):
 
     def forward(self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor):
         if self.grouped:
-            return self._forward_grouped(x_TH, ids_Tk, weights_Tk)
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped)
+        if self.grouped_bf16:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_mm)
         k = ids_Tk.shape[1]
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -203,11 +213,22 @@ class RolloutExperts(nn.Module):
             xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
         )
 
+    def _grouped_mm(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """bf16 experts: x [rows sorted by expert, K] through torch._grouped_mm (one launch)."""
+        w = self.values[which]
+        assert isinstance(w, torch.Tensor), f"{self.specs[which].name}: no weights loaded"
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
+
     def _forward_grouped(
-        self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor
+        self,
+        x_TH: torch.Tensor,
+        ids_Tk: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        project: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        """The expert loop's result from two grouped launches: rows sorted by expert, each
-        token's k outputs then summed in ascending expert order (the loop's index_add order)."""
+        """The expert loop's result from two grouped launches (`project`): rows sorted by
+        expert, each token's k outputs then summed in ascending expert order (the loop's
+        index_add order)."""
         t, k = ids_Tk.shape
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -215,8 +236,8 @@ class RolloutExperts(nn.Module):
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x_TH.device)
         offsets[1:] = torch.cumsum(counts, 0)
         x_sorted = x_TH[order // k]
-        gate, up = self._grouped("gate_up", x_sorted, offsets).chunk(2, dim=-1)
-        h = self._grouped("down", invariant.silu(gate) * up, offsets)
+        gate, up = project("gate_up", x_sorted, offsets).chunk(2, dim=-1)
+        h = project("down", invariant.silu(gate) * up, offsets)
         h = h * weights_Tk.reshape(-1)[order, None].to(h.dtype)
         row_of = torch.empty_like(order)
         row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row

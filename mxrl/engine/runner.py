@@ -18,8 +18,13 @@ from mxrl.models.context import ForwardContext, forward_context
 class ModelRunner:
     """Runs `net` (the engine's CausalLM: weight holders swapped in) over scheduled steps."""
 
-    def __init__(self, net: CausalLM, cache: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, net: CausalLM, cache: KVCache, device: torch.device, attention_kernel: bool
+    ) -> None:
         self.net, self.cache, self.device = net, cache, device
+        self.attention_kernel = attention_kernel  # the Triton paged attention (triton backend)
+        c = net.config
+        self.group = c.num_attention_heads // c.num_key_value_heads
 
     def step(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(fp32 logits [R', V] of the sequences that sample this step, in batch order;
@@ -41,7 +46,11 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         attention = PagedAttention(
-            self.cache, torch.tensor(slots, dtype=torch.int64, device=dev), requests
+            self.cache,
+            torch.tensor(slots, dtype=torch.int64, device=dev),
+            requests,
+            group=self.group,
+            kernel=self.attention_kernel,
         )
         with forward_context(ForwardContext(pos_t, attention)):
             hidden, routing = self.net.model(ids_t[None], position_ids=pos_t[None])

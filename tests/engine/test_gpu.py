@@ -15,19 +15,49 @@ from tests.numerics import assert_bytes_equal
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_batch_invariance_on_cuda(preset):
-    engine = Engine(tiny(preset), preset, device="cuda", tile=8)
+def test_batch_invariance_on_cuda(preset, compute_dtype):
+    """fp32: the reference's dtype; bf16: what a GPU user runs (bf16 experts then take
+    torch._grouped_mm, the KV cache and the Triton attention run in bf16)."""
+    engine = Engine(tiny(preset), preset, device="cuda", tile=8, compute_dtype=compute_dtype)
     params = [
         SamplingParams(temperature=1.0, max_new_tokens=12, seed=100 + i)
         for i in range(len(PROMPTS))
     ]
     batch = engine.generate(PROMPTS, params)
+    if compute_dtype is torch.bfloat16 and preset == "bf16":
+        assert all(m.grouped_bf16 for m in _experts(engine))
     for i, prompt in enumerate(PROMPTS):
         alone = engine.generate([prompt], [params[i]])[0]
         assert alone.tokens == batch[i].tokens, f"request {i}"
         assert_bytes_equal(alone.logprobs, batch[i].logprobs, f"request {i} logprobs")
         assert_bytes_equal(alone.routed_experts, batch[i].routed_experts, f"request {i} routing")
+
+
+def _experts(engine):
+    from mxrl.engine.modules import RolloutExperts
+
+    return [m for m in engine.net.modules() if isinstance(m, RolloutExperts)]
+
+
+def test_chunked_prefill_and_prefix_sharing_on_cuda():
+    """The Triton attention and the scheduler on the GPU: a GRPO group and a 5-token step
+    budget give the bytes each request gets alone."""
+    from mxrl.engine.engine import CacheOptions
+
+    prompts = [PROMPTS[3] * 4] * 3 + [PROMPTS[0]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=7 + i) for i in range(4)]
+    for cache in (None, CacheOptions(max_num_batched_tokens=5)):
+        engine = Engine(tiny("nvfp4-hp"), "nvfp4-hp", device="cuda", cache=cache)
+        assert engine._attention_kernel
+        alone = [engine.generate([p], [q])[0] for p, q in zip(prompts, params, strict=True)]
+        engine._blocks = None
+        batch = engine.generate(prompts, params)
+        for i, (a, b) in enumerate(zip(alone, batch, strict=True)):
+            assert a.tokens == b.tokens, f"request {i}"
+            assert_bytes_equal(a.logprobs, b.logprobs, f"request {i} logprobs")
+            assert_bytes_equal(a.routed_experts, b.routed_experts, f"request {i} routing")
 
 
 @pytest.mark.parametrize("preset", ["mxfp8", "nvfp4-dequantized"])

@@ -1,0 +1,104 @@
+"""Paged attention over a ragged batch, one launch per layer (prefill, chunked prefill and
+decode alike), batch-invariant by construction.
+
+Legend: T new tokens of the step, N / K query / key-value heads, G = N / K, D head dim,
+B cache block size (= BLOCK_N), M = BLOCK_M rows of a program.
+
+Work split: one program per (query tile, key-value head). A query tile is up to QT = M / G
+consecutive new tokens of one request; its rows are (token, query head of that KV head) pairs,
+so GQA shares every key block load across the G heads. The program walks the request's keys
+block by block through its block table, in order, with the online softmax.
+
+Why a row's bytes depend on nothing but its query and its request's keys up to its position:
+- a row of `tl.dot` is computed from that row alone (the MMA reduces over D in an order fixed by
+  the compiled kernel, whose shape — BLOCK_M, BLOCK_N, D, warps — never changes);
+- key blocks are visited in one fixed order from position 0, the same for any tile or step;
+- blocks past a row's position are masked to -inf: its running max stays, the rescale factor is
+  exp(0) = 1 and the added terms are exact zeros, so how far the program walks (set by the last
+  row of its tile) changes nothing.
+The kernel agrees with the reference (`mxrl.engine.kv_cache`: two-pass softmax, exact exp) up to
+floating-point rounding (exp2 approximation, summation order); tests state the bound.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [T, N, D]
+    k_cache_ptr,  # [num_blocks, B, K, D]
+    v_cache_ptr,
+    o_ptr,  # [T, N, D]
+    block_tables_ptr,  # int32 [R, max_blocks]
+    tile_token_ptr,  # int32 [tiles]: index in T of the tile's first token
+    tile_rows_ptr,  # int32 [tiles]: tokens in the tile (<= QT)
+    tile_pos_ptr,  # int32 [tiles]: position of the tile's first token in its request
+    tile_req_ptr,  # int32 [tiles]: the request (row of block_tables)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 operands: full-precision dot (no TF32)
+):
+    tile = tl.program_id(0)
+    head_kv = tl.program_id(1)
+    t0 = tl.load(tile_token_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    req = tl.load(tile_req_ptr + tile)
+
+    m_idx = tl.arange(0, BLOCK_M)
+    qi = m_idx // G  # token of the tile
+    head = head_kv * G + m_idx % G  # query head
+    valid = qi < rows
+    d = tl.arange(0, D)
+    q_off = (t0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
+    q_pos = pos0 + qi
+
+    n_idx = tl.arange(0, BLOCK_N)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    num_blocks = (pos0 + rows - 1) // BLOCK_N + 1
+    for b in range(0, num_blocks):
+        block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
+        k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + d[None, :]
+        v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + d[None, :]
+        k = tl.load(k_cache_ptr + k_off)
+        v = tl.load(v_cache_ptr + v_off)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        k_pos = b * BLOCK_N + n_idx
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])

@@ -1,0 +1,78 @@
+"""The Triton paged attention (mxrl.kernels.attention) under Triton's interpreter: close to the
+reference of mxrl.engine.kv_cache, and batch- and chunk-invariant bit for bit. The GPU tier
+(tests/engine/test_gpu.py) runs the engine on it compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.engine.kv_cache import KVCache, PagedAttention
+from tests.kernels.test_decode_gemm import interpreter
+from tests.numerics import assert_bytes_equal
+
+BS, KV_HEADS, D = 16, 2, 16
+
+
+def _cache(num_blocks=12, seed=0):
+    cache = KVCache(1, num_blocks, BS, KV_HEADS, D, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    return cache
+
+
+def _run(cache, requests, q, kernel, group):
+    """Attention of new tokens that are already in the cache: the step writes back the keys
+    and values the cache holds at their slots (so the write changes nothing)."""
+    bs = cache.block_size
+    slots, ks, vs = [], [], []
+    for start, n, kv_len, table in requests:
+        for p in range(kv_len - n, kv_len):
+            slot = table[p // bs] * bs + p % bs
+            slots.append(slot)
+            ks.append(cache.k[0].view(-1, KV_HEADS, D)[slot])
+            vs.append(cache.v[0].view(-1, KV_HEADS, D)[slot])
+    k = torch.stack(ks).transpose(0, 1)
+    v = torch.stack(vs).transpose(0, 1)
+    att = PagedAttention(cache, torch.tensor(slots), requests, group=group, kernel=kernel)
+    return att(0, q, k, v)
+
+
+@interpreter
+@pytest.mark.parametrize("group", [1, 4])
+def test_kernel_matches_the_reference(group):
+    cache = _cache()
+    heads = KV_HEADS * group
+    g = torch.Generator().manual_seed(1)
+    # a 37-token prefill, a 1-token decode at position 20, a 5-token chunk at 40..44
+    requests = [(0, 37, 37, [0, 1, 2]), (37, 1, 21, [3, 4]), (38, 5, 45, [5, 6, 7])]
+    q = torch.randn(heads, 43, D, generator=g)
+    want = _run(cache, requests, q, kernel=False, group=group)
+    got = _run(cache, requests, q, kernel=True, group=group)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@interpreter
+def test_kernel_is_batch_and_chunk_invariant():
+    cache = _cache()
+    group = 2
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(KV_HEADS * group, 37, D, generator=g)
+    table = [0, 1, 2]
+    whole = _run(cache, [(0, 37, 37, table)], q, kernel=True, group=group)
+    # the same request beside another one, and its tokens in chunks of 5, 20 and 12
+    other = torch.randn(KV_HEADS * group, 9, D, generator=g)
+    batched = _run(
+        cache,
+        [(0, 9, 30, [8, 9]), (9, 37, 37, table)],
+        torch.cat([other, q], dim=1),
+        kernel=True,
+        group=group,
+    )
+    assert_bytes_equal(batched[:, 9:], whole, "beside another request")
+    start = 0
+    for n in (5, 20, 12):
+        chunk = _run(cache, [(0, n, start + n, table)], q[:, start : start + n], True, group)
+        assert_bytes_equal(chunk, whole[:, start : start + n], f"chunk {start}..{start + n}")
+        start += n
