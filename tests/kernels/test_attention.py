@@ -27,7 +27,7 @@ def _run(cache, requests, q, kernel, group):
     and values the cache holds at their slots (so the write changes nothing)."""
     bs = cache.block_size
     slots, ks, vs = [], [], []
-    for start, n, kv_len, table in requests:
+    for _start, n, kv_len, table in requests:
         for p in range(kv_len - n, kv_len):
             slot = table[p // bs] * bs + p % bs
             slots.append(slot)
