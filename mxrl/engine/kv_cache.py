@@ -25,6 +25,7 @@ import torch
 from mxrl.nn import invariant
 
 QUERY_TILE = 16
+_GATHER_BYTES = 256 << 20  # keys and values gathered for one batch of tiles, at most
 
 
 class KVCache:
@@ -97,50 +98,76 @@ class PagedAttention:
             q = q_NTD.transpose(0, 1).to(kc.dtype)  # [T, N, D]
             o = paged_attention(q, kc, vc, self.block_tables, self.tiles, d**-0.5)
             return o.transpose(0, 1).to(q_NTD.dtype)
-        out = torch.empty_like(q_NTD)
-        for start, n, kv_len, table in self.requests:
-            blocks = torch.tensor(table[: -(-kv_len // bs)], device=kc.device)
-            keys = kc[blocks].permute(2, 0, 1, 3)  # [K, blocks, B, D]
-            values = vc[blocks].permute(2, 0, 1, 3)
-            q = q_NTD[:, start : start + n].to(kc.dtype)
-            o = _attend(q, keys, values, kv_len - n, kv_len)
-            out[:, start : start + n] = o.to(out.dtype)
-        return out
+        tiles = [
+            (start + t0, min(QUERY_TILE, n - t0), kv_len - n + t0, table)
+            for start, n, kv_len, table in self.requests
+            for t0 in range(0, n, QUERY_TILE)
+        ]
+        return _attend(q_NTD.to(kc.dtype), kc, vc, tiles).to(q_NTD.dtype)
 
 
 def _attend(
-    q_NnD: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_pos: int, kv_len: int
+    q_NTD: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    tiles: list[tuple[int, int, int, list[int]]],
 ) -> torch.Tensor:
-    """Causal attention of n queries at positions first_pos.. over `kv_len` keys held in
-    blocks `[K, blocks, B, D]`; returns [N, n, D] (module docstring: the fixed-shape order)."""
-    heads, n, d = q_NnD.shape
-    heads_kv, _, bs, _ = keys.shape
+    """Causal attention of every query tile — (first token's index in T, rows, the first
+    token's position, the request's block table) — over its request's cached keys; returns
+    [N, T, D]. Tiles go in batches (bounded memory); within one, tiles are padded to QT rows and
+    to the batch's number of key blocks (padding blocks are masked: exact zeros, module
+    docstring), so each score and value GEMM is one `[G*QT, D] x [D, B]` / `[G*QT, B] x [B, D]`
+    matrix of a batched matmul."""
+    heads, _, d = q_NTD.shape
+    _, bs, heads_kv, _ = kc.shape
     g = heads // heads_kv
-    scale = d**-0.5
-    key_pos = torch.arange(bs, device=q_NnD.device)
-    out = torch.empty_like(q_NnD)
-    for t0 in range(0, n, QUERY_TILE):
-        rows = min(QUERY_TILE, n - t0)
-        tile = q_NnD.new_zeros((heads, QUERY_TILE, d))
-        tile[:, :rows] = q_NnD[:, t0 : t0 + rows]
-        tile = tile.view(heads_kv, g * QUERY_TILE, d)
-        q_pos = first_pos + t0 + torch.arange(QUERY_TILE, device=q_NnD.device)
-        q_pos = q_pos.repeat(g)  # [G*QT]: the tile's rows per query head of a key head
-        last = min(first_pos + t0 + rows - 1, kv_len - 1)
+    dev = q_NTD.device
+    out = torch.empty_like(q_NTD)
+    per_tile_bytes = 2 * bs * heads_kv * d * kc.element_size()  # one key block, k and v
+    start = 0
+    while start < len(tiles):
+        nb = 0
+        end = start
+        while end < len(tiles):  # grow the batch while its gathered keys stay within budget
+            need = max(nb, (tiles[end][2] + tiles[end][1] - 1) // bs + 1)
+            if end > start and (end + 1 - start) * need * per_tile_bytes > _GATHER_BYTES:
+                break
+            nb, end = need, end + 1
+        batch = tiles[start:end]
+        start = end
+        p = len(batch)
+        rows = torch.arange(QUERY_TILE, device=dev)
+        first_t = torch.tensor([t[0] for t in batch], device=dev)
+        first_pos = torch.tensor([t[2] for t in batch], device=dev)
+        valid = rows[None, :] < torch.tensor([t[1] for t in batch], device=dev)[:, None]
+        q_idx = torch.where(valid, first_t[:, None] + rows[None, :], first_t[:, None])
+        q_pos = first_pos[:, None] + rows[None, :]  # [P, QT]
+        tables = [t[3][:nb] + [0] * (nb - len(t[3][:nb])) for t in batch]
+        blocks = torch.tensor(tables, device=dev)  # [P, nb]; padding blocks are masked
+        q = q_NTD[:, q_idx].view(heads_kv, g, p, QUERY_TILE, d).permute(2, 0, 1, 3, 4)
+        q = q.reshape(p * heads_kv, g * QUERY_TILE, d)
+        keys = kc[blocks].permute(0, 3, 1, 2, 4)  # [P, K, nb, B, D]
+        values = vc[blocks].permute(0, 3, 1, 2, 4)
+        row_pos = q_pos[:, None, :].expand(p, g, QUERY_TILE).reshape(p, 1, g * QUERY_TILE, 1)
+        key_pos = torch.arange(bs, device=dev)
+        scale = d**-0.5
         scores = []
-        for b in range(last // bs + 1):
-            s = torch.bmm(tile, keys[:, b].transpose(1, 2)) * scale  # [K, G*QT, B]
-            hidden = (b * bs + key_pos)[None, :] > q_pos[:, None]  # the future; padding slots
-            scores.append(s.masked_fill(hidden[None], float("-inf")))
+        for b in range(nb):
+            kb = keys[:, :, b].reshape(p * heads_kv, bs, d)
+            s = (torch.bmm(q, kb.transpose(1, 2)) * scale).view(p, heads_kv, g * QUERY_TILE, bs)
+            hidden = (b * bs + key_pos) > row_pos  # the future, padding slots and blocks
+            scores.append(s.masked_fill(hidden, float("-inf")))
         m = scores[0].amax(-1)
         for s in scores[1:]:
             m = torch.maximum(m, s.amax(-1))
         denom = torch.zeros_like(m)
-        acc = torch.zeros((heads_kv, g * QUERY_TILE, d), dtype=q_NnD.dtype, device=q_NnD.device)
+        acc = torch.zeros((p * heads_kv, g * QUERY_TILE, d), dtype=q.dtype, device=dev)
         for b, s in enumerate(scores):
-            p = invariant.exp(s - m[..., None])
-            denom = denom + p.sum(-1)
-            acc = acc + torch.bmm(p, values[:, b])
-        o = (acc / denom[..., None]).view(heads, QUERY_TILE, d)
-        out[:, t0 : t0 + rows] = o[:, :rows]
+            e = invariant.exp(s - m[..., None])
+            denom = denom + e.sum(-1)
+            vb = values[:, :, b].reshape(p * heads_kv, bs, d)
+            acc = acc + torch.bmm(e.view(p * heads_kv, g * QUERY_TILE, bs), vb)
+        o = acc.view(p, heads_kv, g * QUERY_TILE, d) / denom[..., None]
+        o = o.view(p, heads_kv, g, QUERY_TILE, d).permute(1, 2, 0, 3, 4).reshape(heads, -1, d)
+        out[:, q_idx[valid]] = o[:, valid.reshape(-1)]
     return out

@@ -141,3 +141,17 @@ def test_row_reductions_do_not_depend_on_other_rows(width):
             for start, rows in ((0, 48), (3, 8), (5, 32), (11, 17), (40, 1)):
                 got = op(x[start : start + rows])
                 assert_bytes_equal(got, want[start : start + rows], f"{name} [{start}:+{rows}]")
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(32, 16, 16), (64, 128, 16), (32, 16, 128)])
+def test_a_batched_matmul_item_does_not_depend_on_the_batch(rows, k, n):
+    """The engine's CPU attention batches fixed-shape [rows, K] x [K, N] products over
+    (tile, key head) pairs whose number changes with the step: each item's bytes must be those
+    it gets in a batch of one."""
+    g = torch.Generator().manual_seed(rows * k + n)
+    a = torch.randn(40, rows, k, generator=g)
+    b = torch.randn(40, k, n, generator=g)
+    want = torch.cat([torch.bmm(a[i : i + 1], b[i : i + 1]) for i in range(40)])
+    for start, count in ((0, 40), (3, 7), (10, 2), (0, 33)):
+        got = torch.bmm(a[start : start + count], b[start : start + count])
+        assert_bytes_equal(got, want[start : start + count], f"items {start}..+{count}")
