@@ -31,14 +31,21 @@ def _write(path: Path, data: dict) -> Path:
     return path
 
 
-def test_train_builtin_end_to_end(tmp_path, capsys):
-    cfg = _write(tmp_path / "train.yaml", {
+def _tiny_train(tmp_path: Path, run_id: str | None, recipe: str, **rl) -> Path:
+    """A `mxrl train` config on the built-in tiny model (5 warm-up steps), 2 steps by default."""
+    data = {
         "model": "builtin:tiny-moe",
         "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
         "out": str(tmp_path / "runs"),
-        "run_id": "t1",
-        "rl": {"recipe": "mxfp8", "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2},
-    })  # fmt: skip
+        "rl": {"recipe": recipe, "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2, **rl},
+    }
+    if run_id is not None:
+        data["run_id"] = run_id
+    return _write(tmp_path / "train.yaml", data)
+
+
+def test_train_builtin_end_to_end(tmp_path, capsys):
+    cfg = _tiny_train(tmp_path, "t1", "mxfp8")
     assert main(["train", "--config", str(cfg)]) == 0
     record = RunRecord.open(tmp_path / "runs" / "t1")
     assert [m["step"] for m in record.metrics()] == [1, 2]
@@ -90,13 +97,7 @@ def test_train_failing_before_step_one_is_recorded_failed(tmp_path, capsys, monk
             raise ValueError("the engine refused the weights")
 
     monkeypatch.setattr(train_mod, "GRPOTrainer", Broken)
-    cfg = _write(tmp_path / "train.yaml", {
-        "model": "builtin:tiny-moe",
-        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
-        "out": str(tmp_path / "runs"),
-        "run_id": "broken",
-        "rl": {"recipe": "mxfp8", "steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2},
-    })  # fmt: skip
+    cfg = _tiny_train(tmp_path, "broken", "mxfp8")
     assert main(["train", "--config", str(cfg)]) == 2
     assert "the engine refused the weights" in capsys.readouterr().err
     assert main(["runs", "list", "--root", str(tmp_path / "runs")]) == 0
@@ -107,14 +108,10 @@ def test_train_failing_before_step_one_is_recorded_failed(tmp_path, capsys, monk
 
 
 def test_train_refuses_a_recipe_that_quantizes_nothing_before_writing_a_run(tmp_path, capsys):
-    cfg = _write(tmp_path / "train.yaml", {
-        "model": "builtin:tiny-moe",
-        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
-        "out": str(tmp_path / "runs"),
-        "rl": {"recipe": str(_write(tmp_path / "typo.yaml", {
-            "name": "typo", "rules": [{"match": {"name": "*.expertz.*"}, "format": "nvfp4"}],
-        })), "steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2},
+    typo = _write(tmp_path / "typo.yaml", {
+        "name": "typo", "rules": [{"match": {"name": "*.expertz.*"}, "format": "nvfp4"}],
     })  # fmt: skip
+    cfg = _tiny_train(tmp_path, None, str(typo), steps=1)
     assert main(["train", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "quantizes nothing here" in err and "strict: false" in err
@@ -128,13 +125,7 @@ def test_sigterm_ends_a_train_run_as_interrupted(tmp_path):
     import sys
     import time
 
-    cfg = _write(tmp_path / "train.yaml", {
-        "model": "builtin:tiny-moe",
-        "data": {"source": "builtin:arithmetic", "warmup_steps": 5},
-        "out": str(tmp_path / "runs"),
-        "run_id": "term",
-        "rl": {"recipe": "bf16", "steps": 500, "prompts_per_step": 2, "samples_per_prompt": 2},
-    })  # fmt: skip
+    cfg = _tiny_train(tmp_path, "term", "bf16", steps=500)
     env = {**os.environ, "MXRL_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "mxrl.cli", "train", "--config", str(cfg)],
                             env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
