@@ -156,6 +156,7 @@ class Engine:
         self.cache_options = cache if cache is not None else CacheOptions()
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
+        self.hashes: dict[str, str] = {}  # content hash of each tensor, verified when it loaded
         self.weights_version = 0
         # the Triton paged attention on the triton backend, where the cache's shape allows it
         c = config
@@ -243,11 +244,12 @@ class Engine:
                 f"engine runs plan {self.plan.hash()[:16]} ({self.plan.recipe_name}); trainer and "
                 "engine must resolve the same recipe for the same model. Nothing was loaded."
             )
-        staged = {}
+        staged, value_hashes = {}, {}
         for record in records:
             if record.name in staged:
                 raise ValueError(f"{record.name} was sent twice in one update")
-            staged[record.name] = self._stage(record)
+            staged[record.name] = self._stage(record)  # checks record.hash against the bytes
+            value_hashes[record.name] = record.hash
         if not partial:
             missing = [n for n in self.plan if n not in staged]
             if missing:
@@ -269,6 +271,7 @@ class Engine:
                 if name == TIED_EMBEDDING and self.config.tie_word_embeddings:
                     self.net.lm_head.weight = payload
             self.weights[name] = value
+            self.hashes[name] = value_hashes[name]
         self._blocks = None  # cached prefixes hold keys/values of the old weights
         self.weights_version += 1
         logger.info("engine: loaded %d tensors (version %d)", len(staged), self.weights_version)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import Engine, SamplingParams, WeightRecord
+from mxrl.engine import Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
@@ -67,6 +67,7 @@ class GRPOConfig:
     device: str = "cpu"
     backend: str | None = None
     checkpoint_every: int = 0  # 0: never
+    verify_every: int = 10  # the deep sync check (re-export, re-hash, compare); 0: never
     engine_tile: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +78,8 @@ class GRPOConfig:
             raise ValueError(f"correction must be none, tis or mis, got {self.correction!r}")
         if self.spike_action not in ("log", "skip"):
             raise ValueError(f"spike_action must be log or skip, got {self.spike_action!r}")
+        if self.verify_every < 0:
+            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
         for name in ("steps", "prompts_per_step", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -164,15 +167,18 @@ class GRPOTrainer:
         t_train = time.perf_counter() - t1
 
         t2 = time.perf_counter()
+        # the engine verifies every record's hash against its bytes before taking the update
+        # (all or nothing): that is the hot path's one verification
         report = self.transport.send(export(self.model, self.plan, step=step))
+        deep = bool(cfg.verify_every) and step % cfg.verify_every == 0
+        ok = self._verify_sync() if deep else True
         t_sync = time.perf_counter() - t2
         if report.event is not None:
             self.record.log_quantization(report.event)
-        served = list(self.engine.records())
-        ok = self._verify_sync(served)
         self.record.log_sync_verified(
-            step, report.version, self.plan.hash(), ok, engine_digest=engine_digest(served)
-        )
+            step, report.version, self.plan.hash(), ok,
+            engine_digest=engine_digest(self.engine.hashes.items()), deep=deep,
+        )  # fmt: skip
 
         tokens = sum(len(o.tokens) + len(o.prompt) for o in outs)
         elapsed = time.perf_counter() - t0
@@ -201,12 +207,13 @@ class GRPOTrainer:
             self.save_checkpoint()
         return metrics
 
-    def _verify_sync(self, served: list[WeightRecord]) -> bool:
-        """The engine holds exactly what a fresh export of the master weights gives (hashes)."""
+    def _verify_sync(self) -> bool:
+        """The deep check (every `verify_every` steps): the bytes the engine holds, hashed
+        again, are what a fresh export of the master weights gives."""
         fresh = {
             r.name: r.hash for b in export(self.model, self.plan, sqnr=False) for r in b.records
         }
-        return all(fresh.get(r.name) == r.hash for r in served)
+        return all(fresh.get(r.name) == r.hash for r in self.engine.records())
 
     def run(self) -> list[dict[str, float]]:
         """Train to `cfg.steps`; the record ends finished, failed (the exception, then raised
@@ -243,7 +250,7 @@ class GRPOTrainer:
                 "prev_layer_norms": self.prev_layer_norms,
                 "rng": self._rng_state(),
                 "engine_version": self.engine.weights_version,
-                "engine_digest": engine_digest(self.engine.records()),
+                "engine_digest": engine_digest(self.engine.hashes.items()),
                 "plan_hash": self.plan.hash(),
                 "config": asdict(self.cfg),
             },
@@ -280,7 +287,7 @@ class GRPOTrainer:
         # Engine.load_weights counts loads in this process (one when the engine was built, one
         # per sync): here that made 2, the uninterrupted run's engine was at the saved version.
         self.engine.weights_version = int(state.get("engine_version", self.step + 1))
-        served = engine_digest(self.engine.records())
+        served = engine_digest(self.engine.hashes.items())
         if state.get("engine_digest", served) != served:
             logger.warning(
                 "checkpoint %s: the re-sent weights give engine digest %s, the run served %s at "
@@ -303,12 +310,12 @@ class GRPOTrainer:
             torch.cuda.set_rng_state(state["cuda"].cpu(), torch.device(self.cfg.device))
 
 
-def engine_digest(records: Iterable[WeightRecord]) -> str:
-    """sha256 over the (name, content hash) pairs of the weights an engine holds, in name order:
-    two engines serve the same bytes exactly when their digests are equal (`sync_verified`
-    events carry it, so two runs can be compared step by step from their records)."""
+def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
+    """sha256 over the (name, content hash) pairs of the weights an engine holds (its verified
+    `Engine.hashes`), in name order: two engines serve the same bytes exactly when their digests
+    are equal (`sync_verified` events carry it, so two runs can be compared step by step)."""
     h = hashlib.sha256()
-    for name, content in sorted((r.name, r.hash) for r in records):
+    for name, content in sorted(hashes):
         h.update(f"{name}\0{content}\n".encode())
     return h.hexdigest()
 

@@ -115,3 +115,20 @@ def test_a_skipped_spike_leaves_the_weights_and_is_recorded(tmp_path):
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     (spike,) = trainer.record.events("spike")
     assert spike["step"] == 1 and spike["z"] == 42.0
+
+
+def test_the_deep_sync_check_runs_every_n_steps_and_catches_a_corrupted_engine(tmp_path):
+    """The hot path trusts the engine's own verification of what it received; every
+    `verify_every` steps the engine's bytes are hashed again against a fresh export."""
+    trainer = tiny_trainer(tmp_path, "deep", steps=2, verify_every=2)
+    trainer.train_step()
+    held = trainer.engine.weights["model.layers.0.self_attn.q_proj.weight"]
+    held.view(torch.uint8)[0] ^= 1  # one flipped bit in what the engine serves
+    trainer.train_step()  # the update replaces q_proj: a deep check must still see it whole
+    events = trainer.record.events("sync_verified")
+    assert [(e["step"], e["deep"], e["ok"]) for e in events] == [(1, False, True), (2, True, True)]
+    broken = trainer.engine.weights["model.layers.0.self_attn.q_proj.weight"]
+    broken.view(torch.uint8)[0] ^= 1
+    assert not trainer._verify_sync()  # memory corrupted after the load: the deep check says so
+    with pytest.raises(ValueError, match="verify_every"):
+        GRPOConfig(verify_every=-1)
