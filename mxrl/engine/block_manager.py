@@ -94,6 +94,7 @@ class BlockManager:
             self.ref_count[b] += 1
             seq.block_table.append(b)
         seq.num_computed = len(cached) * self.block_size
+        seq.num_registered = len(cached)
 
     def ensure(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for the sequence's first `num_tokens` tokens; False (nothing taken) if the
@@ -120,13 +121,21 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 self.free.append(b)
         seq.block_table = []
+        seq.num_registered = 0
 
     def register(self, seq: Sequence, routing: Callable[[], torch.Tensor]) -> None:
         """After a step: hash the sequence's newly completed full blocks so others can share
         them (a block already registered under its hash keeps that registration), with the
         routing of their tokens (`routing()`: the sequence's, [positions, layers, k])."""
         full = seq.num_computed // self.block_size
-        todo = [i for i in range(full) if self.block_hash[seq.block_table[i]] is None]
+        if full <= seq.num_registered:  # the common decode step: nothing newly full
+            return
+        todo = [
+            i
+            for i in range(seq.num_registered, full)
+            if self.block_hash[seq.block_table[i]] is None
+        ]
+        seq.num_registered = full
         if not todo:
             return
         hashes = block_hashes(seq, self.block_size, full)

@@ -315,6 +315,16 @@ class Engine:
             self._blocks = BlockManager(self._kv.k[0].shape[0], opt.block_size)
         return self._kv, self._blocks
 
+    def _start(self, seqs: list[Request]) -> tuple[Scheduler, ModelRunner]:
+        """A scheduler holding `seqs` (every one checked against the cache before any work)
+        and a runner over the engine's KV cache."""
+        kv, blocks = self._cache()
+        opt = self.cache_options
+        scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
+        for seq in seqs:
+            scheduler.add(seq)
+        return scheduler, ModelRunner(self.net, kv, self.device, self._attention_kernel)
+
     @torch.no_grad()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -329,16 +339,12 @@ class Engine:
         for i, p in enumerate(prompts):
             if not p or any(not 0 <= int(t) < vocab for t in p):
                 raise ValueError(f"prompt {i} is empty or holds ids outside [0, {vocab})")
-        kv, blocks = self._cache()
-        opt = self.cache_options
-        scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
         seqs = [
             Request(i, [int(t) for t in p], sp, _generator(sp.seed))
             for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True))
         ]
-        for seq in seqs:  # every request checked before any work
-            scheduler.add(seq)
-        runner = ModelRunner(self.net, kv, self.device, self._attention_kernel)
+        scheduler, runner = self._start(seqs)
+        blocks = scheduler.blocks
         while not scheduler.finished:
             batch = scheduler.schedule()
             if not batch:
@@ -366,16 +372,11 @@ class Engine:
     def next_token_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """fp32 logits [R, V] of the token after each prompt: the prefill `generate` runs,
         without sampling (for checks: the engine's forward against the trainer's)."""
-        kv, blocks = self._cache()
-        opt = self.cache_options
-        scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
         seqs = [
             Request(i, [int(t) for t in p], SamplingParams(max_new_tokens=1), _generator(0))
             for i, p in enumerate(prompts)
         ]
-        for seq in seqs:
-            scheduler.add(seq)
-        runner = ModelRunner(self.net, kv, self.device, self._attention_kernel)
+        scheduler, runner = self._start(seqs)
         out: dict[int, torch.Tensor] = {}
         while not scheduler.finished:
             batch = scheduler.schedule()

@@ -37,6 +37,7 @@ class Sequence:
     routing: list[torch.Tensor] = field(default_factory=list)  # [positions fed, layers, k] parts
     num_routed: int = 0  # positions whose routing is recorded (a recomputed one is not again)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks (block_manager)
+    num_registered: int = 0  # leading blocks of block_table already registered for sharing
 
     def __post_init__(self) -> None:
         if not self.tokens:
