@@ -33,6 +33,7 @@ from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import Backend, quantize_mxfp8_both
 from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.emulated import emulated_gemm
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
@@ -150,13 +151,9 @@ def emulated_matmul(
     xq = kernel_quantize(
         x.detach(), spec.format, **activation_quantizer_kwargs(spec), backend=backend
     )
-    y = dequantize(xq, global_scale=False) @ wq.lp.t()
     s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
     s_w = output_scale(wq.s_dec)  # [] or [1, N], None
-    if s_x is not None or s_w is not None:
-        one = torch.ones((), device=y.device)
-        y = y * ((s_x if s_x is not None else one) * (s_w if s_w is not None else one))
-    return y, xq
+    return emulated_gemm(dequantize(xq, global_scale=False), wq.lp, s_x, s_w), xq
 
 
 class QMatmul(torch.autograd.Function):
