@@ -4,8 +4,12 @@ Legend: T tokens, H hidden, I expert intermediate size, E experts, k experts per
   gate_up_proj [E, 2I, H]   rows 0..I-1 of expert e are gate_proj, rows I..2I-1 up_proj
   down_proj    [E, H, I]
 Tokens are grouped by expert (a stable sort of the T*k assignments), each expert runs on its
-tokens, and the weighted outputs are scattered back with index_add. `QExperts` (mxrl.nn.qexperts)
+tokens, and the weighted outputs are scattered back with index_add. `QExperts` (mxrl.nn.qlinear)
 overrides `_gate_up` and `_down` to run the quantized GEMMs; the routing and reduction are shared.
+
+That loop is the reference (`Gemm.REFERENCE`, the CPU default). With `Gemm.TENSOR_CORE` (the
+default on CUDA sm_90+) both projections run as grouped GEMMs instead (`mxrl.nn.grouped`:
+`_grouped_proj`, overridden by QExperts), with no Python loop and no host sync.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.nn import invariant
+from mxrl.nn.gemm import Gemm, resolved_gemm
+from mxrl.nn.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
 
 
 class GroupedExperts(nn.Module):
@@ -38,6 +44,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
+        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.nn.gemm.select_gemm)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -46,6 +53,8 @@ class GroupedExperts(nn.Module):
     def forward(
         self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
     ) -> torch.Tensor:
+        if self.uses_grouped_gemm(x_TH.device):
+            return grouped_experts_forward(self, x_TH, topk_ids_Tk, topk_weights_Tk)
         k = topk_ids_Tk.shape[1]
         flat_ids = topk_ids_Tk.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -65,6 +74,20 @@ class GroupedExperts(nn.Module):
             out.index_add_(0, idx, h.to(out.dtype))
             start += n
         return out
+
+    def uses_grouped_gemm(self, device: torch.device) -> bool:
+        """Whether forward runs the grouped GEMMs (TENSOR_CORE and shapes they take)."""
+        if resolved_gemm(getattr(self, "gemm_choice", None), device) is not Gemm.TENSOR_CORE:
+            return False
+        dims = (self.hidden_size, self.intermediate_size)
+        return grouped_supported(self._grouped_specs(), dims)
+
+    def _grouped_specs(self) -> dict:
+        return {"gate_up": None, "down": None}
+
+    def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
+        param = self.gate_up_proj if which == "gate_up" else self.down_proj
+        return GroupedLinear.apply(x_sorted, param, layout, None, None, None, None)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return F.linear(x_nH, self.gate_up_proj[e])

@@ -10,6 +10,9 @@ from torch import nn
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.fast import TensorCoreQMatmul, TensorCoreWeight
+from mxrl.nn.gemm import Gemm, no_autocast, resolved_gemm
+from mxrl.nn.grouped import GroupedLinear
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
 
@@ -43,7 +46,9 @@ class QLinear(nn.Linear):
         self.backend = Backend(backend)
         _check_mode(spec, self.backward_mode)
         self._cache = WeightCache()
+        self._tc_cache = WeightCache()  # the tensor-core GEMMs' form of the same bytes
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
+        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.nn.gemm.select_gemm)
 
     @classmethod
     def from_linear(
@@ -70,6 +75,7 @@ class QLinear(nn.Linear):
         """Share one NVFP4 global scale with another weight (gate with up)."""
         self._partner = [weight]
         self._cache.clear()
+        self._tc_cache.clear()
 
     def quantized_weight(self) -> QuantizedWeight:
         partner = self._partner[0] if self._partner else None
@@ -82,10 +88,25 @@ class QLinear(nn.Linear):
             ),
         )
 
+    def tensor_core_weight(self) -> TensorCoreWeight:
+        partner = self._partner[0] if self._partner else None
+        tensors = (self.weight,) if partner is None else (self.weight, partner)
+        with_col = self.backward_mode is Backward.QUANTIZED
+        return self._tc_cache.get(
+            tensors,
+            lambda: TensorCoreWeight.build(
+                self.weight, self.spec, partner, with_col=with_col, backend=self.backend
+            ),
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        wq = self.quantized_weight()
-        y = QMatmul.apply(x2, self.weight, wq, self.spec, self.backward_mode, self.backend)
+        args = (self.spec, self.backward_mode, self.backend)
+        with no_autocast(x.device):
+            if resolved_gemm(self.gemm_choice, x.device) is Gemm.TENSOR_CORE:
+                y = TensorCoreQMatmul.apply(x2, self.weight, self.tensor_core_weight(), *args)
+            else:
+                y = QMatmul.apply(x2, self.weight, self.quantized_weight(), *args)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -127,7 +148,31 @@ class QExperts(GroupedExperts):
             if spec.format is not Format.BF16:
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
+        q._tc_caches = {"gate_up": WeightCache(), "down": WeightCache()}
+        q.gemm_choice = getattr(experts, "gemm_choice", None)
         return q
+
+    def _grouped_specs(self) -> dict:
+        return {k: None if s.format is Format.BF16 else s for k, s in self.specs.items()}
+
+    def _tensor_core(self, which: str) -> TensorCoreWeight:
+        param = self.gate_up_proj if which == "gate_up" else self.down_proj
+        spec = self.specs[which]
+        with_col = self.backward_mode is Backward.QUANTIZED
+        return self._tc_caches[which].get(
+            (param,),
+            lambda: TensorCoreWeight.build(param, spec, with_col=with_col, backend=self.backend),
+        )
+
+    def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
+        spec = self.specs[which]
+        if spec.format is Format.BF16:
+            return super()._grouped_proj(which, x_sorted, layout)
+        param = self.gate_up_proj if which == "gate_up" else self.down_proj
+        tw = self._tensor_core(which)
+        mode, backend = self.backward_mode, self.backend
+        with no_autocast(x_sorted.device):
+            return GroupedLinear.apply(x_sorted, param, layout, tw, spec, mode, backend)
 
     def _quantized(self, which: str) -> QuantizedWeight:
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
@@ -144,7 +189,8 @@ class QExperts(GroupedExperts):
         if spec.format is Format.BF16:
             return nn.functional.linear(x, param[e])
         wq = self._quantized(which).for_expert(e)
-        return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
+        with no_autocast(x.device):
+            return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return self._run("gate_up", e, x_nH)

@@ -1,0 +1,168 @@
+"""The tensor-core training GEMMs of a quantized weight (`Gemm.TENSOR_CORE`, docs/nn.md "Fast
+paths"): the same quantized bytes as `mxrl.nn.qmatmul`, the GEMMs in bf16 with fp32 accumulation.
+
+Legend: x [T, K] activations, w [N, K] master weight (fp32 or bf16), y [T, N] = x w^T.
+
+Forward: MXFP8 / NVFP4 operands lp(Qa(x)), lp(Qw(w)) are exact in bf16, multiplied with an fp32
+output (`mm_f32`), then the global scales as `mxrl.kernels.emulated` applies them: the emulated
+GEMM up to the fp32 summation order. Block FP8 (N, K multiples of 128, CUDA): `torch._scaled_mm`
+blockwise on FP8 tensor cores (`mxrl.kernels.fp8_gemm`, within its bound); otherwise the fp32
+emulated GEMM.
+Backward (bf16 operands, fp32 output), by mode:
+  high_precision  dx = dy @ w           dw = dy^T @ x             (w, x, dy rounded to bf16)
+  dequantized     dx = dy @ deq(Qw(w))  dw = dy^T @ deq(Qa(x))    (deq rounded to bf16: exact
+                                                                   for MXFP8, not for NVFP4's
+                                                                   global scale nor block FP8)
+  quantized       as qmatmul, every operand exact in bf16 (MXFP8)
+Saved for backward: x itself (high precision; the tensor autograd already keeps), the quantized
+activation (dequantized mode: 8.25 / 4.5 bits per element instead of a fp32 copy), the column-wise
+MXFP8 copy of x (quantized mode, quantized in the forward: the same bytes, since a quantizer is a
+pure function of its input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mxrl.formats import QTensor, decode_global_scale, dequantize
+from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.kernels import Backend, quantize_mxfp8_both
+from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
+from mxrl.nn.gemm import mm_f32
+from mxrl.recipe import Backward, TensorSpec
+from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
+
+BF16 = torch.bfloat16
+FP8_GEMM_BLOCK = 128
+
+
+@dataclass(frozen=True)
+class TensorCoreWeight:
+    """One quantized weight as the tensor-core GEMMs take it (no fp32 copy is kept).
+
+    q:     the QTensor (the contract bytes).
+    lp:    bf16, dequantized without the NVFP4 global scale (exact); None for block FP8.
+    s_dec: NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
+    col:   bf16 dequantized column-wise MXFP8 copy (quantized backward); else None.
+    """
+
+    q: QTensor
+    lp: torch.Tensor | None
+    s_dec: torch.Tensor | None
+    col: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        weight: torch.Tensor,
+        spec: TensorSpec,
+        partner: torch.Tensor | None = None,
+        with_col: bool = False,
+        backend: Backend = Backend.REFERENCE,
+    ) -> TensorCoreWeight:
+        w = weight.detach()
+        q = kernel_quantize(
+            w, spec.format, **weight_quantizer_kwargs(w, spec, partner), backend=backend
+        )
+        col = None
+        if with_col:
+            kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
+            col = dequantize(kernel_quantize(w, spec.format, **kwargs, backend=backend)).to(BF16)
+        if spec.format is Format.FP8_BLOCK:
+            return cls(q=q, lp=None, s_dec=None, col=col)
+        lp = dequantize(q, global_scale=False).to(BF16)
+        return cls(q=q, lp=lp, s_dec=decode_global_scale(q), col=col)
+
+    def deq_bf16(self) -> torch.Tensor:
+        """deq(Qw(w)) in bf16 (the dequantized backward's operand), built when asked."""
+        if self.lp is None:
+            return dequantize(self.q).to(BF16)
+        if self.s_dec is None:
+            return self.lp
+        return (self.lp.float() * self.s_dec).to(BF16)
+
+
+def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
+    return kernel_quantize(
+        x.detach(), spec.format, **activation_quantizer_kwargs(spec), backend=backend
+    )
+
+
+def uses_scaled_mm(spec: TensorSpec, device: torch.device) -> bool:
+    """Block FP8 on FP8 tensor cores: CUDA, 1x128 / 128x128 blocks, N and K multiples of 128."""
+    n, k = spec.shape[-2], spec.shape[-1]
+    return (
+        spec.format is Format.FP8_BLOCK
+        and device.type == "cuda"
+        and tuple(spec.block or ()) == (FP8_GEMM_BLOCK, FP8_GEMM_BLOCK)
+        and n % FP8_GEMM_BLOCK == 0
+        and k % FP8_GEMM_BLOCK == 0
+    )
+
+
+def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.Tensor:
+    """fp32 y [T, N] from the quantized activation and weight (module docstring)."""
+    if spec.format is Format.FP8_BLOCK:
+        if uses_scaled_mm(spec, xq.device):
+            from mxrl.kernels.fp8_gemm import fp8_block_matmul
+
+            return fp8_block_matmul(xq, tw.q, out_dtype=torch.float32)
+        return emulated_gemm(dequantize(xq), dequantize(tw.q))
+    assert tw.lp is not None
+    s_w = tw.s_dec
+    if s_w is not None and s_w.dim():
+        s_w = s_w.reshape(1, -1)  # per-row [N, 1] -> a column scale of the output
+    lp_x = dequantize(xq, global_scale=False).to(BF16)
+    return apply_global_scales(mm_f32(lp_x, tw.lp.t()), decode_global_scale(xq), s_w)
+
+
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[0]) % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class TensorCoreQMatmul(torch.autograd.Function):
+    """`QMatmul` on tensor cores: y = Qa(x) (x) Qw(w) in x's dtype, the backward of `mode`."""
+
+    @staticmethod
+    def forward(ctx, x, w, tw: TensorCoreWeight, spec: TensorSpec, mode: Backward, backend):
+        xq = quantize_activation(x, spec, backend)
+        y = forward_gemm(xq, tw, spec)
+        ctx.mode, ctx.tw, ctx.x_dtype, ctx.w_dtype = mode, tw, x.dtype, w.dtype
+        ctx.backend, ctx.rows = backend, x.shape[0]
+        if mode is Backward.HIGH_PRECISION:
+            ctx.save_for_backward(x, w)
+        elif mode is Backward.DEQUANTIZED:
+            ctx.xq = xq  # a QTensor: its bytes, not a fp32 copy
+            ctx.save_for_backward(w)
+        else:
+            col = kernel_quantize(
+                pad_rows(x.detach(), MXFP8_BLOCK), Format.MXFP8, axis=0, backend=backend
+            )
+            ctx.x_col = col
+            ctx.save_for_backward(w)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        tw: TensorCoreWeight = ctx.tw
+        rows = ctx.rows
+        if ctx.mode is Backward.HIGH_PRECISION:
+            x, w = ctx.saved_tensors
+            w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)
+        elif ctx.mode is Backward.DEQUANTIZED:
+            w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
+            x_op = dequantize(ctx.xq).to(BF16)
+        else:
+            assert tw.col is not None, "quantized backward needs the column-wise weight copy"
+            row, col = quantize_mxfp8_both(pad_rows(dy, MXFP8_BLOCK), backend=ctx.backend)
+            w_op = tw.col
+            dy_op = dequantize(row)[:rows].to(BF16)
+            dyt_op = dequantize(col)[:rows].to(BF16)
+            x_op = dequantize(ctx.x_col)[:rows].to(BF16)
+        dx = mm_f32(dy_op, w_op).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = mm_f32(dyt_op.t(), x_op).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None

@@ -1,0 +1,206 @@
+"""Routed experts as grouped GEMMs (`Gemm.TENSOR_CORE`): no Python loop over experts, no host sync.
+
+Legend: T tokens, k experts per token, R = T*k (token, slot) rows, H hidden, N / K a projection's
+output / input features, E experts, P rows of the 32-aligned padded layout.
+
+The R rows are sorted by expert (a stable sort, as the loop's); expert e owns rows
+starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torch._grouped_mm`
+(bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @ [E, N, K]; wgrad
+[N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes:
+  bf16 experts    x, w cast to bf16 (w re-cast in the backward: no bf16 weight copy is kept)
+  quantized fwd   lp(Qa(x)) and lp(Qw(w)) exact in bf16; the NVFP4 global scales (per token,
+                  per expert) multiply the bf16 output rows
+  high_precision  dgrad on bf16(w), wgrad on bf16(x)
+  dequantized     dgrad on bf16(deq(Qw(w))), wgrad on bf16(deq(Qa(x))) (the saved quantized x)
+  quantized       MXFP8, as the loop's: dy and x column-wise copies quantized per expert group,
+                  each group padded with zero rows to a multiple of 32 (`padded_layout`), so the
+                  blocks are the loop's blocks, byte for byte
+The (token, slot) outputs are scattered back by a permutation and each token's k outputs summed
+in slot order (no atomics: deterministic). Activation quantization is per row (MXFP8 1x32, NVFP4
+per token), so sorting the rows leaves their bytes as the loop's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mxrl.formats import decode_global_scale, dequantize
+from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels import quantize_mxfp8_both
+from mxrl.nn import invariant
+from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
+from mxrl.nn.gemm import grouped_mm
+from mxrl.recipe import Backward, TensorSpec
+
+GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The R = T*k assignments sorted by expert, on the device.
+
+    order [R]: sorted row -> flat (token * k + slot) index; inverse [R]: its inverse;
+    token_of [R]: each sorted row's token; row_expert [R]: its expert;
+    ends [E] int32: each expert's end row (torch._grouped_mm's offsets)."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    token_of: torch.Tensor
+    row_expert: torch.Tensor
+    ends: torch.Tensor
+    num_tokens: int
+    top_k: int
+
+    @classmethod
+    def build(cls, ids_Tk: torch.Tensor, num_experts: int) -> ExpertLayout:
+        t, k = ids_Tk.shape
+        flat = ids_Tk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        row_expert = flat[order]
+        # each expert's end row, without a host sync (CUDA bincount reads the max back)
+        experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+        ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
+        return cls(order, inverse, order // k, row_expert, ends, t, k)
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Each expert's rows moved to a 32-aligned start, zero rows between (quantized backward).
+    dest [R]: padded row of each sorted row; ends [E] int32; rows P (static: R + 31 E, rounded
+    up to 32, whatever the routing)."""
+
+    dest: torch.Tensor
+    ends: torch.Tensor
+    rows: int
+
+    @classmethod
+    def build(cls, layout: ExpertLayout) -> PaddedLayout:
+        ends = layout.ends.long()
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        padded_counts = (counts + MXFP8_BLOCK - 1) // MXFP8_BLOCK * MXFP8_BLOCK
+        padded_ends = torch.cumsum(padded_counts, 0)
+        shift = (padded_ends - padded_counts) - (ends - counts)
+        r = layout.order.numel()
+        dest = torch.arange(r, device=ends.device) + shift[layout.row_expert]
+        rows = r + (MXFP8_BLOCK - 1) * ends.numel()
+        rows += (-rows) % MXFP8_BLOCK
+        return cls(dest, padded_ends.to(torch.int32), rows)
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.new_zeros((self.rows, t.shape[1]))
+        return out.index_copy_(0, self.dest, t)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x [T, H] -> x_sorted [R, H]; the backward sums each token's k rows in slot order."""
+
+    @staticmethod
+    def forward(ctx, x, layout: ExpertLayout):
+        ctx.layout = layout
+        return x.index_select(0, layout.token_of)
+
+    @staticmethod
+    def backward(ctx, g):
+        lay: ExpertLayout = ctx.layout
+        g_tk = g.index_select(0, lay.inverse).view(lay.num_tokens, lay.top_k, -1)
+        return g_tk.sum(1), None
+
+
+def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
+    """fl(s_x * s_w) per output row ([R, 1]) or element ([R, N]); None when both are missing."""
+    if s_x is None and s_w is None:
+        return None
+    one = torch.ones((), device=row_expert.device)
+    if s_w is not None and s_w.dim():
+        s_w = s_w[row_expert].reshape(row_expert.numel(), -1)  # [E, 1 or N, 1] -> [R, 1 or N]
+    return (s_x if s_x is not None else one) * (s_w if s_w is not None else one)
+
+
+class GroupedLinear(torch.autograd.Function):
+    """y [R, N] (bf16) = x [R, K] @ w[e]^T for the rows of expert e; w [E, N, K] the master
+    weight. spec None: bf16 experts; else tw holds the quantized weight (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w, layout: ExpertLayout, tw: TensorCoreWeight | None, spec, mode, backend):
+        ctx.layout, ctx.tw, ctx.mode, ctx.backend = layout, tw, mode, backend
+        ctx.x_dtype, ctx.w_dtype, ctx.quantized_spec = x.dtype, w.dtype, spec is not None
+        if spec is None:
+            a = x.to(BF16)
+            y = grouped_mm(a, w.to(BF16).transpose(-2, -1), layout.ends)
+            ctx.save_for_backward(a, w)
+            return y
+        xq = quantize_activation(x, spec, backend)
+        lp_x = dequantize(xq, global_scale=False).to(BF16)
+        y = grouped_mm(lp_x, tw.lp.transpose(-2, -1), layout.ends)
+        scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
+        if scale is not None:
+            y = (y.float() * scale).to(BF16)
+        if mode is Backward.HIGH_PRECISION:
+            ctx.save_for_backward(x.to(BF16), w)
+        elif mode is Backward.DEQUANTIZED:
+            ctx.xq = xq
+            ctx.save_for_backward(w)
+        else:
+            ctx.padded = PaddedLayout.build(layout)
+            x_pad = ctx.padded.scatter(x.detach())
+            ctx.x_col = kernel_quantize(x_pad, Format.MXFP8, axis=0, backend=backend)
+            ctx.save_for_backward(w)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        lay: ExpertLayout = ctx.layout
+        tw: TensorCoreWeight | None = ctx.tw
+        dy = dy.contiguous()
+        ends = lay.ends
+        if not ctx.quantized_spec or ctx.mode is Backward.HIGH_PRECISION:
+            x_op, w = ctx.saved_tensors
+            w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
+        elif ctx.mode is Backward.DEQUANTIZED:
+            w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
+            x_op = dequantize(ctx.xq).to(BF16)
+        else:
+            assert tw is not None and tw.col is not None, "quantized backward needs the col copy"
+            pad: PaddedLayout = ctx.padded
+            row, col = quantize_mxfp8_both(pad.scatter(dy), backend=ctx.backend)
+            w_op = tw.col
+            dy_op = dequantize(row).index_select(0, pad.dest).to(BF16)
+            dyt_op = dequantize(col).to(BF16)
+            x_op = dequantize(ctx.x_col).to(BF16)
+            ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm(dy_op, w_op, lay.ends).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_mm(dyt_op.t(), x_op, ends).to(ctx.w_dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
+    """GroupedExperts' result through two grouped projections (`experts._grouped_proj`)."""
+    layout = ExpertLayout.build(ids_Tk, experts.num_experts)
+    x_sorted = _GatherTokens.apply(x_TH, layout)
+    gate, up = experts._grouped_proj("gate_up", x_sorted, layout).chunk(2, dim=-1)
+    h = experts._grouped_proj("down", invariant.silu(gate) * up, layout)
+    h_Tk = h.index_select(0, layout.inverse).view(layout.num_tokens, layout.top_k, -1)
+    out = (h_Tk * weights_Tk.to(h.dtype)[..., None]).sum(1)
+    return out.to(x_TH.dtype)
+
+
+def grouped_supported(specs: dict[str, TensorSpec | None], dims: tuple[int, ...]) -> bool:
+    """Whether the grouped path takes these experts: bf16, MXFP8 or per-token NVFP4 projections
+    (a per-tensor NVFP4 activation scale would span all experts' rows) and every feature dim a
+    multiple of 8 (torch._grouped_mm's 16-byte strides)."""
+    for spec in specs.values():
+        if spec is None:
+            continue
+        if spec.format not in GROUPED_FORMATS:
+            return False
+        if spec.format is Format.NVFP4 and spec.activations != "per_token":
+            return False
+    return all(d % 8 == 0 for d in dims)

@@ -1,0 +1,253 @@
+"""The tensor-core training GEMMs (`Gemm.TENSOR_CORE`, docs/nn.md "Fast paths"), their logic on
+the CPU: torch._grouped_mm runs there in bf16 (fp32 accumulation), and `mm_f32` is the fp32 GEMM
+of the same bf16 values, so
+
+- dense ops: forward and the quantized backward equal the reference bit for bit (their operands
+  are exact in bf16); the high-precision backward equals the products of the bf16-rounded
+  operands bit for bit;
+- grouped experts: each projection, forward and both gradients, against the reference loop on
+  the same inputs, within the bound of docs/nn.md (bf16 output rounding + fp32 summation order,
+  + operand rounding where an operand is not exact in bf16);
+- the routing layout, the 32-aligned padded layout, and no host sync in building them.
+The same checks on the H200: tests/nn/test_fast_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.formats import dequantize, quantize
+from mxrl.models import build_model
+from mxrl.nn import GroupedExperts, QExperts, apply_plan
+from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
+from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
+from mxrl.recipe import builtin_config, resolve
+from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
+from tests.numerics import assert_bytes_equal
+
+BF16 = torch.bfloat16
+EXACT, ROUNDED = 0.0, 2.0**-8
+
+
+def assert_within(fast, ref, absprod, k, operand_err, what=""):
+    """|fast - ref| <= 2^-8 |ref| + (operand_err + k 2^-22) (|A| @ |B|) (docs/nn.md)."""
+    bound = 2.0**-8 * ref.abs() + (operand_err + k * 2.0**-22) * absprod
+    err = (fast.float() - ref).abs()
+    assert (err <= bound).all(), f"{what}: max excess {(err - bound).max().item():.3e}"
+
+
+# --- dense ---------------------------------------------------------------------------------
+
+
+def _run(q, gemm, x, dy):
+    q.gemm_choice = gemm
+    q.weight.grad = None
+    x = x.clone().requires_grad_(True)
+    y = q(x)
+    y.backward(dy)
+    return y.detach(), x.grad, q.weight.grad
+
+
+@pytest.mark.parametrize(
+    ("fmt", "acts"), [("mxfp8", "per_token"), ("nvfp4", "per_token"), ("nvfp4", "per_tensor")]
+)
+@pytest.mark.parametrize("mode", ["high_precision", "dequantized", "quantized"])
+def test_dense_tensor_core_forward_is_the_reference_bitwise(fmt, acts, mode):
+    if fmt == "nvfp4" and mode == "quantized":
+        pytest.skip("no quantized backward for nvfp4")
+    kw = {"activations": acts} if fmt == "nvfp4" else {}
+    q = make_linear(fmt, mode, **kw)
+    x, dy = inputs()
+    dy = dy.to(BF16).float()  # bf16 values: both paths quantize the same dy
+    y_ref, dx_ref, dw_ref = _run(q, Gemm.REFERENCE, x, dy)
+    y, dx, dw = _run(q, Gemm.TENSOR_CORE, x, dy)
+    assert_bytes_equal(y, y_ref, "forward")
+    if mode == "quantized":  # every backward operand is MXFP8: exact in bf16
+        assert_bytes_equal(dx, dx_ref, "dx")
+        assert_bytes_equal(dw, dw_ref, "dw")
+    elif mode == "high_precision":  # the products of the bf16-rounded operands
+        w = q.weight.detach().to(BF16).float()
+        assert_bytes_equal(dx, dy @ w, "dx")
+        assert_bytes_equal(dw, dy.t() @ x.to(BF16).float(), "dw")
+    else:
+        xq = quantize(x, fmt, per_token=acts == "per_token") if fmt == "nvfp4" else quantize(x, fmt)
+        assert_bytes_equal(dw, dy.t() @ dequantize(xq).to(BF16).float(), "dw")
+        assert_within(dx, dx_ref, dy.abs() @ q.weight.detach().abs(), dy.shape[1], ROUNDED, "dx")
+
+
+def test_dense_fp8_block_on_the_cpu_is_the_reference():
+    q = make_linear("fp8_block", "high_precision")
+    x, dy = inputs()
+    y_ref, _, _ = _run(q, Gemm.REFERENCE, x, dy)
+    y, _, _ = _run(q, Gemm.TENSOR_CORE, x, dy)
+    assert_bytes_equal(y, y_ref, "fp8_block forward (emulated off CUDA)")
+
+
+# --- grouped experts -------------------------------------------------------------------------
+
+
+def _module(fmt, mode):
+    experts = _experts()
+    if fmt == "bf16":
+        return experts, experts
+    return experts, QExperts.from_experts(experts, *_expert_specs(fmt), mode)
+
+
+def _loop_proj(module, which, x_sorted, layout):
+    """The reference loop's projection of the sorted rows, expert by expert."""
+    ends = [0, *layout.ends.tolist()]
+    outs = []
+    for e in range(module.num_experts):
+        rows = x_sorted[ends[e] : ends[e + 1]]
+        if rows.shape[0]:
+            outs.append(module._gate_up(e, rows) if which == "gate_up" else module._down(e, rows))
+    return torch.cat(outs)
+
+
+CASES = [
+    ("bf16", "high_precision"),
+    ("mxfp8", "high_precision"),
+    ("mxfp8", "dequantized"),
+    ("mxfp8", "quantized"),
+    ("nvfp4", "high_precision"),
+    ("nvfp4", "dequantized"),
+]
+
+
+@pytest.mark.parametrize(("fmt", "mode"), CASES)
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_grouped_projection_matches_the_loop_within_the_bound(fmt, mode, which):
+    experts, module = _module(fmt, mode)
+    _, ids, _ = _route(t=45)
+    ids[:7] = torch.tensor([0, 1])  # uneven groups; expert 3 gets rows that are not 32s
+    ids[ids == 2] = 3  # expert 2 empty
+    layout = ExpertLayout.build(ids, 4)
+    param = experts.gate_up_proj if which == "gate_up" else experts.down_proj
+    k = param.shape[-1]
+    g = torch.Generator().manual_seed(9)
+    x_sorted = (torch.randn(layout.order.numel(), k, generator=g)).requires_grad_(True)
+    dy = torch.randn(x_sorted.shape[0], param.shape[1], generator=g).to(BF16)
+    results = {}
+    for gemm in (Gemm.REFERENCE, Gemm.TENSOR_CORE):
+        param.grad = x_sorted.grad = None
+        if gemm is Gemm.REFERENCE:
+            y = _loop_proj(module, which, x_sorted, layout)
+            y.backward(dy.float())
+        else:
+            y = module._grouped_proj(which, x_sorted, layout)
+            assert y.dtype == BF16
+            y.backward(dy)
+        results[gemm] = (y.detach().float(), x_sorted.grad.clone(), param.grad.clone())
+    (y_ref, dx_ref, dw_ref), (y, dx, dw) = results[Gemm.REFERENCE], results[Gemm.TENSOR_CORE]
+    w = param.detach()
+    if fmt == "bf16":
+        absprods = _absprods(x_sorted.detach(), w, dy.float(), layout)
+        errs = (ROUNDED, ROUNDED, ROUNDED)  # x, w rounded to bf16 in every GEMM
+    else:
+        spec = module.specs[which]
+        w_deq = module._quantized(which).deq
+        xq = quantize(x_sorted.detach(), fmt, per_token=True) if fmt == "nvfp4" else None
+        x_deq = dequantize(xq if xq is not None else quantize(x_sorted.detach(), fmt))
+        absprods = _absprods(x_deq, w_deq, dy.float(), layout)
+        exact_bwd = mode == "quantized" or (fmt == "mxfp8" and mode == "dequantized")
+        # the NVFP4 global scales multiply the bf16 output: one more rounding
+        fwd_err = ROUNDED if spec.format.value == "nvfp4" else EXACT
+        errs = (fwd_err, EXACT if exact_bwd else ROUNDED, EXACT if exact_bwd else ROUNDED)
+        if mode == "quantized":  # operands quantized from dy: bound on those operands' sizes
+            absprods = (absprods[0], 2 * absprods[1], 2 * absprods[2])
+    assert_within(y, y_ref, absprods[0], k, errs[0], "forward")
+    assert_within(dx, dx_ref, absprods[1], w.shape[1], errs[1], "dgrad")
+    assert_within(dw, dw_ref, absprods[2], x_sorted.shape[0], errs[2], "wgrad")
+    assert torch.all(dw[2] == 0), "an expert with no rows gets a zero gradient"
+
+
+def _absprods(x, w, dy, layout):
+    """|x| @ |w_e|^T, |dy| @ |w_e| per row's expert, and sum over rows of |dy|^T |x| per expert."""
+    e_of = layout.row_expert
+    fwd = torch.einsum("rk,rnk->rn", x.abs(), w.abs()[e_of])
+    dgrad = torch.einsum("rn,rnk->rk", dy.abs(), w.abs()[e_of])
+    wgrad = torch.zeros_like(w)
+    wgrad.index_add_(0, e_of, torch.einsum("rn,rk->rnk", dy.abs(), x.abs()))
+    return fwd, dgrad, wgrad
+
+
+@pytest.mark.parametrize(("fmt", "mode"), CASES)
+def test_grouped_experts_module_runs_and_routes_like_the_loop(fmt, mode):
+    """The whole module: the loop's result up to the bf16 intermediates (a re-quantized bf16
+    activation may round to a neighbouring code), every parameter and the input get gradients."""
+    _, module = _module(fmt, mode)
+    x, ids, w = _route()
+    outs = {}
+    for gemm in ("reference", "tensor_core"):
+        module.gemm_choice = gemm
+        xg = x.clone().requires_grad_(True)
+        y = module(xg, ids, w)
+        y.square().sum().backward()
+        outs[gemm] = (y.detach(), xg.grad)
+    (y_ref, dx_ref), (y, dx) = outs["reference"], outs["tensor_core"]
+    assert y.dtype == x.dtype
+    rel = (y - y_ref).abs().max() / y_ref.abs().max()
+    assert rel < 0.05, float(rel)
+    assert (dx - dx_ref).abs().max() / dx_ref.abs().max() < 0.1
+
+
+def test_layouts():
+    ids = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
+    lay = ExpertLayout.build(ids, 5)
+    assert lay.ends.tolist() == [3, 5, 5, 8, 8]
+    assert lay.row_expert.tolist() == [0, 0, 0, 1, 1, 3, 3, 3]
+    assert torch.equal(lay.order[lay.inverse], torch.arange(8))
+    assert torch.equal(ids.reshape(-1)[lay.order], lay.row_expert)
+    pad = PaddedLayout.build(lay)
+    assert pad.rows % 32 == 0 and pad.rows >= 8 + 31 * 5
+    assert pad.ends.tolist() == [32, 64, 64, 96, 96]
+    assert pad.dest.tolist() == [0, 1, 2, 32, 33, 64, 65, 66]
+    t = torch.arange(8.0)[:, None].expand(8, 4)
+    assert torch.equal(pad.scatter(t)[pad.dest], t)
+
+
+def test_gather_tokens_backward_sums_each_tokens_rows():
+    ids = torch.tensor([[3, 0], [0, 1], [3, 1], [0, 3]])
+    lay = ExpertLayout.build(ids, 4)
+    x = torch.randn(4, 8, requires_grad=True)
+    g = torch.randn(8, 8)
+    _GatherTokens.apply(x, lay).backward(g)
+    want = torch.zeros(4, 8).index_add_(0, lay.token_of, g)
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=1e-6)
+
+
+def test_gemm_choice():
+    assert select_gemm(None, "cpu") is Gemm.REFERENCE
+    assert select_gemm("tensor_core", "cpu") is Gemm.TENSOR_CORE
+    with pytest.raises(ValueError, match="unknown gemm"):
+        select_gemm("fast", "cpu")
+    model = build_model(builtin_config("tiny-moe"), seed=0)
+    apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
+    assert set_gemm(model, "tensor_core") > 0
+    assert all(
+        m.gemm_choice is Gemm.TENSOR_CORE
+        for m in model.modules()
+        if isinstance(m, GroupedExperts | QExperts)
+    )
+
+
+def test_tiny_model_trains_with_tensor_core_gemms_bf16_autocast_and_checkpointing():
+    torch.manual_seed(0)
+    model = build_model(builtin_config("tiny-moe"), seed=1)
+    apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
+    set_gemm(model, "tensor_core")
+    model.set_training_options(compute_dtype=BF16, checkpoint_layers=True)
+    model.train()
+    ids = torch.randint(1, 64, (4, 24), generator=torch.Generator().manual_seed(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        logits = model(ids[:, :-1])
+        assert logits.dtype == BF16
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert losses[-1] < losses[0] - 0.3, losses
