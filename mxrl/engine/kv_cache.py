@@ -20,9 +20,14 @@ add exact zeros, so where the step's tile or chunk ends does not matter.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from mxrl.nn import invariant
+
+if TYPE_CHECKING:
+    from mxrl.kernels.attention import AttentionTiles
 
 QUERY_TILE = 16
 _GATHER_BYTES = 256 << 20  # keys and values gathered for one batch of tiles, at most
@@ -85,13 +90,29 @@ class PagedAttention:
             self.block_tables = torch.tensor(tables, dtype=torch.int32, device=device)
             self.tiles = attention_tiles([r[:3] for r in requests], group, device)
 
+    @classmethod
+    def on_device(
+        cls,
+        cache: KVCache,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        tiles: AttentionTiles,
+    ) -> PagedAttention:
+        """The kernel's attention from metadata already on the device (a CUDA graph's static
+        buffers: no host list, nothing to synchronise)."""
+        self = cls.__new__(cls)
+        self.cache, self.slot_mapping, self.requests = cache, slot_mapping, None
+        self.kernel, self.block_tables, self.tiles = True, block_tables, tiles
+        return self
+
     def __call__(
         self, layer_idx: int, q_NTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor
     ) -> torch.Tensor:
         kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
         nb, bs, heads_kv, d = kc.shape
-        kc.view(nb * bs, heads_kv, d)[self.slot_mapping] = k_KTD.transpose(0, 1).to(kc.dtype)
-        vc.view(nb * bs, heads_kv, d)[self.slot_mapping] = v_KTD.transpose(0, 1).to(vc.dtype)
+        slots = self.slot_mapping
+        kc.view(nb * bs, heads_kv, d).index_copy_(0, slots, k_KTD.transpose(0, 1).to(kc.dtype))
+        vc.view(nb * bs, heads_kv, d).index_copy_(0, slots, v_KTD.transpose(0, 1).to(vc.dtype))
         if self.kernel:
             from mxrl.kernels.attention import paged_attention
 

@@ -64,7 +64,10 @@ def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> 
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
-    """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated."""
+    """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated;
+    tile 0: fn(x) at once (the engine's batch_invariant=False mode)."""
+    if tile == 0:
+        return fn(x)
     t = x.shape[0]
     if t == 0:
         return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
@@ -232,7 +235,10 @@ class RolloutExperts(nn.Module):
         t, k = ids_Tk.shape
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # counted without bincount, whose CUDA kernel reads the max back to the host (a sync,
+        # which a CUDA graph cannot hold)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x_TH.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x_TH.device)
         offsets[1:] = torch.cumsum(counts, 0)
         x_sorted = x_TH[order // k]

@@ -1,14 +1,17 @@
 """One engine step: the scheduled tokens of every sequence as one ragged row, run through the
 model's own modules under a forward context (mxrl.models.context) — the engine has no decoder
-of its own.
+of its own. A step where every sequence decodes one token replays a CUDA graph when the engine
+has them (mxrl.engine.graph); any other step runs eagerly. Both give the same bytes.
 
-Legend: T new tokens of all scheduled sequences, R sequences, V vocab, k experts per token.
+Legend: T new tokens of all scheduled sequences, R sequences, V vocab, L MoE layers, k experts
+per token.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache, PagedAttention
 from mxrl.engine.scheduler import Scheduled
 from mxrl.models import CausalLM
@@ -19,16 +22,31 @@ class ModelRunner:
     """Runs `net` (the engine's CausalLM: weight holders swapped in) over scheduled steps."""
 
     def __init__(
-        self, net: CausalLM, cache: KVCache, device: torch.device, attention_kernel: bool
+        self,
+        net: CausalLM,
+        cache: KVCache,
+        device: torch.device,
+        attention_kernel: bool,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.net, self.cache, self.device = net, cache, device
         self.attention_kernel = attention_kernel  # the Triton paged attention (triton backend)
+        self.graphs = graphs
         c = net.config
         self.group = c.num_attention_heads // c.num_key_value_heads
+        self.num_graph_steps = self.num_eager_steps = 0
 
-    def step(self, batch: list[Scheduled]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def step(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [R', V] of the sequences that sample this step, in batch order;
-        per scheduled sequence its routing int64 [num_tokens, num_moe_layers, k])."""
+        routing int64 [T, L, k] of every token fed, in batch order, or None for a dense model),
+        both on the engine's device."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            self.num_graph_steps += 1
+            return self.graphs.run(batch)
+        self.num_eager_steps += 1
+        return self._eager(batch)
+
+    def _eager(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
         bs = self.cache.block_size
         ids, positions, slots, requests, last = [], [], [], [], []
         offset = 0
@@ -55,10 +73,5 @@ class ModelRunner:
         with forward_context(ForwardContext(pos_t, attention)):
             hidden, routing = self.net.model(ids_t[None], position_ids=pos_t[None])
         logits = self.net.logits(hidden[0, last]).float() if last else hidden.new_zeros((0, 0))
-        lengths = [s.num_tokens for s in batch]
-        if routing:
-            per_token = torch.stack([r[0] for r in routing], dim=1).cpu()  # [T, layers, k]
-            per_seq = list(per_token.split(lengths))
-        else:
-            per_seq = [torch.zeros((n, 0, 0), dtype=torch.int64) for n in lengths]
-        return logits, per_seq
+        routed = torch.stack([r[0] for r in routing], dim=1) if routing else None
+        return logits, routed

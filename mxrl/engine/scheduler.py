@@ -13,8 +13,8 @@ the cache, instead of computing the same prompt n times.
 When a running sequence needs a block and none is free, the most recently admitted sequence
 not yet scheduled in this step is preempted: its blocks are freed and it goes back to the front
 of the queue, to be recomputed later. Recomputation gives the same bytes (the forward is batch-
-and chunk-invariant) and sampling draws from the sequence's own generator, so preemption never
-changes an output.
+and chunk-invariant) and sampling noise is a hash of the sequence's seed and token count, so
+preemption never changes an output.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Scheduler:
             raise ValueError(
                 f"request {seq.index} needs up to {seq.max_len} tokens of KV cache (prompt "
                 f"{len(seq.prompt)} + max_new_tokens {seq.params.max_new_tokens} - 1); the engine "
-                f"holds {capacity}. Give the engine more KV memory (kv_cache_memory=) or "
+                f"holds {capacity}. Give the engine more KV memory (CacheOptions.kv_cache_bytes) or "
                 "shorten the request"
             )
         self.waiting.append(seq)

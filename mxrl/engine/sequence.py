@@ -27,7 +27,7 @@ class Sequence:
     index: int
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the request's sampling noise is a hash of (seed, tokens generated so far)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     num_computed: int = 0

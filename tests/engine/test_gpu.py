@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrl.engine import Engine, SamplingParams, export_weights
+from mxrl.engine import Engine, SamplingParams
+from mxrl.weights import export_weights
 from tests.engine.test_engine import PRESETS, PROMPTS, tiny
 from tests.numerics import assert_bytes_equal
 
@@ -87,3 +88,76 @@ def test_engine_triton_backend_matches_reference(preset):
         assert ref.tokens == tri.tokens
         torch.testing.assert_close(tri.logprobs, ref.logprobs, rtol=0, atol=1e-4)
         assert_bytes_equal(tri.routed_experts, ref.routed_experts, "routing")
+
+
+def _mixed_params(n):
+    """Requests that finish at different steps and sample differently (the decode batch
+    shrinks, graph buckets change, padding rows come and go)."""
+    kinds = [
+        dict(temperature=1.0),
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.0, top_p=0.8),
+    ]
+    return [
+        SamplingParams(max_new_tokens=4 + 3 * (i % 5), seed=50 + i, **kinds[i % len(kinds)])
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_graph_decode_gives_the_eager_bytes(preset):
+    """CUDA-graph decode (bucketed, padded) against the eager step, in bf16 as users run it:
+    the same tokens, logprobs and routing, byte for byte; a request alone gives them too."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(11)]
+    params = _mixed_params(len(prompts))
+    outs = {}
+    for graphs in (False, True):
+        engine = Engine(
+            tiny(preset), preset, device="cuda", compute_dtype=torch.bfloat16, cuda_graphs=graphs
+        )
+        outs[graphs] = engine.generate(prompts, params)
+        assert (engine.runner.num_graph_steps > 0) == graphs
+    alone = engine.generate([prompts[9]], [params[9]])[0]
+    for i, (eager, graph) in enumerate(zip(outs[False], outs[True], strict=True)):
+        assert eager.tokens == graph.tokens, f"request {i}"
+        assert_bytes_equal(eager.logprobs, graph.logprobs, f"request {i} logprobs")
+        assert_bytes_equal(eager.routed_experts, graph.routed_experts, f"request {i} routing")
+    assert alone.tokens == outs[True][9].tokens
+    assert_bytes_equal(alone.logprobs, outs[True][9].logprobs, "alone logprobs")
+
+
+def test_graphs_follow_a_weight_load():
+    """After load_weights the graphs decode with the new weights (in place, or recaptured):
+    the same bytes as a fresh engine built on the new weights."""
+    preset, kw = "nvfp4-dequantized", dict(device="cuda", compute_dtype=torch.bfloat16)
+    params = _mixed_params(5)
+    engine = Engine(tiny(preset, seed=0), preset, **kw)
+    engine.generate(PROMPTS, params[:4])
+    new = tiny(preset, seed=1)
+    engine.load_weights(export_weights(new.named_parameters(), engine.plan), engine.plan.hash())
+    got = engine.generate(PROMPTS, params[:4])
+    want = Engine(new, preset, **kw).generate(PROMPTS, params[:4])
+    assert engine.runner.num_graph_steps > 0
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens
+        assert_bytes_equal(g.logprobs, w.logprobs, "logprobs after a load")
+
+
+def test_sampler_rows_do_not_depend_on_the_batch_on_cuda():
+    from mxrl.engine.sampler import SamplingBatch, sample_batch
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 151936, generator=g) * 4).cuda()
+    params = _mixed_params(64)
+    seeds, counters = list(range(64)), [3 * i for i in range(64)]
+    dev = torch.device("cuda")
+    tokens, lps = sample_batch(logits, SamplingBatch.build(params, seeds, counters, dev))
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (40, 64)):
+        b = SamplingBatch.build(params[lo:hi], seeds[lo:hi], counters[lo:hi], dev)
+        t, lp = sample_batch(logits[lo:hi], b)
+        assert torch.equal(t, tokens[lo:hi]), (lo, hi)
+        assert_bytes_equal(lp, lps[lo:hi], f"rows {lo}:{hi}")
+    cpu_b = SamplingBatch.build(params[:4], seeds[:4], counters[:4], torch.device("cpu"))
+    t_cpu, _ = sample_batch(logits[:4].cpu(), cpu_b)  # the noise's bits are the same on the CPU
+    assert torch.equal(t_cpu, tokens[:4].cpu())

@@ -1,0 +1,152 @@
+"""CUDA-graph decode: a step where every scheduled sequence feeds one token replays a graph
+captured for the next bucketed batch size, instead of launching a few hundred kernels from
+Python.
+
+Legend: R decoding sequences, P the bucket (R padded up), W block-table width, V vocab, L MoE
+layers, k experts per token.
+
+All of a step's metadata lives in one static int32 buffer `[P_max, 3 + W]` — per row: token
+id, position, KV slot, then the block table — filled on the host (pinned) and copied in one
+transfer; the graph reads its first P rows. Padding rows feed token 0 at position 0 into a
+scratch block that no sequence owns (the cache's last block), so they never touch a real
+sequence's keys. Outputs are the graph's static logits `[P, V]` (fp32) and routing `[P, L, k]`;
+the caller reads rows `[:R]` before the next replay.
+
+Same bytes as the eager step: the graph replays exactly the kernels the eager forward launches
+for the same P rows, and every engine GEMM, attention tile and element-wise op computes a row
+from that row alone (docs/engine.md, "Batch invariance") — so padding to P changes nothing for
+the real rows. The tests compare graph and eager steps byte for byte.
+
+Graphs stay valid while the engine's weight buffers stay where they are (loads copy in place);
+the engine drops them when a load has to replace a buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mxrl.engine.kv_cache import KVCache, PagedAttention
+from mxrl.engine.scheduler import Scheduled
+from mxrl.models import CausalLM
+from mxrl.models.context import ForwardContext, forward_context
+
+logger = logging.getLogger(__name__)
+
+META = 3  # columns before the block table: token id, position, slot
+
+
+def buckets(max_batch: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every multiple of 8 up to 32,
+    then of 16 up to 128, then of 32 — at most 1/8 of a step's rows are padding past 8."""
+    out, b = [1, 2, 4, 8], 8
+    while b < max_batch:
+        b += 8 if b < 32 else 16 if b < 128 else 32
+        out.append(b)
+    return [x for x in out if x < max_batch] + [max_batch]
+
+
+class DecodeGraphs:
+    """Decode graphs of one engine, captured lazily per bucket (module docstring).
+
+    max_batch: the largest decode batch (the scheduler's max_num_seqs). width: block-table
+    entries per row (`fits` refuses a step holding a longer table; the engine then rebuilds
+    with a wider table).
+    """
+
+    def __init__(
+        self, net: CausalLM, cache: KVCache, max_batch: int, width: int, scratch_block: int
+    ) -> None:
+        self.net, self.cache = net, cache
+        self.device = cache.k[0].device
+        self.max_batch, self.width, self.scratch = max_batch, width, scratch_block
+        self.sizes = buckets(max_batch)
+        self.block_size = cache.block_size
+        self.meta_host = torch.zeros((max_batch, META + width), dtype=torch.int32, pin_memory=True)
+        self._meta_np = self.meta_host.numpy()
+        self.meta = torch.zeros((max_batch, META + width), dtype=torch.int32, device=self.device)
+        self.arange = torch.arange(max_batch, dtype=torch.int32, device=self.device)
+        self.ones = torch.ones(max_batch, dtype=torch.int32, device=self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self._rows: list[tuple[object, list[int]] | None] = [None] * max_batch
+        self._pad_rows(0, max_batch)
+
+    def fits(self, batch: list[Scheduled]) -> bool:
+        return (
+            0 < len(batch) <= self.max_batch
+            and all(s.num_tokens == 1 and s.sample for s in batch)
+            and all(len(s.seq.block_table) <= self.width for s in batch)
+        )
+
+    def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] and routing [R, L, k] (views of the graph's outputs) of a decode step."""
+        r = len(batch)
+        p = next(size for size in self.sizes if size >= r)
+        self._fill(batch, p)
+        self.meta[:p].copy_(self.meta_host[:p], non_blocking=True)
+        graph, logits, routing = self.graphs.get(p) or self._capture(p)
+        graph.replay()
+        return logits[:r], None if routing is None else routing[:r]
+
+    # --- metadata --------------------------------------------------------------------------
+    def _fill(self, batch: list[Scheduled], p: int) -> None:
+        meta, bs = self._meta_np, self.block_size
+        for i, s in enumerate(batch):
+            seq, pos = s.seq, s.start
+            table = seq.block_table
+            meta[i, 0] = seq.tokens[pos]
+            meta[i, 1] = pos
+            meta[i, 2] = table[pos // bs] * bs + pos % bs
+            known = self._rows[i]
+            if known is None or known[0] is not seq or known[1] != table:
+                meta[i, META : META + len(table)] = table
+                self._rows[i] = (seq, list(table))
+        if any(self._rows[i] is not None for i in range(len(batch), p)):
+            self._pad_rows(len(batch), p)
+
+    def _pad_rows(self, start: int, stop: int) -> None:
+        meta = self._meta_np
+        meta[start:stop, :META] = (0, 0, self.scratch * self.block_size)
+        meta[start:stop, META] = self.scratch
+        for i in range(start, stop):
+            self._rows[i] = None
+
+    # --- capture ---------------------------------------------------------------------------
+    def _forward(self, p: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from mxrl.kernels.attention import AttentionTiles
+
+        meta = self.meta[:p]
+        positions = meta[:, 1].long()
+        tiles = AttentionTiles(
+            self.arange[:p], self.ones[:p], meta[:, 1].contiguous(), self.arange[:p]
+        )
+        attention = PagedAttention.on_device(self.cache, meta[:, 2].long(), meta[:, META:], tiles)
+        with forward_context(ForwardContext(positions, attention)):
+            hidden, routing = self.net.model(meta[:, 0].long()[None], position_ids=positions[None])
+        logits = self.net.logits(hidden[0]).float()
+        return logits, torch.stack([r[0] for r in routing], dim=1) if routing else None
+
+    def _capture(self, p: int):
+        """Warm up (Triton compiles, cuBLAS workspaces) on padding rows only — the warm-up
+        really writes KV slots, so it must touch nothing but the scratch block — then capture."""
+        saved = self.meta_host[:p].clone()
+        self._pad_rows(0, p)
+        self.meta[:p].copy_(self.meta_host[:p])
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(p)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, routing = self._forward(p)
+        self.graphs[p] = (graph, logits, routing)
+        logger.info("engine: captured the decode graph for %d sequences", p)
+        self.meta_host[:p].copy_(saved)  # the step being run, as _fill wrote it
+        for i in range(p):
+            self._rows[i] = None  # force a rewrite of every row's table next time
+        self.meta[:p].copy_(self.meta_host[:p])
+        return self.graphs[p]
