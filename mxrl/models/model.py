@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from mxrl.models.config import ModelConfig
@@ -35,6 +36,9 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+        # recompute each decoder layer in the backward instead of keeping its activations
+        # (training only; `CausalLM.set_training_options`)
+        self.checkpoint_layers = False
 
     def forward(
         self,
@@ -68,7 +72,12 @@ class DecoderModel(nn.Module):
             replay = None
             if replay_routing is not None and layer.is_moe:
                 replay = replay_routing[len(routing)]
-            h, ids = layer(h, rope, mask_BSL, kv_cache, replay)
+            if self.checkpoint_layers and self.training and torch.is_grad_enabled():
+                h, ids = torch.utils.checkpoint.checkpoint(
+                    layer, h, rope, mask_BSL, kv_cache, replay, use_reentrant=False
+                )
+            else:
+                h, ids = layer(h, rope, mask_BSL, kv_cache, replay)
             if ids is not None:
                 routing.append(ids)
         return self.norm(h), routing
@@ -127,6 +136,17 @@ class CausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.compute_dtype: torch.dtype | None = None  # None: compute in the parameters' dtype
+
+    def set_training_options(
+        self, *, compute_dtype: torch.dtype | None = None, checkpoint_layers: bool = False
+    ) -> None:
+        """compute_dtype (e.g. torch.bfloat16): run forward under `torch.autocast` in that dtype,
+        master weights unchanged (fp32 master, bf16 compute; the quantized ops keep their own
+        numerics, docs/nn.md). checkpoint_layers: recompute each decoder layer in the backward
+        (less activation memory, one more forward). Defaults: neither (the CPU reference)."""
+        self.compute_dtype = compute_dtype
+        self.model.checkpoint_layers = checkpoint_layers
 
     @property
     def moe_layer_indices(self) -> list[int]:
@@ -161,14 +181,19 @@ class CausalLM(nn.Module):
         replay_routing: the same structure, to force those experts (routing replay); their
         weights come from this model's router probabilities.
         """
-        hidden, routing = self.model(
-            input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            kv_cache=kv_cache,
-            replay_routing=replay_routing,
-        )
-        logits = self.logits(hidden)
+        with torch.autocast(
+            input_ids.device.type,
+            dtype=self.compute_dtype or torch.bfloat16,
+            enabled=self.compute_dtype is not None,
+        ):
+            hidden, routing = self.model(
+                input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                kv_cache=kv_cache,
+                replay_routing=replay_routing,
+            )
+            logits = self.logits(hidden)
         return (logits, routing) if return_routing else logits
 
 

@@ -2,14 +2,17 @@
 
 from mxrl.nn import apply_plan
 swaps = apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
+set_gemm(model, "reference")   # the fp32 reference GEMMs (default on the CPU; docs/nn.md)
 """
 
 from mxrl.nn.apply import Swap, apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
 
 __all__ = [
+    "Gemm",
     "GroupedExperts",
     "QExperts",
     "QLinear",
@@ -18,5 +21,7 @@ __all__ = [
     "Swap",
     "WeightCache",
     "apply_plan",
+    "select_gemm",
+    "set_gemm",
     "swap_table",
 ]
