@@ -61,10 +61,11 @@ from torch import nn
 
 ensure_repo_on_path()
 
-from mxrl.engine import Engine, SamplingParams, export_weights  # noqa: E402
+from mxrl.engine import Engine, SamplingParams  # noqa: E402
 from mxrl.formats import QTensor  # noqa: E402
 from mxrl.models import ModelConfig, build_model  # noqa: E402
 from mxrl.recipe import list_presets, resolve  # noqa: E402
+from mxrl.weights import export_weights  # noqa: E402
 
 DEFAULT_PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized")
 BASELINE = "bf16"

@@ -187,7 +187,7 @@ def _progress_logging() -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import json
 
-    from mxrl.sync.checkpoint import MANIFEST_NAME, convert_checkpoint
+    from mxrl.weights import MANIFEST_NAME, convert_checkpoint
 
     def announce(plan) -> None:
         print(

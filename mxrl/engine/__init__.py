@@ -7,14 +7,5 @@ completions = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_t
 
 from mxrl.engine.engine import Engine
 from mxrl.engine.params import Completion, SamplingParams
-from mxrl.engine.weights import WeightRecord, check_finite, content_hash, export_weights
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "SamplingParams",
-    "WeightRecord",
-    "check_finite",
-    "content_hash",
-    "export_weights",
-]
+__all__ = ["Completion", "Engine", "SamplingParams"]

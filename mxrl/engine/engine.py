@@ -13,6 +13,7 @@ modules.py (the weight holders swapped into the model), sampler.py.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ import torch
 from torch import nn
 
 from mxrl.engine.block_manager import BlockManager
-from mxrl.engine.checkpoint import read_quantized_checkpoint
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.engine.params import Completion, SamplingParams
@@ -30,13 +30,19 @@ from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import sample
 from mxrl.engine.scheduler import Scheduler
 from mxrl.engine.sequence import Sequence as Request
-from mxrl.engine.weights import WeightRecord, content_hash, export_weights
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend, select_backend
 from mxrl.models import CausalLM, ModelConfig
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
+from mxrl.weights import (
+    WeightRecord,
+    WeightValue,
+    checksums,
+    export_weights,
+    read_quantized_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +201,8 @@ class Engine:
         owner, _, attr = name.rpartition(".")
         return self.net.get_submodule(owner), attr
 
-    def _stage(self, record: WeightRecord):
+    def _check(self, record: WeightRecord) -> None:
+        """A record's name, format, shape and dtype against the plan (raises ValueError)."""
         spec = self.plan.get(record.name)
         if spec is None:
             raise ValueError(f"{record.name!r} is not in the engine's plan: unknown tensor")
@@ -215,28 +222,61 @@ class Engine:
                 f"{record.name}: {value.dtype} {tuple(value.shape)}, the engine holds "
                 f"{self.weight_dtype} {spec.shape} (export with bf16_dtype={self.weight_dtype})"
             )
-        if content_hash(value) != record.hash:
-            raise ValueError(
-                f"{record.name}: content hash mismatch (corrupted in transit or on disk); "
-                "the engine keeps its previous weights"
-            )
+
+    def _stage(self, name: str, value: WeightValue) -> tuple:
+        """(value on the engine's device, what its module holds for it): new tensors, nothing
+        installed yet. The same structure as `_installed` gives for the live weights."""
         value = value.to(self.device)
-        module, attr = self._target(record.name)
+        module, attr = self._target(name)
         if isinstance(module, RolloutLinear) and attr == "weight":
-            return value, ("linear", module.materialize(value))
+            return value, module.materialize(value)
         if isinstance(module, RolloutExperts):
             which = "gate_up" if attr == "gate_up_proj" else "down"
-            return value, ("experts", (which, module.materialize(which, value)))
-        return value, ("tensor", value.to(self.compute_dtype))
+            return value, module.materialize(which, value)
+        return value, value.to(self.compute_dtype)
+
+    def _installed(self, name: str) -> tuple | None:
+        """What the forward reads for `name` now (None before the first load)."""
+        if name not in self.weights:
+            return None
+        module, attr = self._target(name)
+        if isinstance(module, RolloutLinear) and attr == "weight":
+            held = {k: getattr(module, k) for k in ("qweight", "wq", "weight")}
+        elif isinstance(module, RolloutExperts):
+            held = module.values["gate_up" if attr == "gate_up_proj" else "down"]
+        else:
+            held = getattr(module, attr)
+        return self.weights[name], held
+
+    def _install(self, name: str, staged: tuple) -> None:
+        """Point the module at new tensors (a load that could not be done in place)."""
+        value, held = staged
+        module, attr = self._target(name)
+        if isinstance(module, RolloutLinear) and attr == "weight":
+            for key, v in held.items():
+                setattr(module, key, v)
+        elif isinstance(module, RolloutExperts):
+            module.values["gate_up" if attr == "gate_up_proj" else "down"] = held
+        elif isinstance(module, RolloutLinear):
+            setattr(module, attr, held)
+        else:
+            setattr(module, attr, nn.Parameter(held, requires_grad=False))
+            if name == TIED_EMBEDDING and self.config.tie_word_embeddings:
+                self.net.lm_head.weight = held
+        self.weights[name] = value
 
     def load_weights(
         self, records: Iterable[WeightRecord], plan_hash: str, *, partial: bool = False
     ) -> int:
-        """Verify, then swap in, a set of exported weights; returns the new weights_version.
+        """Verify, then load, a set of exported weights; returns the new weights_version.
 
-        Checks the plan hash, then every record (known name, format and shape per the plan,
-        content hash); unless `partial`, every tensor of the plan must be present. Any failure
-        raises ValueError before anything is swapped: the previous weights stay whole.
+        All or nothing: the plan hash, every record (known name, format and shape per the
+        plan, its checksum recomputed on the device holding it, once) and, unless `partial`,
+        the presence of every tensor of the plan are checked before any byte of the live
+        weights is written; any failure raises ValueError and the previous weights keep
+        serving. Then each tensor is copied into the buffers the engine already holds (same
+        shapes, dtypes and storage: captured CUDA graphs stay valid); only a first load, or a
+        layout that changed, installs new buffers (and drops the captured graphs).
         """
         if plan_hash != self.plan.hash():
             raise ValueError(
@@ -244,43 +284,67 @@ class Engine:
                 f"engine runs plan {self.plan.hash()[:16]} ({self.plan.recipe_name}); trainer and "
                 "engine must resolve the same recipe for the same model. Nothing was loaded."
             )
-        staged, value_hashes = {}, {}
+        received: dict[str, WeightRecord] = {}
         for record in records:
-            if record.name in staged:
+            if record.name in received:
                 raise ValueError(f"{record.name} was sent twice in one update")
-            staged[record.name] = self._stage(record)  # checks record.hash against the bytes
-            value_hashes[record.name] = record.hash
+            self._check(record)
+            received[record.name] = record
         if not partial:
-            missing = [n for n in self.plan if n not in staged]
+            missing = [n for n in self.plan if n not in received]
             if missing:
                 raise ValueError(
                     f"incomplete update: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
                     "the engine keeps its previous weights"
                 )
-        for name, (value, (kind, payload)) in staged.items():  # commit: nothing can fail here
-            module, attr = self._target(name)
-            if kind == "linear":
-                for key, v in payload.items():
-                    setattr(module, key, v)
-            elif kind == "experts":
-                module.values[payload[0]] = payload[1]
-            elif isinstance(module, RolloutLinear):
-                setattr(module, attr, payload)
-            else:
-                setattr(module, attr, nn.Parameter(payload, requires_grad=False))
-                if name == TIED_EMBEDDING and self.config.tie_word_embeddings:
-                    self.net.lm_head.weight = payload
-            self.weights[name] = value
-            self.hashes[name] = value_hashes[name]
+        sums = checksums([r.value for r in received.values()])  # one host read per device
+        bad = [r.name for r, s in zip(received.values(), sums, strict=True) if s != r.hash]
+        if bad:
+            raise ValueError(
+                f"{bad[0]}: checksum mismatch (corrupted in transit or on disk)"
+                + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
+                + "; the engine keeps its previous weights"
+            )
+        # staged before any live byte is written: what cannot be loaded in place
+        replaced: dict[str, tuple] = {}
+        for name, record in received.items():
+            if not _same_layout(self._installed(name), (record.value, None), values_only=True):
+                replaced[name] = self._stage(name, record.value)
+        with torch.no_grad():  # into the live buffers; only memory can fail from here
+            for name, record in received.items():
+                if name in replaced:
+                    continue
+                live, new = self._installed(name), self._stage(name, record.value)
+                if not _same_layout(live, new):
+                    replaced[name] = new
+                    continue
+                for dst, src in zip(_leaves(live), _leaves(new), strict=True):
+                    if dst is not None and dst.data_ptr() != src.data_ptr():
+                        dst.copy_(src)
+        for name, staged in replaced.items():
+            self._install(name, staged)
+        for name, record in received.items():
+            self.hashes[name] = record.hash
+        if replaced:
+            self._invalidate_graphs()
         self._blocks = None  # cached prefixes hold keys/values of the old weights
         self.weights_version += 1
-        logger.info("engine: loaded %d tensors (version %d)", len(staged), self.weights_version)
+        logger.info(
+            "engine: loaded %d tensors (%d in place, version %d)",
+            len(received), len(received) - len(replaced), self.weights_version,
+        )  # fmt: skip
         return self.weights_version
 
+    def _invalidate_graphs(self) -> None:
+        """Drop captured CUDA graphs (none yet): called when a load installed new buffers."""
+
     def records(self) -> Iterable[WeightRecord]:
-        """The weights the engine holds, as records (for checks and checkpoints)."""
-        for name, value in self.weights.items():
-            yield WeightRecord(name, value, content_hash(value))
+        """The weights the engine holds, as records (for checks and checkpoints); the values are
+        the live tensors, which the next load overwrites in place."""
+        names = list(self.weights)
+        values = [self.weights[n] for n in names]
+        for name, value, sum_ in zip(names, values, checksums(values), strict=True):
+            yield WeightRecord(name, value, sum_)
 
     # --- generation ----------------------------------------------------------------------------
     def _cache(self) -> tuple[KVCache, BlockManager]:
@@ -408,6 +472,41 @@ class Engine:
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+def _leaves(obj) -> list[torch.Tensor | None]:
+    """The tensors of a staged or installed weight, in a fixed order (None where absent)."""
+    if obj is None or isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, QTensor):
+        return [getattr(obj, f) for f in ("qdata", "scale", "global_scale")]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _leaves(item)]
+    if isinstance(obj, dict):
+        return [t for key in sorted(obj) for t in _leaves(obj[key])]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name))]
+    raise TypeError(f"no tensors known in {type(obj).__name__}")
+
+
+def _same_layout(live, new, *, values_only: bool = False) -> bool:
+    """Whether `new` can be copied into `live` tensor for tensor (same shapes, dtypes, devices;
+    values_only: compare the held values, the first item of each, only)."""
+    if live is None:
+        return False
+    if values_only:
+        live, new = live[0], new[0]
+    a, b = _leaves(live), _leaves(new)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and (x.shape != y.shape or x.dtype != y.dtype):
+            return False
+        if x is not None and not values_only and x.device != y.device:
+            return False
+    return True
 
 
 def _pow2_at_least_16(n: int) -> bool:

@@ -33,7 +33,8 @@ from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
-from mxrl.sync import InProcessTransport, export
+from mxrl.sync import InProcessTransport
+from mxrl.weights import export
 
 logger = logging.getLogger(__name__)
 

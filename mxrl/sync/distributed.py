@@ -5,20 +5,24 @@
     sender.send(export(model, plan, step=s))      receiver.receive()
 
 Every rank of `group` takes part: `src` sends, all others receive (gloo on CPU tensors, NCCL on
-the current CUDA device). Per bucket, three broadcasts from `src`:
+the current CUDA device). The sender quantizes bucket k+1 while bucket k is on the wire: on CUDA
+the export and the packing run on a side stream and the payload broadcast is asynchronous, with
+at most two payloads alive (the one in transfer, the one being built); on gloo / CPU the steps
+run one after the other. Per bucket, three broadcasts from `src`:
 
 1. meta, int64[8]: wire version, flags (1 = last bucket, 2 = the sender aborted), header length,
    payload length, and the sha256 of the header (4 x int64). Fixed size, so a receiver always
    knows how much follows, even when it cannot use what arrives.
 2. header, uint8[header length]: JSON of the bucket (index, last, num_buckets, plan hash, step,
-   the QuantizationEvent on the last bucket) and of each record: name, content hash, and its
+   the QuantizationEvent on the last bucket) and of each record: name, checksum, and its
    fields (QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and
    byte count in the payload.
-3. payload, uint8[payload length]: every field's bytes, each at a 16-byte-aligned offset.
+3. payload, one flat uint8 bucket: every field's bytes, each at a 16-byte-aligned offset.
 
-Engine ranks rebuild `WeightRecord`s (`QTensor.from_state_dict`) as views of the payload and,
-after the last bucket, load them with ONE `Engine.load_weights` call (`transport.apply_update`),
-which recomputes every content hash. A receiver keeps receiving to the last bucket even after an
+Engine ranks rebuild `WeightRecord`s (`QTensor.from_state_dict`) as views of the payload, on
+their device and, after the last bucket, load them with ONE `Engine.load_weights` call
+(`transport.apply_update`), which recomputes every checksum there and copies into the engine's
+buffers. A receiver keeps receiving to the last bucket even after an
 error, so the collectives stay in step; then all ranks all-gather (failed, weights_version), and a
 refusal on any engine rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update leaves each engine
 rank on its previous weights.
@@ -26,11 +30,13 @@ rank on its previous weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,14 +44,13 @@ import torch
 import torch.distributed as dist
 
 from mxrl.engine import Engine
-from mxrl.engine.weights import WeightRecord
 from mxrl.formats import QTensor
-from mxrl.sync.export import Bucket, Export, QuantizationEvent
 from mxrl.sync.transport import SyncReport, apply_update
+from mxrl.weights import Bucket, Export, QuantizationEvent, WeightRecord
 
 logger = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: records carry mxrl.weights checksums (1: sha256 content hashes)
 FLAG_LAST = 1
 FLAG_ABORT = 2
 _META_LEN = 8
@@ -217,34 +222,46 @@ class DistributedSender:
         self.group, self.src, self.tamper = group, src, tamper
         self.device = _comm_device(group, device)
 
-    def _broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, src=self.src, group=self.group)
+    def _broadcast(self, t: torch.Tensor, *, async_op: bool = False):
+        return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
 
     def send(self, update: Export) -> SyncReport:
-        """Broadcast one export; returns once every engine rank has verified and swapped it.
+        """Broadcast one export; returns once every engine rank has verified and loaded it.
         Raises ValueError when any engine rank refused it (they all keep their weights)."""
         t0 = time.perf_counter()
         num_tensors = num_bytes = 0
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        inflight: deque = deque()  # (work, payload) of the payloads on the wire
         buckets = iter(update)
         while True:
             try:
-                bucket = next(buckets, None)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    bucket = next(buckets, None)  # quantized while the last payload transfers
+                    if bucket is not None:
+                        header, payload = pack_bucket(bucket, self.device)
             except Exception:
                 # The export failed mid-way: tell the receivers, so that no rank waits forever.
+                self._finish(inflight)
                 self._broadcast(_meta(FLAG_ABORT, b"", 0, self.device))
                 raise
             if bucket is None:
                 break
-            header, payload = pack_bucket(bucket, self.device)
+            if side is not None:  # the broadcasts (current stream) follow the side stream
+                current = torch.cuda.current_stream(self.device)
+                current.wait_stream(side)
+                payload.record_stream(current)
             if self.tamper is not None:
                 self.tamper(bucket.index, payload)
             flags = FLAG_LAST if bucket.last else 0
             self._broadcast(_meta(flags, header, payload.numel(), self.device))
             self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
             if payload.numel():
-                self._broadcast(payload)
+                inflight.append((self._broadcast(payload, async_op=True), payload))
+            self._finish(inflight, keep=1)  # bounded memory: one in transfer, one being built
             num_tensors += bucket.num_tensors
             num_bytes += bucket.nbytes
+        self._finish(inflight)
         engines = [s for s in _gather_status(0, 0, self.group, self.device) if s[0] != self.src]
         refused = [rank for rank, failed, _ in engines if failed]
         if refused:
@@ -257,6 +274,17 @@ class DistributedSender:
             logger.warning("engine ranks disagree on weights_version: %s", versions)
         elapsed = time.perf_counter() - t0
         return SyncReport(versions[-1], num_tensors, num_bytes, elapsed, update.event)
+
+    def _finish(self, inflight: deque, keep: int = 0) -> None:
+        """Wait until all but `keep` of the payloads on the wire have left, the host too (that
+        bounds how many are alive)."""
+        if len(inflight) <= keep:
+            return
+        while len(inflight) > keep:
+            work, _ = inflight.popleft()
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class DistributedReceiver:
@@ -283,7 +311,7 @@ class DistributedReceiver:
         return t
 
     def receive(self) -> SyncReport:
-        """Block until one whole update has arrived, then verify and swap it. Raises ValueError
+        """Block until one whole update has arrived, then verify and load it. Raises ValueError
         (weights unchanged) for a refused update, after every rank has agreed on the outcome."""
         t0 = time.perf_counter()
         buckets: list[Bucket] = []

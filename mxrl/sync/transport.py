@@ -2,10 +2,11 @@
 
 Both transports (in-process here, torch.distributed in `sync/distributed.py`) end in
 `apply_update`, so they accept and refuse the same updates. `Engine.load_weights` verifies the
-plan hash, each record's name, format, shape and content hash, and that every tensor of the plan
-is present, and stages everything before it swaps; the bucket checks below (same plan hash,
-indices 0..n-1, a last bucket) run inside the stream it reads. A failure anywhere therefore
-raises before anything is swapped: the engine keeps its previous weights, whole.
+plan hash, each record's name, format, shape and checksum (once, on the device holding it), and
+that every tensor of the plan is present, before it writes any byte of its weights (in place);
+the bucket checks below (same plan hash and step, indices 0..n-1, a last bucket) run inside the
+stream it reads. A failure anywhere therefore raises before anything is written: the engine
+keeps its previous weights, whole.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from mxrl.engine import Engine
-from mxrl.engine.weights import WeightRecord
-from mxrl.sync.export import Bucket, Export, QuantizationEvent
+from mxrl.weights import Bucket, Export, QuantizationEvent, WeightRecord
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class SyncReport:
     """One applied update. version: the engine's weights_version after it; seconds: wall time
-    of the whole sync (export, transfer, verification, swap) as seen by the caller; event: the
+    of the whole sync (export, transfer, verification, load) as seen by the caller; event: the
     export's QuantizationEvent (None when the sender did not provide one)."""
 
     version: int
@@ -50,6 +50,7 @@ def checked_records(
     `plan_hash`; raises ValueError (inside the consumer, e.g. load_weights) otherwise."""
     expected = 0
     done = False
+    step = None
     for bucket in buckets:
         if done:
             raise ValueError(
@@ -61,6 +62,12 @@ def checked_records(
                 f"bucket {bucket.index} was exported under plan {bucket.plan_hash[:16]}, the "
                 f"update under {plan_hash[:16]}; the engine keeps its previous weights"
             )
+        if step is not None and bucket.step != step:
+            raise ValueError(
+                f"bucket {bucket.index} comes from the export of step {bucket.step}, the update "
+                f"from step {step} (a stale bucket); the engine keeps its previous weights"
+            )
+        step = bucket.step
         if bucket.index != expected:
             raise ValueError(
                 f"bucket {bucket.index} arrived where bucket {expected} was due (lost or "
@@ -113,7 +120,7 @@ def apply_update(
 
 class InProcessTransport:
     """Colocated trainer and engine (one process): the records are handed over by reference,
-    quantized bucket by bucket as the engine stages them, and swapped in at once.
+    quantized bucket by bucket as the engine checks them, and copied into its buffers at once.
 
         report = InProcessTransport(engine).send(export(model, engine.plan, step=step))
     """

@@ -8,11 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from mxrl.engine import Engine, SamplingParams, WeightRecord, export_weights
+from mxrl.engine import Engine, SamplingParams
 from mxrl.engine.sampler import processed_logprobs
 from mxrl.formats import QTensor
 from mxrl.models import build_model
 from mxrl.recipe import builtin_config
+from mxrl.weights import WeightRecord, export_weights
 from tests.numerics import assert_bytes_equal
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
@@ -153,7 +154,7 @@ def test_load_weights_refuses_bad_updates_and_keeps_previous_weights():
     with pytest.raises(ValueError, match="plan hash mismatch"):
         engine.load_weights(good, "0" * 64)
     tampered = [*good[:-1], dataclasses.replace(good[-1], hash="f" * 64)]
-    with pytest.raises(ValueError, match="content hash mismatch"):
+    with pytest.raises(ValueError, match="checksum mismatch"):
         engine.load_weights(tampered, engine.plan.hash())
     with pytest.raises(ValueError, match="incomplete update"):
         engine.load_weights(good[:5], engine.plan.hash())

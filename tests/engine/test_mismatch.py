@@ -12,11 +12,12 @@ import random
 import pytest
 import torch
 
-from mxrl.engine import Engine, SamplingParams, export_weights
+from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
 from mxrl.nn import apply_plan
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl import measure_mismatch
+from mxrl.weights import export_weights
 
 pytestmark = pytest.mark.capability  # holds on every CPU capability (tests/numeric_env.py)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from mxrl.runs import RunRecord
-from mxrl.sync.export import QuantizationEvent
+from mxrl.weights import QuantizationEvent
 
 
 def write_run(

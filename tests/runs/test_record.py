@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from mxrl.runs import RunRecord, new_run_id
-from mxrl.sync.export import QuantizationEvent
+from mxrl.weights import QuantizationEvent
 from tests.runs.synthetic import strict_json
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mxrl.engine import Engine, export_weights
+from mxrl.engine import Engine
 from mxrl.recipe import resolve
-from mxrl.sync import DistributedReceiver, DistributedSender, export
+from mxrl.sync import DistributedReceiver, DistributedSender
+from mxrl.weights import export, export_weights
 from tests.sync.helpers import hashes, tiny
 
 PRESET = "nvfp4-dequantized"

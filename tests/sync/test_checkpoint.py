@@ -9,16 +9,17 @@ import torch
 from safetensors import safe_open
 
 from mxrl.cli import main
-from mxrl.engine import Engine, export_weights
+from mxrl.engine import Engine
 from mxrl.models import save_pretrained
 from mxrl.recipe import Plan, resolve
-from mxrl.sync import (
+from mxrl.weights import (
+    MANIFEST_NAME,
+    PLAN_NAME,
     convert_checkpoint,
-    load_engine_from_checkpoint,
+    export_weights,
     read_quantized_checkpoint,
     write_quantized_checkpoint,
 )
-from mxrl.sync.checkpoint import MANIFEST_NAME, PLAN_NAME
 from tests.sync.helpers import PROMPT, engine_logits, hashes, tiny
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
@@ -102,7 +103,7 @@ def test_plan_json_round_trips(converted):
 
 
 def test_engine_from_checkpoint_holds_the_bytes_of_a_live_export(converted):
-    engine = load_engine_from_checkpoint(converted)
+    engine = Engine.from_checkpoint(converted)
     model, plan = live_plan()
     assert engine.plan.hash() == plan.hash()
     assert hashes(engine.records()) == hashes(export_weights(model.named_parameters(), plan))
@@ -144,7 +145,7 @@ def test_a_flipped_data_byte_is_caught_naming_file_and_tensor(converted, tmp_pat
     assert name in str(err.value) and "sha256" in str(err.value)
     assert engine.weights_version == version and hashes(engine.records()) == held
     with pytest.raises(ValueError, match=name):
-        load_engine_from_checkpoint(copy)
+        Engine.from_checkpoint(copy)
 
 
 def test_a_truncated_shard_is_caught_naming_the_file(converted, tmp_path):
@@ -165,8 +166,8 @@ def test_an_edited_manifest_hash_is_caught_by_the_engine(converted, tmp_path):
         path.write_text(json.dumps(m))
 
     copy = corrupt_copy(converted, tmp_path, MANIFEST_NAME, edit)
-    with pytest.raises(ValueError, match=r"lm_head\.weight: content hash mismatch"):
-        load_engine_from_checkpoint(copy)
+    with pytest.raises(ValueError, match=r"lm_head\.weight: checksum mismatch"):
+        Engine.from_checkpoint(copy)
 
 
 def test_a_failed_write_leaves_nothing(tmp_path):
@@ -193,7 +194,7 @@ def test_cli_convert_end_to_end(hf_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "mxfp8" in printed and "plan hash" in printed and "SQNR" in printed
     assert (out / "model-00001-of-00001.safetensors").is_file()
-    engine = load_engine_from_checkpoint(out)
+    engine = Engine.from_checkpoint(out)
     model = tiny(seed=0)
     assert hashes(engine.records()) == hashes(export_weights(model.named_parameters(), engine.plan))
     argv = ["convert", "--recipe", "mxfp8", "--model", str(hf_dir), "--out", str(out)]

@@ -10,7 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from mxrl.recipe import resolve
-from mxrl.sync import export, pack_bucket, unpack_bucket
+from mxrl.sync import pack_bucket, unpack_bucket
+from mxrl.weights import export
 from tests.sync import dist_worker
 from tests.sync.helpers import hashes, tiny
 
@@ -24,10 +25,10 @@ def test_pack_unpack_round_trips_every_record_bit_for_bit(preset):
         assert payload.dtype == torch.uint8 and payload.dim() == 1
         back = unpack_bucket(header, payload)
         assert dataclasses.replace(back, records=()) == dataclasses.replace(bucket, records=())
-        from mxrl.engine import content_hash
+        from mxrl.weights import checksum
 
         assert hashes(back.records) == hashes(bucket.records)
-        assert {r.name: content_hash(r.value) for r in back.records} == hashes(bucket.records)
+        assert {r.name: checksum(r.value) for r in back.records} == hashes(bucket.records)
 
 
 def test_unpack_refuses_a_header_that_does_not_fit_the_payload():
@@ -85,7 +86,7 @@ def test_engine_rank_holds_the_bytes_of_a_local_export(gloo_run):
 
 def test_a_payload_corrupted_in_transit_is_refused_on_both_ends(gloo_run):
     trainer, engine = gloo_run
-    assert "content hash mismatch" in engine["corrupted"]
+    assert "checksum mismatch" in engine["corrupted"]
     assert "engine rank(s) [1] refused" in trainer["corrupted"]
     assert engine["corrupted_kept"] == {"version": 2, "equal_to_previous": True}
 
@@ -114,5 +115,5 @@ def test_nccl_sync_between_two_gpus_gives_the_cpu_export_bytes(tmp_path):
     assert trainer["good"]["version"] == engine["good"]["version"] == 2
     for case in ("corrupted", "mismatch", "aborted"):
         assert engine[f"{case}_kept"] == {"version": 2, "equal_to_previous": True}, case
-    assert "content hash mismatch" in engine["corrupted"]
+    assert "checksum mismatch" in engine["corrupted"]
     assert "plan hash mismatch" in engine["mismatch"]

@@ -5,10 +5,9 @@ import math
 import pytest
 import torch
 
-from mxrl.engine import export_weights
 from mxrl.formats import QTensor, dequantize
 from mxrl.recipe import resolve
-from mxrl.sync import QuantizationEvent, export
+from mxrl.weights import QuantizationEvent, export, export_weights
 from tests.sync.helpers import hashes, tiny
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
@@ -123,9 +122,9 @@ def test_bucket_records_never_alias_bf16_master_weights():
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    from mxrl.engine import content_hash
+    from mxrl.weights import checksum
 
-    assert {r.name: content_hash(r.value) for r in records} == before
+    assert {r.name: checksum(r.value) for r in records} == before
 
 
 def test_bad_arguments():

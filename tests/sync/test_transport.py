@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from mxrl.engine import Engine, WeightRecord, export_weights
+from mxrl.engine import Engine
 from mxrl.formats import QTensor
-from mxrl.sync import InProcessTransport, export
+from mxrl.sync import InProcessTransport
+from mxrl.weights import WeightRecord, export, export_weights
 from tests.sync.helpers import PROMPT, engine_logits, hashes, tiny
 
 
@@ -94,7 +95,7 @@ def test_a_tampered_record_is_refused_and_nothing_is_applied(trainer, how):
     names = [r.name for b in buckets for r in b.records]
     last_quantized = max(i for i, n in enumerate(names) if "experts" in n and ".2." in n)
     # a late record: every bucket before it would have been staged already
-    refused(engine, tamper(buckets, last_quantized, how), "content hash mismatch")
+    refused(engine, tamper(buckets, last_quantized, how), "checksum mismatch")
 
 
 def test_an_incomplete_or_reordered_update_is_refused(trainer):

@@ -1,72 +1,63 @@
-"""Quantized checkpoints: the bytes the engine holds, on disk, with a manifest of hashes.
+"""Quantized checkpoints: the bytes the engine holds, on disk, with a manifest of checksums.
 
 A directory written by `write_quantized_checkpoint` (what `mxrl convert` makes):
 
     config.json                         the source HF config, verbatim
     plan.json                           Plan.to_json(): every tensor's spec, with the plan hash
-    manifest.json                       every tensor's shard, format, shape, bytes, content hash,
+    manifest.json                       every tensor's shard, format, shape, bytes, checksum,
                                         keys; every shard's size and sha256; the quantization event
     model-00001-of-0000N.safetensors    QTensor fields (`{name}.qdata`, `{name}.scale`,
     ...                                 `{name}.global_scale`); bf16 tensors under their own name
     tokenizer files                     copied from the source when present
 
-The records come from the one export path (`mxrl.engine.export_weights`, usually through
-`mxrl.sync.export`), so a checkpoint holds exactly the bytes a live sync would send. Shards are
-filled in plan order until the next tensor would pass `shard_bytes` (a bigger tensor gets its own
-shard), written one by one, and the directory is built in a temporary sibling that is renamed
-into place at the end: a failed conversion leaves nothing half-written.
+The records come from the one export path (`mxrl.weights.export`), so a checkpoint holds exactly
+the bytes a live sync would send. Shards are filled in plan order until the next tensor would
+pass `shard_bytes` (a bigger tensor gets its own shard), written one by one, and the directory is
+built in a temporary sibling that is renamed into place at the end: a failed conversion leaves
+nothing half-written.
 
-`read_quantized_checkpoint` checks file sizes up front and each shard's sha256 before using its
-tensors, and yields records carrying the manifest's content hashes, which `Engine.load_weights`
-recomputes; an error names the file and, when the file still parses, the tensor.
+`read_quantized_checkpoint` checks file sizes up front and each shard's sha256 (a cryptographic
+digest: files can be edited by anyone) before using its tensors, and yields records carrying the
+manifest's checksums, which `Engine.load_weights` recomputes; an error names the file and, when
+the file still parses, the tensor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxrl import __version__
-from mxrl.engine import Engine
-from mxrl.engine.checkpoint import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_VERSION,
-    MANIFEST_NAME,
-    PLAN_NAME,
-    read_quantized_checkpoint,
-    sha256_file,
-)
-from mxrl.engine.weights import WeightRecord, content_hash
 from mxrl.formats import QTensor
-from mxrl.models import from_pretrained, parse_size
-from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place
-from mxrl.recipe import Plan, Recipe, load_hf_config, resolve, tensors_from_hf_config
-from mxrl.sync.export import DEFAULT_BUCKET_BYTES, Export, export
+from mxrl.formats.constants import Format
+from mxrl.models import parse_size
+from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place, open_safetensors
+from mxrl.recipe import Plan
+from mxrl.weights.buckets import Export
+from mxrl.weights.digest import checksum
+from mxrl.weights.record import WeightRecord
 
 logger = logging.getLogger(__name__)
 
-# The reader lives in the engine room (Engine.from_checkpoint); re-exported for the sync API.
-__all__ = [
-    "MANIFEST_NAME",
-    "PLAN_NAME",
-    "convert_checkpoint",
-    "load_engine_from_checkpoint",
-    "read_quantized_checkpoint",
-    "write_quantized_checkpoint",
-]
-
+CHECKPOINT_FORMAT = "mxrl-quantized"
+CHECKPOINT_VERSION = 2  # 2: per-tensor checksums (mxrl.weights.checksum); 1 had sha256 hashes
+MANIFEST_NAME = "manifest.json"
+PLAN_NAME = "plan.json"
 DEFAULT_SHARD_BYTES = 2 * 10**9
+_HASH_CHUNK = 1 << 24
 
 
 def write_quantized_checkpoint(
@@ -88,7 +79,7 @@ def write_quantized_checkpoint(
     overwrite: replace an existing non-empty directory once the new one is complete.
     copy_files_from: an HF directory whose tokenizer / generation files are copied.
     progress: tqdm bar (None: when stderr is a terminal). Raises ValueError for records that do
-    not match the plan (unknown, duplicated, missing tensors; content hash mismatch).
+    not match the plan (unknown, duplicated, missing tensors; checksum mismatch).
     """
     out = Path(out_dir)
     limit = parse_size(shard_bytes)
@@ -176,8 +167,8 @@ def _write_shards(
                 raise ValueError(f"{record.name!r} is not a tensor of the plan")
             if record.name in tensors:
                 raise ValueError(f"{record.name} appears twice in the records")
-            if content_hash(record.value) != record.hash:
-                raise ValueError(f"{record.name}: content hash mismatch; re-export it")
+            if checksum(record.value) != record.hash:
+                raise ValueError(f"{record.name}: checksum mismatch; re-export it")
             if names and size + record.nbytes > limit:
                 flush()
                 pending, names, size = {}, [], 0
@@ -218,63 +209,114 @@ def _state_dict(record: WeightRecord) -> dict[str, torch.Tensor]:
     return {k: t.detach().to("cpu", copy=True).contiguous() for k, t in state.items()}
 
 
-# --- conversion ----------------------------------------------------------------------------------
-_LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --- reading --------------------------------------------------------------------------------
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def convert_checkpoint(
-    model_dir: str | Path,
-    recipe: Recipe | str | Path,
-    out_dir: str | Path,
-    *,
-    shard_bytes: int | str = DEFAULT_SHARD_BYTES,
-    overwrite: bool = False,
-    progress: bool | None = None,
-    strict: bool = True,
-    on_plan: Callable[[Plan], None] | None = None,
-) -> Path:
-    """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
+def read_quantized_checkpoint(
+    path: str | Path,
+) -> tuple[Plan, dict[str, Any], Iterator[WeightRecord]]:
+    """(plan, HF config dict, records) of a quantized checkpoint directory.
 
-    The plan is resolved on config.json first and handed to `on_plan` (the CLI prints its
-    summary), then checked (`Plan.check`: strict refuses a recipe that does not do what it
-    says on this model), all before a byte is read or written.
-
-    The weights are loaded in the checkpoint's own dtype (config.json `dtype` / `torch_dtype`;
-    float32 when absent), which every quantizer reads exactly, so the bytes equal a live export
-    of the same values. The plan is `recipe` resolved on the model's parameters.
+    The manifest, plan and config are read and cross-checked now, and every shard's presence and
+    size; each shard's sha256 is checked as the records reach it, before its tensors are used.
+    Raises ValueError naming the file (and the tensor when the file still parses).
     """
-    model_dir = Path(model_dir)
-    try:
-        shard_bytes = parse_size(shard_bytes)
-    except ValueError:
+    path = Path(path)
+    if not path.is_dir():
         raise ValueError(
-            f"shard size {shard_bytes!r} is not a positive byte count or a size such as '2GB', "
-            "'500MB' or '2GiB'"
-        ) from None
-    if not model_dir.is_dir():
-        raise ValueError(f"--model {str(model_dir)!r} is not a directory (an HF checkpoint)")
-    config = load_hf_config(model_dir)
-    # Resolve on the config first: a bad recipe fails before gigabytes are read.
-    first = resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
-    if on_plan is not None:
-        on_plan(first)
-    first.check(strict=strict)
-    stored = config.get("dtype") or config.get("torch_dtype") or "float32"
-    model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
-    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
-    updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
-    return write_quantized_checkpoint(
-        updates,
-        plan,
-        config,
-        out_dir,
-        shard_bytes,
-        overwrite=overwrite,
-        copy_files_from=model_dir,
-        progress=progress,
+            f"{str(path)!r} is not a directory (a quantized checkpoint from mxrl convert)"
+        )
+    manifest = _read_json(path / MANIFEST_NAME)
+    if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(
+            f"{path / MANIFEST_NAME} is not a {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION} manifest "
+            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r}); a v1 "
+            "checkpoint carries sha256 content hashes where v2 has checksums: re-run mxrl convert"
+        )
+    try:
+        plan = Plan.from_json((path / PLAN_NAME).read_text())
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path / PLAN_NAME}: {e!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{path / PLAN_NAME}: {e}") from None
+    if plan.hash() != manifest["plan_hash"]:
+        raise ValueError(
+            f"{path / PLAN_NAME} hashes to {plan.hash()[:16]}, {MANIFEST_NAME} says "
+            f"{manifest['plan_hash'][:16]}: the files come from different conversions"
+        )
+    config = _read_json(path / CONFIG_NAME)
+    tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+    if set(tensors) != set(plan):
+        odd = sorted(set(tensors) ^ set(plan))
+        raise ValueError(f"{MANIFEST_NAME} and {PLAN_NAME} list different tensors: {odd[:3]}")
+    for name, info in manifest["shards"].items():
+        file = path / name
+        if Path(name).name != name or not file.is_file():
+            raise ValueError(f"shard {file} is missing; copy the whole checkpoint again")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise ValueError(
+                f"shard {file} has {size} bytes, the manifest says {info['bytes']}: the file is "
+                "truncated or corrupt; copy it again or re-run mxrl convert"
+            )
+    return plan, config, _records(path, manifest)
+
+
+def _records(path: Path, manifest: dict[str, Any]) -> Iterator[WeightRecord]:
+    by_shard: dict[str, list[str]] = {}
+    for name, info in manifest["tensors"].items():
+        by_shard.setdefault(info["shard"], []).append(name)
+    for shard, names in by_shard.items():
+        file = path / shard
+        expected = manifest["shards"][shard]["sha256"]
+        if sha256_file(file) != expected:
+            raise ValueError(_corruption_report(file, names, manifest["tensors"]))
+        with open_safetensors(file) as f:
+            for name in names:
+                info = manifest["tensors"][name]
+                yield WeightRecord(name, _value(f, name, info, file), info["hash"])
+
+
+def _value(f: Any, name: str, info: dict[str, Any], file: Path) -> QTensor | torch.Tensor:
+    try:
+        state = {k: f.get_tensor(k) for k in info["keys"]}
+    except SafetensorError as e:
+        raise ValueError(f"{file}: cannot read {name} ({e})") from None
+    if info["format"] == Format.BF16:
+        return state[name]
+    return QTensor.from_state_dict(state, name)
+
+
+def _corruption_report(file: Path, names: list[str], tensors: dict[str, dict[str, Any]]) -> str:
+    """Name the tensors whose bytes changed, when the shard still parses."""
+    bad: list[str] = []
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                value = _value(f, name, tensors[name], file)
+                if checksum(value) != tensors[name]["hash"]:
+                    bad.append(name)
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError):
+        bad = []
+    where = f": tensor(s) {', '.join(bad[:5])} differ from their manifest checksum" if bad else ""
+    return (
+        f"shard {file} does not match its sha256 in {MANIFEST_NAME}{where}. The file is corrupt; "
+        "copy it again or re-run mxrl convert"
     )
 
 
-def load_engine_from_checkpoint(path: str | Path, **engine_kwargs: Any) -> Engine:
-    """`Engine.from_checkpoint` (kept here for callers of the sync room)."""
-    return Engine.from_checkpoint(path, **engine_kwargs)
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{file} is missing: not a quantized checkpoint from mxrl convert"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None

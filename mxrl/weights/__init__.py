@@ -1,0 +1,46 @@
+"""The export format engine and sync share: master weights -> the bytes the plan says.
+
+    from mxrl.weights import export, checksum
+    for bucket in export(model, plan, step=step):   # quantized on the master's device
+        for record in bucket.records:               # WeightRecord(name, value, hash)
+            assert checksum(record.value) == record.hash
+
+record.py (WeightRecord), digest.py (the device-side checksum and its collision argument),
+export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
+export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
+sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
+"""
+
+from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export
+from mxrl.weights.checkpoint import (
+    MANIFEST_NAME,
+    PLAN_NAME,
+    read_quantized_checkpoint,
+    write_quantized_checkpoint,
+)
+from mxrl.weights.convert import convert_checkpoint
+from mxrl.weights.digest import checksum, checksums
+from mxrl.weights.event import QuantizationEvent
+from mxrl.weights.export import check_finite, export_weights, quantized_values
+from mxrl.weights.record import WeightRecord, WeightValue, stored_tensors
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "MANIFEST_NAME",
+    "PLAN_NAME",
+    "Bucket",
+    "Export",
+    "QuantizationEvent",
+    "WeightRecord",
+    "WeightValue",
+    "check_finite",
+    "checksum",
+    "checksums",
+    "convert_checkpoint",
+    "export",
+    "export_weights",
+    "quantized_values",
+    "read_quantized_checkpoint",
+    "stored_tensors",
+    "write_quantized_checkpoint",
+]

@@ -1,0 +1,219 @@
+"""Live weight export: master weights -> buckets of checksummed records + one quantization event.
+
+    exp = export(model, plan, bucket_bytes=512 * 2**20, step=step)
+    for bucket in exp:  # Bucket(index, plan_hash, records, last, num_buckets, step, event)
+        send(bucket)
+    exp.event  # QuantizationEvent(step, plan_hash, num_tensors, num_bytes, seconds, sqnr_db)
+
+Every value comes from `quantized_values`, the one export path (the engine's own construction
+and checkpoint conversion use it too), quantized on the master's device, so a record's bytes and
+checksum depend only on the master weight and its TensorSpec. `export()` quantizes the first
+tensor before returning, so a master weight holding NaN/Inf (checked for every tensor first)
+raises there, naming the tensor, before any bucket exists.
+
+Buckets: records are added in plan order until the next one would take the bucket past
+`bucket_bytes`; a record bigger than the limit travels alone. Records are quantized as the
+buckets are pulled (one bucket, plus the one record of look-ahead that tells a bucket it is the
+last, exists at a time on the export's side), and a bucket's checksums are computed together,
+on the device, with one host read per bucket. Only the last bucket knows `num_buckets`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mxrl.formats import QTensor
+from mxrl.kernels import Backend
+from mxrl.recipe import Plan
+from mxrl.weights.digest import checksums
+from mxrl.weights.event import QuantizationEvent, SqnrMeter
+from mxrl.weights.export import quantized_values
+from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A transfer unit of one update: consecutive records of the plan, in plan order.
+
+    index: 0, 1, ... within the update; last: no bucket follows; num_buckets: the total, set on
+    the last bucket (None before). event: the update's QuantizationEvent, on the last bucket.
+    """
+
+    index: int
+    plan_hash: str
+    records: tuple[WeightRecord, ...]
+    last: bool
+    num_buckets: int | None = None
+    step: int = 0
+    event: QuantizationEvent | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.records)
+
+
+class Export:
+    """The buckets of one export, produced lazily as they are iterated (once). Build it with
+    `export()`; `event` is available once the last bucket has been produced."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.Tensor],
+        plan: Plan,
+        values: Iterator[tuple[str, WeightValue]],
+        *,
+        bucket_bytes: int,
+        step: int,
+        sqnr: bool,
+        on_event: Callable[[QuantizationEvent], None] | None,
+        seconds: float,
+    ) -> None:
+        self.plan = plan
+        self.plan_hash = plan.hash()
+        self.bucket_bytes = bucket_bytes
+        self.step = step
+        self._params = params
+        self._values = values
+        self._sqnr = sqnr
+        self._on_event = on_event
+        self._seconds = seconds
+        self._started = False
+        self._event: QuantizationEvent | None = None
+
+    @property
+    def event(self) -> QuantizationEvent:
+        if self._event is None:
+            raise RuntimeError(
+                "the quantization event is complete once the last bucket has been produced; "
+                "iterate the export to the end first"
+            )
+        return self._event
+
+    def records(self) -> Iterator[WeightRecord]:
+        """The records of every bucket, in plan order (consumes the export)."""
+        for bucket in self:
+            yield from bucket.records
+
+    def __iter__(self) -> Iterator[Bucket]:
+        if self._started:
+            raise RuntimeError(
+                "an Export is iterated once (it is one quantization event); call export() again"
+            )
+        self._started = True
+        return self._buckets()
+
+    @staticmethod
+    def _records(pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
+        sums = checksums([v for _, v in pending])  # on the device, one host read
+        return tuple(WeightRecord(n, v, h) for (n, v), h in zip(pending, sums, strict=True))
+
+    def _buckets(self) -> Iterator[Bucket]:
+        meter = SqnrMeter()
+        num_tensors = num_bytes = index = 0
+        pending: list[tuple[str, WeightValue]] = []
+        pending_bytes = 0
+        t0 = time.perf_counter()
+        for name, value in self._values:
+            nbytes = value_nbytes(value)
+            if self._sqnr and isinstance(value, QTensor):
+                meter.add(self.plan[name].layer, self._params[name], value)
+            num_tensors += 1
+            num_bytes += nbytes
+            if pending and pending_bytes + nbytes > self.bucket_bytes:
+                records = self._records(pending)
+                bucket = Bucket(index, self.plan_hash, records, last=False, step=self.step)
+                self._seconds += time.perf_counter() - t0
+                yield bucket
+                t0 = time.perf_counter()
+                index += 1
+                pending, pending_bytes = [], 0
+            pending.append((name, value))
+            pending_bytes += nbytes
+        records = self._records(pending)
+        sqnr_db = meter.result()
+        self._seconds += time.perf_counter() - t0
+        self._event = QuantizationEvent(
+            step=self.step,
+            plan_hash=self.plan_hash,
+            num_tensors=num_tensors,
+            num_bytes=num_bytes,
+            seconds=self._seconds,
+            sqnr_db=sqnr_db,
+        )
+        logger.info(
+            "export step %d: %d tensors, %d bytes, %d bucket(s), %.3f s",
+            self.step, num_tensors, num_bytes, index + 1, self._seconds,
+        )  # fmt: skip
+        if self._on_event is not None:
+            self._on_event(self._event)
+        yield Bucket(
+            index,
+            self.plan_hash,
+            records,
+            last=True,
+            num_buckets=index + 1,
+            step=self.step,
+            event=self._event,
+        )
+
+
+def export(
+    model: nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    plan: Plan,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    step: int = 0,
+    sqnr: bool = True,
+    on_event: Callable[[QuantizationEvent], None] | None = None,
+    bf16_dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str | None = None,
+) -> Export:
+    """Export the master weights of `model` (a module, or name -> tensor) under `plan`, on
+    their device (`backend`: the quantizer, default Triton on CUDA; the same bytes anywhere).
+
+    Raises ValueError, before returning and so before any bucket exists, for a master weight
+    holding NaN/Inf (naming it) and for weights that do not match the plan. sqnr=False skips the
+    per-layer SQNR (one dequantization per quantized tensor). on_event is called with the
+    QuantizationEvent when the last bucket is produced.
+    """
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a resolved mxrl.recipe.Plan, got {type(plan).__name__}")
+    if len(plan) == 0:
+        raise ValueError("the plan holds no tensor: there is nothing to export")
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
+    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend)
+    # quantized_values checks every tensor for NaN/Inf before its first value: pulling that
+    # value here makes the refusal happen now, before anything can be sent.
+    first = next(values)
+    return Export(
+        params,
+        plan,
+        _chain(first, values),
+        bucket_bytes=bucket_bytes,
+        step=step,
+        sqnr=sqnr,
+        on_event=on_event,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _chain(first, rest: Iterator) -> Iterator:
+    yield first
+    yield from rest

@@ -1,0 +1,68 @@
+"""`mxrl convert`: an HF checkpoint -> a quantized checkpoint, through the one export path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mxrl.models import from_pretrained, parse_size
+from mxrl.recipe import Plan, Recipe, load_hf_config, resolve, tensors_from_hf_config
+from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
+from mxrl.weights.checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
+
+_LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert_checkpoint(
+    model_dir: str | Path,
+    recipe: Recipe | str | Path,
+    out_dir: str | Path,
+    *,
+    shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    strict: bool = True,
+    on_plan: Callable[[Plan], None] | None = None,
+) -> Path:
+    """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
+
+    The plan is resolved on config.json first and handed to `on_plan` (the CLI prints its
+    summary), then checked (`Plan.check`: strict refuses a recipe that does not do what it
+    says on this model), all before a byte is read or written.
+
+    The weights are loaded in the checkpoint's own dtype (config.json `dtype` / `torch_dtype`;
+    float32 when absent), which every quantizer reads exactly, so the bytes equal a live export
+    of the same values. The plan is `recipe` resolved on the model's parameters.
+    """
+    model_dir = Path(model_dir)
+    try:
+        shard_bytes = parse_size(shard_bytes)
+    except ValueError:
+        raise ValueError(
+            f"shard size {shard_bytes!r} is not a positive byte count or a size such as '2GB', "
+            "'500MB' or '2GiB'"
+        ) from None
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {str(model_dir)!r} is not a directory (an HF checkpoint)")
+    config = load_hf_config(model_dir)
+    # Resolve on the config first: a bad recipe fails before gigabytes are read.
+    first = resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
+    if on_plan is not None:
+        on_plan(first)
+    first.check(strict=strict)
+    stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
+    return write_quantized_checkpoint(
+        updates,
+        plan,
+        config,
+        out_dir,
+        shard_bytes,
+        overwrite=overwrite,
+        copy_files_from=model_dir,
+        progress=progress,
+    )

@@ -1,0 +1,182 @@
+"""The checksum of a weight record, computed on the device that holds it.
+
+Every stored byte counts: each QTensor field (qdata, scale with any padding blocks, the NVFP4
+global scale) or the plain tensor, plus a header naming the format, shape, axis and each field's
+dtype and shape. The bytes never leave the device; 64 bytes per field come back to the host.
+
+Algorithm (one field of n bytes):
+
+    level 0 input: the bytes read as int8 (a bijection of 0..255), in rows of ROW_BYTES = 2048,
+                   the last row zero-padded                                  X  [m, 2048] int8
+    one level:     Y = X @ C_l with C_l [2048, LANES = 16] int8 coefficients  Y  [m, 16]  int32
+                   (SHAKE-128 of "mxrl-checksum-v1 level l", a fresh matrix per level); the
+                   64 * m bytes of Y (little-endian int32) are the next level's input
+    the field's digest: Y once a level leaves one row (64 bytes); 2048 -> 64 bytes per row, so
+                   a 1 GiB field takes 5 levels, each reading 1/32 of the previous one's bytes
+
+    checksum = sha256(header ‖ the fields' digests), 64 hex characters
+
+Why it is the same on every device: every product is at most 128 * 128 = 2^14 in magnitude
+and a row sums 2048 of them, so |Y| <= 2^25 < 2^31: int32 arithmetic that never overflows is
+exact, and exact integer sums do not depend on their order. The CPU, cuBLAS's int8 GEMM, any
+tiling or split-K and the elementwise fallback (`_project_exact`) all give the same integers.
+
+Collision argument. Take two different byte strings of one length n (the header holds n through
+dtype and shape, so strings of different lengths never compare). At level 0 their difference
+D = X - X' is a nonzero integer matrix (entries in [-255, 255]); pick a row r with D[r, i] != 0.
+Lane j collides only if sum_i D[r, i] * C[i, j] = 0; fixing every coefficient but C[i, j], one
+value of C[i, j] out of 256 at most satisfies that, so it happens with probability <= 1/256, and
+the 16 lanes, independent columns, all collide with probability <= 2^-128. If Y != Y', their
+bytes differ and the next level, with an independent matrix, starts over: the chance that two
+different fields get one digest is <= levels * 2^-128 (levels <= 8). The probability is over
+the choice of the coefficients, so it covers every corruption that does not know them: bit
+flips, truncation (another length is another header; a shortened payload is zero-filled or
+refused), reordered rows, records or fields (positions meet different coefficients), stale
+buffers holding an older update. It is not a defence against someone who reads this file and
+forges bytes: on-disk checkpoints and their manifests keep sha256 for that.
+
+Cost: one int8 GEMM of the data against a [2048, 16] matrix (`torch._int_mm`: tensor cores on
+CUDA, the data read once), the later levels on 1/32 of the bytes; no host copy of the data.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from mxrl.formats import QTensor
+from mxrl.weights.record import WeightValue, stored_tensors
+
+logger = logging.getLogger(__name__)
+
+VERSION = "mxrl-checksum-v1"
+ROW_BYTES = 2048
+LANES = 16
+DIGEST_BYTES = 4 * LANES
+MAX_LEVELS = 8  # 2048 * 32**7 bytes = 64 TiB per field
+_EXACT_ROWS = 64  # rows per chunk of the elementwise path: [64, 2048, 16] int32 = 8 MiB
+_ALIGN = 16  # cuBLAS int8 GEMM operands: 16-byte aligned
+
+
+@functools.cache
+def _coefficients_host(level: int) -> torch.Tensor:
+    raw = hashlib.shake_128(f"{VERSION} level {level}".encode()).digest(ROW_BYTES * LANES)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int8).view(ROW_BYTES, LANES)
+
+
+_DEVICE_COEFFICIENTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_INT_MM: dict[torch.device, bool] = {}
+
+
+def _coefficients(level: int, device: torch.device) -> torch.Tensor:
+    key = (device, level)
+    if key not in _DEVICE_COEFFICIENTS:
+        _DEVICE_COEFFICIENTS[key] = _coefficients_host(level).to(device)
+    return _DEVICE_COEFFICIENTS[key]
+
+
+def _int_mm_available(device: torch.device) -> bool:
+    """Whether torch's int8 GEMM runs on this device (probed once per device)."""
+    if device not in _INT_MM:
+        try:
+            a = torch.zeros(32, ROW_BYTES, dtype=torch.int8, device=device)
+            torch._int_mm(a, _coefficients(0, device))
+            _INT_MM[device] = True
+        except (RuntimeError, NotImplementedError) as err:
+            logger.warning("checksum: no int8 GEMM on %s (%s); elementwise path", device, err)
+            _INT_MM[device] = False
+    return _INT_MM[device]
+
+
+def _project_exact(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """rows [m, 2048] int8 @ c [2048, 16] int8 -> int32, elementwise in chunks: the same
+    integers as the GEMM (exact, module docstring)."""
+    c32 = c.to(torch.int32)
+    out = [
+        (chunk.to(torch.int32).unsqueeze(-1) * c32).sum(1).to(torch.int32)
+        for chunk in rows.split(_EXACT_ROWS)
+    ]
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _project(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    # cuBLAS takes more than 16 rows; either path gives the same integers
+    if (rows.device.type == "cuda" and rows.shape[0] <= 16) or not _int_mm_available(rows.device):
+        return _project_exact(rows, c)
+    return torch._int_mm(rows, c)
+
+
+def _level(x: torch.Tensor, level: int) -> torch.Tensor:
+    """One level: flat int8 [n] -> flat int8 [64 * ceil(n / 2048)] (at least one row)."""
+    c = _coefficients(level, x.device)
+    full = x.numel() // ROW_BYTES
+    parts = []
+    if full:
+        parts.append(_project(x[: full * ROW_BYTES].view(full, ROW_BYTES), c))
+    tail = x.numel() - full * ROW_BYTES
+    if tail or not full:
+        row = torch.zeros(1, ROW_BYTES, dtype=torch.int8, device=x.device)
+        row[0, :tail] = x[full * ROW_BYTES :]
+        parts.append(_project(row, c))
+    y = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return y.contiguous().view(torch.int8).reshape(-1)
+
+
+def field_digest(t: torch.Tensor) -> torch.Tensor:
+    """The 64-byte digest (int8 [64], on t's device) of every byte of one tensor."""
+    x = t.detach()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    x = x.reshape(-1).view(torch.uint8).view(torch.int8)
+    if x.device.type == "cuda" and x.numel() and x.data_ptr() % _ALIGN:
+        x = x.clone()
+    for level in range(MAX_LEVELS):
+        x = _level(x, level)
+        if x.numel() == DIGEST_BYTES:
+            return x
+    raise ValueError(f"checksum: a tensor of {t.numel() * t.element_size()} bytes is too large")
+
+
+def device_digest(value: WeightValue) -> torch.Tensor:
+    """The fields' digests, concatenated (int8 [64 * fields], on the value's device)."""
+    return torch.cat([field_digest(t) for t in stored_tensors(value).values()])
+
+
+def header(value: WeightValue) -> bytes:
+    """What the checksum binds besides the bytes: format, shape, axis, each field's dtype and
+    shape (so the length and meaning of every byte)."""
+    if isinstance(value, QTensor):
+        lines = [f"qtensor|{value.fmt}|{tuple(value.shape)}|{value.axis}"]
+    else:
+        lines = [f"tensor|{value.dtype}|{tuple(value.shape)}"]
+    for key, t in stored_tensors(value).items():
+        lines.append(f"{key}|{t.dtype}|{tuple(t.shape)}")
+    return "\n".join([VERSION, *lines]).encode()
+
+
+def checksums(values: Sequence[WeightValue]) -> list[str]:
+    """The checksum of each value, computed on its device; one host read per device."""
+    digests = [device_digest(v) for v in values]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, d in enumerate(digests):
+        by_device.setdefault(d.device, []).append(i)
+    host: list[bytes] = [b""] * len(values)
+    for indices in by_device.values():
+        flat = torch.cat([digests[i] for i in indices]).cpu().numpy().tobytes()
+        offset = 0
+        for i in indices:
+            n = digests[i].numel()
+            host[i] = flat[offset : offset + n]
+            offset += n
+    return [
+        hashlib.sha256(header(v) + b"\0" + h).hexdigest() for v, h in zip(values, host, strict=True)
+    ]
+
+
+def checksum(value: WeightValue) -> str:
+    """The checksum of one value (module docstring): 64 hex characters."""
+    return checksums([value])[0]

@@ -1,0 +1,117 @@
+"""QuantizationEvent: the record of one export, with the per-layer SQNR measured while exporting.
+
+SQNR (dB) per layer, against the master weights, summed in float64 on the master's device (no
+second quantization pass, one host read per export): 10*log10(sum master^2 / sum (master -
+dequantize(q))^2) over the quantized tensors of a layer ("layer.{i}"), and of the tensors outside
+the decoder stack ("other"). Tensors the plan keeps in bf16 are not counted: a layer without a
+quantized tensor has no key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from mxrl.formats import QTensor, dequantize
+
+OTHER = "other"  # sqnr_db key of tensors without a decoder layer (embedding, lm_head)
+_SQNR_ELEMENTS = 1 << 24  # elements dequantized at once (3-D tensors: whole experts)
+
+
+@dataclass(frozen=True)
+class QuantizationEvent:
+    """One export of the master weights (docs/design.md §1: traceable records of every quantization).
+
+    num_bytes: bytes of every record (quantized data, scales, global scales, bf16 tensors).
+    seconds: time spent quantizing, checksumming and measuring (not in the buckets' consumer).
+    sqnr_db: per-layer SQNR of the quantized tensors (module docstring); +inf for exact values.
+    """
+
+    step: int
+    plan_hash: str
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    sqnr_db: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (infinite SQNRs as the strings "inf" / "-inf")."""
+        d = asdict(self)
+        d["sqnr_db"] = {k: v if math.isfinite(v) else str(v) for k, v in self.sqnr_db.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QuantizationEvent:
+        sqnr = {k: float(v) for k, v in d.get("sqnr_db", {}).items()}
+        return cls(
+            step=int(d["step"]),
+            plan_hash=str(d["plan_hash"]),
+            num_tensors=int(d["num_tensors"]),
+            num_bytes=int(d["num_bytes"]),
+            seconds=float(d["seconds"]),
+            sqnr_db=sqnr,
+        )
+
+
+class SqnrMeter:
+    """Per-layer sums of master^2 and error^2, kept on the device until `result()`."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, torch.Tensor] = {}  # key -> float64 [2] (signal, noise)
+
+    def add(self, layer: int | None, master: torch.Tensor, q: QTensor) -> None:
+        key = OTHER if layer is None else f"layer.{layer}"
+        sums = _squared_sums(master, q)
+        self._sums[key] = self._sums[key] + sums if key in self._sums else sums
+
+    def result(self) -> dict[str, float]:
+        def order(key: str) -> tuple[int, int]:
+            return (1, 0) if key == OTHER else (0, int(key.split(".")[1]))
+
+        keys = sorted(self._sums, key=order)
+        if not keys:
+            return {}
+        device = next(iter(self._sums.values())).device
+        host = torch.stack([s.to(device) for s in self._sums.values()]).tolist()  # one read
+        by_key = dict(zip(self._sums, host, strict=True))
+        out = {}
+        for key in keys:
+            s, n = by_key[key]
+            out[key] = math.inf if n == 0.0 else (-math.inf if s == 0.0 else 10 * math.log10(s / n))
+        return out
+
+
+@torch.no_grad()
+def _squared_sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """float64 [sum master^2, sum (master - dequantize(q))^2], on the master's device; a 3-D
+    tensor a group of whole experts at a time (bounded temporary memory)."""
+    master = master.detach()
+    if master.dim() == 3 and q.axis in (-1, 2):
+        step = max(1, _SQNR_ELEMENTS // max(1, master[0].numel()))
+        total = torch.zeros(2, dtype=torch.float64, device=master.device)
+        for start in range(0, master.shape[0], step):
+            stop = min(start + step, master.shape[0])
+            total += _sums(master[start:stop], _experts(q, start, stop))
+        return total
+    return _sums(master, q)
+
+
+def _sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
+    ref = master.float()
+    err = ref - dequantize(q).to(device=ref.device, dtype=torch.float32)
+    return torch.stack(
+        [ref.square().sum(dtype=torch.float64), err.square().sum(dtype=torch.float64)]
+    )
+
+
+def _experts(q: QTensor, start: int, stop: int) -> QTensor:
+    """Experts start..stop-1 of a 3-D QTensor (every field is batched over dim 0)."""
+    gs = q.global_scale
+    if gs is not None and gs.dim() > 0:
+        gs = gs[start:stop]
+    shape = (stop - start, *q.shape[1:])
+    return QTensor(q.qdata[start:stop], q.scale[start:stop], q.fmt, shape, q.axis, gs)

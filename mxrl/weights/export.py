@@ -1,0 +1,133 @@
+"""The one export path: master weights -> the bytes the rollout engine holds, with checksums.
+
+`export_weights` is what the engine calls at construction, what live weight sync buckets and
+sends (`mxrl.weights.export`), and what checkpoint conversion writes to disk, so the three cannot
+disagree: each tensor is quantized per its TensorSpec on the master's device (bf16 tensors are
+cast to `bf16_dtype`), and carries a checksum the receiver recomputes.
+
+Quantizer: `mxrl.kernels.quantize` on `backend` (default: chosen once for the master's device,
+Triton on CUDA), byte-exact with the reference quantizer `mxrl.recipe.quantize.quantize_weight`
+uses; a spec the kernels do not take (a block FP8 block size outside theirs) takes the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
+from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
+from mxrl.models.adapter import hf_location
+from mxrl.recipe import Plan, TensorSpec
+from mxrl.recipe.quantize import weight_quantizer_kwargs
+from mxrl.weights.digest import checksum
+from mxrl.weights.record import WeightRecord, WeightValue
+
+
+def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
+    where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One aminmax
+    pass per tensor and one host read for all of them."""
+    checked = [
+        (name, t.detach())
+        for name, t in named_tensors.items()
+        if t.is_floating_point() and t.numel()
+    ]
+    if not checked:
+        return
+    flags: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in checked:
+        lo, hi = torch.aminmax(t)  # one pass; NaN propagates into both
+        flags.setdefault(t.device, []).append(torch.isfinite(lo) & torch.isfinite(hi))
+    on_host = {device: iter(torch.stack(f).tolist()) for device, f in flags.items()}
+    bad = []
+    for name, t in checked:
+        if next(on_host[t.device]):
+            continue
+        finite = torch.isfinite(t)
+        count = int((~finite).sum())
+        first = tuple(
+            int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape)
+        )
+        where = hf_location(name, first, tuple(t.shape))
+        bad.append(f"{name}: {count} non-finite, first {where} = {float(t[first])}")
+    if bad:
+        raise ValueError(
+            f"refusing to export: {len(bad)} master weight(s) hold NaN/Inf: {'; '.join(bad[:5])}. "
+            "Nothing was sent. After an optimizer step this means the step diverged: restore "
+            "the last good checkpoint; right after loading a model, its checkpoint holds them."
+        )
+
+
+def quantized_values(
+    named_params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    plan: Plan,
+    *,
+    bf16_dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str | None = None,
+) -> Iterator[tuple[str, WeightValue]]:
+    """(name, value) of every tensor of the plan, in plan order, quantized on the master's
+    device; checksums are the caller's (`export_weights` one by one, buckets one per bucket).
+
+    All tensors are checked for NaN/Inf first (`check_finite`), so an error comes before the
+    first value. Raises ValueError for a tensor the plan names that is missing, or the reverse.
+    """
+    params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+    missing = [n for n in plan if n not in params]
+    extra = [n for n in params if n not in plan]
+    if missing or extra:
+        raise ValueError(
+            f"export: the plan ({plan.hash()[:12]}) and the weights disagree: missing "
+            f"{missing[:3]} ({len(missing)}), not in the plan {extra[:3]} ({len(extra)}); "
+            "resolve the plan against this model"
+        )
+    check_finite(params)
+    partners = _fuse_partners(plan)
+    chosen: dict[torch.device, Backend] = {}
+    for name, spec in plan.items():
+        w = params[name].detach()
+        if spec.format is Format.BF16:
+            value: WeightValue = w.to(bf16_dtype, copy=True).contiguous()  # never aliased
+        else:
+            if w.device not in chosen:  # once per device
+                chosen[w.device] = select_backend(backend, w.device)
+            partner = params[partners[name]].detach() if name in partners else None
+            value = _quantize(w, spec, partner, chosen[w.device])
+        yield name, value
+
+
+def export_weights(
+    named_params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    plan: Plan,
+    *,
+    bf16_dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str | None = None,
+) -> Iterator[WeightRecord]:
+    """Quantize every tensor of the plan from the master weights, in plan order, each record
+    with its checksum (`quantized_values` says what is checked first)."""
+    for name, value in quantized_values(named_params, plan, bf16_dtype=bf16_dtype, backend=backend):
+        yield WeightRecord(name, value, checksum(value))
+
+
+def _quantize(w: torch.Tensor, spec: TensorSpec, partner, backend: Backend):
+    block = spec.block or FP8_BLOCK_WEIGHT
+    if spec.format is Format.FP8_BLOCK and block[1] not in KERNEL_FP8_BLOCK_SIZES:
+        backend = Backend.REFERENCE  # the kernels' block sizes (mxrl.kernels.api)
+    kwargs = weight_quantizer_kwargs(w, spec, partner)
+    return kernel_quantize(w, spec.format, **kwargs, backend=backend)
+
+
+def _fuse_partners(plan: Plan) -> dict[str, str]:
+    """gate <-> up names of 2-D fuse groups (a fused 3-D gate_up tensor is its own group)."""
+    groups: dict[str, list[str]] = {}
+    for name, spec in plan.items():
+        if spec.fuse_group is not None and spec.fuse_group != name:
+            groups.setdefault(spec.fuse_group, []).append(name)
+    out = {}
+    for members in groups.values():
+        if len(members) == 2:
+            out[members[0]], out[members[1]] = members[1], members[0]
+    return out
