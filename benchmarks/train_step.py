@@ -1,0 +1,267 @@
+"""One training step (forward + backward) per preset against a HF transformers training step of the
+same model, in one run: s/step, x our bf16, peak GPU memory, model TFLOP/s (issue 14).
+
+    python benchmarks/train_step.py                       # H200: 4-layer Qwen3-30B-A3B slice
+    python benchmarks/train_step.py --tiny --device cpu   # the script's logic, in seconds
+
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+32000, seeded random weights, fp32 master weights (`build_model`), `apply_plan(preset)`, bf16
+compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the device gets by
+default (`mxrl.nn.select_gemm`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
+`cross_entropy(model(ids).float(), targets).backward()` on B x S random tokens, gradients set to
+None between steps (no optimizer: its cost is the same for every preset). Timed: median of
+`--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator).
+Peak memory: `torch.cuda.max_memory_allocated` over the timed steps (parameters and gradients
+included). HF peer: the same weights through `save_pretrained`, `AutoModelForCausalLM` with
+`experts_implementation="grouped_mm"`, (a) fp32 parameters under bf16 autocast and (b) bf16
+parameters. Writes the `train_step` section of the results JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
+from engine_decode import QWEN3_30B_A3B_LAYER, check_device, check_presets, cpu_environment
+
+ensure_repo_on_path()
+
+from mxrl.models import ModelConfig, build_model, empty_model, save_pretrained  # noqa: E402
+from mxrl.nn import apply_plan, select_gemm, set_gemm  # noqa: E402
+from mxrl.recipe import resolve  # noqa: E402
+
+DEFAULT_PRESETS = ("bf16", "fp8-block", "mxfp8", "mxfp8-hp", "nvfp4-hp", "nvfp4-dequantized")
+BASELINE = "bf16"
+TINY_LAYER = {  # --tiny: every preset's shapes fit (fp8_block needs multiples of 128)
+    "hidden_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "rope_theta": 10_000.0,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def model_config(layers: int, vocab: int, tiny: bool) -> ModelConfig:
+    return ModelConfig.from_hf(
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **(TINY_LAYER if tiny else QWEN3_30B_A3B_LAYER),
+            "num_hidden_layers": layers,
+            "vocab_size": vocab,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 4096,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+    )
+
+
+def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
+    """Useful GEMM FLOPs of forward + backward: 6 x active matmul parameters x tokens, plus
+    causal attention (QK^T and PV: 2 x 2 x S^2/2 x N x D per sequence and layer, x3)."""
+    c = config
+    attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    attn += c.num_attention_heads * c.head_dim * c.hidden_size
+    experts = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    router = c.hidden_size * c.num_experts
+    params = c.num_hidden_layers * (attn + experts + router) + c.hidden_size * c.vocab_size
+    tokens = batch * seq
+    scores = 3 * 2 * seq * seq * c.num_attention_heads * c.head_dim * c.num_hidden_layers * batch
+    return 6.0 * params * tokens + scores
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(step, device: torch.device, warmup: int, repeats: int) -> dict:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"s_step": statistics.median(times), "times_s": times, "peak_bytes": peak}
+
+
+def make_step(model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool = False):
+    inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
+
+    def step():
+        with torch.autocast(
+            ids.device.type, dtype=autocast or torch.bfloat16, enabled=bool(autocast)
+        ):
+            out = model(input_ids=inputs) if hf else model(inputs)
+            logits = out.logits if hf else out
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+
+    return step
+
+
+def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
+    model = empty_model(config, device=device)
+    model.load_state_dict(base_state)
+    plan = resolve(preset, {n: p.shape for n, p in model.named_parameters()})
+    apply_plan(model, plan)
+    if args.gemm:
+        set_gemm(model, args.gemm)
+    compute = None if args.compute == "fp32" else torch.bfloat16
+    model.set_training_options(compute_dtype=compute, checkpoint_layers=args.checkpoint_layers)
+    model.train()
+    got = measure(make_step(model, ids, None), device, args.warmup, args.repeats)
+    del model
+    _free(device)
+    return {"impl": "mxrl", "preset": preset, **got}
+
+
+def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
+    import transformers
+
+    rows = []
+    for name, dtype, autocast in (
+        ("hf fp32+autocast", torch.float32, torch.bfloat16),
+        ("hf bf16", torch.bfloat16, None),
+    ):
+        kwargs = {"dtype": dtype, "experts_implementation": "grouped_mm"}
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            impl = "grouped_mm"
+        except (TypeError, ValueError) as err:
+            print(f"  (transformers refused experts_implementation=grouped_mm: {err}; eager)")
+            kwargs.pop("experts_implementation")
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            impl = "eager"
+        model = model.to(device).train()
+        got = measure(make_step(model, ids, autocast, hf=True), device, args.warmup, args.repeats)
+        rows.append({"impl": name, "preset": name, "experts_implementation": impl, **got})
+        print(f"  {name} ({impl}) {tuple(ids.shape)}: {got['s_step']:.3f} s/step")
+        del model
+        _free(device)
+    return rows
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--shapes", nargs="+", default=["4x1024", "16x1024"], help="BxS token shapes")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gemm", choices=["reference", "tensor_core"], help="default: by device")
+    ap.add_argument("--compute", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--checkpoint-layers", action="store_true", help="activation checkpointing")
+    ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.vocab = min(args.vocab, 256)
+        if args.shapes == ap.get_default("shapes"):
+            args.shapes = ["2x16"]
+    try:
+        args.shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    except ValueError:
+        ap.error(f"--shapes takes BxS pairs such as 4x1024, got {args.shapes}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    check_presets(args.presets)
+    device = check_device(args.device)
+    config = model_config(args.layers, args.vocab, args.tiny)
+    base = build_model(config, seed=0)  # fp32 master weights, drawn on the CPU
+    base_state = {k: v.detach() for k, v in base.state_dict().items()}
+    gemm = args.gemm or select_gemm(None, device).value
+    print(f"device {device}, gemm {gemm}, compute {args.compute}")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.skip_hf:
+            save_pretrained(base, tmp)
+        del base
+        for b, s in args.shapes:
+            gen = torch.Generator().manual_seed(b * 100003 + s)
+            ids = torch.randint(1, config.vocab_size, (b, s + 1), generator=gen).to(device)
+            flops = step_flops(config, b, s)
+            shape_rows = [] if args.skip_hf else hf_rows(Path(tmp), ids, device, args)
+            for preset in args.presets:
+                row = mxrl_row(base_state, config, preset, ids, device, args)
+                print(f"  {preset} {b}x{s}: {row['s_step']:.3f} s/step")
+                shape_rows.append(row)
+            for row in shape_rows:
+                row.update(B=b, S=s, tokens=b * s, tflops=flops / row["s_step"] / 1e12)
+            _ratios(shape_rows)
+            rows += shape_rows
+    print(format_table(rows, [
+        ("preset", "run", ""), ("B", "B", "d"), ("S", "S", "d"), ("s_step", "s/step", ".3f"),
+        ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
+        ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"),
+        ("bf16_x_hf_autocast", "bf16 x HF(amp)", ".2f"), ("bf16_x_hf_bf16", "bf16 x HF(bf16)", ".2f"),
+    ]))  # fmt: skip
+    env = environment() if device.type == "cuda" else cpu_environment()
+    section = {
+        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
+        "gemm": gemm,
+        "compute": args.compute,
+        "checkpoint_layers": args.checkpoint_layers,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    out = args.out or (
+        str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
+    )
+    if out:
+        update_results(Path(out), "train_step", {**section, "environment": env}, {})
+        print(f"wrote the train_step section of {out}")
+    return 0
+
+
+def _ratios(rows: list[dict]) -> None:
+    """x bf16 (time and memory, ours), and our bf16 time over each HF variant's (< 1: faster)."""
+    by = {r["preset"]: r for r in rows}
+    base = by.get(BASELINE)
+    for r in rows:
+        r["peak_gb"] = None if r["peak_bytes"] is None else r["peak_bytes"] / 1e9
+        r["x_bf16"] = r["s_step"] / base["s_step"] if base else None
+        both = base and r["peak_bytes"] and base["peak_bytes"]
+        r["mem_x_bf16"] = r["peak_bytes"] / base["peak_bytes"] if both else None
+    for key, name in (("bf16_x_hf_autocast", "hf fp32+autocast"), ("bf16_x_hf_bf16", "hf bf16")):
+        if base and name in by:
+            base[key] = base["s_step"] / by[name]["s_step"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
