@@ -1,0 +1,115 @@
+"""Engine.load_weights copies into the buffers the engine already holds: every tensor the
+forward reads keeps its storage across a reload (captured CUDA graphs stay valid), the engine
+then computes what an engine built on the new weights computes, and the graphs are dropped only
+when new buffers were installed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mxrl.engine import Engine
+from mxrl.formats import QTensor
+from mxrl.sync import InProcessTransport
+from mxrl.weights import export
+from tests.engine.test_engine import tiny
+from tests.sync.helpers import engine_logits, hashes
+
+PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized", "fp8-block")
+
+
+def _tensors_in(obj, depth: int = 0):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, QTensor):
+        yield from obj.tensors().values()
+    elif depth > 4 or isinstance(obj, (torch.nn.Module, str, bytes, type)):
+        return
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors_in(getattr(obj, f.name), depth + 1)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+
+
+def forward_tensors(engine: Engine) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """(data_ptr, shape) of every tensor held by the engine's modules and weights."""
+    out = {}
+    for prefix, module in engine.net.named_modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers"):
+                items = [(k, t) for k, t in value.items() if t is not None]
+            elif key.startswith("_"):
+                continue
+            else:
+                items = [(f"{key}.{i}", t) for i, t in enumerate(_tensors_in(value))]
+            for k, t in items:
+                out[f"{prefix}.{k}"] = (t.data_ptr(), tuple(t.shape))
+    for name, value in engine.weights.items():
+        for i, t in enumerate(_tensors_in(value)):
+            out[f"weights:{name}.{i}"] = (t.data_ptr(), tuple(t.shape))
+    return out
+
+
+def _engine(preset, device, compute_dtype, monkeypatch, calls):
+    def counting(self):
+        calls.append(self.weights_version)
+
+    monkeypatch.setattr(Engine, "_invalidate_graphs", counting)
+    model = tiny(preset, seed=0).to(device)
+    return Engine(model, preset, device=device, compute_dtype=compute_dtype)
+
+
+def reload_in_place(preset, device, compute_dtype, monkeypatch):
+    calls: list[int] = []
+    engine = _engine(preset, device, compute_dtype, monkeypatch, calls)
+    assert calls == [0]  # the first load installs the buffers
+    before = forward_tensors(engine)
+    assert len(before) > len(engine.plan)
+    logits = engine_logits(engine)
+    trainer = tiny(preset, seed=1).to(device)
+    report = InProcessTransport(engine).send(export(trainer, engine.plan, step=1))
+    assert report.version == 2
+    assert forward_tensors(engine) == before  # same storage for every tensor the forward reads
+    assert calls == [0]  # nothing new installed: the graphs stay
+    fresh = Engine(trainer, preset, device=device, compute_dtype=compute_dtype)
+    assert hashes(engine.records()) == hashes(fresh.records())
+    after = engine_logits(engine)
+    assert not torch.equal(after, logits)
+    assert torch.equal(after, engine_logits(fresh))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_reload_keeps_every_buffer_and_equals_a_fresh_engine(preset, monkeypatch):
+    reload_in_place(preset, "cpu", torch.float32, monkeypatch)
+
+
+def test_reload_in_place_when_the_weight_is_its_own_gemm_operand(monkeypatch):
+    """bf16 compute: a bf16 weight is both the held value and the GEMM operand (one storage)."""
+    reload_in_place("bf16", "cpu", torch.bfloat16, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_reload_in_place_on_cuda(preset, compute_dtype, monkeypatch):
+    reload_in_place(preset, "cuda", compute_dtype, monkeypatch)
+
+
+def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs(monkeypatch):
+    """A record whose layout differs from the held one (here: the held value replaced by one of
+    another shape behind the engine's back) is installed, not copied, and the graphs go."""
+    calls: list[int] = []
+    engine = _engine("mxfp8", "cpu", torch.float32, monkeypatch, calls)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    held = engine.weights[name]
+    engine.weights[name] = QTensor(held.qdata[:32], held.scale[:32], held.fmt, (32, held.shape[1]))
+    InProcessTransport(engine).send(export(tiny("mxfp8", seed=1), engine.plan, step=1))
+    assert calls == [0, 1]
+    assert engine.weights[name].shape == held.shape
