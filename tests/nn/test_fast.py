@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mxrl.formats import dequantize, quantize
+from mxrl.kernels import Backend
 from mxrl.models import build_model
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
 from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
@@ -86,11 +87,12 @@ def test_dense_fp8_block_on_the_cpu_is_the_reference():
 # --- grouped experts -------------------------------------------------------------------------
 
 
-def _module(fmt, mode):
-    experts = _experts()
+def _module(fmt, mode, device="cpu", backend="reference", e=4, h=64, i=32):
+    experts = _experts(e=e, h=h, i=i).to(device)
     if fmt == "bf16":
         return experts, experts
-    return experts, QExperts.from_experts(experts, *_expert_specs(fmt), mode)
+    specs = _expert_specs(fmt, e=e, h=h, i=i)
+    return experts, QExperts.from_experts(experts, *specs, mode, backend=Backend(backend))
 
 
 def _loop_proj(module, which, x_sorted, layout):
@@ -114,19 +116,21 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("fmt", "mode"), CASES)
-@pytest.mark.parametrize("which", ["gate_up", "down"])
-def test_grouped_projection_matches_the_loop_within_the_bound(fmt, mode, which):
-    experts, module = _module(fmt, mode)
-    _, ids, _ = _route(t=45)
-    ids[:7] = torch.tensor([0, 1])  # uneven groups; expert 3 gets rows that are not 32s
-    ids[ids == 2] = 3  # expert 2 empty
-    layout = ExpertLayout.build(ids, 4)
+def check_grouped_projection(fmt, mode, which, device="cpu", backend="reference", size=None):
+    """One grouped projection, forward and both gradients, against the reference loop on the
+    same inputs (x fp32, dy bf16 values), within the bound of docs/nn.md. size: (E, H, I, T)."""
+    e, h, i, t = size or (4, 64, 32, 45)
+    experts, module = _module(fmt, mode, device, backend, e, h, i)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+    ids[: t // 6] = torch.tensor([0, 1])  # uneven groups, counts not multiples of 32
+    ids[ids == 2] = 3  # expert 2 gets no row
+    ids = ids.to(device)
+    layout = ExpertLayout.build(ids, e)
     param = experts.gate_up_proj if which == "gate_up" else experts.down_proj
     k = param.shape[-1]
-    g = torch.Generator().manual_seed(9)
-    x_sorted = (torch.randn(layout.order.numel(), k, generator=g)).requires_grad_(True)
-    dy = torch.randn(x_sorted.shape[0], param.shape[1], generator=g).to(BF16)
+    x_sorted = torch.randn(layout.order.numel(), k, generator=g).to(device).requires_grad_(True)
+    dy = torch.randn(x_sorted.shape[0], param.shape[1], generator=g).to(device, BF16)
     results = {}
     for gemm in (Gemm.REFERENCE, Gemm.TENSOR_CORE):
         param.grad = x_sorted.grad = None
@@ -144,14 +148,15 @@ def test_grouped_projection_matches_the_loop_within_the_bound(fmt, mode, which):
         absprods = _absprods(x_sorted.detach(), w, dy.float(), layout)
         errs = (ROUNDED, ROUNDED, ROUNDED)  # x, w rounded to bf16 in every GEMM
     else:
-        spec = module.specs[which]
         w_deq = module._quantized(which).deq
-        xq = quantize(x_sorted.detach(), fmt, per_token=True) if fmt == "nvfp4" else None
-        x_deq = dequantize(xq if xq is not None else quantize(x_sorted.detach(), fmt))
+        xs = x_sorted.detach()
+        x_deq = dequantize(
+            quantize(xs, fmt, per_token=True) if fmt == "nvfp4" else quantize(xs, fmt)
+        )
         absprods = _absprods(x_deq, w_deq, dy.float(), layout)
         exact_bwd = mode == "quantized" or (fmt == "mxfp8" and mode == "dequantized")
         # the NVFP4 global scales multiply the bf16 output: one more rounding
-        fwd_err = ROUNDED if spec.format.value == "nvfp4" else EXACT
+        fwd_err = ROUNDED if fmt == "nvfp4" else EXACT
         errs = (fwd_err, EXACT if exact_bwd else ROUNDED, EXACT if exact_bwd else ROUNDED)
         if mode == "quantized":  # operands quantized from dy: bound on those operands' sizes
             absprods = (absprods[0], 2 * absprods[1], 2 * absprods[2])
@@ -159,6 +164,12 @@ def test_grouped_projection_matches_the_loop_within_the_bound(fmt, mode, which):
     assert_within(dx, dx_ref, absprods[1], w.shape[1], errs[1], "dgrad")
     assert_within(dw, dw_ref, absprods[2], x_sorted.shape[0], errs[2], "wgrad")
     assert torch.all(dw[2] == 0), "an expert with no rows gets a zero gradient"
+
+
+@pytest.mark.parametrize(("fmt", "mode"), CASES)
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+def test_grouped_projection_matches_the_loop_within_the_bound(fmt, mode, which):
+    check_grouped_projection(fmt, mode, which)
 
 
 def _absprods(x, w, dy, layout):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mxrl.models import build_model
-from mxrl.nn import QExperts, apply_plan
+from mxrl.nn import QExperts, apply_plan, set_gemm
 from mxrl.recipe import Backward, builtin_config, resolve
 from tests.numerics import assert_bytes_equal
 
@@ -21,6 +21,7 @@ def test_tiny_moe_on_cuda_matches_cpu(preset):
     gpu = build_model(builtin_config("tiny-moe"), seed=0, device="cuda")
     for m in (cpu, gpu):
         apply_plan(m, resolve(preset, {n: p.shape for n, p in m.named_parameters()}))
+    set_gemm(gpu, "reference")  # the fp32 reference GEMMs on both (fast paths: test_fast_gpu)
     ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(gpu(ids.cuda()).cpu(), cpu(ids), rtol=1e-4, atol=1e-4)
     qc = cpu.model.layers[0].mlp.experts
