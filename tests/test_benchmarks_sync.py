@@ -1,0 +1,43 @@
+"""benchmarks/sync.py end to end on the CPU, shrunk (--tiny): every preset gets its row, the
+48-layer extrapolation's byte formula equals the engine's bytes on the slice, the results file
+keeps the other sections."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def sync_bench():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))  # the script imports benchmarks/common.py
+        spec = importlib.util.spec_from_file_location("sync_bench", BENCHMARKS / "sync.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+
+
+def test_tiny_cpu_run_writes_every_preset(sync_bench, tmp_path):
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"rollout": {"kept": True}}))
+    args = ["--tiny", "--device", "cpu", "--repeats", "1", "--layers", "2", "--out", str(out)]
+    assert sync_bench.main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["rollout"] == {"kept": True}
+    section = data["sync"]
+    assert section["mode"] == "in_process" and section["copy_bandwidth"]["gbps"] > 0
+    assert [r["preset"] for r in section["rows"]] == list(sync_bench.DEFAULT_PRESETS)
+    for r in section["rows"]:
+        assert r["engine_bytes"] == r["engine_bytes_formula"] > 0
+        assert r["sync_s"] > 0 and r["gbps"] > 0 and r["sync_with_sqnr_s"] > 0
+        assert r["sync_s_48_layers"] > r["sync_s"]
+        assert set(r["share"]) == {"quantize", "checksum", "transfer", "load"}
+        assert abs(sum(r["share"].values()) - 1) < 1e-9 and r["share"]["transfer"] == 0
+        assert r["peak_extra_bytes"] is None  # CPU: no allocator statistics
+    assert section["environment"]["device"].startswith("cpu")
