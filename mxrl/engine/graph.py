@@ -72,10 +72,23 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
         self._rows: list[tuple[object, list[int]] | None] = [None] * max_batch
         self._pad_rows(0, max_batch)
+        self.failure: str | None = None  # why capture failed: the engine decodes eagerly
+
+    def try_run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`run`, or None (and no more graphs for this engine) when capture fails: an op of
+        the forward that cannot live in a graph (it reads a value back to the host)."""
+        try:
+            return self.run(batch)
+        except RuntimeError as err:
+            self.failure = str(err).splitlines()[0]
+            self.graphs.clear()
+            logger.warning("engine: CUDA-graph capture failed, decoding eagerly: %s", self.failure)
+            return None
 
     def fits(self, batch: list[Scheduled]) -> bool:
         return (
-            0 < len(batch) <= self.max_batch
+            self.failure is None
+            and 0 < len(batch) <= self.max_batch
             and all(s.num_tokens == 1 and s.sample for s in batch)
             and all(len(s.seq.block_table) <= self.width for s in batch)
         )

@@ -41,8 +41,10 @@ class ModelRunner:
         routing int64 [T, L, k] of every token fed, in batch order, or None for a dense model),
         both on the engine's device."""
         if self.graphs is not None and self.graphs.fits(batch):
-            self.num_graph_steps += 1
-            return self.graphs.run(batch)
+            out = self.graphs.try_run(batch)
+            if out is not None:
+                self.num_graph_steps += 1
+                return out
         self.num_eager_steps += 1
         return self._eager(batch)
 
