@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from mxrl.engine.block_manager import BlockManager
+from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.engine.params import Completion, SamplingParams
 from mxrl.engine.runner import ModelRunner
-from mxrl.engine.sampler import sample
+from mxrl.engine.sampler import SamplingBatch, sample_batch
 from mxrl.engine.scheduler import Scheduler
 from mxrl.engine.sequence import Sequence as Request
 from mxrl.formats import QTensor
@@ -103,6 +105,8 @@ class Engine:
         tile: int | None = None,
         backend: Backend | str | None = None,
         cache: CacheOptions | None = None,
+        batch_invariant: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
@@ -115,6 +119,8 @@ class Engine:
             tile,
             backend,
             cache,
+            batch_invariant,
+            cuda_graphs,
         )
         records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
         self.load_weights(records, self.plan.hash())
@@ -132,12 +138,23 @@ class Engine:
         tile: int | None = None,
         backend: Backend | str | None = None,
         cache: CacheOptions | None = None,
+        batch_invariant: bool = True,
+        cuda_graphs: bool = True,
     ) -> Engine:
         """An engine that never saw master weights: a config, a plan and exported records
         (a converted checkpoint, a first sync), verified by `load_weights`."""
         engine = cls.__new__(cls)
         engine._setup(
-            config, plan, torch.device(device), compute_dtype, weight_dtype, tile, backend, cache
+            config,
+            plan,
+            torch.device(device),
+            compute_dtype,
+            weight_dtype,
+            tile,
+            backend,
+            cache,
+            batch_invariant,
+            cuda_graphs,
         )
         engine.load_weights(records, plan.hash())
         return engine
@@ -150,13 +167,30 @@ class Engine:
         return cls.from_records(ModelConfig.from_hf(config), plan, records, **kwargs)
 
     def _setup(
-        self, config, plan, device, compute_dtype, weight_dtype, tile, backend, cache
+        self,
+        config,
+        plan,
+        device,
+        compute_dtype,
+        weight_dtype,
+        tile,
+        backend,
+        cache,
+        batch_invariant=True,
+        cuda_graphs=True,
     ) -> None:
         self.config, self.plan, self.device = config, plan, device
         self.backend = select_backend(backend, device)  # chosen once for the engine's device
-        if tile is None:  # one GEMM launch for a GPU decode step of up to 128 sequences
+        self.batch_invariant = batch_invariant
+        if not batch_invariant:
+            if tile is not None:
+                raise ValueError(
+                    "tile sets the invariant GEMM shape; leave it unset with batch_invariant=False"
+                )
+            tile = 0  # every GEMM over the step's rows at once (docs/engine.md, two modes)
+        elif tile is None:  # one GEMM launch for a GPU decode step of up to 128 sequences
             tile = DEFAULT_TILE_CUDA if device.type == "cuda" else DEFAULT_TILE_CPU
-        if tile < 1:
+        elif tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
         self.cache_options = cache if cache is not None else CacheOptions()
@@ -173,6 +207,16 @@ class Engine:
         )
         self._kv: KVCache | None = None  # allocated at the first generate (weights loaded)
         self._blocks: BlockManager | None = None
+        # decode graphs: CUDA, the Triton attention (reads its metadata from the device)
+        # and no op that reads a value back to the host: the routed experts must run grouped
+        # (the per-expert loop sizes its tiles from the routing, engine/modules.py)
+        self.cuda_graphs = (
+            cuda_graphs
+            and device.type == "cuda"
+            and self._attention_kernel
+            and all(m.grouped or m.grouped_bf16 for m in self._experts())
+        )
+        self._graphs: DecodeGraphs | None = None
 
     # --- weights -------------------------------------------------------------------------------
     def _build(self) -> CausalLM:
@@ -339,9 +383,6 @@ class Engine:
         )  # fmt: skip
         return self.weights_version
 
-    def _invalidate_graphs(self) -> None:
-        """Drop captured CUDA graphs (none yet): called when a load installed new buffers."""
-
     def records(self) -> Iterable[WeightRecord]:
         """The weights the engine holds, as records (for checks and checkpoints); the values are
         the live tensors, which the next load overwrites in place."""
@@ -365,14 +406,16 @@ class Engine:
                 budget = int(free * opt.gpu_memory_fraction)
             elif budget is None:
                 budget = DEFAULT_CPU_KV_BYTES
-            num_blocks = budget // per_block
+            scratch = 1 if self.cuda_graphs else 0  # the last block: graph padding rows'
+            num_blocks = budget // per_block - scratch
             if num_blocks < 1:
                 raise ValueError(
                     f"the KV cache budget ({budget} bytes) holds no block of {opt.block_size} "
-                    f"tokens ({per_block} bytes); raise kv_cache_bytes or gpu_memory_fraction"
+                    f"tokens ({per_block} bytes) besides {scratch} scratch; raise "
+                    "kv_cache_bytes or gpu_memory_fraction"
                 )
             self._kv = KVCache(
-                c.num_hidden_layers, num_blocks, opt.block_size, c.num_key_value_heads,
+                c.num_hidden_layers, num_blocks + scratch, opt.block_size, c.num_key_value_heads,
                 c.head_dim, self.compute_dtype, self.device,
             )  # fmt: skip
             logger.info(
@@ -380,8 +423,31 @@ class Engine:
                 num_blocks, opt.block_size, num_blocks * per_block / 2**20,
             )  # fmt: skip
         if self._blocks is None:
-            self._blocks = BlockManager(self._kv.k[0].shape[0], opt.block_size)
+            scratch = 1 if self.cuda_graphs else 0
+            self._blocks = BlockManager(self._kv.k[0].shape[0] - scratch, opt.block_size)
         return self._kv, self._blocks
+
+    def _decode_graphs(self, kv: KVCache, seqs: list[Request]) -> DecodeGraphs | None:
+        """The decode graphs, rebuilt when these requests need wider block tables."""
+        if not self.cuda_graphs or not seqs:
+            return None
+        bs = self.cache_options.block_size
+        need = max(-(-seq.max_len // bs) for seq in seqs)
+        if self._graphs is None or self._graphs.width < need:
+            width = max(64, 1 << (need - 1).bit_length())
+            self._graphs = None  # free the old graphs' pool first
+            scratch = kv.k[0].shape[0] - 1
+            max_batch = self.cache_options.max_num_seqs
+            self._graphs = DecodeGraphs(self.net, kv, max_batch, width, scratch)
+        return self._graphs
+
+    def _experts(self) -> list[RolloutExperts]:
+        return [m for m in self.net.modules() if isinstance(m, RolloutExperts)]
+
+    def _invalidate_graphs(self) -> None:
+        """Drop the captured decode graphs (they read the buffers they were captured with);
+        called when a weight load could not copy into the existing buffers."""
+        self._graphs = None
 
     def _start(self, seqs: list[Request]) -> tuple[Scheduler, ModelRunner]:
         """A scheduler holding `seqs` (every one checked against the cache before any work)
@@ -391,7 +457,9 @@ class Engine:
         scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
-        return scheduler, ModelRunner(self.net, kv, self.device, self._attention_kernel)
+        graphs = self._decode_graphs(kv, seqs)
+        self.runner = ModelRunner(self.net, kv, self.device, self._attention_kernel, graphs)
+        return scheduler, self.runner
 
     @torch.no_grad()
     def generate(
@@ -408,25 +476,38 @@ class Engine:
             if not p or any(not 0 <= int(t) < vocab for t in p):
                 raise ValueError(f"prompt {i} is empty or holds ids outside [0, {vocab})")
         seqs = [
-            Request(i, [int(t) for t in p], sp, _generator(sp.seed))
+            Request(i, [int(t) for t in p], sp, _seed(sp.seed))
             for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True))
         ]
         scheduler, runner = self._start(seqs)
         blocks = scheduler.blocks
+        stats = self.stats = GenerateStats()
         while not scheduler.finished:
+            started = time.perf_counter()
             batch = scheduler.schedule()
             if not batch:
                 raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
+            stats.observe(batch, blocks)
             logits, routing = runner.step(batch)
-            sampling = []
-            for s, routed in zip(batch, routing, strict=True):
+            sampling = [s.seq for s in batch if s.sample]
+            chosen = SamplingBatch.build(
+                [q.params for q in sampling],
+                [q.seed for q in sampling],
+                [q.num_generated for q in sampling],
+                self.device,
+            )
+            tokens_t, lps_t = sample_batch(logits, chosen)
+            if routing is not None:  # queued before the one transfer that waits
+                routing = routing.to("cpu", non_blocking=True)
+            host = torch.stack([tokens_t.double(), lps_t.double()]).cpu()  # one sync a step
+            tokens, lps = host[0].long().tolist(), host[1].float().tolist()
+            if all(s.num_tokens == 1 for s in batch):  # host sync above: the step is done
+                stats.decode_step_s.append(time.perf_counter() - started)
+            per_seq = _split_routing(routing, [s.num_tokens for s in batch])
+            for s, routed in zip(batch, per_seq, strict=True):
                 self._record_routing(s.seq, s.start, routed)
                 s.seq.num_computed += s.num_tokens
                 blocks.register(s.seq, lambda q=s.seq: torch.cat(q.routing))
-                if s.sample:
-                    sampling.append(s.seq)
-            params_now = [q.params for q in sampling]
-            tokens, lps = sample(logits, params_now, [q.generator for q in sampling])
             for seq, token, lp in zip(sampling, tokens, lps, strict=True):
                 seq.tokens.append(token)
                 seq.logprobs.append(lp)
@@ -434,6 +515,7 @@ class Engine:
                     scheduler.finish(seq, "stop")
                 elif seq.num_generated >= seq.params.max_new_tokens:
                     scheduler.finish(seq, "length")
+        stats.graph_steps = runner.num_graph_steps
         return [self._completion(seq) for seq in seqs]
 
     @torch.no_grad()
@@ -441,7 +523,7 @@ class Engine:
         """fp32 logits [R, V] of the token after each prompt: the prefill `generate` runs,
         without sampling (for checks: the engine's forward against the trainer's)."""
         seqs = [
-            Request(i, [int(t) for t in p], SamplingParams(max_new_tokens=1), _generator(0))
+            Request(i, [int(t) for t in p], SamplingParams(max_new_tokens=1), 0)
             for i, p in enumerate(prompts)
         ]
         scheduler, runner = self._start(seqs)
@@ -476,6 +558,29 @@ class Engine:
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+@dataclass
+class GenerateStats:
+    """What the last `generate` did: steps (of which replayed as CUDA graphs), the most KV
+    blocks held at once and the most tokens those blocks held (their ratio is the paging
+    overhead), preemptions."""
+
+    steps: int = 0
+    graph_steps: int = 0
+    peak_kv_blocks: int = 0
+    peak_kv_tokens: int = 0
+    block_size: int = 0
+    # wall time of every decode-only step, scheduling to sampled tokens on the host
+    decode_step_s: list[float] = field(default_factory=list)
+
+    def observe(self, batch, blocks: BlockManager) -> None:
+        self.steps += 1
+        self.block_size = blocks.block_size
+        used = blocks.num_blocks - blocks.num_free
+        if used > self.peak_kv_blocks:
+            self.peak_kv_blocks = used
+            self.peak_kv_tokens = sum(s.start + s.num_tokens for s in batch)
 
 
 def _leaves(obj) -> list[torch.Tensor | None]:
@@ -530,13 +635,19 @@ def _per_request(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
+def _seed(seed: int | None) -> int:
+    """A request's seed; None draws one from torch's default CPU generator (so
+    `torch.manual_seed` makes unseeded runs repeatable too)."""
     if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed)
-    return g
+        return int(torch.randint(0, 2**62, ()))
+    return int(seed) % (1 << 63)
+
+
+def _split_routing(routing: torch.Tensor | None, lengths: list[int]) -> list[torch.Tensor]:
+    """Per scheduled sequence, its tokens' routing [n, L, k] (empty [n, 0, 0] when dense)."""
+    if routing is None:
+        return [torch.zeros((n, 0, 0), dtype=torch.int64) for n in lengths]
+    return list(routing.split(lengths))
 
 
 def _device_of(model: nn.Module) -> torch.device:
