@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
-    model = build_model(model_config(layers=args.layers, vocab=32000), seed=0)
+    model = build_model(model_config(layers=args.layers, vocab=32000, tiny=False), seed=0)
     for b in args.batch:
         prompts = [[1 + (7 * i + j) % 3000 for j in range(64)] for i in range(b)]
         params = SamplingParams(temperature=0.0, max_new_tokens=8)

@@ -160,12 +160,12 @@ def _sample_rows(logits_RV: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tenso
 def sample_batch(logits_RV: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], processed logprobs float32 [R]), still on the logits' device: one
     batched pass on CUDA, row by row on the CPU (module docstring)."""
+    if logits_RV.shape[0] == 0:  # a step where no sequence samples (chunked prefill)
+        empty = torch.zeros(0, dtype=torch.float32, device=logits_RV.device)
+        return empty.long(), empty
     if logits_RV.device.type != "cpu":
         return _sample_rows(logits_RV, b)
     parts = [_sample_rows(logits_RV[r : r + 1], b.rows(r, r + 1)) for r in range(len(logits_RV))]
-    if not parts:
-        empty = logits_RV.new_zeros(0)
-        return empty.long(), empty
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

@@ -30,9 +30,15 @@ def fdiv(numerator: torch.Tensor | float, denominator: torch.Tensor | float) -> 
     """
     ref = numerator if isinstance(numerator, torch.Tensor) else denominator
     assert isinstance(ref, torch.Tensor)
-    num = torch.as_tensor(numerator, dtype=torch.float32, device=ref.device)
-    den = torch.as_tensor(denominator, dtype=torch.float32, device=ref.device)
-    return torch.div(num, den)
+    return torch.div(_f32(numerator, ref.device), _f32(denominator, ref.device))
+
+
+def _f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """v as an fp32 tensor on `device`; a Python number is filled in place by a kernel (no
+    host-to-device copy, which would synchronise a CUDA step)."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=torch.float32)
+    return torch.full((), v, dtype=torch.float32, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
