@@ -198,7 +198,11 @@ def rl_mxrl_row(model, preset, mode, prompts, stop, device, args) -> dict:
         / max(st.peak_kv_tokens, 1),
         "kv_bytes_per_token": kv_block_bytes / st.block_size,
     }  # fmt: skip
-    print(f"  RL {preset} [{mode}]: {tokens} tokens in {wall:.1f} s = {row['tok_s']:.0f} tok/s")
+    print(
+        f"  RL {preset} [{mode}]: {tokens} tokens in {wall:.1f} s = {row['tok_s']:.0f} tok/s; "
+        f"{st.steps} steps ({st.graph_steps} graphs); peak KV {row['peak_kv_bytes'] / 2**20:.0f} "
+        f"MiB for {st.peak_kv_tokens} tokens held"
+    )
     drop_engine(engine, device)
     return row
 
@@ -252,6 +256,22 @@ def _row(name: str, b: int, t_n: float, t_1: float, args) -> dict:
         "total_s": t_n,
         "prefill_plus_one_s": t_1,
     }
+
+
+def _derive(rows: list[dict], rl_rows: list[dict]) -> None:
+    """Ratios to HF, to our bf16 and of invariance, from the rows measured so far."""
+    hf_ms = {r["B"]: r["ms_step"] for r in rows if r["preset"] == "hf"}
+    bf16_ms = {(r["B"], r.get("mode")): r["ms_step"] for r in rows if r["preset"] == "bf16"}
+    inv_ms = {(r["preset"], r["B"]): r["ms_step"] for r in rows if r.get("mode") == "invariant"}
+    for r in rows:
+        key = (r["B"], r.get("mode"))
+        r["ratio_to_hf"] = hf_ms[r["B"]] / r["ms_step"] if r["B"] in hf_ms else None
+        r["speed_vs_mxrl_bf16"] = bf16_ms[key] / r["ms_step"] if key in bf16_ms else None
+        if r.get("mode") == "fast" and (r["preset"], r["B"]) in inv_ms:
+            r["invariance_cost"] = inv_ms[(r["preset"], r["B"])] / r["ms_step"] - 1
+    hf_rl = next((r["tok_s"] for r in rl_rows if r["preset"] == "hf"), None)
+    for r in rl_rows:
+        r["ratio_to_hf"] = r["tok_s"] / hf_rl if hf_rl else None
 
 
 def parse_args(argv):
@@ -308,6 +328,30 @@ def main(argv=None) -> int:
         if not args.skip_hf and (args.rl or args.rl_only) and device.type == "cuda":
             rl_rows.append(rl_hf_row(Path(tmp), rl_in, stop, device, args))
         loaded = from_pretrained(tmp, dtype=torch.float32)
+    env = environment() if device.type == "cuda" else cpu_environment()
+    out = args.out or (
+        str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
+    )
+
+    def write(final: bool) -> None:
+        """Derived ratios, then the section — after every block of rows, so a run cut short
+        (a time limit) keeps what it measured (`complete` says whether it finished)."""
+        _derive(rows, rl_rows)
+        section = {
+            "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
+            "prompt": args.prompt, "new_tokens": args.new_tokens,
+            "hf_experts_implementation": hf_impl, "copy_bandwidth": bandwidth,
+            "rows": rows, "complete": final,
+            "rl": {
+                "groups": args.groups, "samples": args.samples, "prompt": args.rl_prompt,
+                "max_new_tokens": args.rl_new_tokens, "stop_tokens": len(stop),
+                "rows": rl_rows,
+            } if rl_rows else None,
+        }  # fmt: skip
+        if out:
+            update_results(Path(out), "rollout", {**section, "environment": env}, {})
+
+    write(final=False)
     for preset in args.presets:
         for mode in args.modes if not args.rl_only else []:
             got, floors = mxrl_rows(loaded, preset, mode, prompts, device, args)
@@ -318,20 +362,11 @@ def main(argv=None) -> int:
                     row["floor_ms"] = floor_ms
                     row["ratio_to_floor"] = row["ms_step"] / floor_ms
             rows += got
+            write(final=False)
         if args.rl or args.rl_only:
             rl_rows.append(rl_mxrl_row(loaded, preset, "invariant", rl_in, stop, device, args))
-    hf_ms = {r["B"]: r["ms_step"] for r in rows if r["preset"] == "hf"}
-    bf16_ms = {(r["B"], r["mode"]): r["ms_step"] for r in rows if r["preset"] == "bf16"}
-    inv_ms = {(r["preset"], r["B"]): r["ms_step"] for r in rows if r.get("mode") == "invariant"}
-    for r in rows:
-        key = (r["B"], r.get("mode"))
-        r["ratio_to_hf"] = hf_ms[r["B"]] / r["ms_step"] if r["B"] in hf_ms else None
-        r["speed_vs_mxrl_bf16"] = bf16_ms[key] / r["ms_step"] if key in bf16_ms else None
-        if r.get("mode") == "fast" and (r["preset"], r["B"]) in inv_ms:
-            r["invariance_cost"] = inv_ms[(r["preset"], r["B"])] / r["ms_step"] - 1
-    hf_rl = next((r["tok_s"] for r in rl_rows if r["preset"] == "hf"), None)
-    for r in rl_rows:
-        r["ratio_to_hf"] = r["tok_s"] / hf_rl if hf_rl else None
+            write(final=False)
+    write(final=True)
     if rows:
         print(format_table(rows, [
             ("preset", "preset", ""), ("mode", "mode", ""), ("B", "B", "d"),
@@ -345,24 +380,7 @@ def main(argv=None) -> int:
             ("wall_s", "s", ".1f"), ("tok_s", "tok/s", ".0f"), ("ratio_to_hf", "x HF", ".2f"),
             ("peak_kv_bytes_per_token_held", "KV B/token held", ".0f"),
         ]))  # fmt: skip
-    env = environment() if device.type == "cuda" else cpu_environment()
-    section = {
-        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
-        "prompt": args.prompt,
-        "new_tokens": args.new_tokens,
-        "hf_experts_implementation": hf_impl,
-        "copy_bandwidth": bandwidth,
-        "rows": rows,
-        "rl": {
-            "groups": args.groups, "samples": args.samples, "prompt": args.rl_prompt,
-            "max_new_tokens": args.rl_new_tokens, "stop_tokens": len(stop), "rows": rl_rows,
-        } if rl_rows else None,
-    }  # fmt: skip
-    out = args.out or (
-        str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
-    )
     if out:
-        update_results(Path(out), "rollout", {**section, "environment": env}, {})
         print(f"wrote the rollout section of {out}")
     return 0
 
