@@ -6,18 +6,18 @@ construction and live sync.
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, seed=0))
     engine.load_weights(export_weights(model.named_parameters(), engine.plan), engine.plan.hash())
 
-Roles: engine.py (weights, the generate loop), scheduler.py + block_manager.py (which tokens
-run, where their KV lives), runner.py + kv_cache.py (one step through the model's own modules),
-modules.py (the weight holders swapped into the model), sampler.py.
+Roles: engine.py (setup, the generate loop), loading.py (verified loads in place),
+scheduler.py + block_manager.py (which tokens run, where their KV lives), runner.py + kv_cache.py
+(one step through the model's own modules), graph.py (CUDA-graph decode), modules.py (the weight
+holders swapped into the model), sampler.py (the batch's tokens and logprobs).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,22 +26,20 @@ from torch import nn
 from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
+from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
-from mxrl.engine.params import Completion, SamplingParams
+from mxrl.engine.params import Completion, GenerateStats, SamplingParams
 from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
 from mxrl.engine.scheduler import Scheduler
 from mxrl.engine.sequence import Sequence as Request
 from mxrl.formats import QTensor
-from mxrl.formats.constants import Format
 from mxrl.kernels import Backend, select_backend
 from mxrl.models import CausalLM, ModelConfig
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights import (
     WeightRecord,
-    WeightValue,
-    checksums,
     export_weights,
     read_quantized_checkpoint,
 )
@@ -50,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_TILE_CPU, DEFAULT_TILE_CUDA = 32, 128
-TIED_EMBEDDING = "model.embed_tokens.weight"
 
 
 @dataclass(frozen=True)
@@ -81,7 +78,7 @@ class CacheOptions:
             )
 
 
-class Engine:
+class Engine(WeightLoading):
     """Rollout engine for an mxrl model (see module docstring).
 
     model: the trainer's CausalLM (master weights); only its config and its weights (exported
@@ -240,156 +237,6 @@ class Engine:
             spec = self.plan[TIED_EMBEDDING]
             net.lm_head = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)
         return net.eval()
-
-    def _target(self, name: str) -> tuple[nn.Module, str]:
-        owner, _, attr = name.rpartition(".")
-        return self.net.get_submodule(owner), attr
-
-    def _check(self, record: WeightRecord) -> None:
-        """A record's name, format, shape and dtype against the plan (raises ValueError)."""
-        spec = self.plan.get(record.name)
-        if spec is None:
-            raise ValueError(f"{record.name!r} is not in the engine's plan: unknown tensor")
-        value = record.value
-        quantized = spec.format is not Format.BF16
-        if isinstance(value, QTensor) != quantized or (
-            quantized and (value.fmt != spec.format or tuple(value.shape) != spec.shape)
-        ):
-            got = (
-                f"QTensor {value.fmt} {tuple(value.shape)}"
-                if isinstance(value, QTensor)
-                else (f"tensor {value.dtype} {tuple(value.shape)}")
-            )
-            raise ValueError(f"{record.name}: the plan says {spec.format} {spec.shape}, got {got}")
-        if not quantized and (tuple(value.shape) != spec.shape or value.dtype != self.weight_dtype):
-            raise ValueError(
-                f"{record.name}: {value.dtype} {tuple(value.shape)}, the engine holds "
-                f"{self.weight_dtype} {spec.shape} (export with bf16_dtype={self.weight_dtype})"
-            )
-
-    def _stage(self, name: str, value: WeightValue) -> tuple:
-        """(value on the engine's device, what its module holds for it): new tensors, nothing
-        installed yet. The same structure as `_installed` gives for the live weights."""
-        value = value.to(self.device)
-        module, attr = self._target(name)
-        if isinstance(module, RolloutLinear) and attr == "weight":
-            return value, module.materialize(value)
-        if isinstance(module, RolloutExperts):
-            which = "gate_up" if attr == "gate_up_proj" else "down"
-            return value, module.materialize(which, value)
-        return value, value.to(self.compute_dtype)
-
-    def _installed(self, name: str) -> tuple | None:
-        """What the forward reads for `name` now (None before the first load)."""
-        if name not in self.weights:
-            return None
-        module, attr = self._target(name)
-        if isinstance(module, RolloutLinear) and attr == "weight":
-            held = {k: getattr(module, k) for k in ("qweight", "wq", "weight")}
-        elif isinstance(module, RolloutExperts):
-            held = module.values["gate_up" if attr == "gate_up_proj" else "down"]
-        else:
-            held = getattr(module, attr)
-        return self.weights[name], held
-
-    def _install(self, name: str, staged: tuple) -> None:
-        """Point the module at new tensors (a load that could not be done in place)."""
-        value, held = staged
-        module, attr = self._target(name)
-        if isinstance(module, RolloutLinear) and attr == "weight":
-            for key, v in held.items():
-                setattr(module, key, v)
-        elif isinstance(module, RolloutExperts):
-            module.values["gate_up" if attr == "gate_up_proj" else "down"] = held
-        elif isinstance(module, RolloutLinear):
-            setattr(module, attr, held)
-        else:
-            setattr(module, attr, nn.Parameter(held, requires_grad=False))
-            if name == TIED_EMBEDDING and self.config.tie_word_embeddings:
-                self.net.lm_head.weight = held
-        self.weights[name] = value
-
-    def load_weights(
-        self, records: Iterable[WeightRecord], plan_hash: str, *, partial: bool = False
-    ) -> int:
-        """Verify, then load, a set of exported weights; returns the new weights_version.
-
-        All or nothing: the plan hash, every record (known name, format and shape per the
-        plan, its checksum recomputed on the device holding it, once) and, unless `partial`,
-        the presence of every tensor of the plan are checked before any byte of the live
-        weights is written; any failure raises ValueError and the previous weights keep
-        serving. Then each tensor is copied into the buffers the engine already holds (same
-        shapes, dtypes and storage: captured CUDA graphs stay valid); only a first load, or a
-        layout that changed, installs new buffers (and drops the captured graphs).
-        """
-        if plan_hash != self.plan.hash():
-            raise ValueError(
-                f"plan hash mismatch: the weights were exported under plan {plan_hash[:16]}, the "
-                f"engine runs plan {self.plan.hash()[:16]} ({self.plan.recipe_name}); trainer and "
-                "engine must resolve the same recipe for the same model. Nothing was loaded."
-            )
-        received: dict[str, WeightRecord] = {}
-        for record in records:
-            if record.name in received:
-                raise ValueError(f"{record.name} was sent twice in one update")
-            self._check(record)
-            received[record.name] = record
-        if not partial:
-            missing = [n for n in self.plan if n not in received]
-            if missing:
-                raise ValueError(
-                    f"incomplete update: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
-                    "the engine keeps its previous weights"
-                )
-        sums = checksums([r.value for r in received.values()])  # one host read per device
-        bad = [r.name for r, s in zip(received.values(), sums, strict=True) if s != r.hash]
-        if bad:
-            raise ValueError(
-                f"{bad[0]}: checksum mismatch (corrupted in transit or on disk)"
-                + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
-                + "; the engine keeps its previous weights"
-            )
-        # staged before any live byte is written: what cannot be loaded in place
-        replaced: dict[str, tuple] = {}
-        for name, record in received.items():
-            if not _same_layout(self._installed(name), (record.value, None), values_only=True):
-                replaced[name] = self._stage(name, record.value)
-        with torch.no_grad():  # into the live buffers; only memory can fail from here
-            for name, record in received.items():
-                if name in replaced:
-                    continue
-                live, new = self._installed(name), self._stage(name, record.value)
-                if not _same_layout(live, new):
-                    replaced[name] = new
-                    continue
-                done = set()  # a held value is often its own operand: one copy per storage
-                for dst, src in zip(_leaves(live), _leaves(new), strict=True):
-                    if dst is None or (dst.data_ptr(), src.data_ptr()) in done:
-                        continue
-                    done.add((dst.data_ptr(), src.data_ptr()))
-                    if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
-        for name, staged in replaced.items():
-            self._install(name, staged)
-        for name, record in received.items():
-            self.hashes[name] = record.hash
-        if replaced:
-            self._invalidate_graphs()
-        self._blocks = None  # cached prefixes hold keys/values of the old weights
-        self.weights_version += 1
-        logger.info(
-            "engine: loaded %d tensors (%d in place, version %d)",
-            len(received), len(received) - len(replaced), self.weights_version,
-        )  # fmt: skip
-        return self.weights_version
-
-    def records(self) -> Iterable[WeightRecord]:
-        """The weights the engine holds, as records (for checks and checkpoints); the values are
-        the live tensors, which the next load overwrites in place."""
-        names = list(self.weights)
-        values = [self.weights[n] for n in names]
-        for name, value, sum_ in zip(names, values, checksums(values), strict=True):
-            yield WeightRecord(name, value, sum_)
 
     # --- generation ----------------------------------------------------------------------------
     def _cache(self) -> tuple[KVCache, BlockManager]:
@@ -558,64 +405,6 @@ class Engine:
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
-
-
-@dataclass
-class GenerateStats:
-    """What the last `generate` did: steps (of which replayed as CUDA graphs), the most KV
-    blocks held at once and the most tokens those blocks held (their ratio is the paging
-    overhead), preemptions."""
-
-    steps: int = 0
-    graph_steps: int = 0
-    peak_kv_blocks: int = 0
-    peak_kv_tokens: int = 0
-    block_size: int = 0
-    # wall time of every decode-only step, scheduling to sampled tokens on the host
-    decode_step_s: list[float] = field(default_factory=list)
-
-    def observe(self, batch, blocks: BlockManager) -> None:
-        self.steps += 1
-        self.block_size = blocks.block_size
-        used = blocks.num_blocks - blocks.num_free
-        if used > self.peak_kv_blocks:
-            self.peak_kv_blocks = used
-            self.peak_kv_tokens = sum(s.start + s.num_tokens for s in batch)
-
-
-def _leaves(obj) -> list[torch.Tensor | None]:
-    """The tensors of a staged or installed weight, in a fixed order (None where absent)."""
-    if obj is None or isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, QTensor):
-        return [getattr(obj, f) for f in ("qdata", "scale", "global_scale")]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _leaves(item)]
-    if isinstance(obj, dict):
-        return [t for key in sorted(obj) for t in _leaves(obj[key])]
-    if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name))]
-    raise TypeError(f"no tensors known in {type(obj).__name__}")
-
-
-def _same_layout(live, new, *, values_only: bool = False) -> bool:
-    """Whether `new` can be copied into `live` tensor for tensor (same shapes, dtypes, devices;
-    values_only: compare the held values, the first item of each, only)."""
-    if live is None:
-        return False
-    if values_only:
-        live, new = live[0], new[0]
-    a, b = _leaves(live), _leaves(new)
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if (x is None) != (y is None):
-            return False
-        if x is not None and (x.shape != y.shape or x.dtype != y.dtype):
-            return False
-        if x is not None and not values_only and x.device != y.device:
-            return False
-    return True
 
 
 def _pow2_at_least_16(n: int) -> bool:

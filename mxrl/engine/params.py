@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mxrl.engine.block_manager import BlockManager
 
 
 @dataclass(frozen=True)
@@ -57,3 +61,27 @@ class Completion:
     logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     routed_experts: torch.Tensor | None = None
     finish_reason: str = "length"
+
+
+@dataclass
+class GenerateStats:
+    """What the last `generate` did: steps (of which replayed as CUDA graphs), the most KV
+    blocks held at once and the tokens the step's sequences held then (their ratio is the
+    paging overhead; prefix sharing can take it below one block per block_size tokens), and the
+    wall time of every decode step."""
+
+    steps: int = 0
+    graph_steps: int = 0
+    peak_kv_blocks: int = 0
+    peak_kv_tokens: int = 0
+    block_size: int = 0
+    # wall time of every decode-only step, scheduling to sampled tokens on the host
+    decode_step_s: list[float] = field(default_factory=list)
+
+    def observe(self, batch, blocks: BlockManager) -> None:
+        self.steps += 1
+        self.block_size = blocks.block_size
+        used = blocks.num_blocks - blocks.num_free
+        if used > self.peak_kv_blocks:
+            self.peak_kv_blocks = used
+            self.peak_kv_tokens = sum(s.start + s.num_tokens for s in batch)
