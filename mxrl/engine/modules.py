@@ -35,6 +35,8 @@ from mxrl.kernels.decode_gemm import (
     grouped_low_bit_matmul,
     low_bit_matmul,
 )
+from mxrl.kernels.rowwise import moe_combine, moe_combine_reference, rms_norm
+from mxrl.models.layers import RMSNorm
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
@@ -72,8 +74,10 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
     if t == 0:
         return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
     pad = (-t) % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    if pad:  # one launch (a decode step pads its rows to one tile)
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+    if x.shape[0] == tile:
+        return fn(x)[:t]
     return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
 
 
@@ -118,6 +122,13 @@ class RolloutLinear(nn.Module):
             return emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
         assert self.weight is not None, f"{self.spec.name}: no weights loaded"
         return F.linear(x, self.weight)
+
+
+class RolloutRMSNorm(RMSNorm):
+    """The model's RMSNorm as one fused launch (mxrl.kernels.rowwise; triton backend)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RolloutExperts(nn.Module):
@@ -244,11 +255,10 @@ class RolloutExperts(nn.Module):
         x_sorted = x_TH[order // k]
         gate, up = project("gate_up", x_sorted, offsets).chunk(2, dim=-1)
         h = project("down", invariant.silu(gate) * up, offsets)
-        h = h * weights_Tk.reshape(-1)[order, None].to(h.dtype)
         row_of = torch.empty_like(order)
         row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row
         row_of = row_of.view(t, k).gather(1, ids_Tk.argsort(dim=1, stable=True))
-        out = torch.zeros_like(x_TH)
-        for j in range(k):  # fixed order, elementwise: a token's sum never sees other tokens
-            out = out + h[row_of[:, j]]
-        return out
+        # each token's k outputs, weighted, summed in ascending expert order (the loop's
+        # index_add order); fused into one launch on the triton backend (the same bytes)
+        combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
+        return combine(h, weights_Tk.reshape(-1)[order], row_of)

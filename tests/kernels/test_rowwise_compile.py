@@ -1,0 +1,80 @@
+"""The fused row-wise kernels (mxrl/kernels/triton_rowwise.py) compile for sm_90 on the CPU, and
+their PTX holds what rowwise.py's bounds rely on: IEEE division and square root (no approximate
+div, rcp or sqrt), nothing flushed to zero, no FMA contraction in the combine's rounding chain.
+Run by hand: `python -m tests.kernels.test_rowwise_compile` (one JSON line)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+
+import pytest
+
+from tests.kernels.compile_sm90 import report_in_subprocess
+
+TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.triton
+
+PATTERNS = {
+    "div_rn": r"div\.rn\.f32",
+    "sqrt_rn": r"sqrt\.rn\.f32",
+    "approx": r"(div|rcp|sqrt|rsqrt)\.(full|approx)",
+    "ftz": r"\.ftz",
+    "fma": r"\bfma\.rn\.f32",
+}
+
+
+def compile_all() -> dict[str, dict[str, int]]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mxrl.kernels import triton_rowwise as rw
+
+    variants = {
+        "rms_norm_bf16": (
+            rw.rms_norm_kernel,
+            {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
+             "stride_o": "i32", "H": "i32", "eps": "fp32"},
+            {"BLOCK": 2048, "IS_BF16": True},
+        ),
+        "moe_combine_bf16": (
+            rw.moe_combine_kernel,
+            {"h_ptr": "*bf16", "w_ptr": "*bf16", "row_of_ptr": "*i64", "out_ptr": "*bf16",
+             "stride_h": "i32", "stride_o": "i32", "H": "i32"},
+            {"K": 8, "BLOCK": 1024, "IS_BF16": True},
+        ),
+    }  # fmt: skip
+    report = {}
+    for name, (fn, sig, constexprs) in variants.items():
+        signature = {**sig, **{k: "constexpr" for k in constexprs}}
+        signature = {n: signature[n] for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        report[name] = {k: len(re.findall(p, ptx.asm["ptx"])) for k, p in PATTERNS.items()}
+    return report
+
+
+@pytest.fixture(scope="module")
+def ptx_report():
+    if not TRITON_IMPORTABLE:
+        pytest.skip("needs triton (the sm_90 compiler)")
+    return report_in_subprocess("tests.kernels.test_rowwise_compile", timeout=600)
+
+
+def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
+    assert set(ptx_report) == {"rms_norm_bf16", "moe_combine_bf16"}
+    for name, counts in ptx_report.items():
+        assert counts["approx"] == 0 and counts["ftz"] == 0, (name, counts)
+    # the combine rounds every product before its sum (the eager loop's bytes): no contraction;
+    # RMSNorm's sum of squares may contract (its order is fixed either way, within the bound)
+    assert ptx_report["moe_combine_bf16"]["fma"] == 0
+    assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
+    assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET"
+    print(json.dumps(compile_all()))
