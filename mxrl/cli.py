@@ -160,7 +160,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     _progress_logging()
     record = run_train(args.config)
-    print(f"mxrl train: run record at {record.path}")
+    if record is not None:  # under torchrun, rank 0 holds the run record
+        print(f"mxrl train: run record at {record.path}")
     return 0
 
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from mxrl.formats.constants import Format
 from mxrl.models import CausalLM
 from mxrl.nn.qlinear import QLinear
+from mxrl.nn.qmatmul import WeightCache
 from mxrl.recipe import Plan
 
 
@@ -43,7 +44,8 @@ def layer_policy(plan: Plan, layer: int, device_type: str) -> MixedPrecisionPoli
 
 def parallelize(model: CausalLM, plan: Plan, mesh: DeviceMesh) -> CausalLM:
     """Shard `model` (plan already applied, on this rank's device) over `mesh`, in place.
-    Build the optimizer after this call. On CUDA, compute runs in bf16 under autocast."""
+    Build the optimizer after this call and hand it to `attach_cache_reset`. On CUDA, compute
+    runs in bf16 under autocast."""
     for name, module in model.named_modules():
         if isinstance(module, QLinear) and module._partner:
             # The partner is held by reference (not a parameter of the module): FSDP2 would
@@ -67,6 +69,31 @@ def parallelize(model: CausalLM, plan: Plan, mesh: DeviceMesh) -> CausalLM:
     if device_type == "cuda":
         model.set_training_options(compute_dtype=torch.bfloat16)
     return model
+
+
+def clear_quantized_caches(model: nn.Module) -> int:
+    """Drop every cached quantized weight (`mxrl.nn.qmatmul.WeightCache`) in `model`; returns
+    how many caches were cleared.
+
+    Under FSDP2 the cache's key (version counter, data_ptr) does not see a weight change: the
+    all-gather writes the unsharded parameter outside autograd (its version stays 0) and the
+    allocator hands the same address back step after step, so a layer could keep quantizing
+    from a stale cache after an optimizer step. The weights change only in the optimizer step
+    and in a checkpoint load: the trainer calls this after both (`attach_cache_reset`)."""
+    cleared = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            caches = value.values() if isinstance(value, dict) else (value,)
+            for cache in caches:
+                if isinstance(cache, WeightCache):
+                    cache.clear()
+                    cleared += 1
+    return cleared
+
+
+def attach_cache_reset(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Clear the model's quantized-weight caches after every optimizer step."""
+    optimizer.register_step_post_hook(lambda *_: clear_quantized_caches(model))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mxrl.dist import Layout, Placement, parallelize, sharded_export, unshard_module
+from mxrl.dist.parallelize import attach_cache_reset
 from mxrl.engine import Engine
 from mxrl.nn import apply_plan
 from mxrl.recipe import resolve
@@ -86,6 +87,9 @@ def main(out: Path) -> None:
         model = tiny(seed=1)
         plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
         reference = list(export_weights(tiny(seed=1).named_parameters(), plan))
+        quantized_forward = key != "all-nvfp4"  # QLinear's 2-D partner: see ALL_NVFP4
+        if quantized_forward:
+            apply_plan(model, plan)
         parallelize(model, plan, layout.train_mesh)
         exp = sharded_export(model, plan, layout.train_group, bucket_bytes=40_000, step=1)
         buckets = list(exp)
@@ -101,9 +105,20 @@ def main(out: Path) -> None:
         }
         # one optimizer step on the shards, then: sharded export == export of the whole master
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model(torch.arange(16).reshape(2, 8) % 64).float().square().mean().backward()
-        opt.step()
+        attach_cache_reset(model, opt)
+        ids = torch.arange(16).reshape(2, 8) % 64
+        for _ in range(2):  # the second forward quantizes the stepped weights (no stale cache)
+            model(ids).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
         whole = unshard_module(model)
+        if quantized_forward:
+            # the sharded trainer's forward is the unsharded one's on the gathered weights
+            single = tiny(seed=0)
+            single.load_state_dict(whole)
+            apply_plan(single, plan)
+            with torch.no_grad():
+                case["logits_equal"] = torch.equal(model(ids), single(ids))
         stepped = list(sharded_export(model, plan, layout.train_group, step=2).records())
         case["differ_after_step"] = _same(stepped, export_weights(whole, plan))
         engine = Engine(tiny(seed=0), plan)
