@@ -128,28 +128,37 @@ def sharded_export(
 
 
 def _check_finite_everywhere(params, plan: Plan, group) -> None:
+    """One flag per tensor (computed on the device, no host read per tensor), all-reduced."""
     locals_ = {n: _local(params[n]) for n in plan}
-    flags = [
-        bool(t.numel()) and t.is_floating_point() and not bool(torch.isfinite(t).all())
-        for t in locals_.values()
-    ]
-    bad = torch.tensor(flags or [False], dtype=torch.int32, device=_device(params))
+    device = _device(params)
+    checked = [t.numel() > 0 and t.is_floating_point() for t in locals_.values()]
+    bad = torch.stack(
+        [
+            (~torch.isfinite(t).all()).to(device=device, dtype=torch.int32)
+            if ok
+            else torch.zeros((), dtype=torch.int32, device=device)
+            for t, ok in zip(locals_.values(), checked, strict=True)
+        ]
+    )
+    mine = bad.clone()
     dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    if bool(bad.any()):
-        names = [n for n, b in zip(locals_, bad.tolist(), strict=False) if b]
-        if any(flags):
-            try:
-                check_finite({n: locals_[n] for n, f in zip(locals_, flags, strict=True) if f})
-            except ValueError as e:
-                raise ValueError(
-                    f"{e} (indices are within rank {dist.get_rank(group)}'s shard: rows "
-                    "ceil(rows / ranks) * rank onwards of the whole tensor)"
-                ) from None
-        raise ValueError(
-            f"refusing to export: master weight(s) {names[:5]} hold NaN/Inf (on another rank's "
-            "shard; its log names the element). Nothing was sent: restore the last good "
-            "checkpoint"
-        )
+    if not bool(bad.any()):
+        return
+    names = [n for n, b in zip(locals_, bad.tolist(), strict=True) if b]
+    held = [n for n, b in zip(locals_, mine.tolist(), strict=True) if b]
+    if held:
+        try:
+            check_finite({n: locals_[n] for n in held})
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (indices are within rank {dist.get_rank(group)}'s shard: rows "
+                "ceil(rows / ranks) * rank onwards of the whole tensor)"
+            ) from None
+    raise ValueError(
+        f"refusing to export: master weight(s) {names[:5]} hold NaN/Inf (on another rank's "
+        "shard; its log names the element). Nothing was sent: restore the last good "
+        "checkpoint"
+    )
 
 
 def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -> Iterator:

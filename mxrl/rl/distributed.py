@@ -232,7 +232,7 @@ class DistributedGRPOTrainer:
         )  # fmt: skip
         if num_train > 1:
             loss = loss * num_train
-            stats = _token_weighted(stats, float(m.sum()), group)
+            stats = _token_weighted(stats, float(m.sum()), group, layout.device)
         loss.backward()
         grad_norm = float(
             full(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
@@ -383,10 +383,13 @@ class DistributedGRPOTrainer:
             torch.cuda.set_rng_state(state["cuda"].cpu(), self.layout.device)
 
 
-def _token_weighted(stats: dict[str, float], tokens: float, group) -> dict[str, float]:
+def _token_weighted(
+    stats: dict[str, float], tokens: float, group, device: torch.device
+) -> dict[str, float]:
     """Each train rank's stats, averaged over the group weighted by its tokens (the batch's)."""
     keys = sorted(k for k, v in stats.items() if isinstance(v, float))
-    t = torch.tensor([stats[k] * tokens for k in keys] + [tokens], dtype=torch.float64)
+    t = torch.tensor([stats[k] * tokens for k in keys] + [tokens], dtype=torch.float64,
+                     device=device)  # fmt: skip
     dist.all_reduce(t, group=group)
     total = float(t[-1]) or 1.0
     return {**stats, **{k: float(v) / total for k, v in zip(keys, t[:-1].tolist(), strict=True)}}
