@@ -212,7 +212,7 @@ class Engine(WeightLoading):
             cuda_graphs
             and device.type == "cuda"
             and self._attention_kernel
-            and all(m.grouped or m.grouped_bf16 for m in self._experts())
+            and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
         )
         self._graphs: DecodeGraphs | None = None
 

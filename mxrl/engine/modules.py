@@ -35,6 +35,7 @@ from mxrl.kernels.decode_gemm import (
     grouped_low_bit_matmul,
     low_bit_matmul,
 )
+from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.kernels.rowwise import moe_combine, moe_combine_reference, rms_norm
 from mxrl.models.layers import RMSNorm
 from mxrl.nn import invariant
@@ -159,6 +160,16 @@ class RolloutExperts(nn.Module):
             and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
             for spec in specs.values()
         )
+        # block-FP8 experts on the triton backend: one grouped block-FP8 launch per projection
+        # (mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul: codes and scales stay packed)
+        self.grouped_fp8 = (
+            backend is Backend.TRITON
+            and dtype in (torch.float32, torch.bfloat16)
+            and all(
+                spec.format is Format.FP8_BLOCK and spec.block == (128, 128)
+                for spec in specs.values()
+            )
+        )
         # bf16 experts computed in bf16 on a GPU: one torch._grouped_mm per projection (sm90+)
         self.grouped_bf16 = (
             backend is Backend.TRITON
@@ -171,7 +182,8 @@ class RolloutExperts(nn.Module):
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
-            return value if self.grouped else QuantizedWeight.from_qtensor(value)
+            packed = self.grouped or self.grouped_fp8
+            return value if packed else QuantizedWeight.from_qtensor(value)
         return value.to(self.compute_dtype)
 
     def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -191,6 +203,8 @@ class RolloutExperts(nn.Module):
             return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped)
         if self.grouped_bf16:
             return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_mm)
+        if self.grouped_fp8:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_fp8_block)
         k = ids_Tk.shape[1]
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -226,6 +240,16 @@ class RolloutExperts(nn.Module):
         return grouped_low_bit_matmul(
             xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
         )
+
+    def _grouped_fp8_block(
+        self, which: str, x: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """block-FP8 experts: x [rows sorted by expert, K] quantized 1x128 (the trainer's
+        quantizer), one grouped launch; a fixed tile (batch invariance)."""
+        wq = self.values[which]
+        assert isinstance(wq, QTensor), f"{self.specs[which].name}: no weights loaded"
+        xq = quantize_activation(x, self.specs[which], self.backend)
+        return grouped_fp8_block_matmul(xq, wq, offsets, out_dtype=x.dtype)
 
     def _grouped_mm(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """bf16 experts: x [rows sorted by expert, K] through torch._grouped_mm (one launch)."""

@@ -55,6 +55,75 @@ def fp8_block_matmul(
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
 
+def grouped_fp8_block_reference(
+    xq: QTensor, wq: QTensor, expert_offsets: torch.Tensor
+) -> torch.Tensor:
+    """fp32 y [R, N]: per expert e, `dequantize(x[rows of e]) @ dequantize(w[e]).T` (the
+    emulated GEMM of the contract)."""
+    from mxrl.formats import dequantize
+
+    x = dequantize(xq)
+    w = dequantize(wq)
+    y = torch.zeros((x.shape[0], w.shape[-2]), dtype=torch.float32, device=x.device)
+    bounds = expert_offsets.tolist()
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            y[lo:hi] = x[lo:hi] @ w[e].T
+    return y
+
+
+def grouped_fp8_block_matmul(
+    xq: QTensor,
+    wq: QTensor,
+    expert_offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    block_m: int = 16,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Routed experts' block-FP8 GEMM in one launch (mxrl/kernels/triton_fp8_block_gemm.py):
+    x (1x128 QTensor [R, K], rows sorted by expert) times w[e] (128x128 QTensor [E, N, K])
+    transposed for the rows expert_offsets[e]:expert_offsets[e + 1] (int32 [E + 1], on the
+    device: no host sync). A fixed (block_m, block_n) gives batch-invariant rows."""
+    from mxrl.kernels import triton_fp8_block_gemm as kern
+
+    if xq.fmt is not Format.FP8_BLOCK or wq.fmt is not Format.FP8_BLOCK:
+        raise ValueError(
+            f"grouped_fp8_block_matmul takes fp8_block QTensors, got {xq.fmt}, {wq.fmt}"
+        )
+    if xq.block != (1, BLOCK) or wq.block != (BLOCK, BLOCK) or len(wq.shape) != 3:
+        raise ValueError(
+            f"grouped_fp8_block_matmul needs x [R, K] in 1x128 blocks and w [E, N, K] in "
+            f"128x128 blocks, got {xq.block} {tuple(xq.shape)} and {wq.block} {tuple(wq.shape)}"
+        )
+    e, n, k = wq.shape
+    if len(xq.shape) != 2 or xq.shape[1] != k:
+        raise ValueError(f"shapes {tuple(xq.shape)} @ {tuple(wq.shape)}^T do not fit")
+    if expert_offsets.shape != (e + 1,) or expert_offsets.device != xq.device:
+        raise ValueError(f"expert_offsets must be [E + 1] = [{e + 1}] on {xq.device}")
+    if BLOCK % block_n or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_n must divide {BLOCK} and block_m be a power of two >= 16")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    r = xq.shape[0]
+    y = torch.empty((r, n), dtype=out_dtype, device=xq.device)
+    if r == 0:
+        return y
+    xs, ws = xq.scale.contiguous(), wq.scale.contiguous()
+    xd, wd = xq.qdata.contiguous(), wq.qdata.contiguous()
+    grid = (-(-n // block_n), max(1, min(e, r)))
+    kern.fp8_block_grouped_kernel[grid](
+        xd, xs, wd, ws, expert_offsets.to(torch.int32), y,
+        xd.stride(0), xs.stride(0), wd.stride(0), wd.stride(1), ws.stride(0), ws.stride(1),
+        y.stride(0), n, k, e,
+        HW=xd.is_cuda, OUT_BF16=out_dtype == torch.bfloat16,
+        E_POW2=max(2, 1 << (e - 1).bit_length()), BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=4,
+    )  # fmt: skip
+    return y
+
+
 def _up(v: int, multiple: int) -> int:
     return -(-v // multiple) * multiple
 

@@ -80,7 +80,8 @@ class GroupedExperts(nn.Module):
         if resolved_gemm(getattr(self, "gemm_choice", None), device) is not Gemm.TENSOR_CORE:
             return False
         dims = (self.hidden_size, self.intermediate_size)
-        return grouped_supported(self._grouped_specs(), dims)
+        backward = getattr(self, "backward_mode", None)
+        return grouped_supported(self._grouped_specs(), dims, device, backward)
 
     def _grouped_specs(self) -> dict:
         return {"gate_up": None, "down": None}

@@ -30,12 +30,14 @@ from mxrl.formats import decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels import quantize_mxfp8_both
+from mxrl.kernels.backend import triton_interpreter_enabled
+from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.nn import invariant
 from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
 from mxrl.nn.gemm import grouped_mm
 from mxrl.recipe import Backward, TensorSpec
 
-GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4)
+GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -135,11 +137,15 @@ class GroupedLinear(torch.autograd.Function):
             ctx.save_for_backward(a, w)
             return y
         xq = quantize_activation(x, spec, backend)
-        lp_x = dequantize(xq, global_scale=False).to(BF16)
-        y = grouped_mm(lp_x, tw.lp.transpose(-2, -1), layout.ends)
-        scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
-        if scale is not None:
-            y = (y.float() * scale).to(BF16)
+        if spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
+            offsets = torch.cat([layout.ends.new_zeros(1), layout.ends])
+            y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, block_m=64)
+        else:
+            lp_x = dequantize(xq, global_scale=False).to(BF16)
+            y = grouped_mm(lp_x, tw.lp.transpose(-2, -1), layout.ends)
+            scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
+            if scale is not None:
+                y = (y.float() * scale).to(BF16)
         if mode is Backward.HIGH_PRECISION:
             ctx.save_for_backward(x.to(BF16), w)
         elif mode is Backward.DEQUANTIZED:
@@ -192,9 +198,16 @@ def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
     return out.to(x_TH.dtype)
 
 
-def grouped_supported(specs: dict[str, TensorSpec | None], dims: tuple[int, ...]) -> bool:
+def grouped_supported(
+    specs: dict[str, TensorSpec | None],
+    dims: tuple[int, ...],
+    device: torch.device | None = None,
+    backward: Backward | None = None,
+) -> bool:
     """Whether the grouped path takes these experts: bf16, MXFP8 or per-token NVFP4 projections
-    (a per-tensor NVFP4 activation scale would span all experts' rows) and every feature dim a
+    (a per-tensor NVFP4 activation scale would span all experts' rows), block FP8 in 128x128
+    weight blocks with a high-precision or dequantized backward on a device the Triton kernel
+    runs on (`mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul`), and every feature dim a
     multiple of 8 (torch._grouped_mm's 16-byte strides)."""
     for spec in specs.values():
         if spec is None:
@@ -202,5 +215,12 @@ def grouped_supported(specs: dict[str, TensorSpec | None], dims: tuple[int, ...]
         if spec.format not in GROUPED_FORMATS:
             return False
         if spec.format is Format.NVFP4 and spec.activations != "per_token":
+            return False
+        if spec.format is Format.FP8_BLOCK and not (
+            spec.block == (128, 128)
+            and backward in (Backward.HIGH_PRECISION, Backward.DEQUANTIZED)
+            and device is not None
+            and (device.type == "cuda" or triton_interpreter_enabled())
+        ):
             return False
     return all(d % 8 == 0 for d in dims)

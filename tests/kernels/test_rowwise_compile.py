@@ -1,5 +1,6 @@
-"""The fused row-wise kernels (mxrl/kernels/triton_rowwise.py) compile for sm_90 on the CPU, and
-their PTX holds what rowwise.py's bounds rely on: IEEE division and square root (no approximate
+"""The decode step's new kernels — the fused row-wise ops (mxrl/kernels/triton_rowwise.py) and the
+grouped block-FP8 GEMM (triton_fp8_block_gemm.py) — compile for sm_90 on the CPU, and the row-wise
+ones' PTX holds what rowwise.py's bounds rely on: IEEE division and square root (no approximate
 div, rcp or sqrt), nothing flushed to zero, no FMA contraction in the combine's rounding chain.
 Run by hand: `python -m tests.kernels.test_rowwise_compile` (one JSON line)."""
 
@@ -18,6 +19,8 @@ TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.triton
 
 PATTERNS = {
+    "mma": r"\b(mma\.sync|wgmma\.mma_async)",
+    "cvt_e4m3": r"cvt\.rn\.f16x2\.e4m3x2",
     "div_rn": r"div\.rn\.f32",
     "sqrt_rn": r"sqrt\.rn\.f32",
     "approx": r"(div|rcp|sqrt|rsqrt)\.(full|approx)",
@@ -31,6 +34,7 @@ def compile_all() -> dict[str, dict[str, int]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from mxrl.kernels import triton_fp8_block_gemm as fb
     from mxrl.kernels import triton_rowwise as rw
 
     variants = {
@@ -45,6 +49,14 @@ def compile_all() -> dict[str, dict[str, int]]:
             {"h_ptr": "*bf16", "w_ptr": "*bf16", "row_of_ptr": "*i64", "out_ptr": "*bf16",
              "stride_h": "i32", "stride_o": "i32", "H": "i32"},
             {"K": 8, "BLOCK": 1024, "IS_BF16": True},
+        ),
+        "fp8_block_grouped_bf16": (
+            fb.fp8_block_grouped_kernel,
+            {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32",
+             "offs_ptr": "*i32", "y_ptr": "*bf16", "xq_stride": "i32", "xs_stride": "i32",
+             "wq_stride_e": "i32", "wq_stride": "i32", "ws_stride_e": "i32", "ws_stride": "i32",
+             "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
+            {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": 16, "BLOCK_N": 64},
         ),
     }  # fmt: skip
     report = {}
@@ -65,7 +77,7 @@ def ptx_report():
 
 
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
-    assert set(ptx_report) == {"rms_norm_bf16", "moe_combine_bf16"}
+    assert set(ptx_report) == {"rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16"}
     for name, counts in ptx_report.items():
         assert counts["approx"] == 0 and counts["ftz"] == 0, (name, counts)
     # the combine rounds every product before its sum (the eager loop's bytes): no contraction;
@@ -73,6 +85,12 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert ptx_report["moe_combine_bf16"]["fma"] == 0
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
+
+
+def test_grouped_block_fp8_runs_on_tensor_cores(ptx_report):
+    """The E4M3 codes decode with the hardware cvt and the inner sums are MMAs."""
+    counts = ptx_report["fp8_block_grouped_bf16"]
+    assert counts["cvt_e4m3"] > 0 and counts["mma"] > 0, counts
 
 
 if __name__ == "__main__":

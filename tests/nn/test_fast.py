@@ -150,12 +150,18 @@ def check_grouped_projection(fmt, mode, which, device="cpu", backend="reference"
     else:
         w_deq = module._quantized(which).deq
         xs = x_sorted.detach()
-        x_deq = dequantize(
-            quantize(xs, fmt, per_token=True) if fmt == "nvfp4" else quantize(xs, fmt)
-        )
+        if fmt == "nvfp4":
+            xq = quantize(xs, fmt, per_token=True)
+        elif fmt == "fp8_block":
+            xq = quantize(xs, fmt, block=(1, 128))
+        else:
+            xq = quantize(xs, fmt)
+        x_deq = dequantize(xq)
         absprods = _absprods(x_deq, w_deq, dy.float(), layout)
         exact_bwd = mode == "quantized" or (fmt == "mxfp8" and mode == "dequantized")
-        # the NVFP4 global scales multiply the bf16 output: one more rounding
+        # the NVFP4 global scales multiply the bf16 output: one more rounding; block FP8 runs
+        # exact code products with the fp32 block scales applied per 128-wide block (exact up
+        # to fp32 roundings, inside the k 2^-22 term)
         fwd_err = ROUNDED if fmt == "nvfp4" else EXACT
         errs = (fwd_err, EXACT if exact_bwd else ROUNDED, EXACT if exact_bwd else ROUNDED)
         if mode == "quantized":  # operands quantized from dy: bound on those operands' sizes

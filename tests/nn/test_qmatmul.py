@@ -229,6 +229,8 @@ def _experts(seed=0, e=4, h=64, i=32):
 def _expert_specs(fmt, fused=True, e=4, h=64, i=32):
     base = "model.layers.0.mlp.experts"
     kw = {"activations": "per_token"} if fmt == "nvfp4" else {}
+    if fmt == "fp8_block":
+        kw = {"block": (128, 128)}
     gu = TensorSpec(
         name=f"{base}.gate_up_proj",
         shape=(e, 2 * i, h),

@@ -1,0 +1,88 @@
+"""Grouped block-FP8 GEMM (routed experts), one launch for all experts: the Triton kernel behind
+`mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul`.
+
+Legend: R rows sorted by expert (expert e owns rows offsets[e]:offsets[e+1]), N / K a
+projection's output / input features, E experts, KB = 128 (the block), BM / BN the tile.
+
+    y[r, n] = sum over K blocks kb of  sx[r, kb] * sw[e, n // 128, kb] * sum_{k in kb} qx[r, k] qw[e, n, k]
+
+with qx the 1x128 activation codes and qw the 128x128 weight codes (E4M3 bytes, fp32 decode
+scales), exactly the contract's block-FP8 product (spec §5.4). Each K block's inner sum runs on
+the tensor cores with the codes decoded to fp16 (every E4M3 value is an fp16: the products are
+exact) and fp32 accumulation, then is scaled and added in fp32 — the promotion per 128-wide
+block DeepGEMM uses. It differs from the emulated fp32 GEMM (`dequantize(x) @ dequantize(w)^T`)
+by summation order and where the scales multiply, within the bound the tests state.
+
+Work split: program (n tile, slot) serves the slot-th expert that has rows (`find_group`, no
+host sync), walking its rows in BM tiles; a row's result depends on that row alone (the MMA
+reduces over K in an order fixed by the compiled tile shape), so the kernel is batch-invariant
+for a fixed (BM, BN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mxrl.kernels.triton_gemm_decode import bf16_rne, e4m3_to_f16
+from mxrl.kernels.triton_gemm_tiles import find_group, tile_dot
+
+KB = 128
+
+
+@triton.jit(do_not_specialize=["E"])
+def fp8_block_grouped_kernel(
+    xq_ptr,  # uint8 [R, K]
+    xs_ptr,  # fp32 [R, K/128]
+    wq_ptr,  # uint8 [E, N, K]
+    ws_ptr,  # fp32 [E, N/128, K/128]
+    offs_ptr,  # int32 [E + 1]
+    y_ptr,  # [R, N]
+    xq_stride,
+    xs_stride,
+    wq_stride_e,
+    wq_stride,
+    ws_stride_e,
+    ws_stride,
+    y_stride,
+    N,
+    K,
+    E,
+    HW: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    n_tile = tl.program_id(0)
+    slot = tl.program_id(1)
+    e, row_lo, row_hi = find_group(offs_ptr, slot, E, E_POW2)
+    if row_hi > row_lo:
+        cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = cols < N
+        nb = (n_tile * BLOCK_N) // 128  # BLOCK_N divides 128: the tile lies in one weight block
+        e64 = e.to(tl.int64)
+        wq_base = wq_ptr + e64 * wq_stride_e
+        ws_base = ws_ptr + e64 * ws_stride_e + nb * ws_stride
+        kk = tl.arange(0, 128)
+        for m0 in range(row_lo, row_hi, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            m_mask = rows < row_hi
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, 128):
+                k_mask = (k0 + kk) < K
+                x_off = rows[:, None].to(tl.int64) * xq_stride + (k0 + kk)[None, :]
+                xq = tl.load(xq_ptr + x_off, mask=m_mask[:, None] & k_mask[None, :], other=0)
+                w_off = cols[:, None].to(tl.int64) * wq_stride + (k0 + kk)[None, :]
+                wq = tl.load(wq_base + w_off, mask=n_mask[:, None] & k_mask[None, :], other=0)
+                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                part = tile_dot(part, e4m3_to_f16(xq, HW), e4m3_to_f16(wq, HW), HW, False)
+                sx = tl.load(xs_ptr + rows.to(tl.int64) * xs_stride + k0 // 128, mask=m_mask)
+                sw = tl.load(ws_base + k0 // 128)
+                acc += part * (sx[:, None] * sw)
+            y_off = rows[:, None].to(tl.int64) * y_stride + cols[None, :]
+            if OUT_BF16:  # round to nearest even (the interpreter's cast truncates)
+                out = bf16_rne(acc)
+            else:
+                out = acc.to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + y_off, out, mask=m_mask[:, None] & n_mask[None, :])
