@@ -9,7 +9,7 @@ from mxrl.nn.apply import Swap, apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
-from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
+from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache, weights_changed
 
 __all__ = [
     "Gemm",
@@ -24,4 +24,5 @@ __all__ = [
     "select_gemm",
     "set_gemm",
     "swap_table",
+    "weights_changed",
 ]
