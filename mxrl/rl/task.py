@@ -7,9 +7,11 @@ first; the expected completion is the answer's digits then EOS. The reward is 1.
 response starts with exactly the answer (`rewards.leading_integer`: sign and digits up to the
 first other character or EOS), 0.0 otherwise.
 
-Splits: a problem belongs to eval when a hash of (seed, problem) falls below `eval_fraction`,
-so train and eval never share a problem, whatever the number of draws, without enumerating the
-problem space. Draws are counter based (draw i of a stream depends only on seed, stream name
+Splits: a problem belongs to eval when a hash of (split_seed, problem) falls below
+`eval_fraction`, so train and eval never share a problem, whatever the number of draws, without
+enumerating the problem space. `split_seed` defaults to `seed`; tasks that share it (the demo's
+warm-up and its RL seeds) share one split and one eval set, so nothing any of them trains on is
+ever evaluated. Draws are counter based (draw i of a stream depends only on seed, stream name
 and i), so the task is deterministic given the seed and resumes from `state_dict()`.
 """
 
@@ -91,6 +93,7 @@ class ArithmeticTask:
         eval_fraction: float = 0.1,
         eval_size: int = 32,
         tokenizer: Any | None = None,
+        split_seed: int | None = None,
     ) -> None:
         if max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {max_operand}")
@@ -106,6 +109,7 @@ class ArithmeticTask:
                 f"ops={ops!r}); raise max_operand or eval_fraction, or lower eval_size"
             )
         self.seed = int(seed)
+        self.split_seed = self.seed if split_seed is None else int(split_seed)
         self.max_operand = max_operand
         self.ops = ops
         self.eval_fraction = eval_fraction
@@ -117,12 +121,13 @@ class ArithmeticTask:
     # --- problems -------------------------------------------------------------------------
 
     def is_eval(self, problem: Problem) -> bool:
-        key = f"{self.seed}:{problem.a}{problem.op}{problem.b}".encode()
+        key = f"{self.split_seed}:{problem.a}{problem.op}{problem.b}".encode()
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
         return h / 2**64 < self.eval_fraction
 
     def _draw(self, stream: str, i: int) -> Problem:
-        rng = random.Random(f"mxrl-arith:{self.seed}:{stream}:{i}")
+        seed = self.split_seed if stream == "eval" else self.seed  # one eval set per split
+        rng = random.Random(f"mxrl-arith:{seed}:{stream}:{i}")
         a = rng.randint(0, self.max_operand)
         b = rng.randint(0, self.max_operand)
         return Problem(a, rng.choice(self.ops), b)
@@ -139,7 +144,7 @@ class ArithmeticTask:
         return [self._next_train("rl") for _ in range(n)]
 
     def eval_problems(self) -> list[Problem]:
-        """The fixed eval set: `eval_size` distinct eval-split problems, same for a seed."""
+        """The fixed eval set: `eval_size` distinct eval-split problems, same for a split_seed."""
         if self._eval is None:
             seen: dict[Problem, None] = {}
             i = 0
@@ -201,9 +206,17 @@ class ArithmeticTask:
 
     # --- resume ---------------------------------------------------------------------------
 
+    def fresh(self) -> ArithmeticTask:
+        """The same task (seed, split, sizes, tokenizer) with its streams at the start."""
+        return ArithmeticTask(
+            self.seed, self.max_operand, self.ops, eval_fraction=self.eval_fraction,
+            eval_size=self.eval_size, tokenizer=self.tokenizer, split_seed=self.split_seed,
+        )  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
+            "split_seed": self.split_seed,
             "max_operand": self.max_operand,
             "ops": self.ops,
             "eval_fraction": self.eval_fraction,
@@ -211,7 +224,9 @@ class ArithmeticTask:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "max_operand", "ops", "eval_fraction"):
+        # a state from before split_seed existed split by its seed
+        state = {"split_seed": state.get("seed"), **state}
+        for key in ("seed", "split_seed", "max_operand", "ops", "eval_fraction"):
             if state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"ArithmeticTask state has {key}={state.get(key)!r} but this task has "

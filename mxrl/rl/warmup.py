@@ -55,6 +55,8 @@ def sft(
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
+    # The optimizer dies here: leave no gradients behind for whatever trains the model next.
+    opt.zero_grad(set_to_none=True)
     return losses
 
 
@@ -102,7 +104,7 @@ def warmed_up_model(
             return model, info
         except (OSError, RuntimeError, ValueError, KeyError) as err:
             logger.warning("warm-up cache %s unreadable (%s): training again", weights, err)
-    fresh = ArithmeticTask(seed=task.seed, max_operand=task.max_operand, ops=task.ops)
+    fresh = task.fresh()
     losses = sft(model, fresh, steps, batch_size=batch_size, lr=lr)
     info = {"steps": steps, "final_loss": losses[-1], "accuracy": greedy_accuracy(model, fresh)}
     folder.mkdir(parents=True, exist_ok=True)

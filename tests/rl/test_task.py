@@ -107,3 +107,35 @@ def test_decode_response_stops_at_eos_and_tolerates_unknown_ids():
     assert task.decode_response(ids) == "19"
     assert task.decode_response([*tok.encode("19"), 63, *tok.encode("5")]) == "19\ufffd5"
     assert task.reward(task.decode_response([*tok.encode("19"), 63]), Problem(12, "+", 7)) == 1.0
+
+
+def test_tasks_sharing_a_split_share_the_held_out_set():
+    """The demo's warm-up and RL seeds: own train streams, one split, one eval set."""
+    kw = dict(max_operand=20, eval_fraction=0.25, eval_size=100, split_seed=0)
+    warm, rl = ArithmeticTask(0, **kw), ArithmeticTask(2, **kw)
+    assert warm.eval_problems() == rl.eval_problems() and len(set(rl.eval_problems())) == 100
+    assert warm.sample(50) != rl.sample(50)
+    held = set(rl.eval_problems())
+    seen = {e.problem for e in warm.supervised_examples(2000)} | set(rl.sample(2000))
+    assert not seen & held
+    assert ArithmeticTask(2).eval_problems() != ArithmeticTask(0).eval_problems()  # own split
+
+
+def test_fresh_keeps_the_settings_and_restarts_the_streams():
+    task = ArithmeticTask(3, max_operand=30, eval_fraction=0.2, eval_size=40, split_seed=9)
+    first = task.sample(5)
+    fresh = task.fresh()
+    assert fresh.sample(5) == first
+    assert fresh.eval_problems() == task.eval_problems()
+    assert fresh.state_dict()["split_seed"] == 9
+
+
+def test_a_state_without_split_seed_loads_as_split_by_its_seed():
+    a = ArithmeticTask(5)
+    a.sample(3)
+    old = {k: v for k, v in a.state_dict().items() if k != "split_seed"}
+    b = ArithmeticTask(5)
+    b.load_state_dict(old)
+    assert a.sample(4) == b.sample(4)
+    with pytest.raises(ValueError, match="split_seed"):
+        ArithmeticTask(5, split_seed=1).load_state_dict(old)
