@@ -69,6 +69,7 @@ class GRPOConfig:
     backend: str | None = None
     checkpoint_every: int = 0  # 0: never
     verify_every: int = 10  # the deep sync check (re-export, re-hash, compare); 0: never
+    eval_every: int = 0  # held-out greedy accuracy (eval/accuracy) every k steps; 0: never
     engine_tile: int = 32
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -81,6 +82,8 @@ class GRPOConfig:
             raise ValueError(f"spike_action must be log or skip, got {self.spike_action!r}")
         if self.verify_every < 0:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: never), got {self.eval_every}")
         for name in ("steps", "prompts_per_step", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -107,6 +110,11 @@ class GRPOTrainer:
         )
         self.prev_layer_norms: dict[str, float] = {}
         self.step = 0
+        if cfg.eval_every and not hasattr(source, "eval_batch"):
+            raise ValueError(
+                f"eval_every={cfg.eval_every} needs a source with a held-out set (eval_batch): "
+                "the embedded task has one; set eval_every: 0 for this source"
+            )
         # The trainer owns the model's gradients from here: a model handed over with gradients
         # left by an earlier phase (the SFT warm-up leaves its last step's) would add them to
         # step 1's, so a cached warm-up and a fresh one would train differently.
@@ -202,11 +210,28 @@ class GRPOTrainer:
         for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
             if key in stats:
                 metrics[key] = stats[key]
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            metrics["eval/accuracy"] = self.evaluate()
         self.record.log_metrics(step, metrics)
         self.step = step
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
             self.save_checkpoint()
         return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Held-out accuracy of the policy the engine serves now: greedy decoding of the
+        source's fixed eval set (never trained on), mean reward."""
+        batch = self.source.eval_batch()
+        params = SamplingParams(
+            temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
+            stop_token_ids=self.source.stop_token_ids,
+        )  # fmt: skip
+        outs = self.engine.generate(batch.prompts, params)
+        hits = [
+            self.source.reward(o.tokens, lab) for o, lab in zip(outs, batch.labels, strict=True)
+        ]
+        return sum(hits) / len(hits)
 
     def _verify_sync(self) -> bool:
         """The deep check (every `verify_every` steps): the bytes the engine holds, hashed
@@ -221,6 +246,8 @@ class GRPOTrainer:
         again) or interrupted (Ctrl-C, SIGTERM): `RunRecord.guard`."""
         history = []
         with self.record.guard(lambda: self.step):
+            if self.cfg.eval_every and self.step == 0:  # the starting policy, as step 0
+                self.record.log_metrics(0, {"eval/accuracy": self.evaluate()})
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 history.append(m)

@@ -36,6 +36,11 @@ class TaskSource:
         problems = self.task.sample(n)
         return PromptBatch([self.task.encode_prompt(p) for p in problems], problems)
 
+    def eval_batch(self) -> PromptBatch:
+        """The task's fixed held-out problems (never sampled for training)."""
+        problems = self.task.eval_problems()
+        return PromptBatch([self.task.encode_prompt(p) for p in problems], problems)
+
     def reward(self, tokens: list[int], label: Any) -> float:
         return self.task.reward(self.task.decode_response(tokens), label)
 

@@ -3,7 +3,8 @@
     result = compare(["runs/bf16-a", "runs/nvfp4-b"], "reports/ablation")
     result.figures  # {"reward": Path(".../reward.png"), ...}; a figure without data is skipped
 
-Figures: reward (reward/mean; accuracy too where it is not the same numbers), mismatch
+Figures: heldout (eval/accuracy: greedy accuracy on a held-out set, logged every few steps),
+reward (reward/mean; accuracy too where it is not the same numbers), mismatch
 (mismatch/k3, mismatch/k1; log scale when every value is positive), grad_norm (grad/norm, spikes
 marked from the grad/spike metric and spike events), step_time (mean time/rollout_s,
 time/train_s, time/sync_s per run, stacked). Series are labelled by config recipe, else by run
@@ -31,7 +32,7 @@ from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, _spikes, _syncs, fmt,
 logger = logging.getLogger(__name__)
 
 COMPARISON_FILE = "comparison.md"
-FIGURES = ("reward", "mismatch", "grad_norm", "step_time")
+FIGURES = ("heldout", "reward", "mismatch", "grad_norm", "step_time")
 _DPI = 110
 
 
@@ -121,6 +122,7 @@ _ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("reward/mean, mean", lambda s: fmt(s.mean.get("reward/mean"))),
     ("accuracy, final", lambda s: fmt(s.final.get("accuracy"))),
     ("accuracy, mean", lambda s: fmt(s.mean.get("accuracy"))),
+    ("eval/accuracy (held-out), final", lambda s: fmt(s.final.get("eval/accuracy"))),
     ("response_len/mean, mean", lambda s: fmt(s.mean.get("response_len/mean"))),
     ("mismatch/k3, final", lambda s: fmt(s.final.get("mismatch/k3"))),
     ("mismatch/k3, mean", lambda s: fmt(s.mean.get("mismatch/k3"))),
@@ -229,6 +231,7 @@ def _log_if_positive(ax, runs: Sequence[_Run], key: str) -> None:
 
 # y-axis label of each plotted metric
 _YLABELS = {
+    "eval/accuracy": "held-out accuracy (greedy)",
     "reward/mean": "mean reward per step",
     "accuracy": "accuracy (share of rewards > 0.5)",
     "mismatch/k3": "k3 estimate of KL(rollout || train)",
@@ -262,7 +265,7 @@ def _mean_and_stderr(group: Sequence[_Run], key: str) -> tuple[list[int], list[f
     return steps, means, errors
 
 
-def _line_axes(ax, runs: Sequence[_Run], key: str) -> None:
+def _line_axes(ax, runs: Sequence[_Run], key: str, marker: str | None = None) -> None:
     from matplotlib.ticker import MaxNLocator
 
     seeded = 0
@@ -283,7 +286,8 @@ def _line_axes(ax, runs: Sequence[_Run], key: str) -> None:
                 alpha=0.2,
                 linewidth=0,
             )
-        ax.plot(steps, means, color=first.color, label=label, linewidth=1.4)
+        ax.plot(steps, means, color=first.color, label=label, linewidth=1.4, marker=marker,
+                markersize=3)  # fmt: skip
     ax.set_title(key + (" (band: ± 1 standard error over seeds)" if seeded else ""))
     ax.set_xlabel("GRPO step")
     ax.set_ylabel(_YLABELS.get(key, key))
@@ -305,6 +309,17 @@ def plot_reward(runs: Sequence[_Run]):
     fig, axes = _new_figure(len(keys))
     for ax, key in zip(axes, keys, strict=True):
         _line_axes(ax, runs, key)
+    return fig
+
+
+def plot_heldout(runs: Sequence[_Run]):
+    """Held-out accuracy per recipe (mean over seeds, band of one standard error)."""
+    if not _has(runs, "eval/accuracy"):
+        return None
+    fig, (ax,) = _new_figure(1)
+    _line_axes(ax, runs, "eval/accuracy", marker="o")
+    ax.set_title("held-out accuracy, greedy" + (" (band: ± 1 s.e. over seeds)" if any(
+        len(g) > 1 for g in _groups(runs)) else ""))  # fmt: skip
     return fig
 
 
@@ -398,6 +413,7 @@ def plot_step_time(runs: Sequence[_Run]):
 
 
 _PLOTS = {
+    "heldout": plot_heldout,
     "reward": plot_reward,
     "mismatch": plot_mismatch,
     "grad_norm": plot_grad_norm,
