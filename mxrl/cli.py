@@ -64,8 +64,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", metavar="DIR", type=Path, default=Path("demo"),
                       help="where runs/ and report.md go (default: ./demo)")  # fmt: skip
     demo.add_argument("--all", action="store_true", help="the six article presets")
-    demo.add_argument("--seeds", type=int, default=1, help="seeds per recipe (seed bands)")
-    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 60)")
+    demo.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 80)")
     demo.add_argument("--plan-only", action="store_true",
                       help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
 

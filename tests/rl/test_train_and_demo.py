@@ -1,9 +1,9 @@
-"""`mxrl train --config` and `mxrl demo` end to end, shrunk to seconds; the dataset source."""
+"""`mxrl train --config` end to end, shrunk to seconds; the dataset source (the demo:
+tests/rl/test_demo.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,6 @@ import yaml
 from mxrl.cli import main
 from mxrl.models import CharTokenizer, build_model
 from mxrl.recipe import builtin_config
-from mxrl.rl import demo as demo_mod
 from mxrl.rl.data import PromptDataset
 from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.rewards import load_reward
@@ -60,19 +59,6 @@ def test_train_config_errors_name_the_key(tmp_path, capsys):
     no_model = _write(tmp_path / "nomodel.yaml", {"rl": {"steps": 1}})
     assert main(["train", "--config", str(no_model)]) == 2
     assert "model" in capsys.readouterr().err
-
-
-def test_demo_writes_the_report(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo_mod, "WARMUP_STEPS", 5)
-    small = replace(demo_mod.demo_config("cpu"), prompts_per_step=2, samples_per_prompt=2)
-    monkeypatch.setattr(demo_mod, "demo_config", lambda device: small)
-    report = demo_mod.run_demo(tmp_path / "demo", recipes=("bf16", "nvfp4-dequantized"), steps=2)
-    text = report.read_text()
-    assert "| bf16 |" in text and "| nvfp4-dequantized |" in text
-    assert "yes (2)" in text  # every weight sync verified, twice per run
-    for png in ("reward.png", "mismatch.png", "grad_norm.png", "step_time.png"):
-        assert (tmp_path / "demo" / png).stat().st_size > 1000
-    assert len(list((tmp_path / "demo" / "runs").iterdir())) == 2
 
 
 def test_dataset_source_runs_a_step(tmp_path):
