@@ -203,6 +203,8 @@ class Engine(WeightLoading):
             and _pow2_at_least_16(self.cache_options.block_size)
             and _pow2_at_least_16(c.head_dim)
         )
+        # the one-launch sampler for rows without top-k / top-p (mxrl.kernels.sampling)
+        self.fused_sampler = self.backend is Backend.TRITON and device.type == "cuda"
         self._kv: KVCache | None = None  # allocated at the first generate (weights loaded)
         self._blocks: BlockManager | None = None
         # decode graphs: CUDA, the Triton attention (reads its metadata from the device)
@@ -349,7 +351,7 @@ class Engine(WeightLoading):
                 [q.num_generated for q in sampling],
                 self.device,
             )
-            tokens_t, lps_t = sample_batch(logits, chosen)
+            tokens_t, lps_t = sample_batch(logits, chosen, fused=self.fused_sampler)
             if routing is not None:  # queued before the one transfer that waits
                 routing = routing.to("cpu", non_blocking=True)
             host = torch.stack([tokens_t.double(), lps_t.double()]).cpu()  # one sync a step

@@ -157,12 +157,20 @@ def _sample_rows(logits_RV: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tenso
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
 
 
-def sample_batch(logits_RV: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(
+    logits_RV: torch.Tensor, b: SamplingBatch, *, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R], processed logprobs float32 [R]), still on the logits' device: one
-    batched pass on CUDA, row by row on the CPU (module docstring)."""
+    batched pass on CUDA, row by row on the CPU (module docstring). fused: rows without top-k
+    / top-p go through the one-launch Triton sampler (`mxrl.kernels.sampling`; the engine's
+    triton backend on CUDA)."""
     if logits_RV.shape[0] == 0:  # a step where no sequence samples (chunked prefill)
         empty = torch.zeros(0, dtype=torch.float32, device=logits_RV.device)
         return empty.long(), empty
+    if fused and not (b.any_top_k or b.any_top_p):
+        from mxrl.kernels.sampling import sample_rows
+
+        return sample_rows(logits_RV, b.temperature, b.greedy, b.seeds, b.counters)
     if logits_RV.device.type != "cpu":
         return _sample_rows(logits_RV, b)
     parts = [_sample_rows(logits_RV[r : r + 1], b.rows(r, r + 1)) for r in range(len(logits_RV))]

@@ -162,3 +162,28 @@ def test_sampler_rows_do_not_depend_on_the_batch_on_cuda():
     cpu_b = SamplingBatch.build(params[:4], seeds[:4], counters[:4], torch.device("cpu"))
     t_cpu, _ = sample_batch(logits[:4].cpu(), cpu_b)  # the noise's bits are the same on the CPU
     assert torch.equal(t_cpu, tokens[:4].cpu())
+
+
+def test_fused_sampler_rows_do_not_depend_on_the_batch_on_cuda():
+    """The one-launch sampler (the engine's default on CUDA for rows without top-k / top-p):
+    a row's token and logprob alone equal its bytes in the batch, and the tokens are the torch
+    sampler's (the same noise integers; exp/log rounding could only split exact near-ties)."""
+    from mxrl.engine.sampler import SamplingBatch, sample_batch
+
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(64, 151936, generator=g) * 4).cuda()
+    params = [SamplingParams(temperature=[1.0, 0.0, 0.7][i % 3], seed=i) for i in range(64)]
+    seeds, counters = list(range(64)), [7 * i for i in range(64)]
+    dev = torch.device("cuda")
+    b = SamplingBatch.build(params, seeds, counters, dev)
+    tokens, lps = sample_batch(logits, b, fused=True)
+    ref_tokens, ref_lps = sample_batch(logits, b)
+    assert (tokens == ref_tokens).float().mean() > 0.95
+    torch.testing.assert_close(
+        lps[tokens == ref_tokens], ref_lps[tokens == ref_tokens], rtol=0, atol=1e-5
+    )
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (40, 64)):
+        sub = SamplingBatch.build(params[lo:hi], seeds[lo:hi], counters[lo:hi], dev)
+        t, lp = sample_batch(logits[lo:hi], sub, fused=True)
+        assert torch.equal(t, tokens[lo:hi]), (lo, hi)
+        assert_bytes_equal(lp, lps[lo:hi], f"rows {lo}:{hi}")

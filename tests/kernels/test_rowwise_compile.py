@@ -36,6 +36,7 @@ def compile_all() -> dict[str, dict[str, int]]:
 
     from mxrl.kernels import triton_fp8_block_gemm as fb
     from mxrl.kernels import triton_rowwise as rw
+    from mxrl.kernels import triton_sampling as ts
 
     variants = {
         "rms_norm_bf16": (
@@ -58,6 +59,13 @@ def compile_all() -> dict[str, dict[str, int]]:
              "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
             {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": 16, "BLOCK_N": 64},
         ),
+        "sample_rows_fp32": (
+            ts.sample_rows_kernel,
+            {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "greedy_ptr": "*i8",
+             "seeds_ptr": "*i64", "counters_ptr": "*i64", "token_ptr": "*i64",
+             "logp_ptr": "*fp32", "stride_l": "i32", "V": "i32"},
+            {"BLOCK": 1024},
+        ),
     }  # fmt: skip
     report = {}
     for name, (fn, sig, constexprs) in variants.items():
@@ -77,8 +85,11 @@ def ptx_report():
 
 
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
-    assert set(ptx_report) == {"rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16"}
-    for name, counts in ptx_report.items():
+    assert set(ptx_report) == {
+        "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_rows_fp32"
+    }  # fmt: skip
+    for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16"):
+        counts = ptx_report[name]
         assert counts["approx"] == 0 and counts["ftz"] == 0, (name, counts)
     # the combine rounds every product before its sum (the eager loop's bytes): no contraction;
     # RMSNorm's sum of squares may contract (its order is fixed either way, within the bound)
