@@ -65,7 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="where runs/ and report.md go (default: ./demo)")  # fmt: skip
     demo.add_argument("--all", action="store_true", help="the six article presets")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
-    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 80)")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 120)")
     demo.add_argument("--plan-only", action="store_true",
                       help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
 
