@@ -26,7 +26,7 @@ def two_runs(tmp_path_factory):
 
 def test_compare_writes_every_figure(two_runs):
     *_, result = two_runs
-    assert set(result.figures) == {"reward", "mismatch", "grad_norm", "step_time"}
+    assert set(result.figures) == {"heldout", "reward", "mismatch", "grad_norm", "step_time"}
     assert result.skipped == ()
     for name, path in result.figures.items():
         assert path == result.out_dir / f"{name}.png"
@@ -57,13 +57,13 @@ def test_missing_metrics_are_skipped(tmp_path):
     reward_only = write_run(tmp_path, "r", None, keys=("reward/mean",), spike_at=None)
     result = compare([reward_only], tmp_path / "out")
     assert set(result.figures) == {"reward"}
-    assert result.skipped == ("mismatch", "grad_norm", "step_time")
+    assert result.skipped == ("heldout", "mismatch", "grad_norm", "step_time")
     assert not (tmp_path / "out" / "mismatch.png").exists()
     md = result.markdown.read_text()
     assert _row(md, "metric")[0] == "r"  # no recipe: labelled by run id
     assert _row(md, "mismatch/k3, mean") == ["—"]
     assert _row(md, "accuracy, final") == ["—"]
-    assert "Not plotted (no run logged the metrics): mismatch, grad_norm, step_time." in md
+    assert "Not plotted (no run logged the metrics): heldout, mismatch, grad_norm, step_time." in md
 
 
 def test_spike_events_alone_count(tmp_path):
