@@ -94,12 +94,16 @@ TINY_LAYER = {  # --tiny: exercises the script's logic on a CPU in seconds
 }
 
 
-def model_config(*, layers: int, vocab: int, tiny: bool) -> ModelConfig:
+def model_config(
+    *, layers: int, vocab: int, tiny: bool, tiny_layer: dict | None = None
+) -> ModelConfig:
+    """The benchmarks' Qwen3-MoE config: Qwen3-30B-A3B layers, or `tiny_layer` (default
+    TINY_LAYER) with `tiny`, at `layers` depth and a `vocab`-token vocabulary."""
     return ModelConfig.from_hf(
         {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
-            **(TINY_LAYER if tiny else QWEN3_30B_A3B_LAYER),
+            **((tiny_layer or TINY_LAYER) if tiny else QWEN3_30B_A3B_LAYER),
             "num_hidden_layers": layers,
             "vocab_size": vocab,
             "norm_topk_prob": True,

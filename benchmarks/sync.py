@@ -36,7 +36,13 @@ from pathlib import Path
 
 import torch
 from common import REPO_ROOT, copy_bandwidth, ensure_repo_on_path, environment, update_results
-from engine_decode import QWEN3_30B_A3B_LAYER, check_device, check_presets, cpu_environment
+from engine_decode import (
+    QWEN3_30B_A3B_LAYER,
+    check_device,
+    check_presets,
+    cpu_environment,
+    model_config,
+)
 
 ensure_repo_on_path()
 
@@ -63,20 +69,7 @@ TINY_LAYER = {  # --tiny: every preset applies (block FP8 needs K % 128 == 0), s
 
 
 def config_of(layers: int, vocab: int, tiny: bool) -> ModelConfig:
-    return ModelConfig.from_hf(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            **(TINY_LAYER if tiny else QWEN3_30B_A3B_LAYER),
-            "num_hidden_layers": layers,
-            "vocab_size": vocab,
-            "norm_topk_prob": True,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 4096,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    )
+    return model_config(layers=layers, vocab=vocab, tiny=tiny, tiny_layer=TINY_LAYER)
 
 
 def _sync(device: torch.device) -> None:

@@ -28,7 +28,12 @@ from pathlib import Path
 
 import torch
 from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
-from engine_decode import QWEN3_30B_A3B_LAYER, check_device, check_presets, cpu_environment
+from engine_decode import (
+    check_device,
+    check_presets,
+    cpu_environment,
+    model_config,
+)
 
 ensure_repo_on_path()
 
@@ -49,23 +54,6 @@ TINY_LAYER = {  # --tiny: every preset's shapes fit (fp8_block needs multiples o
     "rope_theta": 10_000.0,
     "rms_norm_eps": 1e-6,
 }
-
-
-def model_config(layers: int, vocab: int, tiny: bool) -> ModelConfig:
-    return ModelConfig.from_hf(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            **(TINY_LAYER if tiny else QWEN3_30B_A3B_LAYER),
-            "num_hidden_layers": layers,
-            "vocab_size": vocab,
-            "norm_topk_prob": True,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 4096,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    )
 
 
 def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
@@ -201,7 +189,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_presets(args.presets)
     device = check_device(args.device)
-    config = model_config(args.layers, args.vocab, args.tiny)
+    config = model_config(
+        layers=args.layers, vocab=args.vocab, tiny=args.tiny, tiny_layer=TINY_LAYER
+    )
     base = build_model(config, seed=0)  # fp32 master weights, drawn on the CPU
     base_state = {k: v.detach() for k, v in base.state_dict().items()}
     gemm = args.gemm or select_gemm(None, device).value
