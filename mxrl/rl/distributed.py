@@ -45,7 +45,7 @@ from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.loop import CHECKPOINT_DIR, GRPOConfig, _seed, engine_digest
+from mxrl.rl.loop import CHECKPOINT_DIR, GRPOConfig, _seed, engine_digest, log_step
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, _group_of, top_growth
@@ -294,12 +294,7 @@ class DistributedGRPOTrainer:
                 m = self.train_step()
                 assert m is not None
                 history.append(m)
-                logger.info(
-                    "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
-                    self.step, self.cfg.steps, m["reward/mean"], m["accuracy"],
-                    m["mismatch/k3"], m["grad/norm"],
-                    m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
-                )  # fmt: skip
+                log_step(self.step, self.cfg.steps, m)
             self.record.finish(self.step, status=FINISHED)
         return history
 

@@ -251,12 +251,7 @@ class GRPOTrainer:
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 history.append(m)
-                logger.info(
-                    "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
-                    self.step, self.cfg.steps, m["reward/mean"], m["accuracy"],
-                    m["mismatch/k3"], m["grad/norm"],
-                    m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
-                )  # fmt: skip
+                log_step(self.step, self.cfg.steps, m)
             self.record.finish(self.step, status=FINISHED)
         return history
 
@@ -356,3 +351,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def _seed(seed: int, step: int, index: int) -> int:
     """A per-request sampling seed that depends only on (run seed, step, request index)."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+
+
+def log_step(step: int, steps: int, m: dict[str, float]) -> None:
+    """One line per GRPO step (the single-process and the distributed trainer alike)."""
+    logger.info(
+        "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
+        step, steps, m["reward/mean"], m["accuracy"], m["mismatch/k3"], m["grad/norm"],
+        m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
+    )  # fmt: skip
