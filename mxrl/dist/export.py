@@ -44,6 +44,7 @@ from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_amax
 from mxrl.weights import DEFAULT_BUCKET_BYTES, Bucket, Export, QuantizationEvent, check_finite
 from mxrl.weights.event import OTHER, SqnrMeter
+from mxrl.weights.export import fuse_partners
 from mxrl.weights.record import WeightValue
 
 
@@ -164,7 +165,7 @@ def _check_finite_everywhere(params, plan: Plan, group) -> None:
 def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -> Iterator:
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    partners = _fuse_partners(plan)
+    partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
         p = params[name]
@@ -286,18 +287,6 @@ def _reduce_sqnr(meter: SqnrMeter, plan: Plan, group, device: torch.device) -> d
     dist.all_reduce(stacked, group=group)
     meter._sums = dict(zip(keys, stacked.unbind(0), strict=True))
     return meter.result()
-
-
-def _fuse_partners(plan: Plan) -> dict[str, str]:
-    groups: dict[str, list[str]] = {}
-    for name, spec in plan.items():
-        if spec.fuse_group is not None and spec.fuse_group != name:
-            groups.setdefault(spec.fuse_group, []).append(name)
-    out = {}
-    for members in groups.values():
-        if len(members) == 2:
-            out[members[0]], out[members[1]] = members[1], members[0]
-    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ def quantized_values(
             "resolve the plan against this model"
         )
     check_finite(params)
-    partners = _fuse_partners(plan)
+    partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
         w = params[name].detach()
@@ -120,7 +120,7 @@ def _quantize(w: torch.Tensor, spec: TensorSpec, partner, backend: Backend):
     return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 
 
-def _fuse_partners(plan: Plan) -> dict[str, str]:
+def fuse_partners(plan: Plan) -> dict[str, str]:
     """gate <-> up names of 2-D fuse groups (a fused 3-D gate_up tensor is its own group)."""
     groups: dict[str, list[str]] = {}
     for name, spec in plan.items():
