@@ -167,10 +167,19 @@ def sample_batch(
     if logits_RV.shape[0] == 0:  # a step where no sequence samples (chunked prefill)
         empty = torch.zeros(0, dtype=torch.float32, device=logits_RV.device)
         return empty.long(), empty
-    if fused and not (b.any_top_k or b.any_top_p):
+    if fused:
+        # a row's path is fixed by its own parameters, never by its batch: rows without top-k /
+        # top-p always take the fused kernel, filtered rows always the torch pass (the two
+        # logprobs may differ in the last bit, so choosing per batch would break invariance)
         from mxrl.kernels.sampling import sample_rows
 
-        return sample_rows(logits_RV, b.temperature, b.greedy, b.seeds, b.counters)
+        tokens, logps = sample_rows(logits_RV, b.temperature, b.greedy, b.seeds, b.counters)
+        if not (b.any_top_k or b.any_top_p):
+            return tokens, logps
+        vocab = logits_RV.shape[-1]
+        filtered = ((b.top_k > 0) & (b.top_k < vocab)) | (b.top_p < 1.0)
+        t_torch, lp_torch = _sample_rows(logits_RV, b)
+        return torch.where(filtered, t_torch, tokens), torch.where(filtered, lp_torch, logps)
     if logits_RV.device.type != "cpu":
         return _sample_rows(logits_RV, b)
     parts = [_sample_rows(logits_RV[r : r + 1], b.rows(r, r + 1)) for r in range(len(logits_RV))]

@@ -45,3 +45,27 @@ def test_kernel_rows_do_not_depend_on_the_batch():
         )  # fmt: skip
         assert t.item() == tokens[r].item()
         assert_bytes_equal(lp, logps[r : r + 1], f"row {r}")
+
+
+@interpreter
+def test_fused_sample_batch_keeps_a_rows_path_in_a_mixed_batch():
+    """sample_batch(fused=True) over rows with and without top-k / top-p: a row alone gives its
+    bytes in the mixed batch (its path is fixed by its own parameters: the fused kernel for
+    plain rows, the torch pass for filtered ones), and filtered rows get the torch sampler's."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 1200, generator=g) * 3
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=0.0),
+             dict(temperature=1.0, top_p=0.8)]  # fmt: skip
+    params = [SamplingParams(seed=7 + i, **kinds[i % 4]) for i in range(8)]
+    seeds, counters = [p.seed for p in params], [3 * i for i in range(8)]
+    b = SamplingBatch.build(params, seeds, counters, "cpu")
+    tokens, logps = sample_batch(logits, b, fused=True)
+    want_t, want_lp = sample_batch(logits, b)  # the torch sampler, row by row
+    for r in (1, 3):  # filtered rows: the torch pass
+        assert tokens[r].item() == want_t[r].item()
+        assert_bytes_equal(logps[r : r + 1], want_lp[r : r + 1], f"filtered row {r}")
+    for r in range(8):
+        alone = SamplingBatch.build(params[r : r + 1], seeds[r : r + 1], counters[r : r + 1], "cpu")
+        t, lp = sample_batch(logits[r : r + 1], alone, fused=True)
+        assert t.item() == tokens[r].item(), f"row {r}"
+        assert_bytes_equal(lp, logps[r : r + 1], f"row {r} alone")
