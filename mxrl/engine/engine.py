@@ -27,7 +27,7 @@ from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
-from mxrl.engine.modules import RolloutExperts, RolloutLinear, RolloutRMSNorm
+from mxrl.engine.modules import RolloutExperts, RolloutLinear, RolloutRMSNorm, RolloutRope
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams
 from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
@@ -36,7 +36,7 @@ from mxrl.engine.sequence import Sequence as Request
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend, select_backend
 from mxrl.models import CausalLM, ModelConfig
-from mxrl.models.layers import RMSNorm
+from mxrl.models.layers import ApplyRope, RMSNorm
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights import (
@@ -234,6 +234,8 @@ class Engine(WeightLoading):
                     new = RolloutRMSNorm(
                         module.weight.shape[0], module.eps, dtype=self.compute_dtype
                     )
+            elif isinstance(module, ApplyRope) and self.backend is Backend.TRITON:
+                new = RolloutRope()
             elif isinstance(module, nn.Linear):
                 spec = self.plan[f"{name}.weight"]
                 new = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)

@@ -36,8 +36,15 @@ from mxrl.kernels.decode_gemm import (
     low_bit_matmul,
 )
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
-from mxrl.kernels.rowwise import moe_combine, moe_combine_reference, rms_norm
-from mxrl.models.layers import RMSNorm
+from mxrl.kernels.rowwise import (
+    moe_combine,
+    moe_combine_reference,
+    moe_group,
+    moe_group_reference,
+    rms_norm,
+    rope,
+)
+from mxrl.models.layers import ApplyRope, RMSNorm
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
@@ -76,10 +83,25 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
         return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
     pad = (-t) % tile
     if pad:  # one launch (a decode step pads its rows to one tile)
-        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+        x = _padded(x, pad)
     if x.shape[0] == tile:
         return fn(x)[:t]
     return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
+
+
+_LAST_PAD: list = []  # [(source, key, padded)]: q, k and v pad one input once
+
+
+def _padded(x: torch.Tensor, pad: int) -> torch.Tensor:
+    """x with `pad` zero rows appended. The last result is reused for the same bytes: the memo
+    holds its source, so a match of (address, shape, strides, dtype, version) is the same
+    storage, unmodified (the attention's q, k and v projections read one normed input)."""
+    key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, pad)
+    if _LAST_PAD and _LAST_PAD[0][1] == key:
+        return _LAST_PAD[0][2]
+    out = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
+    _LAST_PAD[:] = [(x, key, out)]
+    return out
 
 
 class RolloutLinear(nn.Module):
@@ -130,6 +152,13 @@ class RolloutRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class RolloutRope(ApplyRope):
+    """The model's RoPE on q and k as one fused launch (mxrl.kernels.rowwise; triton backend)."""
+
+    def forward(self, q_BNSD, k_BKSD, cos_BSD, sin_BSD):
+        return rope(q_BNSD, k_BKSD, cos_BSD, sin_BSD)
 
 
 class RolloutExperts(nn.Module):
@@ -267,22 +296,12 @@ class RolloutExperts(nn.Module):
         """The expert loop's result from two grouped launches (`project`): rows sorted by
         expert, each token's k outputs then summed in ascending expert order (the loop's
         index_add order)."""
-        t, k = ids_Tk.shape
-        flat = ids_Tk.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        # counted without bincount, whose CUDA kernel reads the max back to the host (a sync,
-        # which a CUDA graph cannot hold)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x_TH.device)
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=x_TH.device)
-        offsets[1:] = torch.cumsum(counts, 0)
-        x_sorted = x_TH[order // k]
+        group = moe_group if self.backend is Backend.TRITON else moe_group_reference
+        offsets, order, token_of, rows_Tk = group(ids_Tk, self.num_experts)
+        x_sorted = x_TH[token_of]
         gate, up = project("gate_up", x_sorted, offsets).chunk(2, dim=-1)
         h = project("down", invariant.silu(gate) * up, offsets)
-        row_of = torch.empty_like(order)
-        row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row
-        row_of = row_of.view(t, k).gather(1, ids_Tk.argsort(dim=1, stable=True))
         # each token's k outputs, weighted, summed in ascending expert order (the loop's
         # index_add order); fused into one launch on the triton backend (the same bytes)
         combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
-        return combine(h, weights_Tk.reshape(-1)[order], row_of)
+        return combine(h, weights_Tk.reshape(-1)[order], rows_Tk)

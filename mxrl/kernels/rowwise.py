@@ -12,7 +12,15 @@ has its PyTorch reference beside it, which is also what the CPU runs.
   expert order with every product and partial sum rounded to the output dtype — the eager
   loop's exact operations, so the same bytes.
 
-Legend: R rows, H row length, T tokens, k experts per token.
+- `moe_group`: the routed experts' grouping (rows sorted by expert, stable in (token, slot)
+  order; each group's offset; each token's rows in ascending expert order) as one counting-sort
+  launch instead of two sorts, a scatter and a dozen small kernels. Integers, exact: the same
+  values as the reference on every device, so any batch may take either.
+- `rope`: rotary embeddings of q and k in one launch (bf16), each product and the sum rounded
+  to bf16 as the eager ops (`x * cos + rotate_half(x) * sin`) round them: the same bytes.
+
+Legend: R rows, H row length, T tokens, k experts per token, E experts, N / Nk query / key
+heads, D head dim.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import torch
 
 _MAX_NORM_ROW = 16384  # one program holds a whole row
 _COMBINE_BLOCK = 1024
+_MAX_GROUP_ENTRIES = 8192  # one program reads all (token, slot) entries: decode-sized batches
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,3 +95,98 @@ def moe_combine(h_RH: torch.Tensor, w_R: torch.Tensor, row_of_Tk: torch.Tensor) 
             IS_BF16=h.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def moe_group_reference(
+    ids_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouping of T tokens' k routed experts into rows sorted by expert (stable):
+
+    offsets int32 [E + 1] (expert e's rows are offsets[e]:offsets[e + 1]), order int64 [T k]
+    (the flat index t * k + j of each row), token_of int64 [T k] (its token), rows_Tk int64
+    [T, k] (each token's rows in ascending expert order, ties in slot order)."""
+    t, k = ids_Tk.shape
+    flat = ids_Tk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # counted without bincount, whose CUDA kernel reads the max back to the host (a sync,
+    # which a CUDA graph cannot hold)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids_Tk.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids_Tk.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> row
+    rows_Tk = row_of.view(t, k).gather(1, ids_Tk.argsort(dim=1, stable=True))
+    return offsets, order, order // k, rows_Tk
+
+
+def moe_group(
+    ids_Tk: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe_group_reference` in one launch on CUDA for up to 8192 entries (the same integers;
+    larger batches, the CPU and other dtypes take the reference). ids must lie in [0, E)."""
+    t, k = ids_Tk.shape
+    if ids_Tk.device.type != "cuda" or ids_Tk.dtype != torch.int64 or t * k > _MAX_GROUP_ENTRIES:
+        return moe_group_reference(ids_Tk, num_experts)
+    return _moe_group_launch(ids_Tk, num_experts)
+
+
+def _moe_group_launch(ids_Tk: torch.Tensor, num_experts: int):
+    from mxrl.kernels.triton_rowwise import moe_group_kernel
+
+    t, k = ids_Tk.shape
+    dev = ids_Tk.device
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    order = torch.empty(t * k, dtype=torch.int64, device=dev)
+    token_of = torch.empty(t * k, dtype=torch.int64, device=dev)
+    rows = torch.empty((t, k), dtype=torch.int64, device=dev)
+    if t == 0:
+        offsets.zero_()
+        return offsets, order, token_of, rows
+    block_t = max(2, 1 << (t - 1).bit_length())
+    block_k = max(2, 1 << (k - 1).bit_length())
+    moe_group_kernel[(num_experts,)](
+        ids_Tk.contiguous(), offsets, order, token_of, rows, t,
+        K=k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return offsets, order, token_of, rows
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxrl.models.layers.apply_rope of q [B, N, S, D] and k [B, Nk, S, D], cos / sin [B, S, D]."""
+    from mxrl.models.layers import apply_rope
+
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_reference` in one launch for B = 1 (the engine's ragged row), bf16, D a power of
+    two; otherwise the reference (fp32 too: the compiler may contract its product and sum into
+    one FMA, which the eager ops do not). Outputs are [1, N, S, D] views of [1, S, N, D]."""
+    b, n, s, d = q.shape
+    ok = (
+        b == 1
+        and q.dtype == torch.bfloat16
+        and k.dtype == cos.dtype == sin.dtype == q.dtype
+        and d >= 2
+        and d & (d - 1) == 0
+        and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
+    )
+    if not ok:
+        return rope_reference(q, k, cos, sin)
+    from mxrl.kernels.triton_rowwise import rope_kernel
+
+    nk = k.shape[1]
+    q_out = torch.empty((1, s, n, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((1, s, nk, d), dtype=k.dtype, device=k.device)
+    if s:
+        rope_kernel[(s, n + nk)](
+            q, k, cos, sin, q_out, k_out,
+            q.stride(2), q.stride(1), k.stride(2), k.stride(1), cos.stride(1), sin.stride(1),
+            n, nk, D=d, IS_BF16=q.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2,
+        )  # fmt: skip
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)

@@ -75,3 +75,83 @@ def moe_combine_kernel(
         p = _round(h.to(tl.float32) * w.to(tl.float32), dtype, IS_BF16)
         acc = _round(acc.to(tl.float32) + p.to(tl.float32), dtype, IS_BF16)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc, mask=mask)
+
+
+@triton.jit
+def moe_group_kernel(
+    ids_ptr,  # int64 [T, K]: each token's experts
+    offsets_ptr,  # int32 [E + 1]: the first row of each expert's group
+    order_ptr,  # int64 [T * K]: the flat (token, slot) index of each row
+    token_of_ptr,  # int64 [T * K]: the token of each row
+    rows_ptr,  # int64 [T, K]: each token's rows, ascending (= ascending expert order)
+    T,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program e places expert e's entries: rows offset_e + (rank among e's entries in flat
+    (token, slot) order), offset_e = number of entries with a smaller expert id — a stable
+    counting sort, exact integers (the same as argsort(stable=True) on any device)."""
+    e = tl.program_id(0)
+    t = tl.arange(0, BLOCK_T)[:, None]
+    j = tl.arange(0, BLOCK_K)[None, :]
+    valid = (t < T) & (j < K)
+    ids = tl.load(ids_ptr + t * K + j, mask=valid, other=-1)
+    eq = (ids == e) & valid
+    lt = (ids < e) & valid
+    offset = tl.sum(tl.sum(lt.to(tl.int32), axis=1), axis=0)
+    count = tl.sum(tl.sum(eq.to(tl.int32), axis=1), axis=0)
+    flat = tl.reshape(eq.to(tl.int32), [BLOCK_T * BLOCK_K])
+    rank = tl.reshape(tl.cumsum(flat, axis=0), [BLOCK_T, BLOCK_K]) - 1
+    row = (offset + rank).to(tl.int64)
+    tl.store(order_ptr + row, (t * K + j).to(tl.int64), mask=eq)
+    tl.store(token_of_ptr + row, (t + j * 0).to(tl.int64), mask=eq)
+    # within token t: after its entries with smaller ids, then its earlier entries equal to e
+    before = tl.sum(lt.to(tl.int32), axis=1)[:, None] + tl.cumsum(eq.to(tl.int32), axis=1) - 1
+    tl.store(rows_ptr + t * K + before, row, mask=eq)
+    tl.store(offsets_ptr + e + 1, offset + count)
+    if e == 0:
+        tl.store(offsets_ptr, offset * 0)
+
+
+@triton.jit
+def rope_kernel(
+    q_ptr,  # [T, N, D] (strides given)
+    k_ptr,  # [T, Nk, D]
+    cos_ptr,  # [T, D]
+    sin_ptr,  # [T, D]
+    q_out_ptr,  # [T, N, D] contiguous
+    k_out_ptr,  # [T, Nk, D] contiguous
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_st,
+    N,
+    NK,
+    D: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    """out = x * cos + rotate_half(x) * sin for one head of one token, each product and the sum
+    rounded to the dtype as the eager ops do (rotate_half(x) = cat(-x[D/2:], x[:D/2]))."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    half: tl.constexpr = D // 2
+    partner = (d + half) % D
+    sign = tl.where(d < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    dtype = q_out_ptr.dtype.element_ty
+    if h < N:
+        src = q_ptr + t * stride_qt + h * stride_qh
+        dst = q_out_ptr + (t * N + h) * D
+    else:
+        src = k_ptr + t * stride_kt + (h - N) * stride_kh
+        dst = k_out_ptr + (t * NK + (h - N)) * D
+    x = tl.load(src + d).to(tl.float32)
+    rot = tl.load(src + partner).to(tl.float32) * sign
+    a = _round(x * cos, dtype, IS_BF16).to(tl.float32)
+    b = _round(rot * sin, dtype, IS_BF16).to(tl.float32)
+    tl.store(dst + d, _round(a + b, dtype, IS_BF16))

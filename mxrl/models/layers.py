@@ -119,6 +119,16 @@ def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tenso
     return x_BNSD * cos + _rotate_half(x_BNSD) * sin
 
 
+class ApplyRope(nn.Module):
+    """RoPE applied to a layer's queries and keys: a module (no parameters), so the rollout
+    engine can swap in a fused launch (mxrl.kernels.rowwise.rope, the same bytes)."""
+
+    def forward(
+        self, q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q_BNSD, cos_BSD, sin_BSD), apply_rope(k_BKSD, cos_BSD, sin_BSD)
+
+
 class Attention(nn.Module):
     """Grouped-query attention through `F.scaled_dot_product_attention`; under the engine's
     forward context (mxrl.models.context) the context's ragged attention instead."""
@@ -139,6 +149,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
+        self.rope = ApplyRope()
 
     def forward(
         self,
@@ -160,7 +171,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = self.rope(q, k, *rope)
         ctx = get_forward_context()
         if ctx is not None:  # the engine's ragged batch: [1, T] tokens of many requests
             if B != 1:

@@ -1,4 +1,5 @@
-"""The decode step's new kernels — the fused row-wise ops (mxrl/kernels/triton_rowwise.py) and the
+"""The decode step's new kernels — the fused row-wise ops (mxrl/kernels/triton_rowwise.py: RMSNorm,
+the experts' combine and grouping, RoPE) and the
 grouped block-FP8 GEMM (triton_fp8_block_gemm.py) — compile for sm_90 on the CPU, and the row-wise
 ones' PTX holds what rowwise.py's bounds rely on: IEEE division and square root (no approximate
 div, rcp or sqrt), nothing flushed to zero, no FMA contraction in the combine's rounding chain.
@@ -51,6 +52,20 @@ def compile_all() -> dict[str, dict[str, int]]:
              "stride_h": "i32", "stride_o": "i32", "H": "i32"},
             {"K": 8, "BLOCK": 1024, "IS_BF16": True},
         ),
+        "moe_group": (
+            rw.moe_group_kernel,
+            {"ids_ptr": "*i64", "offsets_ptr": "*i32", "order_ptr": "*i64",
+             "token_of_ptr": "*i64", "rows_ptr": "*i64", "T": "i32"},
+            {"K": 8, "BLOCK_T": 64, "BLOCK_K": 8},
+        ),
+        "rope_bf16": (
+            rw.rope_kernel,
+            {"q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+             "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
+             "stride_kt": "i32", "stride_kh": "i32", "stride_ct": "i32", "stride_st": "i32",
+             "N": "i32", "NK": "i32"},
+            {"D": 128, "IS_BF16": True},
+        ),
         "fp8_block_grouped_bf16": (
             fb.fp8_block_grouped_kernel,
             {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32",
@@ -86,7 +101,8 @@ def ptx_report():
 
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
-        "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_rows_fp32"
+        "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_rows_fp32",
+        "moe_group", "rope_bf16",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16"):
         counts = ptx_report[name]
@@ -94,6 +110,7 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     # the combine rounds every product before its sum (the eager loop's bytes): no contraction;
     # RMSNorm's sum of squares may contract (its order is fixed either way, within the bound)
     assert ptx_report["moe_combine_bf16"]["fma"] == 0
+    assert ptx_report["rope_bf16"]["fma"] == 0  # RoPE rounds both products before their sum
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
 
