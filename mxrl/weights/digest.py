@@ -18,8 +18,9 @@ Algorithm (one field of n bytes):
 
 Why it is the same on every device: every product is at most 128 * 128 = 2^14 in magnitude
 and a row sums 2048 of them, so |Y| <= 2^25 < 2^31: int32 arithmetic that never overflows is
-exact, and exact integer sums do not depend on their order. The CPU, cuBLAS's int8 GEMM, any
-tiling or split-K and the elementwise fallback (`_project_exact`) all give the same integers.
+exact, and exact integer sums do not depend on their order. The CPU, cuBLAS's int8 GEMM, the
+Triton kernel's int8 dots (any tile shape), split-K and the elementwise paths (`_project_exact`,
+the kernel's last row) all give the same integers.
 
 Collision argument. Take two different byte strings of one length n (the header holds n through
 dtype and shape, so strings of different lengths never compare). At level 0 their difference
@@ -35,8 +36,18 @@ refused), reordered rows, records or fields (positions meet different coefficien
 buffers holding an older update. It is not a defence against someone who reads this file and
 forges bytes: on-disk checkpoints and their manifests keep sha256 for that.
 
-Cost: one int8 GEMM of the data against a [2048, 16] matrix (`torch._int_mm`: tensor cores on
-CUDA, the data read once), the later levels on 1/32 of the bytes; no host copy of the data.
+Cost. On CUDA with triton (the default backend there; `backend=` as in
+`mxrl.kernels.select_backend`), `mxrl/kernels/triton_digest.py` reads each byte once, whole rows
+as 16-byte vectors pipelined into shared memory, and projects them with int8 tensor-core dots
+(32 integer operations per byte, far below the tensor cores' rate), so the level-0 pass is meant
+to run at memory bandwidth (target >= 2.5 TB/s on an H200, against ~340 GB/s for the cuBLAS
+path; `python -m tests.kernels.test_digest_kernel --bench` measures it). One launch per level
+covers every field of a `checksums` call on that device (level 0: one per alignment class of the
+data pointers, usually one); the partial last row is read with masked loads and unaligned views
+in place: no copy of the data, no host round trip until the digests (64 bytes per field) are
+read. Extra memory: the later levels' inputs, 1/32 of the bytes plus 1/32 of that. The
+reference (`field_digest_reference`: the CPU path, and CUDA without triton) runs
+`torch._int_mm` level by level, copying the zero-padded last row and any unaligned CUDA input.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ from collections.abc import Sequence
 import torch
 
 from mxrl.formats import QTensor
+from mxrl.kernels.backend import Backend, select_backend
 from mxrl.weights.record import WeightValue, stored_tensors
 
 logger = logging.getLogger(__name__)
@@ -69,6 +81,7 @@ def _coefficients_host(level: int) -> torch.Tensor:
 
 
 _DEVICE_COEFFICIENTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_LANE_MAJOR: dict[torch.device, torch.Tensor] = {}
 _INT_MM: dict[torch.device, bool] = {}
 
 
@@ -77,6 +90,21 @@ def _coefficients(level: int, device: torch.device) -> torch.Tensor:
     if key not in _DEVICE_COEFFICIENTS:
         _DEVICE_COEFFICIENTS[key] = _coefficients_host(level).to(device)
     return _DEVICE_COEFFICIENTS[key]
+
+
+def coefficients_lane_major(device: torch.device) -> torch.Tensor:
+    """Every level's C_l transposed: int8 [MAX_LEVELS, LANES, ROW_BYTES] on `device` (the
+    kernel's layout)."""
+    if device not in _LANE_MAJOR:
+        c = torch.stack([_coefficients_host(level).t() for level in range(MAX_LEVELS)])
+        _LANE_MAJOR[device] = c.contiguous().to(device)
+    return _LANE_MAJOR[device]
+
+
+def num_rows(nbytes: int) -> int:
+    """Rows of one level's input of `nbytes` bytes (at least one: an empty field has one zero
+    row)."""
+    return max(1, -(-nbytes // ROW_BYTES))
 
 
 def _int_mm_available(device: torch.device) -> bool:
@@ -126,8 +154,9 @@ def _level(x: torch.Tensor, level: int) -> torch.Tensor:
     return y.contiguous().view(torch.int8).reshape(-1)
 
 
-def field_digest(t: torch.Tensor) -> torch.Tensor:
-    """The 64-byte digest (int8 [64], on t's device) of every byte of one tensor."""
+def field_digest_reference(t: torch.Tensor) -> torch.Tensor:
+    """The 64-byte digest (int8 [64], on t's device) of every byte of one tensor, level by level
+    in PyTorch: the CPU path and the oracle of the Triton kernel."""
     x = t.detach()
     if not x.is_contiguous():
         x = x.contiguous()
@@ -141,9 +170,25 @@ def field_digest(t: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"checksum: a tensor of {t.numel() * t.element_size()} bytes is too large")
 
 
-def device_digest(value: WeightValue) -> torch.Tensor:
+def field_digests(
+    fields: Sequence[torch.Tensor], backend: Backend | str | None = None
+) -> torch.Tensor:
+    """The fields' digests, concatenated (int8 [64 * len(fields)]), all on the fields' device.
+    backend: as `mxrl.kernels.select_backend` (None: triton on CUDA when importable, else the
+    reference); both give the same bytes."""
+    if not fields:
+        return torch.empty(0, dtype=torch.int8)
+    device = fields[0].device
+    if select_backend(backend, device) is Backend.TRITON:
+        from mxrl.kernels import triton_digest  # noqa: F401  (registers the op)
+
+        return torch.ops.mxrl.checksum_digests([t.detach() for t in fields])
+    return torch.cat([field_digest_reference(t) for t in fields])
+
+
+def device_digest(value: WeightValue, backend: Backend | str | None = None) -> torch.Tensor:
     """The fields' digests, concatenated (int8 [64 * fields], on the value's device)."""
-    return torch.cat([field_digest(t) for t in stored_tensors(value).values()])
+    return field_digests(list(stored_tensors(value).values()), backend)
 
 
 def header(value: WeightValue) -> bytes:
@@ -158,25 +203,26 @@ def header(value: WeightValue) -> bytes:
     return "\n".join([VERSION, *lines]).encode()
 
 
-def checksums(values: Sequence[WeightValue]) -> list[str]:
-    """The checksum of each value, computed on its device; one host read per device."""
-    digests = [device_digest(v) for v in values]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, d in enumerate(digests):
-        by_device.setdefault(d.device, []).append(i)
-    host: list[bytes] = [b""] * len(values)
-    for indices in by_device.values():
-        flat = torch.cat([digests[i] for i in indices]).cpu().numpy().tobytes()
-        offset = 0
-        for i in indices:
-            n = digests[i].numel()
-            host[i] = flat[offset : offset + n]
-            offset += n
+def checksums(values: Sequence[WeightValue], backend: Backend | str | None = None) -> list[str]:
+    """The checksum of each value, computed on its device: per device, every field of every
+    value in one batch (a few kernel launches on CUDA) and one host read."""
+    by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+    parts: list[list[bytes]] = []
+    for i, v in enumerate(values):
+        fields = list(stored_tensors(v).values())
+        parts.append([b""] * len(fields))
+        for j, t in enumerate(fields):
+            by_device.setdefault(t.device, []).append((i, j, t))
+    for group in by_device.values():
+        flat = field_digests([t for _, _, t in group], backend).cpu().numpy().tobytes()
+        for k, (i, j, _) in enumerate(group):
+            parts[i][j] = flat[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+    host = [b"".join(p) for p in parts]
     return [
         hashlib.sha256(header(v) + b"\0" + h).hexdigest() for v, h in zip(values, host, strict=True)
     ]
 
 
-def checksum(value: WeightValue) -> str:
+def checksum(value: WeightValue, backend: Backend | str | None = None) -> str:
     """The checksum of one value (module docstring): 64 hex characters."""
-    return checksums([value])[0]
+    return checksums([value], backend)[0]

@@ -1,12 +1,15 @@
 """The device-side checksum: every stored byte, its position, dtype and shape count; the GEMM and
-the elementwise path give the same integers; CPU and CUDA give the same checksum."""
+the elementwise path give the same integers; CPU and CUDA (the Triton kernel, and the reference
+there) give the same checksum. The kernel under Triton's interpreter is tested in
+tests/kernels/test_digest_kernel.py."""
 
 import importlib
+import importlib.util
 
 import pytest
 import torch
 
-from mxrl.formats import QTensor
+from mxrl.formats import QTensor, quantize
 from mxrl.recipe import resolve
 from mxrl.weights import checksum, checksums, export_weights
 from tests.engine.test_engine import tiny as engine_tiny
@@ -113,7 +116,40 @@ def test_checksums_of_many_equal_one_by_one():
 def test_cuda_checksum_equals_cpu(n):
     x = random_bytes(n, seed=n)
     assert checksum(x.cuda()) == checksum(x)
-    assert checksum(x[1:].cuda()) == checksum(x[1:])  # an unaligned view (copied to align)
+    assert checksum(x.cuda()[1:]) == checksum(x[1:])  # an unaligned view, read in place
+    assert checksum(x.cuda(), backend="reference") == checksum(x)  # torch._int_mm on CUDA
+
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (the CUDA fast path)"
+)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_cuda_kernel_equals_the_cpu_reference_on_a_large_tensor():
+    """The Triton kernel on the GPU, 300 MiB + 5 bytes (four levels, a partial last row), and
+    a model-like batch in the same call: the CPU reference's digests, byte for byte."""
+    big = random_bytes(300 * 2**20 + 5, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 256, 512, generator=g)
+    q = [quantize(x, "mxfp8"), quantize(x, "nvfp4"), quantize(x, "nvfp4", per_token=True)]
+    q.append(quantize(x, "fp8_block"))
+    others = [
+        torch.randn(4096, 2048, generator=g).to(torch.bfloat16),
+        torch.randn(2048, generator=g).to(torch.bfloat16),
+        *(t for v in q for t in v.tensors().values()),
+        torch.zeros(0, dtype=torch.uint8),
+    ]
+    big_cuda = big.cuda()
+    unaligned = big_cuda[3 : 5 * 2**20]  # a view at an odd address (slicing on the device)
+    assert unaligned.data_ptr() % 2 == 1
+    want = digest.field_digests([big, big[3 : 5 * 2**20], *others], backend="reference")
+    cuda_fields = [big_cuda, unaligned, *(t.cuda() for t in others)]
+    got = digest.field_digests(cuda_fields, backend="triton")
+    assert got.device.type == "cuda"
+    assert torch.equal(got.cpu(), want)
+    assert checksums([v.to("cuda") for v in q]) == checksums(q)  # the default backend on CUDA
 
 
 @pytest.mark.gpu
