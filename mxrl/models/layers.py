@@ -124,7 +124,11 @@ class ApplyRope(nn.Module):
     engine can swap in a fused launch (mxrl.kernels.rowwise.rope, the same bytes)."""
 
     def forward(
-        self, q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor
+        self,
+        q_BNSD: torch.Tensor,
+        k_BKSD: torch.Tensor,
+        cos_BSD: torch.Tensor,
+        sin_BSD: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(q_BNSD, cos_BSD, sin_BSD), apply_rope(k_BKSD, cos_BSD, sin_BSD)
 

@@ -83,7 +83,13 @@ def _routing(t, k, e, seed, duplicates=False):
 @interpreter
 @pytest.mark.parametrize(
     ("t", "k", "e", "duplicates"),
-    [(1, 8, 128, False), (13, 8, 128, False), (37, 2, 16, False), (20, 4, 6, True), (3, 3, 5, True)],
+    [
+        (1, 8, 128, False),
+        (13, 8, 128, False),
+        (37, 2, 16, False),
+        (20, 4, 6, True),
+        (3, 3, 5, True),
+    ],
 )
 def test_moe_group_gives_the_sorted_references_integers(t, k, e, duplicates):
     ids = _routing(t, k, e, seed=t + k, duplicates=duplicates)
@@ -92,7 +98,7 @@ def test_moe_group_gives_the_sorted_references_integers(t, k, e, duplicates):
     for name, a, b in zip(("offsets", "order", "token_of", "rows"), got, want, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
     # what the combine relies on: each token's rows ascending, holding that token's entries
-    offsets, order, token_of, rows = got
+    offsets, _, token_of, rows = got
     assert (rows.diff(dim=1) > 0).all()
     assert torch.equal(token_of[rows], torch.arange(t)[:, None].expand(t, k))
     assert int(offsets[-1]) == t * k and (offsets.diff() >= 0).all()
