@@ -78,8 +78,9 @@ class DistributedGRPOTrainer:
         self.engine: Engine | None = None
         if layout.serves:  # built from the whole master, before the model is sharded
             self.engine = Engine(
-                model, self.plan, device=device, backend=cfg.backend, tile=cfg.engine_tile
-            )
+                model, self.plan, device=device, backend=cfg.backend, tile=cfg.engine_tile,
+                compute_dtype=cfg.torch_compute_dtype(),
+            )  # fmt: skip
         self.model: CausalLM | None = None
         self.opt: torch.optim.Optimizer | None = None
         if layout.trains:

@@ -71,6 +71,9 @@ class GRPOConfig:
     verify_every: int = 10  # the deep sync check (re-export, re-hash, compare); 0: never
     eval_every: int = 0  # held-out greedy accuracy (eval/accuracy) every k steps; 0: never
     engine_tile: int = 32
+    # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
+    # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
+    compute_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,9 +87,22 @@ class GRPOConfig:
             raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0: never), got {self.eval_every}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
+            )
         for name in ("steps", "prompts_per_step", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def torch_compute_dtype(self) -> torch.dtype:
+        """The compute dtype on this config's device (`compute_dtype`, auto resolved)."""
+        if self.compute_dtype != "auto":
+            return COMPUTE_DTYPES[self.compute_dtype]
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+
+COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class GRPOTrainer:
@@ -98,9 +114,13 @@ class GRPOTrainer:
         self.cfg, self.model, self.source, self.record = cfg, model, source, record
         self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
         apply_plan(model, self.plan, backend=cfg.backend)
+        compute = cfg.torch_compute_dtype()
+        if compute != torch.float32:
+            model.set_training_options(compute_dtype=compute)
         self.engine = Engine(
-            model, self.plan, device=cfg.device, backend=cfg.backend, tile=cfg.engine_tile
-        )
+            model, self.plan, device=cfg.device, backend=cfg.backend, tile=cfg.engine_tile,
+            compute_dtype=compute,
+        )  # fmt: skip
         self.transport = InProcessTransport(self.engine)
         self.opt = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

@@ -104,6 +104,18 @@ def test_config_validation():
         GRPOConfig(samples_per_prompt=1)
     with pytest.raises(ValueError, match="correction"):
         GRPOConfig(correction="ppo")
+    with pytest.raises(ValueError, match="compute_dtype"):
+        GRPOConfig(compute_dtype="fp8")
+
+
+def test_compute_dtype_auto_is_bf16_on_cuda_and_fp32_on_the_cpu():
+    """The loop's engine and training forward: the CPU reference stays fp32 (the golden run),
+    a GPU run takes the bf16 paths (CUDA-graph decode, tensor-core GEMMs) unless told not to."""
+    assert GRPOConfig().torch_compute_dtype() == torch.float32
+    assert GRPOConfig(device="cuda").torch_compute_dtype() == torch.bfloat16
+    assert GRPOConfig(device="cuda:1").torch_compute_dtype() == torch.bfloat16
+    assert GRPOConfig(device="cuda", compute_dtype="float32").torch_compute_dtype() == torch.float32
+    assert GRPOConfig(compute_dtype="bfloat16").torch_compute_dtype() == torch.bfloat16
 
 
 def test_a_skipped_spike_leaves_the_weights_and_is_recorded(tmp_path):
