@@ -29,23 +29,45 @@ __all__ = [
 
 
 def weight_amax(
-    weight: torch.Tensor, spec: TensorSpec, partner: torch.Tensor | None = None
+    weight: torch.Tensor,
+    spec: TensorSpec,
+    partner: torch.Tensor | None = None,
+    *,
+    finite: bool = False,
 ) -> torch.Tensor | None:
-    """The NVFP4 global amax a weight is quantized with (module docstring); None otherwise."""
+    """The NVFP4 global amax a weight is quantized with (module docstring); None otherwise.
+
+    finite: the caller has checked that weight and partner hold no NaN/Inf (the export does):
+    each amax is then one read of the tensor (the infinity norm, which is exactly max |x|)
+    instead of a masked fp32 copy and a reduction over it. The same values either way."""
     if spec.format is not Format.NVFP4:
         return None
-    w = _finite_abs(weight)
+    w = weight.detach() if finite else _finite_abs(weight)
+    amax = _max_abs if finite else _amax
     if w.dim() == 3:
         if spec.role == "gate_up" and spec.fuse_group is None:
             half = w.shape[1] // 2
-            gate = w[:, :half].amax(dim=(1, 2), keepdim=True).expand(-1, half, 1)
-            up = w[:, half:].amax(dim=(1, 2), keepdim=True).expand(-1, half, 1)
+            gate = amax(w[:, :half], (1, 2)).expand(-1, half, 1)
+            up = amax(w[:, half:], (1, 2)).expand(-1, half, 1)
             return torch.cat([gate, up], dim=1)
-        return w.amax(dim=(1, 2), keepdim=True)
-    amax = w.amax()
+        return amax(w, (1, 2))
+    result = amax(w, None)
     if partner is not None:
-        amax = torch.maximum(amax, _finite_abs(partner).amax())
-    return amax
+        other = _max_abs(partner.detach(), None) if finite else _finite_abs(partner).amax()
+        result = torch.maximum(result, other)
+    return result
+
+
+def _amax(mag: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
+    """max of an already non-negative fp32 tensor (keepdim over `dim`; all of it for None)."""
+    return mag.amax() if dim is None else mag.amax(dim=dim, keepdim=True)
+
+
+def _max_abs(t: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
+    """max |t| in fp32 in one read (no |t| copy): exact, the norm only compares magnitudes."""
+    if dim is None:
+        return torch.linalg.vector_norm(t, ord=float("inf")).float()
+    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()
 
 
 def _finite_abs(t: torch.Tensor) -> torch.Tensor:
@@ -62,9 +84,11 @@ def weight_quantizer_kwargs(
     *,
     axis: int = -1,
     check_finite: bool = False,
+    finite: bool = False,
 ) -> dict:
     """quantize() options for a (master) weight per its spec (the module docstring's global
-    scales); `axis=-2` gives MXFP8's column-wise copy (blocks along the output features)."""
+    scales); `axis=-2` gives MXFP8's column-wise copy (blocks along the output features).
+    finite: the caller checked the weight for NaN/Inf (`weight_amax`'s one-read path)."""
     if spec.format is Format.BF16:
         raise ValueError(f"{spec.name} is bf16 in the plan: there is nothing to quantize")
     if tuple(weight.shape) != spec.shape:
@@ -74,7 +98,7 @@ def weight_quantizer_kwargs(
         )
     kwargs: dict = {"check_finite": check_finite}
     if spec.format is Format.NVFP4:
-        kwargs["global_amax"] = weight_amax(weight, spec, partner)
+        kwargs["global_amax"] = weight_amax(weight, spec, partner, finite=finite)
     elif spec.format is Format.FP8_BLOCK:
         kwargs["block"] = spec.block
     elif axis != -1:

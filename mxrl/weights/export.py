@@ -116,7 +116,8 @@ def _quantize(w: torch.Tensor, spec: TensorSpec, partner, backend: Backend):
     block = spec.block or FP8_BLOCK_WEIGHT
     if spec.format is Format.FP8_BLOCK and block[1] not in KERNEL_FP8_BLOCK_SIZES:
         backend = Backend.REFERENCE  # the kernels' block sizes (mxrl.kernels.api)
-    kwargs = weight_quantizer_kwargs(w, spec, partner)
+    # the export checked every master tensor for NaN/Inf first (`check_finite`)
+    kwargs = weight_quantizer_kwargs(w, spec, partner, finite=True)
     return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 
 

@@ -1,0 +1,47 @@
+"""The NVFP4 global amax of a weight (mxrl.recipe.quantize.weight_amax): the one-read path the
+export takes for checked-finite masters gives the masked path's bytes, for a 2-D weight with
+its fuse partner, a fused 3-D gate_up (gate and up halves apart) and a 3-D down, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.recipe import TensorSpec
+from mxrl.recipe.quantize import weight_amax
+from tests.numerics import assert_bytes_equal
+
+
+def _spec(name, shape, role, fuse_group=None):
+    return TensorSpec(
+        name=name, shape=shape, kind="routed_expert" if len(shape) == 3 else "dense_mlp",
+        layer=0, expert=None, role=role, format="nvfp4", activations="per_token",
+        fuse_group=fuse_group,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "role", "partnered"),
+    [((64, 48), "gate", True), ((64, 48), "down", False), ((4, 32, 16), "gate_up", False),
+     ((4, 16, 32), "down", False)],
+)  # fmt: skip
+def test_the_one_read_amax_equals_the_masked_one(dtype, shape, role, partnered):
+    g = torch.Generator().manual_seed(len(shape) * 7 + shape[-1])
+    w = torch.randn(shape, generator=g) * torch.rand(shape[:-1], generator=g)[..., None] * 5
+    w = w.to(dtype)
+    w.view(-1)[3] = -40.0  # the max magnitude on a negative element
+    partner = (torch.randn(shape, generator=g) * 9).to(dtype) if partnered else None
+    spec = _spec("model.layers.0.mlp.x.weight", shape, role, "g" if partnered else None)
+    masked = weight_amax(w, spec, partner)
+    fast = weight_amax(w, spec, partner, finite=True)
+    assert fast.dtype == masked.dtype == torch.float32 and fast.shape == masked.shape
+    assert_bytes_equal(fast, masked, "amax")
+
+
+def test_the_masked_amax_skips_non_finite_elements():
+    w = torch.randn(8, 16)
+    w[1, 2], w[5, 5] = float("nan"), float("inf")
+    spec = _spec("model.layers.0.mlp.down_proj.weight", (8, 16), "down")
+    finite = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+    assert weight_amax(w, spec).item() == finite.abs().max().item()
