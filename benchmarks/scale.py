@@ -69,10 +69,11 @@ def write_slice(path: Path, args) -> None:
     write_tokenizer(path)
 
 
-def write_config(workdir: Path, model_dir: Path, name: str, args) -> Path:
+def write_config(workdir: Path, model_dir: Path | None, name: str, args) -> Path:
     raw = {
-        "model": str(model_dir),
-        "data": {"source": "builtin:arithmetic"},
+        "model": str(model_dir) if model_dir is not None else "builtin:tiny-moe",
+        "data": {"source": "builtin:arithmetic"}
+        | ({"warmup_steps": args.warmup_steps} if model_dir is None else {}),
         "out": str(workdir / "runs"),
         "run_id": name,
         "rl": {
@@ -125,6 +126,12 @@ def parse_args(argv):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
+    p.add_argument(
+        "--builtin", action="store_true",
+        help="builtin:tiny-moe after its SFT warm-up instead of a slice: rewards are non-zero, so "
+        "the weights move and every sync's digest compares trained masters",
+    )  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=60, help="--builtin's SFT warm-up")
     p.add_argument("--recipe", default="nvfp4-dequantized")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=4)
@@ -135,6 +142,7 @@ def parse_args(argv):
     p.add_argument("--workdir", default="/tmp/mxrl-scale")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
     p.add_argument("--out", default=None, help="results JSON: its `scale` section is written")
+    p.add_argument("--section", default="scale", help="the results JSON key written")
     return p.parse_args(argv)
 
 
@@ -142,8 +150,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = workdir / ("slice-tiny" if args.tiny else f"slice-{args.layers}l")
-    write_slice(model_dir, args)
+    model_dir = None
+    if not args.builtin:
+        model_dir = workdir / ("slice-tiny" if args.tiny else f"slice-{args.layers}l")
+        write_slice(model_dir, args)
     rows = []
     for name in args.placements:
         rows.append(run(name, write_config(workdir, model_dir, name, args), workdir, args))
@@ -155,7 +165,8 @@ def main(argv=None) -> int:
             r["first_digest_equal_single"] = r["sync_digests"][:1] == single["sync_digests"][:1]
     section = {
         "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny,
-                  "shape": "tiny" if args.tiny else "Qwen3-30B-A3B layers"},
+                  "shape": "tiny" if args.tiny else "Qwen3-30B-A3B layers"}
+        if not args.builtin else {"builtin": "tiny-moe", "warmup_steps": args.warmup_steps},
         "settings": {k: getattr(args, k) for k in
                      ("recipe", "device", "steps", "prompts", "samples", "new_tokens")},
         "gpus": torch.cuda.device_count(),
@@ -171,8 +182,8 @@ def main(argv=None) -> int:
     if args.out:
         metadata = environment() if torch.cuda.is_available() else {}
         section["environment"] = metadata or {"device": "cpu", "torch": torch.__version__}
-        update_results(Path(args.out), "scale", section, metadata)
-        print(f"wrote the scale section of {args.out}")
+        update_results(Path(args.out), args.section, section, metadata)
+        print(f"wrote the {args.section} section of {args.out}")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 
