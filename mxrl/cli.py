@@ -2,7 +2,7 @@
 
     mxrl recipe list
     mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
-    mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--plan-only]
+    mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--plan-only]
     mxrl train --config FILE
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
                  [--allow-unmatched]
@@ -65,7 +65,10 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="where runs/ and report.md go (default: ./demo)")  # fmt: skip
     demo.add_argument("--all", action="store_true", help="the six article presets")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
-    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 120)")
+    demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 140)")
+    demo.add_argument("--workers", type=int, default=None,
+                      help="runs trained at once, one process each (default: one per CPU core; "
+                           "1 on a GPU)")  # fmt: skip
     demo.add_argument("--plan-only", action="store_true",
                       help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
 
@@ -147,10 +150,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.seeds < 1:
         raise UserError("--seeds must be >= 1")
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be >= 1")
     _writable_dir(args.out, "--out")
     _progress_logging()
     recipes = ARTICLE_RECIPES if args.all else DEMO_RECIPES
-    report = run_demo(args.out, recipes=recipes, seeds=args.seeds, steps=args.steps)
+    report = run_demo(
+        args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, workers=args.workers
+    )
     print(f"mxrl demo: report at {report}")
     return 0
 

@@ -118,6 +118,11 @@ def test_demo_refuses_bad_seeds(capsys):
     assert code == 2 and "--seeds" in err
 
 
+def test_demo_refuses_bad_workers(capsys):
+    code, _, err = run(capsys, "demo", "--workers", "0")
+    assert code == 2 and "--workers" in err
+
+
 def test_demo_refuses_an_unwritable_out_before_any_work(capsys, tmp_path):
     code, _, err = run(capsys, "demo", "--out", "/dev/null/x")
     assert code == 2

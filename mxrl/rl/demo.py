@@ -2,7 +2,8 @@
 
 Warm-up (cached SFT on the arithmetic task, to partial accuracy), then synchronous GRPO from the
 same warmed model under each recipe (bf16, mxfp8, nvfp4-dequantized; `--all`: the six article
-presets) and seed (3 by default), every run recorded under DIR/runs/, then DIR/report.md: the
+presets) and seed (3 by default), on the CPU as many runs at once as there are cores (one
+process and one thread each), every run recorded under DIR/runs/, then DIR/report.md: the
 held-out accuracy per recipe (mean and standard error over seeds, whether the final one lies
 within BF16's band, the train-rollout mismatch k3 beside it), the comparison plots and whether
 every weight sync verified. docs/rl.md ("The demo") has the settings and the ablation behind
@@ -14,13 +15,17 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from mxrl.kernels import select_backend
+from mxrl.models import CausalLM, build_model
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl.loop import GRPOConfig, GRPOTrainer
 from mxrl.rl.sources import TaskSource
@@ -34,18 +39,30 @@ DEMO_RECIPES = ("bf16", "mxfp8", "nvfp4-dequantized")
 ARTICLE_RECIPES = ("bf16", "mxfp8", "mxfp8-hp", "mxfp8-dequantized", "nvfp4-hp",
                    "nvfp4-dequantized")  # fmt: skip
 DEMO_SEEDS = 3
-# SFT steps before RL: 600 leave the policy at ~0.35 held-out accuracy and ~0.6 reward on the
-# train split, where most groups of 8 mix right and wrong answers (docs/rl.md, "The demo").
+# SFT steps before RL: 600 leave the policy at ~0.35 held-out accuracy and ~0.55 reward on the
+# train split, where most groups of 4 mix right and wrong answers (docs/rl.md, "The demo").
 WARMUP_STEPS = 600
 # One train/eval split (split_seed 0) for the warm-up and every RL seed: the 100 held-out
 # problems are never trained on, by SFT or by RL. 20+20 and 20-20 at most: 882 problems,
 # a quarter of them held out.
 DEMO_TASK = dict(max_operand=20, ops="+-", eval_fraction=0.25, eval_size=100, split_seed=0)
 EVAL_EVERY = 10
-# "Final" held-out accuracy of a run: the mean of its last 3 evaluations (steps 100, 110, 120).
+# The learning rate: constant for the first half of the run, then linear down to this fraction
+# of it at the last step. At a constant 5e-4 the greedy policy moves by +-0.05 held-out accuracy
+# between evaluations and plateaus near 0.6; the decay lets it settle higher (docs/rl.md).
+LR_FINAL_FRACTION = 0.2
+LR_SCHEDULE = f"constant for the first half, then linear to {LR_FINAL_FRACTION} x lr at the end"
+# The CPU engine's KV cache: 1024 blocks of 16 tokens, for the 128 sequences of a step (one
+# block each) instead of the engine's 1 GiB default, zero-filled once per run.
+CPU_KV_CACHE_BYTES = 16 << 20
+# "Final" held-out accuracy of a run: the mean of its last 3 evaluations (steps 120, 130, 140).
 # One evaluation of 100 problems has a binomial standard error of ~0.05, as large as the
 # differences the report looks for; on a still rising curve the mean is the conservative side.
 FINAL_EVALS = 3
+# A run's time relative to bf16's on the CPU (measured: the low-precision recipes emulate their
+# formats), to start the slowest runs first when several train at once.
+RECIPE_COST = {"bf16": 1.0, "mxfp8": 2.3, "mxfp8-hp": 2.3, "mxfp8-dequantized": 2.3,
+               "nvfp4-hp": 1.8, "nvfp4-dequantized": 1.8}  # fmt: skip
 
 
 def demo_task(seed: int) -> ArithmeticTask:
@@ -55,13 +72,24 @@ def demo_task(seed: int) -> ArithmeticTask:
 
 
 def demo_config(device: str) -> GRPOConfig:
-    """The demo's RL settings: 32 prompts x 4 samples per step, 120 steps, lr 5e-4, held-out
-    accuracy every 10 steps (docs/rl.md, "The demo": why these)."""
+    """The demo's RL settings: 32 prompts x 4 samples per step, 140 steps, lr 5e-4 (decayed over
+    the second half: `lr_factor`), held-out accuracy every 10 steps, the engine's GEMMs over
+    tiles of 128 rows (a decode step's 128 sequences in one GEMM; with 32, the CPU default, a
+    rollout took 1.1x (bf16) to 1.6x (mxfp8) as long). docs/rl.md, "The demo": why these."""
     return GRPOConfig(
-        steps=120, prompts_per_step=32, samples_per_prompt=4, lr=5e-4,
+        steps=140, prompts_per_step=32, samples_per_prompt=4, lr=5e-4,
         max_new_tokens=demo_task(0).max_new_tokens, device=device, seed=0,
-        eval_every=EVAL_EVERY,
+        eval_every=EVAL_EVERY, engine_tile=128,
     )  # fmt: skip
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """The learning rate of GRPO step `step` (1-based) of `steps`, as a fraction of the peak: 1
+    for the first half, then linear down to LR_FINAL_FRACTION at the last step."""
+    hold = steps // 2
+    if step <= hold:
+        return 1.0
+    return 1.0 - (1.0 - LR_FINAL_FRACTION) * (step - hold) / (steps - hold)
 
 
 def run_demo(
@@ -71,53 +99,114 @@ def run_demo(
     seeds: int = DEMO_SEEDS,
     steps: int | None = None,
     device: str | None = None,
+    workers: int | None = None,
 ) -> Path:
-    """Run the demo into `out`; returns the path of report.md."""
+    """Run the demo into `out`; returns the path of report.md. `workers`: runs trained at once,
+    each in a process of its own with one intra-op thread (default: one per CPU core this
+    process may use, on the CPU; 1 on a GPU)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if workers is None:
+        workers = _usable_cpus() if device == "cpu" else 1
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     threads = torch.get_num_threads()
     if device == "cpu":
         # The demo's tensors are tiny: a second intra-op thread gains little, and when another
         # process holds a core, OpenMP threads waiting on each other made steps 10x slower.
+        # The cores go to runs trained side by side instead (`workers`).
         torch.set_num_threads(1)
     try:
-        return _run_demo(out, recipes, seeds, steps, device)
+        return _run_demo(out, recipes, seeds, steps, device, workers)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run_demo(
-    out: Path, recipes: tuple[str, ...], seeds: int, steps: int | None, device: str
+    out: Path,
+    recipes: tuple[str, ...],
+    seeds: int,
+    steps: int | None,
+    device: str,
+    workers: int,
 ) -> Path:
     t0 = time.perf_counter()
-    cfg_model = builtin_config("tiny-moe")
-    base, warm = warmed_up_model(cfg_model, demo_task(-1), WARMUP_STEPS)
+    base, warm = warmed_up_model(builtin_config("tiny-moe"), demo_task(-1), WARMUP_STEPS)
     warm_s = time.perf_counter() - t0
     logger.info("warm-up held-out accuracy %.2f (%.0f s)", warm["accuracy"], warm_s)
-    runs = []
-    for recipe in recipes:
-        for seed in range(seeds):
-            cfg = replace(demo_config(device), recipe=recipe, seed=seed)
-            if steps is not None:
-                cfg = replace(cfg, steps=steps)
-            model = copy.deepcopy(base).to(device)
-            plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
-            record = RunRecord.create(
-                out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
-                config={**asdict(cfg), "warmup": warm, "task": DEMO_TASK},
-                plan_json=plan, backend=str(select_backend(cfg.backend, device)),
-            )  # fmt: skip
-            with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-                trainer = GRPOTrainer(cfg, model, TaskSource(demo_task(seed)), record)
-            logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)
-            trainer.run()
-            runs.append(record)
+    jobs = [(recipe, seed) for recipe in recipes for seed in range(seeds)]
+    configs = {}
+    for recipe, seed in jobs:
+        cfg = replace(demo_config(device), recipe=recipe, seed=seed)
+        configs[recipe, seed] = cfg if steps is None else replace(cfg, steps=steps)
+    workers = min(workers, len(jobs))
+    if workers == 1:
+        paths = [_train_run(base, configs[job], out, warm) for job in jobs]
+    else:
+        logger.info("demo: %d runs, %d at a time (one process and thread each)", len(jobs), workers)
+        weights = base.state_dict()
+        context = multiprocessing.get_context("spawn")  # no fork of a process holding OpenMP
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker) as pool:
+            # the slowest recipes first, so the last runs to finish are short ones
+            order = sorted(jobs, key=lambda job: -RECIPE_COST.get(job[0], 1.0))
+            futures = {
+                job: pool.submit(_train_run, weights, configs[job], out, warm) for job in order
+            }
+            paths = [futures[job].result() for job in jobs]
+    runs = [RunRecord.open(path) for path in paths]
     report = compare(runs, out)
     seconds = time.perf_counter() - t0
-    path = _write_report(out, runs, report, warm, seconds, warm_s, device)
+    path = _write_report(out, runs, report, warm, seconds, warm_s, device, workers)
     logger.info("demo: report at %s (%.0f s)", path, seconds)
     return path
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _init_worker() -> None:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger(__name__).setLevel(logging.INFO)
+
+
+def _train_run(
+    base: CausalLM | dict[str, torch.Tensor], cfg: GRPOConfig, out: Path, warm: dict
+) -> Path:
+    """One GRPO run from the warmed weights (a model, or its state dict in a worker process);
+    returns its record's folder. The same numbers in a worker as in the parent: the run seeds
+    everything it draws from, and each process has one intra-op thread."""
+    if isinstance(base, dict):
+        model = build_model(builtin_config("tiny-moe"), seed=0)
+        model.load_state_dict(base)
+    else:
+        model = copy.deepcopy(base)
+    recipe, seed, device = cfg.recipe, cfg.seed, cfg.device
+    model = model.to(device)
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    record = RunRecord.create(
+        out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
+        config={**asdict(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
+        plan_json=plan, backend=str(select_backend(cfg.backend, device)),
+    )  # fmt: skip
+    with record.guard(lambda: 0):  # a failure before step 1 is recorded too
+        trainer = GRPOTrainer(cfg, model, TaskSource(demo_task(seed)), record)
+    # LambdaLR's k is the number of optimizer steps taken: step k + 1's learning rate
+    schedule = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda k: lr_factor(k + 1, cfg.steps))
+    trainer.opt.register_step_post_hook(lambda *_: schedule.step())
+    if device == "cpu":  # the engine allocates its KV cache at the first generate()
+        trainer.engine.cache_options = replace(
+            trainer.engine.cache_options, kv_cache_bytes=CPU_KV_CACHE_BYTES
+        )
+    t0 = time.perf_counter()
+    logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)
+    trainer.run()
+    logger.info("demo: %s seed %d done (%.0f s)", recipe, seed, time.perf_counter() - t0)
+    return record.path
 
 
 @dataclass(frozen=True)
@@ -200,6 +289,7 @@ def _write_report(
     seconds: float,
     warm_s: float,
     device: str,
+    workers: int,
 ) -> Path:
     results = recipe_results(runs)
     bf16 = next((r for r in results if r.recipe == "bf16"), None)
@@ -211,8 +301,12 @@ def _write_report(
         f"Tiny Qwen3-MoE-style model (4 layers, 8 experts top-2, one shared expert), warmed up by "
         f"{warm['steps']} SFT steps to {warm['accuracy']:.0%} greedy held-out accuracy, then "
         f"{num_steps} steps of synchronous GRPO from the same weights under each recipe, "
-        f"{seeds} seed(s) each, on {device} ({torch.get_num_threads()} thread(s)). Total {seconds:.0f} s (warm-up {warm_s:.0f} s"
+        f"{seeds} seed(s) each, on {device}"
+        f"{f' ({workers} run(s) at a time, one thread each)' if device == 'cpu' else ''}. "
+        f"Total {seconds:.0f} s (warm-up {warm_s:.0f} s"
         f"{', cached' if warm_s < 5 else ''}).",
+        "",
+        _settings_line(runs),
         "",
         "Held-out accuracy: greedy decoding of the 100 problems of the task's held-out split "
         "(never trained on, by SFT or RL), every few steps; step 0 is the warm-up policy under "
@@ -256,6 +350,17 @@ def _write_report(
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _settings_line(runs: list[RunRecord]) -> str:
+    cfg = runs[0].config if runs else {}
+    if "lr" not in cfg:
+        return ""
+    return (
+        f"GRPO: {cfg['prompts_per_step']} prompts x {cfg['samples_per_prompt']} samples per step, "
+        f"AdamW lr {cfg['lr']:g} ({cfg.get('lr_schedule', 'constant')}), temperature "
+        f"{cfg['temperature']:g}, no KL or entropy term."
+    )
 
 
 def _mean(xs: list[float]) -> float:

@@ -31,10 +31,13 @@ def test_demo_writes_the_report(tmp_path, monkeypatch):
                     eval_every=1)  # fmt: skip
     monkeypatch.setattr(demo_mod, "demo_config", lambda device: small)
     report = demo_mod.run_demo(
-        tmp_path / "demo", recipes=("bf16", "nvfp4-dequantized"), seeds=2, steps=2
+        tmp_path / "demo", recipes=("bf16", "nvfp4-dequantized"), seeds=2, steps=2, workers=1
     )
     text = report.read_text()
     assert "within BF16's band" in text
+    assert (
+        "GRPO: 2 prompts x 2 samples per step, AdamW lr 0.0005 (constant for the first half" in text
+    )
     bf16_row = next(ln for ln in text.splitlines() if ln.startswith("| bf16 | 2 |"))
     assert bf16_row.count("—") == 1  # BF16 is not compared with itself
     nvfp4_row = next(ln for ln in text.splitlines() if ln.startswith("| nvfp4-dequantized | 2 |"))
@@ -46,6 +49,25 @@ def test_demo_writes_the_report(tmp_path, monkeypatch):
     assert len(runs) == 4
     rows = RunRecord.open(runs[0]).metrics()
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
+
+
+def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch):
+    monkeypatch.setattr(demo_mod, "WARMUP_STEPS", 5)
+    small = replace(demo_mod.demo_config("cpu"), prompts_per_step=2, samples_per_prompt=2,
+                    eval_every=1)  # fmt: skip
+    monkeypatch.setattr(demo_mod, "demo_config", lambda device: small)
+    metrics = {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        demo_mod.run_demo(out, recipes=("bf16", "mxfp8"), seeds=1, steps=2, workers=workers)
+        runs = sorted((out / "runs").iterdir())
+        assert [r.name.split("-seed")[0] for r in runs] == ["bf16", "mxfp8"]
+        metrics[workers] = [
+            [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+             for row in RunRecord.open(run).metrics()]
+            for run in runs
+        ]  # fmt: skip
+    assert metrics[1] == metrics[2]
 
 
 def test_the_default_demo_runs_three_seeds_and_holds_out_what_it_never_trains_on():
