@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,13 @@ def test_sft_leaves_no_gradients():
     model = build_model(builtin_config("tiny-moe"), seed=0)
     sft(model, ArithmeticTask(0), steps=2, batch_size=4)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_learning_rate_holds_for_half_the_run_then_decays_to_a_fifth():
+    factors = [demo_mod.lr_factor(step, 140) for step in range(1, 141)]
+    assert factors[:70] == [1.0] * 70
+    assert all(a > b for a, b in pairwise(factors[69:]))
+    assert factors[-1] == pytest.approx(demo_mod.LR_FINAL_FRACTION) == pytest.approx(0.2)
 
 
 def test_band_verdict_and_standard_error():
