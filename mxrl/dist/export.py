@@ -44,7 +44,7 @@ from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_amax
 from mxrl.weights import DEFAULT_BUCKET_BYTES, Bucket, Export, QuantizationEvent, check_finite
 from mxrl.weights.event import OTHER, SqnrMeter
-from mxrl.weights.export import fuse_partners
+from mxrl.weights.export import check_names, fuse_partners
 from mxrl.weights.record import WeightValue
 
 
@@ -111,13 +111,7 @@ def sharded_export(
     any bucket, for NaN/Inf in any shard or weights that do not match the plan."""
     t0 = time.perf_counter()
     params = {n: p.detach() for n, p in model.named_parameters()}
-    missing = [n for n in plan if n not in params]
-    extra = [n for n in params if n not in plan]
-    if missing or extra:
-        raise ValueError(
-            f"sharded export: the plan and the weights disagree: missing {missing[:3]}, not in "
-            f"the plan {extra[:3]}; resolve the plan against this model"
-        )
+    check_names(params, plan, "sharded export")
     _check_finite_everywhere(params, plan, group)
     tally = _Tally()
     values = _values(params, plan, group, bf16_dtype, backend, tally, sqnr)

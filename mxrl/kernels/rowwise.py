@@ -187,6 +187,6 @@ def rope(
         rope_kernel[(s, n + nk)](
             q, k, cos, sin, q_out, k_out,
             q.stride(2), q.stride(1), k.stride(2), k.stride(1), cos.stride(1), sin.stride(1),
-            n, nk, D=d, IS_BF16=q.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2,
+            n, nk, D=d, IS_BF16=True, num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q_out.transpose(1, 2), k_out.transpose(1, 2)

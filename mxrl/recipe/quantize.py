@@ -42,32 +42,30 @@ def weight_amax(
     instead of a masked fp32 copy and a reduction over it. The same values either way."""
     if spec.format is not Format.NVFP4:
         return None
-    w = weight.detach() if finite else _finite_abs(weight)
-    amax = _max_abs if finite else _amax
+    w = weight.detach()
     if w.dim() == 3:
         if spec.role == "gate_up" and spec.fuse_group is None:
             half = w.shape[1] // 2
-            gate = amax(w[:, :half], (1, 2)).expand(-1, half, 1)
-            up = amax(w[:, half:], (1, 2)).expand(-1, half, 1)
+            gate = _amax(w[:, :half], (1, 2), finite).expand(-1, half, 1)
+            up = _amax(w[:, half:], (1, 2), finite).expand(-1, half, 1)
             return torch.cat([gate, up], dim=1)
-        return amax(w, (1, 2))
-    result = amax(w, None)
+        return _amax(w, (1, 2), finite)
+    result = _amax(w, None, finite)
     if partner is not None:
-        other = _max_abs(partner.detach(), None) if finite else _finite_abs(partner).amax()
-        result = torch.maximum(result, other)
+        result = torch.maximum(result, _amax(partner.detach(), None, finite))
     return result
 
 
-def _amax(mag: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
-    """max of an already non-negative fp32 tensor (keepdim over `dim`; all of it for None)."""
+def _amax(t: torch.Tensor, dim: tuple[int, ...] | None, finite: bool) -> torch.Tensor:
+    """max |t| over finite elements in fp32 (keepdim over `dim`; all of it for None). finite:
+    t holds no NaN/Inf, so the infinity norm gives it in one read (exact: it only compares
+    magnitudes); otherwise over the masked copy `_finite_abs`."""
+    if finite:
+        if dim is None:
+            return torch.linalg.vector_norm(t, ord=float("inf")).float()
+        return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()
+    mag = _finite_abs(t)
     return mag.amax() if dim is None else mag.amax(dim=dim, keepdim=True)
-
-
-def _max_abs(t: torch.Tensor, dim: tuple[int, ...] | None) -> torch.Tensor:
-    """max |t| in fp32 in one read (no |t| copy): exact, the norm only compares magnitudes."""
-    if dim is None:
-        return torch.linalg.vector_norm(t, ord=float("inf")).float()
-    return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()
 
 
 def _finite_abs(t: torch.Tensor) -> torch.Tensor:

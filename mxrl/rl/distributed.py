@@ -45,7 +45,14 @@ from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.loop import CHECKPOINT_DIR, GRPOConfig, _seed, engine_digest, log_step
+from mxrl.rl.loop import (
+    CHECKPOINT_DIR,
+    GRPOConfig,
+    _seed,
+    engine_digest,
+    log_step,
+    step_metrics,
+)
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, _group_of, top_growth
@@ -174,27 +181,11 @@ class DistributedGRPOTrainer:
             step, report.version, self.plan.hash(), ok and len(served) == 1,
             engine_digest=min(served), deep=deep,
         )  # fmt: skip
-        tokens = sum(len(o.tokens) + len(o.prompt) for o in outs)
-        elapsed = time.perf_counter() - t0
-        metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards > 0.5).float().mean()),
-            "response_len/mean": float(mask.sum(-1).mean()),
-            **train["mismatch"],
-            "loss/clip_frac": train["stats"]["loss/clip_frac"],
-            "loss/pg": train["stats"]["loss/pg"],
-            "grad/norm": train["grad_norm"],
-            **train["decision"],
-            "time/rollout_s": max(t[0] for t in times),
-            "time/train_s": max(t[1] for t in times),
-            "time/sync_s": max(t[2] for t in times),
-            "throughput/tokens_per_s": tokens / elapsed,
-            "sync/version": float(report.version),
-        }
-        for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
-            if key in train["stats"]:
-                metrics[key] = train["stats"][key]
+        slowest = tuple(max(t[i] for t in times) for i in range(3))
+        metrics = step_metrics(
+            outs, rewards, mask, train["mismatch"], train["stats"], train["grad_norm"],
+            train["decision"], slowest, time.perf_counter() - t0, report.version,
+        )  # fmt: skip
         for r, (tr, tt, ts) in enumerate(times):
             metrics |= {f"time/rank{r}/rollout_s": tr, f"time/rank{r}/train_s": tt,
                         f"time/rank{r}/sync_s": ts}  # fmt: skip

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import Engine, SamplingParams
+from mxrl.engine import Completion, Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
@@ -209,27 +209,10 @@ class GRPOTrainer:
             engine_digest=engine_digest(self.engine.hashes.items()), deep=deep,
         )  # fmt: skip
 
-        tokens = sum(len(o.tokens) + len(o.prompt) for o in outs)
-        elapsed = time.perf_counter() - t0
-        metrics = {
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards > 0.5).float().mean()),
-            "response_len/mean": float(mask.sum(-1).mean()),
-            **mm.as_dict(),
-            "loss/clip_frac": stats["loss/clip_frac"],
-            "loss/pg": stats["loss/pg"],
-            "grad/norm": grad_norm,
-            **decision.as_dict(),
-            "time/rollout_s": t_rollout,
-            "time/train_s": t_train,
-            "time/sync_s": t_sync,
-            "throughput/tokens_per_s": tokens / elapsed,
-            "sync/version": float(report.version),
-        }
-        for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
-            if key in stats:
-                metrics[key] = stats[key]
+        metrics = step_metrics(
+            outs, rewards, mask, mm.as_dict(), stats, grad_norm, decision.as_dict(),
+            (t_rollout, t_train, t_sync), time.perf_counter() - t0, report.version,
+        )  # fmt: skip
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
             metrics["eval/accuracy"] = self.evaluate()
         self.record.log_metrics(step, metrics)
@@ -371,6 +354,42 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def _seed(seed: int, step: int, index: int) -> int:
     """A per-request sampling seed that depends only on (run seed, step, request index)."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
+
+
+def step_metrics(
+    outs: Sequence[Completion],
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    mismatch: dict[str, float],
+    stats: dict[str, float],
+    grad_norm: float,
+    decision: dict[str, float],
+    times: tuple[float, float, float],
+    elapsed: float,
+    version: int,
+) -> dict[str, float]:
+    """The metrics of one GRPO step (docs/runs.md), the single-process and the distributed
+    trainer alike. times: (rollout, train, sync) seconds; elapsed: the whole step's."""
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": float((rewards > 0.5).float().mean()),
+        "response_len/mean": float(mask.sum(-1).mean()),
+        **mismatch,
+        "loss/clip_frac": stats["loss/clip_frac"],
+        "loss/pg": stats["loss/pg"],
+        "grad/norm": grad_norm,
+        **decision,
+        "time/rollout_s": times[0],
+        "time/train_s": times[1],
+        "time/sync_s": times[2],
+        "throughput/tokens_per_s": sum(len(o.tokens) + len(o.prompt) for o in outs) / elapsed,
+        "sync/version": float(version),
+    }
+    for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
+        if key in stats:
+            metrics[key] = stats[key]
+    return metrics
 
 
 def log_step(step: int, steps: int, m: dict[str, float]) -> None:

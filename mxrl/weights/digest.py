@@ -186,11 +186,6 @@ def field_digests(
     return torch.cat([field_digest_reference(t) for t in fields])
 
 
-def device_digest(value: WeightValue, backend: Backend | str | None = None) -> torch.Tensor:
-    """The fields' digests, concatenated (int8 [64 * fields], on the value's device)."""
-    return field_digests(list(stored_tensors(value).values()), backend)
-
-
 def header(value: WeightValue) -> bytes:
     """What the checksum binds besides the bytes: format, shape, axis, each field's dtype and
     shape (so the length and meaning of every byte)."""

@@ -27,6 +27,18 @@ from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord, WeightValue
 
 
+def check_names(params: Mapping[str, torch.Tensor], plan: Plan, what: str = "export") -> None:
+    """Refuse weights whose names are not exactly the plan's (before anything is quantized)."""
+    missing = [n for n in plan if n not in params]
+    extra = [n for n in params if n not in plan]
+    if missing or extra:
+        raise ValueError(
+            f"{what}: the plan ({plan.hash()[:12]}) and the weights disagree: missing "
+            f"{missing[:3]} ({len(missing)}), not in the plan {extra[:3]} ({len(extra)}); "
+            "resolve the plan against this model"
+        )
+
+
 def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
     where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One aminmax
@@ -76,14 +88,7 @@ def quantized_values(
     first value. Raises ValueError for a tensor the plan names that is missing, or the reverse.
     """
     params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
-    missing = [n for n in plan if n not in params]
-    extra = [n for n in params if n not in plan]
-    if missing or extra:
-        raise ValueError(
-            f"export: the plan ({plan.hash()[:12]}) and the weights disagree: missing "
-            f"{missing[:3]} ({len(missing)}), not in the plan {extra[:3]} ({len(extra)}); "
-            "resolve the plan against this model"
-        )
+    check_names(params, plan)
     check_finite(params)
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
