@@ -68,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 140)")
     demo.add_argument("--workers", type=int, default=None,
                       help="runs trained at once, one process each (default: one per CPU core; "
-                           "1 on a GPU)")  # fmt: skip
+                           "on a GPU they share it)")  # fmt: skip
     demo.add_argument("--plan-only", action="store_true",
                       help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
 
