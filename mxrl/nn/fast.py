@@ -43,13 +43,16 @@ FP8_GEMM_BLOCK = 128
 class TensorCoreWeight:
     """One quantized weight as the tensor-core GEMMs take it (no fp32 copy is kept).
 
-    q:     the QTensor (the contract bytes).
+    q:     the QTensor (the contract bytes) for block FP8, whose GEMMs take the codes and block
+           scales; None for MXFP8 / NVFP4, whose GEMMs read only `lp` (`lp` holds the same
+           values, so keeping the QTensor too would cost 8.25 / 4.5 bits per weight for nothing:
+           the weight cache lives from one optimizer step to the next).
     lp:    bf16, dequantized without the NVFP4 global scale (exact); None for block FP8.
     s_dec: NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
     col:   bf16 dequantized column-wise MXFP8 copy (quantized backward); else None.
     """
 
-    q: QTensor
+    q: QTensor | None
     lp: torch.Tensor | None
     s_dec: torch.Tensor | None
     col: torch.Tensor | None = None
@@ -74,15 +77,21 @@ class TensorCoreWeight:
         if spec.format is Format.FP8_BLOCK:
             return cls(q=q, lp=None, s_dec=None, col=col)
         lp = dequantize(q, global_scale=False).to(BF16)
-        return cls(q=q, lp=lp, s_dec=decode_global_scale(q), col=col)
+        return cls(q=None, lp=lp, s_dec=decode_global_scale(q), col=col)
 
     def deq_bf16(self) -> torch.Tensor:
         """deq(Qw(w)) in bf16 (the dequantized backward's operand), built when asked."""
         if self.lp is None:
+            assert self.q is not None
             return dequantize(self.q).to(BF16)
         if self.s_dec is None:
             return self.lp
-        return (self.lp.float() * self.s_dec).to(BF16)
+        # fl_bf16(lp * s_dec) with the product in fp32, written straight to bf16: no fp32 copy
+        # of the weight (for a layer's experts ~1.6 GB at Qwen3-30B-A3B shapes). A [] scale is
+        # given a dim so that it promotes the product to fp32 (a 0-dim fp32 scale beside a bf16
+        # tensor would be rounded to bf16 first).
+        s = self.s_dec if self.s_dec.dim() else self.s_dec.reshape([1] * self.lp.dim())
+        return torch.mul(self.lp, s, out=torch.empty_like(self.lp))
 
 
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
@@ -110,6 +119,7 @@ def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.T
             from mxrl.kernels.fp8_gemm import fp8_block_matmul
 
             return fp8_block_matmul(xq, tw.q, out_dtype=torch.float32)
+        assert tw.q is not None
         return emulated_gemm(dequantize(xq), dequantize(tw.q))
     assert tw.lp is not None
     s_w = tw.s_dec

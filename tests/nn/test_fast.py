@@ -76,6 +76,32 @@ def test_dense_tensor_core_forward_is_the_reference_bitwise(fmt, acts, mode):
         assert_within(dx, dx_ref, dy.abs() @ q.weight.detach().abs(), dy.shape[1], ROUNDED, "dx")
 
 
+@pytest.mark.parametrize(("fmt", "mode"), [("mxfp8", "quantized"), ("nvfp4", "dequantized")])
+def test_cached_weight_keeps_only_the_gemm_operands(fmt, mode):
+    """The weight cache (kept from one optimizer step to the next) holds the bf16 operands and
+    the NVFP4 decode scale, not the QTensor too: MXFP8 / NVFP4 GEMMs read only `lp`, which holds
+    the QTensor's values exactly."""
+    q = make_linear(fmt, mode)
+    tw = q.tensor_core_weight()
+    assert tw.q is None
+    wq = q.quantized_weight()  # the reference path's operands of the same weight (fp32)
+    assert_bytes_equal(tw.lp, wq.lp.to(BF16), "lp")
+    if fmt == "nvfp4":
+        assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), "deq")
+    else:
+        assert tw.col is not None and tw.s_dec is None
+
+
+def test_cached_expert_weight_dequantizes_exactly():
+    """A 3-D NVFP4 expert weight (decode scale per expert): the dequantized backward's bf16
+    operand is the reference's fp32 deq rounded once."""
+    _, q = _module("nvfp4", "dequantized")
+    for which in ("gate_up", "down"):
+        tw, wq = q._tensor_core(which), q._quantized(which)
+        assert tw.q is None and tw.s_dec is not None and tw.s_dec.dim() == 3
+        assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), which)
+
+
 def test_dense_fp8_block_on_the_cpu_is_the_reference():
     q = make_linear("fp8_block", "high_precision")
     x, dy = inputs()
