@@ -21,6 +21,7 @@ from mxrl.recipe.plan import TensorSpec
 
 __all__ = [
     "activation_quantizer_kwargs",
+    "own_weight_amax",
     "quantize_activation",
     "quantize_weight",
     "weight_amax",
@@ -40,6 +41,22 @@ def weight_amax(
     finite: the caller has checked that weight and partner hold no NaN/Inf (the export does):
     each amax is then one read of the tensor (the infinity norm, which is exactly max |x|)
     instead of a masked fp32 copy and a reduction over it. The same values either way."""
+    amax = own_weight_amax(weight, spec, finite=finite)
+    if amax is not None and partner is not None and weight.dim() != 3:
+        amax = torch.maximum(amax, _amax(partner.detach(), None, finite))
+    return amax
+
+
+def own_weight_amax(
+    weight: torch.Tensor, spec: TensorSpec, *, finite: bool = False
+) -> torch.Tensor | None:
+    """`weight_amax` before its fuse partner's max: the amax(es) of this tensor's own values
+    (per tensor, per expert or per half, the module docstring). For a 2-D fuse pair, the
+    global amax is the `torch.maximum` of the two tensors' own amaxes.
+
+    finite=True reads the tensor once and propagates NaN/Inf (the infinity norm), so the
+    export uses these amaxes as its NaN/Inf check of an NVFP4 tensor: all of them are finite
+    exactly when the tensor is (mxrl.weights.export.check_finite)."""
     if spec.format is not Format.NVFP4:
         return None
     w = weight.detach()
@@ -50,10 +67,7 @@ def weight_amax(
             up = _amax(w[:, half:], (1, 2), finite).expand(-1, half, 1)
             return torch.cat([gate, up], dim=1)
         return _amax(w, (1, 2), finite)
-    result = _amax(w, None, finite)
-    if partner is not None:
-        result = torch.maximum(result, _amax(partner.detach(), None, finite))
-    return result
+    return _amax(w, None, finite)
 
 
 def _amax(t: torch.Tensor, dim: tuple[int, ...] | None, finite: bool) -> torch.Tensor:
@@ -83,10 +97,13 @@ def weight_quantizer_kwargs(
     axis: int = -1,
     check_finite: bool = False,
     finite: bool = False,
+    global_amax: torch.Tensor | None = None,
 ) -> dict:
     """quantize() options for a (master) weight per its spec (the module docstring's global
     scales); `axis=-2` gives MXFP8's column-wise copy (blocks along the output features).
-    finite: the caller checked the weight for NaN/Inf (`weight_amax`'s one-read path)."""
+    finite: the caller checked the weight for NaN/Inf (`weight_amax`'s one-read path).
+    global_amax: an NVFP4 weight's `weight_amax` (fuse partner included) computed by the
+    caller (the export keeps the one its NaN/Inf check read); None computes it here."""
     if spec.format is Format.BF16:
         raise ValueError(f"{spec.name} is bf16 in the plan: there is nothing to quantize")
     if tuple(weight.shape) != spec.shape:
@@ -96,7 +113,9 @@ def weight_quantizer_kwargs(
         )
     kwargs: dict = {"check_finite": check_finite}
     if spec.format is Format.NVFP4:
-        kwargs["global_amax"] = weight_amax(weight, spec, partner, finite=finite)
+        if global_amax is None:
+            global_amax = weight_amax(weight, spec, partner, finite=finite)
+        kwargs["global_amax"] = global_amax
     elif spec.format is Format.FP8_BLOCK:
         kwargs["block"] = spec.block
     elif axis != -1:

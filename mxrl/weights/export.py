@@ -22,7 +22,7 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
 from mxrl.models.adapter import hf_location
 from mxrl.recipe import Plan, TensorSpec
-from mxrl.recipe.quantize import weight_quantizer_kwargs
+from mxrl.recipe.quantize import own_weight_amax, weight_quantizer_kwargs
 from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord, WeightValue
 
@@ -39,21 +39,38 @@ def check_names(params: Mapping[str, torch.Tensor], plan: Plan, what: str = "exp
         )
 
 
-def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
+def check_finite(
+    named_tensors: Mapping[str, torch.Tensor], plan: Plan | None = None
+) -> dict[str, torch.Tensor]:
     """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
-    where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One aminmax
-    pass per tensor and one host read for all of them."""
+    where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One read
+    per tensor and one host read for all of them.
+
+    The read is one aminmax pass; with a plan, a tensor it makes NVFP4 is read for its own
+    global amax(es) instead (`own_weight_amax`, the infinity norm: NaN and Inf propagate, so
+    they are all finite exactly when the tensor is), which are returned by name for the
+    quantizer (`quantized_values`): the check and the global amax are one read, not two."""
     checked = [
         (name, t.detach())
         for name, t in named_tensors.items()
         if t.is_floating_point() and t.numel()
     ]
+    amaxes: dict[str, torch.Tensor] = {}
     if not checked:
-        return
+        return amaxes
     flags: dict[torch.device, list[torch.Tensor]] = {}
-    for _, t in checked:
-        lo, hi = torch.aminmax(t)  # one pass; NaN propagates into both
-        flags.setdefault(t.device, []).append(torch.isfinite(lo) & torch.isfinite(hi))
+    for name, t in checked:
+        spec = plan.get(name) if plan is not None else None
+        if spec is not None and spec.format is Format.NVFP4 and tuple(t.shape) == spec.shape:
+            # the infinity norm propagates NaN (ATen's AbsMaxOps reduce with max_propagate_nan)
+            # and |±Inf| = Inf: this read is the check and the quantizer's global amax
+            amax = own_weight_amax(t, spec, finite=True)
+            amaxes[name] = amax
+            flag = torch.isfinite(amax).all()
+        else:
+            lo, hi = torch.aminmax(t)  # one pass; NaN propagates into both
+            flag = torch.isfinite(lo) & torch.isfinite(hi)
+        flags.setdefault(t.device, []).append(flag)
     on_host = {device: iter(torch.stack(f).tolist()) for device, f in flags.items()}
     bad = []
     for name, t in checked:
@@ -72,6 +89,7 @@ def check_finite(named_tensors: Mapping[str, torch.Tensor]) -> None:
             "Nothing was sent. After an optimizer step this means the step diverged: restore "
             "the last good checkpoint; right after loading a model, its checkpoint holds them."
         )
+    return amaxes
 
 
 def quantized_values(
@@ -86,21 +104,26 @@ def quantized_values(
 
     All tensors are checked for NaN/Inf first (`check_finite`), so an error comes before the
     first value. Raises ValueError for a tensor the plan names that is missing, or the reverse.
+    Each master is read once by the check and once by its quantizer (an NVFP4 tensor's global
+    amax is the check's read).
     """
     params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
     check_names(params, plan)
-    check_finite(params)
+    amaxes = check_finite(params, plan)
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
         w = params[name].detach()
         if spec.format is Format.BF16:
-            value: WeightValue = w.to(bf16_dtype, copy=True).contiguous()  # never aliased
+            # one copy, contiguous whatever the master's strides, never aliased
+            value: WeightValue = w.to(bf16_dtype, copy=True, memory_format=torch.contiguous_format)
         else:
             if w.device not in chosen:  # once per device
                 chosen[w.device] = select_backend(backend, w.device)
-            partner = params[partners[name]].detach() if name in partners else None
-            value = _quantize(w, spec, partner, chosen[w.device])
+            partner = partners.get(name)
+            amax = _global_amax(name, w, partner, amaxes)
+            partner_w = params[partner].detach() if partner is not None else None
+            value = _quantize(w, spec, partner_w, amax, chosen[w.device])
         yield name, value
 
 
@@ -117,12 +140,25 @@ def export_weights(
         yield WeightRecord(name, value, checksum(value))
 
 
-def _quantize(w: torch.Tensor, spec: TensorSpec, partner, backend: Backend):
+def _global_amax(name, w, partner, amaxes) -> torch.Tensor | None:
+    """`weight_amax(w, spec, partner, finite=True)` from the amaxes `check_finite` kept: the
+    tensor's own, and for a 2-D fuse pair the max with the partner's (the same values without
+    reading either again); None where the check kept none (the quantizer computes it)."""
+    if name not in amaxes:
+        return None
+    if partner is None or w.dim() == 3:
+        return amaxes[name]
+    if partner not in amaxes or amaxes[partner].dim() != 0:
+        return None
+    return torch.maximum(amaxes[name], amaxes[partner])
+
+
+def _quantize(w: torch.Tensor, spec: TensorSpec, partner, amax, backend: Backend):
     block = spec.block or FP8_BLOCK_WEIGHT
     if spec.format is Format.FP8_BLOCK and block[1] not in KERNEL_FP8_BLOCK_SIZES:
         backend = Backend.REFERENCE  # the kernels' block sizes (mxrl.kernels.api)
     # the export checked every master tensor for NaN/Inf first (`check_finite`)
-    kwargs = weight_quantizer_kwargs(w, spec, partner, finite=True)
+    kwargs = weight_quantizer_kwargs(w, spec, partner, finite=True, global_amax=amax)
     return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 
 

@@ -4,11 +4,13 @@ its fuse partner, a fused 3-D gate_up (gate and up halves apart) and a 3-D down,
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from mxrl.recipe import TensorSpec
-from mxrl.recipe.quantize import weight_amax
+from mxrl.recipe.quantize import own_weight_amax, weight_amax
 from tests.numerics import assert_bytes_equal
 
 
@@ -45,3 +47,28 @@ def test_the_masked_amax_skips_non_finite_elements():
     spec = _spec("model.layers.0.mlp.down_proj.weight", (8, 16), "down")
     finite = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
     assert weight_amax(w, spec).item() == finite.abs().max().item()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("shape", "role", "index", "hit"),
+    [((64, 48), "down", (63, 47), ()), ((4, 32, 16), "gate_up", (2, 5, 0), (2, 0, 0)),
+     ((4, 32, 16), "gate_up", (3, 16, 15), (3, 16, 0)), ((4, 16, 32), "down", (1, 15, 31), (1, 0, 0))],
+)  # fmt: skip
+def test_the_one_read_amax_propagates_nan_and_inf(shape, role, index, hit, dtype, bad):
+    # the export's NaN/Inf check of an NVFP4 master is its own amax (mxrl.weights.export):
+    # the bad element's expert / half gets a non-finite amax, the others keep theirs
+    w = torch.randn(shape).to(dtype)
+    w[index] = bad
+    spec = _spec("model.layers.0.mlp.x.weight", shape, role)
+    amax = own_weight_amax(w, spec, finite=True)
+    assert_bytes_equal(amax, weight_amax(w, spec, finite=True), "own = weight_amax unpartnered")
+    bad_at = (~torch.isfinite(amax)).nonzero().tolist()
+    if len(shape) == 3 and role == "gate_up":  # [E, 2I, 1]: every row of the bad half
+        half = shape[1] // 2
+        start = hit[1] // half * half
+        assert bad_at == [[hit[0], r, 0] for r in range(start, start + half)]
+    else:
+        assert bad_at == [list(hit)]
+    assert not math.isnan(bad) or torch.isnan(amax[hit]).item()
