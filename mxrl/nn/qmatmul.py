@@ -76,12 +76,10 @@ class QuantizedWeight:
     @classmethod
     def from_qtensor(cls, q: QTensor, col: torch.Tensor | None = None) -> QuantizedWeight:
         """From the contract bytes (the rollout engine, which never sees master weights)."""
-        return cls(
-            lp=dequantize(q, global_scale=False),
-            s_dec=decode_global_scale(q),
-            deq=dequantize(q),
-            col=col,
-        )
+        lp = dequantize(q, global_scale=False)
+        s_dec = decode_global_scale(q)
+        # without a global scale (MXFP8, block FP8) deq is lp: one tensor, not two equal ones
+        return cls(lp=lp, s_dec=s_dec, deq=lp if s_dec is None else dequantize(q), col=col)
 
     def for_expert(self, e: int) -> QuantizedWeight:
         """The 2-D view of expert e of a 3-D [E, N, K] quantized weight."""

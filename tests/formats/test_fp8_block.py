@@ -117,3 +117,20 @@ def test_ue8m0_scales_are_powers_of_two_not_below_fp32_scale():
     pow2 = quantize(x, "fp8_block", scale_mode="ue8m0").scale
     assert ((pow2.view(torch.int32) & 0x7FFFFF) == 0).all()
     assert (pow2 >= sf).all() and (pow2 < 2 * sf).all()
+
+
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [((256, 384), (128, 128)), ((2, 256, 128), (128, 128)), ((200, 256), (128, 128)),
+     ((64, 256), (1, 128)), ((96, 64), (32, 32))],
+)  # fmt: skip
+def test_dequantize_is_each_code_times_its_block_scale(shape, block):
+    """deq[r, c] = e4m3(code[r, c]) * scale[r // br, c // bk], written out with NumPy and
+    ml_dtypes (rows that divide into blocks take a transpose-free path, others pad)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g) * torch.rand(shape, generator=g) * 10
+    q = quantize(x, "fp8_block", block=block)
+    codes = q.qdata.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(F32)
+    br, bk = block
+    scale = q.scale.numpy().repeat(br, axis=-2).repeat(bk, axis=-1)[..., : shape[-2], :]
+    assert_bytes_equal(dequantize(q), torch.from_numpy(codes * scale), f"{shape} {block}")
