@@ -215,6 +215,31 @@ class MLP(nn.Module):
         return self.down_proj(invariant.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class TopKSoftmax(nn.Module):
+    """The router's selection from its logits: fp32 softmax over the E experts, the k largest
+    probabilities (renormalised to sum to 1 if `norm_topk_prob`), cast to the output dtype. No
+    parameters (the `gate` projection stays in `SparseMoeBlock`, so checkpoint names do not
+    change): a module so that the rollout engine can swap in one fused launch
+    (mxrl.kernels.rowwise.moe_route, the same ids, weights within its stated bound)."""
+
+    def __init__(self, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+
+    def forward(
+        self, logits_TE: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [T, k] int64, weights [T, k] in `dtype`), in descending probability."""
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        weights_Tk, ids_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return ids_Tk, weights_Tk.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
+
+
 class SparseMoeBlock(nn.Module):
     """Softmax top-k router + grouped routed experts (+ Qwen2-MoE shared expert with sigmoid gate)."""
 
@@ -223,6 +248,7 @@ class SparseMoeBlock(nn.Module):
         c = config
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
+        self.select = TopKSoftmax(c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
         self.experts = GroupedExperts(
             c.num_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype
         )
@@ -240,12 +266,12 @@ class SparseMoeBlock(nn.Module):
         With `replay_ids_Tk` (routing replay) those experts are used, and their weights are
         the current router's probabilities at those ids, renormalised the same way.
         """
-        probs_TE = F.softmax(self.gate(x_TH), dim=-1, dtype=torch.float32)
+        logits_TE = self.gate(x_TH)
         if replay_ids_Tk is None:
-            weights_Tk, ids_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
-        else:
-            ids_Tk = replay_ids_Tk.to(device=x_TH.device, dtype=torch.int64)
-            weights_Tk = probs_TE.gather(-1, ids_Tk)
+            return self.select(logits_TE, x_TH.dtype)
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        ids_Tk = replay_ids_Tk.to(device=x_TH.device, dtype=torch.int64)
+        weights_Tk = probs_TE.gather(-1, ids_Tk)
         if self.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
         return ids_Tk, weights_Tk.to(x_TH.dtype)
