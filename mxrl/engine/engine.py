@@ -27,7 +27,13 @@ from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
-from mxrl.engine.modules import RolloutExperts, RolloutLinear, RolloutRMSNorm, RolloutRope
+from mxrl.engine.modules import (
+    RolloutExperts,
+    RolloutLinear,
+    RolloutRMSNorm,
+    RolloutRope,
+    RolloutTopK,
+)
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams
 from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
@@ -35,8 +41,9 @@ from mxrl.engine.scheduler import Scheduler
 from mxrl.engine.sequence import Sequence as Request
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend, select_backend
+from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
 from mxrl.models import CausalLM, ModelConfig
-from mxrl.models.layers import ApplyRope, RMSNorm
+from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights import (
@@ -236,6 +243,12 @@ class Engine(WeightLoading):
                     )
             elif isinstance(module, ApplyRope) and self.backend is Backend.TRITON:
                 new = RolloutRope()
+            elif (
+                isinstance(module, TopKSoftmax)
+                and self.backend is Backend.TRITON
+                and module.num_experts <= MAX_ROUTE_EXPERTS  # larger routers: the reference
+            ):
+                new = RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob)
             elif isinstance(module, nn.Linear):
                 spec = self.plan[f"{name}.weight"]
                 new = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)

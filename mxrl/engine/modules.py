@@ -41,10 +41,11 @@ from mxrl.kernels.rowwise import (
     moe_combine_reference,
     moe_group,
     moe_group_reference,
+    moe_route,
     rms_norm,
     rope,
 )
-from mxrl.models.layers import ApplyRope, RMSNorm
+from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
@@ -159,6 +160,14 @@ class RolloutRope(ApplyRope):
 
     def forward(self, q_BNSD, k_BKSD, cos_BSD, sin_BSD):
         return rope(q_BNSD, k_BKSD, cos_BSD, sin_BSD)
+
+
+class RolloutTopK(TopKSoftmax):
+    """The router's softmax top-k as one fused launch (mxrl.kernels.rowwise.moe_route: the
+    reference's ids, weights within its stated bound; triton backend, E <= MAX_ROUTE_EXPERTS)."""
+
+    def forward(self, logits_TE, dtype):
+        return moe_route(logits_TE, self.top_k, self.norm_topk_prob, out_dtype=dtype)
 
 
 class RolloutExperts(nn.Module):

@@ -18,6 +18,20 @@ has its PyTorch reference beside it, which is also what the CPU runs.
   values as the reference on every device, so any batch may take either.
 - `rope`: rotary embeddings of q and k in one launch (bf16), each product and the sum rounded
   to bf16 as the eager ops (`x * cos + rotate_half(x) * sin`) round them: the same bytes.
+- `moe_route`: the router's fp32 softmax, top-k, renormalisation and cast (models.layers.
+  TopKSoftmax) in one launch for E <= 512. The ids are the k largest logits by exact fp32
+  comparisons, ties to the lower expert index: no rounding enters the choice, so they are the
+  same on every device, and they are known before any exp. The reference ranks its rounded
+  probabilities instead, a non-decreasing function of the logits (its exp is monotone), so
+  the ids equal the reference's in every row whose k+1 largest reference probabilities (k if
+  k = E) are distinct; where they tie, torch.topk leaves the order (and which tied expert
+  takes the last place) unspecified, CPU and CUDA differ, and the kernel's choice is one it
+  allows (the reference's probabilities at the kernel's ids are its top-k values, in order).
+  Weights: exp and the sums' order differ, so before the cast each is within relative
+  (3|y| + E/4 + 64) * 2^-24 of the reference's fp32 weight, y = logit - row max <= 0 (the
+  GPU's exp is 2^(y log2 e), within 2 + 1.173|y| ulp: CUDA programming guide, `__expf`;
+  E/4 + 64 covers both sums' orders and the other roundings), plus 2^-126 where a
+  probability underflows; then each is rounded once to the output dtype.
 
 Legend: R rows, H row length, T tokens, k experts per token, E experts, N / Nk query / key
 heads, D head dim.
@@ -30,6 +44,8 @@ import torch
 _MAX_NORM_ROW = 16384  # one program holds a whole row
 _COMBINE_BLOCK = 1024
 _MAX_GROUP_ENTRIES = 8192  # one program reads all (token, slot) entries: decode-sized batches
+MAX_ROUTE_EXPERTS = 512  # one program holds a token's logits
+_ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,3 +206,48 @@ def rope(
             n, nk, D=d, IS_BF16=True, num_warps=1 if d <= 128 else 2,
         )  # fmt: skip
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
+def moe_route_reference(
+    logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxrl.models.layers.TopKSoftmax, op for op: (ids int64 [T, k], weights [T, k] out_dtype)."""
+    from mxrl.models.layers import TopKSoftmax
+
+    return TopKSoftmax(logits_TE.shape[-1], top_k, norm)(logits_TE, out_dtype)
+
+
+def moe_route(
+    logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route_reference` in one launch (module docstring: the same ids, weights within a
+    bound) for logits [T, E] in fp32 / bf16 / fp16, E <= MAX_ROUTE_EXPERTS, 1 <= top_k <= E."""
+    if logits_TE.dim() != 2 or logits_TE.dtype not in _ROUTE_DTYPES:
+        raise ValueError(
+            f"moe_route: logits {tuple(logits_TE.shape)} {logits_TE.dtype}: want [T, E] in "
+            "float32, bfloat16 or float16 (flatten the batch dims first)"
+        )
+    t, e = logits_TE.shape
+    if e > MAX_ROUTE_EXPERTS:
+        raise ValueError(
+            f"moe_route: {e} experts; one program holds a row of at most {MAX_ROUTE_EXPERTS}: "
+            "use moe_route_reference"
+        )
+    if not 1 <= top_k <= e:
+        raise ValueError(f"moe_route: top_k must be in [1, {e}] (the experts), got {top_k}")
+    if out_dtype not in _ROUTE_DTYPES:
+        raise ValueError(
+            f"moe_route: out_dtype must be float32, bfloat16 or float16, got {out_dtype}"
+        )
+    from mxrl.kernels.triton_rowwise import moe_route_kernel
+
+    logits = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((t, top_k), dtype=out_dtype, device=logits.device)
+    if t:
+        block = max(16, 1 << (e - 1).bit_length())
+        moe_route_kernel[(t,)](
+            logits, ids, weights, logits.stride(0), e, K=top_k, NORM=bool(norm), BLOCK=block,
+            IS_BF16=out_dtype == torch.bfloat16, num_warps=1 if block <= 256 else 2,
+        )  # fmt: skip
+    return ids, weights

@@ -1,4 +1,5 @@
-"""Row-wise Triton kernels of the engine's decode step: RMSNorm and the routed experts' combine.
+"""Row-wise Triton kernels of the engine's decode step: RMSNorm, the router's softmax top-k,
+the routed experts' grouping and combine, RoPE.
 Each program computes one row from that row alone, in an order fixed by the kernel (batch
 invariance by construction). References and launchers: mxrl/kernels/rowwise.py.
 """
@@ -155,3 +156,43 @@ def rope_kernel(
     a = _round(x * cos, dtype, IS_BF16).to(tl.float32)
     b = _round(rot * sin, dtype, IS_BF16).to(tl.float32)
     tl.store(dst + d, _round(a + b, dtype, IS_BF16))
+
+
+@triton.jit
+def moe_route_kernel(
+    logits_ptr,  # [T, E]: the router's logits (fp32 / bf16 / fp16)
+    ids_ptr,  # int64 [T, K]: the chosen experts, largest logit first
+    w_ptr,  # [T, K]: their weights, in the output dtype
+    stride_l,
+    E,
+    K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    IS_BF16: tl.constexpr,
+):
+    """One token: the K largest logits by exact comparisons (ties to the lower expert index,
+    NaN above everything as torch.topk ranks it), then the fp32 softmax weights of those
+    experts, renormalised over them if NORM (e_j / sum of the chosen e: in exact arithmetic the
+    reference's p_j / sum of the chosen p), cast once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < E
+    x = tl.load(logits_ptr + t * stride_l + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    key = tl.where(x != x, float("inf"), x)
+    rank = tl.full((BLOCK,), K, tl.int32)  # each expert's place among the chosen; K: not chosen
+    for j in range(K):
+        free = valid & (rank == K)
+        best = tl.max(tl.where(free, key, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (key == best), cols, BLOCK), axis=0)
+        rank = tl.where(cols == pick, j, rank)
+    chosen = rank < K
+    # the softmax as the reference computes it: exp(x - max) in fp32 (IEEE division below)
+    e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    if NORM:
+        total = tl.sum(tl.where(chosen, e, 0.0), axis=0)
+    else:
+        total = tl.sum(e, axis=0)
+    w = tl.div_rn(e, tl.full(e.shape, 1.0, tl.float32) * total)
+    dtype = w_ptr.dtype.element_ty
+    tl.store(ids_ptr + t * K + rank, cols.to(tl.int64), mask=chosen)
+    tl.store(w_ptr + t * K + rank, _round(w, dtype, IS_BF16), mask=chosen)

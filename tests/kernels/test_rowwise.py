@@ -1,7 +1,9 @@
 """The fused row-wise kernels of the decode step (mxrl.kernels.rowwise) under Triton's
 interpreter: RMSNorm within one rounding of its reference and batch invariant bit for bit; the
 experts' combine and RoPE the same bytes as the eager ops; the experts' grouping the same
-integers as the sort-based reference."""
+integers as the sort-based reference; the router's softmax top-k the reference's ids (its tie
+rule where the reference's probabilities tie) with weights within the stated bound. The GPU tier
+(`gpu` marker) compares the router's kernel with its reference on CUDA."""
 
 from __future__ import annotations
 
@@ -9,10 +11,13 @@ import pytest
 import torch
 
 from mxrl.kernels.rowwise import (
+    MAX_ROUTE_EXPERTS,
     _moe_group_launch,
     moe_combine,
     moe_combine_reference,
     moe_group_reference,
+    moe_route,
+    moe_route_reference,
     rms_norm,
     rms_norm_reference,
     rope,
@@ -122,3 +127,122 @@ def test_rope_gives_the_eager_bytes(dtype, d):
     for name, a, b in zip(("q", "k"), got, want, strict=True):
         assert a.shape == b.shape
         assert_bytes_equal(a.contiguous(), b.contiguous(), name)
+
+
+# --- the router's softmax top-k -----------------------------------------------------------------
+
+# (T, E, k): Qwen3-30B-A3B (128, 8), Qwen1.5-MoE-A2.7B (60, 4), the tiny test model (8, 2), the
+# widest row one program takes, every expert chosen, one expert
+ROUTER_SHAPES = [(9, 128, 8), (7, 60, 4), (11, 8, 2), (5, 512, 8), (4, 16, 16), (6, 32, 1)]
+
+
+def _router_logits(t, e, dtype, scale, seed):
+    """Logits at `scale` (large: peaked rows, whose chosen experts lie far below the max); in
+    bf16, equal logits (and so tied probabilities) are common."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, e, generator=g) * scale).to(dtype)
+
+
+def _weight_bound(logits, ids, want, out_dtype):
+    """rowwise.moe_route's stated bound: (3|y| + E/4 + 64) 2^-24 relative before the cast
+    (y = logit - row max), 2^-126 absolute, one rounding of the output dtype after it."""
+    x = logits.float()
+    y = (x.gather(1, ids) - x.max(dim=1, keepdim=True).values).abs()
+    rel = (3 * y + x.shape[1] / 4 + 64) * 2.0**-24
+    if out_dtype != torch.float32:
+        rel = rel + torch.finfo(out_dtype).eps
+    return rel * want.float().abs() + 2.0**-126
+
+
+def _check_route(logits, k, norm, out_dtype=torch.float32):
+    """The documented contract of moe_route against its reference, on every row."""
+    ids, w = moe_route(logits, k, norm, out_dtype=out_dtype)
+    want_ids, want_w = moe_route_reference(logits, k, norm, out_dtype)
+    assert ids.dtype == torch.int64 and ids.shape == want_ids.shape
+    assert w.dtype == out_dtype and w.shape == want_w.shape
+    # the kernel's rule, exactly: the k largest logits, ties to the lower index
+    rule = torch.sort(logits.float(), dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(ids, rule)
+    # a choice the reference allows: its probabilities at these ids are its top-k values
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top = torch.topk(probs, min(k + 1, logits.shape[1]), dim=-1).values
+    assert torch.equal(probs.gather(1, ids), top[:, :k])
+    # and its ids wherever its k+1 largest probabilities are distinct
+    distinct = (top.diff(dim=1) != 0).all(dim=1)
+    assert torch.equal(ids[distinct], want_ids[distinct])
+    # weights position by position (equal probabilities in either order: equal weights)
+    err = (w.float() - want_w.float()).abs()
+    bound = _weight_bound(logits, ids, want_w, out_dtype)
+    assert (err <= bound).all(), (err / bound).max()
+    return ids, w, distinct
+
+
+@interpreter
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(("t", "e", "k"), ROUTER_SHAPES)
+def test_moe_route_gives_the_references_ids_and_weights_within_the_bound(t, e, k, norm):
+    for seed, scale in enumerate((1.0, 8.0)):
+        logits = _router_logits(t, e, torch.float32, scale, seed=e + k + seed)
+        _, _, distinct = _check_route(logits, k, norm)
+        if k < e:  # random fp32 logits: no tied probabilities, every row checked for its ids
+            assert distinct.all()
+
+
+@interpreter
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("t", "e", "k"), [(9, 128, 8), (11, 8, 2)])
+def test_moe_route_from_bf16_logits_with_ties(t, e, k, out_dtype):
+    """The bf16 engine's router: tied logits take the lower expert first; weights in bf16 are
+    within one bf16 rounding of the reference's."""
+    logits = _router_logits(t, e, torch.bfloat16, 2.0, seed=5)
+    logits[0, 3] = logits[0, 7] = logits[0].max() + 1  # a tie for the first place
+    for norm in (True, False):
+        ids, _, _ = _check_route(logits, k, norm, out_dtype)
+        assert ids[0, 0] == 3 and ids[0, 1] == 7
+
+
+@interpreter
+def test_moe_route_rows_do_not_depend_on_the_batch():
+    logits = _router_logits(13, 128, torch.bfloat16, 3.0, seed=2)
+    ids, w = moe_route(logits, 8, True, out_dtype=torch.bfloat16)
+    for r in (0, 6, 12):
+        one_ids, one_w = moe_route(logits[r : r + 1], 8, True, out_dtype=torch.bfloat16)
+        assert_bytes_equal(one_ids, ids[r : r + 1], f"row {r} ids")
+        assert_bytes_equal(one_w, w[r : r + 1], f"row {r} weights")
+    # a row of a strided view (the logits' row stride is the launcher's business)
+    wide = torch.cat([logits, logits], dim=1)[:, :128]
+    assert_bytes_equal(moe_route(wide, 8, True, out_dtype=torch.bfloat16)[1], w, "strided")
+    assert moe_route(logits[:0], 8, True)[0].shape == (0, 8)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("logits", "k", "out_dtype", "match"),
+    [
+        (torch.zeros(2, MAX_ROUTE_EXPERTS + 1), 8, torch.float32, "at most 512"),
+        (torch.zeros(2, 8), 9, torch.float32, "top_k must be in"),
+        (torch.zeros(2, 8), 0, torch.float32, "top_k must be in"),
+        (torch.zeros(2, 8, dtype=torch.float64), 2, torch.float32, "want \\[T, E\\]"),
+        (torch.zeros(2, 8, dtype=torch.int64), 2, torch.float32, "want \\[T, E\\]"),
+        (torch.zeros(1, 2, 8), 2, torch.float32, "flatten the batch dims"),
+        (torch.zeros(2, 8), 2, torch.int32, "out_dtype must be"),
+    ],
+)
+def test_moe_route_refuses_what_it_cannot_take(logits, k, out_dtype, match):
+    with pytest.raises(ValueError, match=match):
+        moe_route(logits, k, True, out_dtype=out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("t", "e", "k"), [(1, 128, 8), (64, 128, 8), (33, 60, 4), (5, 512, 8)])
+def test_moe_route_on_cuda_matches_its_reference(t, e, k, out_dtype):
+    """The compiled kernel (the GPU's exp, IEEE division) against the reference on CUDA: the
+    same contract as under the interpreter, and a row alone its bytes in the batch."""
+    for norm in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = _router_logits(t, e, dtype, 4.0, seed=t + e).cuda()
+            ids, w, _ = _check_route(logits, k, norm, out_dtype)
+            one_ids, one_w = moe_route(logits[-1:], k, norm, out_dtype=out_dtype)
+            assert_bytes_equal(one_ids, ids[-1:], "ids alone")
+            assert_bytes_equal(one_w, w[-1:], "weights alone")
