@@ -1,5 +1,5 @@
 """The decode step's new kernels — the fused row-wise ops (mxrl/kernels/triton_rowwise.py: RMSNorm,
-the experts' combine and grouping, RoPE) and the
+the experts' combine and grouping, RoPE, the router's softmax top-k) and the
 grouped block-FP8 GEMM (triton_fp8_block_gemm.py) — compile for sm_90 on the CPU, and the row-wise
 ones' PTX holds what rowwise.py's bounds rely on: IEEE division and square root (no approximate
 div, rcp or sqrt), nothing flushed to zero, no FMA contraction in the combine's rounding chain.
@@ -66,6 +66,12 @@ def compile_all() -> dict[str, dict[str, int]]:
              "N": "i32", "NK": "i32"},
             {"D": 128, "IS_BF16": True},
         ),
+        "moe_route_bf16": (
+            rw.moe_route_kernel,
+            {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "stride_l": "i32",
+             "E": "i32"},
+            {"K": 8, "NORM": True, "BLOCK": 128, "IS_BF16": True},
+        ),
         "fp8_block_grouped_bf16": (
             fb.fp8_block_grouped_kernel,
             {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32",
@@ -102,9 +108,9 @@ def ptx_report():
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
         "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_rows_fp32",
-        "moe_group", "rope_bf16",
+        "moe_group", "rope_bf16", "moe_route_bf16",
     }  # fmt: skip
-    for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16"):
+    for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
         counts = ptx_report[name]
         assert counts["approx"] == 0 and counts["ftz"] == 0, (name, counts)
     # the combine rounds every product before its sum (the eager loop's bytes): no contraction;
@@ -113,6 +119,8 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert ptx_report["rope_bf16"]["fma"] == 0  # RoPE rounds both products before their sum
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
+    # the router's weights: one IEEE division (its bound counts exp as ex2.approx, nothing else)
+    assert ptx_report["moe_route_bf16"]["div_rn"] >= 1
 
 
 def test_grouped_block_fp8_runs_on_tensor_cores(ptx_report):
