@@ -69,6 +69,18 @@ def uses_low_bit_gemm(spec: TensorSpec, backend: Backend) -> bool:
     )
 
 
+def uses_fp8_block_gemm(spec: TensorSpec, backend: Backend) -> bool:
+    """Whether the engine holds this block-FP8 weight packed (codes and 128x128 block scales,
+    1 byte per weight instead of a fp32 operand) and runs the Triton block-FP8 GEMM on it (one
+    group; `grouped_fp8_block_matmul`, the routed experts' kernel): the triton backend, 128x128
+    blocks. Its launch is fixed by the weight's shape (batch invariance)."""
+    return (
+        backend is Backend.TRITON
+        and spec.format is Format.FP8_BLOCK
+        and tuple(spec.block or ()) == (128, 128)
+    )
+
+
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
     """x [T, K] quantized as the GEMM of `spec` takes it (the trainer's quantizer options)."""
     return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
@@ -126,7 +138,9 @@ class RolloutLinear(nn.Module):
         """What `install` will set, computed without touching the module (staging). A weight
         for the low-bit GEMM stays packed (wq None); others get their dequantized operand."""
         if isinstance(value, QTensor):
-            packed = uses_low_bit_gemm(self.spec, self.backend)
+            packed = uses_low_bit_gemm(self.spec, self.backend) or uses_fp8_block_gemm(
+                self.spec, self.backend
+            )
             wq = None if packed else QuantizedWeight.from_qtensor(value)
             return {"qweight": value, "wq": wq, "weight": None}
         return {"qweight": None, "wq": None, "weight": value.to(self.compute_dtype)}
@@ -141,11 +155,24 @@ class RolloutLinear(nn.Module):
         """x [tile, K] -> [tile, N] in x's dtype."""
         if self.qweight is not None and self.wq is None:
             xq = quantize_activation(x, self.spec, self.backend)
+            if self.spec.format is Format.FP8_BLOCK:
+                return self._fp8_block(xq, x)
             return low_bit_matmul(xq, self.qweight, out_dtype=x.dtype, backend=self.backend)
         if self.wq is not None:
             return emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
         assert self.weight is not None, f"{self.spec.name}: no weights loaded"
         return F.linear(x, self.weight)
+
+    def _fp8_block(self, xq: QTensor, x: torch.Tensor) -> torch.Tensor:
+        """Block FP8 as one group of the experts' grouped kernel: w [N, K] seen as [1, N, K],
+        all rows of the tile in group 0 (offsets [0, rows], built on the device: no host copy
+        inside a captured graph)."""
+        w = self.qweight
+        assert w is not None
+        w3 = QTensor(w.qdata[None], w.scale[None], w.fmt, (1, *w.shape))
+        offsets = torch.arange(2, device=x.device, dtype=torch.int32) * x.shape[0]
+        dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        return grouped_fp8_block_matmul(xq, w3, offsets, out_dtype=dtype).to(x.dtype)
 
 
 class RolloutRMSNorm(RMSNorm):

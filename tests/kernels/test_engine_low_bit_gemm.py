@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from mxrl.engine import Engine, SamplingParams
-from mxrl.engine.modules import RolloutExperts, RolloutLinear, uses_low_bit_gemm
+from mxrl.engine.modules import (
+    RolloutExperts,
+    RolloutLinear,
+    uses_fp8_block_gemm,
+    uses_low_bit_gemm,
+)
 from mxrl.formats import QTensor
 from tests.engine.test_engine import PROMPTS, tiny
 from tests.kernels.test_decode_gemm import interpreter
@@ -69,7 +74,8 @@ def test_batch_invariance_on_the_low_bit_path():
 @interpreter
 def test_block_fp8_experts_run_grouped_and_packed():
     """fp8-block routed experts: one grouped block-FP8 launch per projection on the triton
-    backend (codes and scales held, no dequantized copy); the same greedy tokens and routing as
+    backend (codes and scales held, no dequantized copy), the dense projections through the same
+    kernel as one group; the same greedy tokens and routing as
     the reference engine's per-expert loop, logprobs within float rounding; batch invariant."""
     outs = {}
     for backend in ("reference", "triton"):
@@ -78,8 +84,18 @@ def test_block_fp8_experts_run_grouped_and_packed():
         fp8 = [m for m in experts if m.specs["down"].format == "fp8_block"]
         assert len(fp8) == 3  # the last layer is bf16 (the preset's last 15%)
         assert all(m.grouped_fp8 == (backend == "triton") for m in fp8)
+        dense = [
+            m for m in engine.net.modules()
+            if isinstance(m, RolloutLinear) and m.spec.format == "fp8_block"
+        ]  # fmt: skip
+        assert len(dense) == 12  # q, k, v, o of the 3 fp8 layers
         if backend == "triton":
             assert all(isinstance(v, QTensor) for m in fp8 for v in m.values.values())
+            # the dense projections too: codes and scales held, no dequantized operand
+            assert all(uses_fp8_block_gemm(m.spec, engine.backend) for m in dense)
+            assert all(m.wq is None and isinstance(m.qweight, QTensor) for m in dense)
+        else:
+            assert all(m.wq is not None for m in dense)
         outs[backend] = engine.generate(PROMPTS, _greedy(len(PROMPTS)))
     for ref, tri in zip(outs["reference"], outs["triton"], strict=True):
         assert tri.tokens == ref.tokens
