@@ -201,7 +201,9 @@ def _train_run(
     schedule = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda k: lr_factor(k + 1, cfg.steps))
     trainer.opt.register_step_post_hook(lambda *_: schedule.step())
     # the engine allocates its KV cache at the first generate()
-    trainer.engine.cache_options = replace(trainer.engine.cache_options, kv_cache_bytes=KV_CACHE_BYTES)
+    trainer.engine.cache_options = replace(
+        trainer.engine.cache_options, kv_cache_bytes=KV_CACHE_BYTES
+    )
     t0 = time.perf_counter()
     logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)
     trainer.run()
