@@ -76,13 +76,11 @@ def demo_config(device: str) -> GRPOConfig:
     """The demo's RL settings: 32 prompts x 4 samples per step, 140 steps, lr 5e-4 (decayed over
     the second half: `lr_factor`), held-out accuracy every 10 steps, the engine's GEMMs over
     tiles of 128 rows (a decode step's 128 sequences in one GEMM; with 32, the CPU default, a
-    rollout took 1.1x (bf16) to 1.6x (mxfp8) as long), fp32 compute on every device (on an H200
-    bf16 compute, the loop's GPU default, gained +0.11 to +0.17 held-out accuracy where fp32 on
-    the CPU gains +0.26 to +0.31). docs/rl.md, "The demo": why these."""
+    rollout took 1.1x (bf16) to 1.6x (mxfp8) as long). docs/rl.md, "The demo": why these."""
     return GRPOConfig(
         steps=140, prompts_per_step=32, samples_per_prompt=4, lr=5e-4,
         max_new_tokens=demo_task(0).max_new_tokens, device=device, seed=0,
-        eval_every=EVAL_EVERY, engine_tile=128, compute_dtype="float32",
+        eval_every=EVAL_EVERY, engine_tile=128,
     )  # fmt: skip
 
 
