@@ -2,7 +2,7 @@
 
     mxrl recipe list
     mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
-    mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--plan-only]
+    mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
     mxrl train --config FILE
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
                  [--allow-unmatched]
@@ -66,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--all", action="store_true", help="the six article presets")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 140)")
+    demo.add_argument("--local-warmup", action="store_true",
+                      help="train the SFT warm-up on this machine instead of loading the shipped one "
+                           "(its end point depends on the processor)")  # fmt: skip
     demo.add_argument("--workers", type=int, default=None,
                       help="runs trained at once, one process each (default: one per CPU core; "
                            "on a GPU they share it)")  # fmt: skip
@@ -156,7 +159,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _progress_logging()
     recipes = ARTICLE_RECIPES if args.all else DEMO_RECIPES
     report = run_demo(
-        args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, workers=args.workers
+        args.out,
+        recipes=recipes,
+        seeds=args.seeds,
+        steps=args.steps,
+        workers=args.workers,
+        local_warmup=args.local_warmup,
     )
     print(f"mxrl demo: report at {report}")
     return 0

@@ -101,10 +101,13 @@ def run_demo(
     steps: int | None = None,
     device: str | None = None,
     workers: int | None = None,
+    local_warmup: bool = False,
 ) -> Path:
     """Run the demo into `out`; returns the path of report.md. `workers`: runs trained at once,
     each in a process of its own with one intra-op thread (default: one per CPU core this
-    process may use; on a GPU the runs share it, the tiny model leaving it mostly idle)."""
+    process may use; on a GPU the runs share it, the tiny model leaving it mostly idle).
+    local_warmup: train the SFT warm-up on this machine (cached) instead of loading the shipped
+    one (mxrl.rl.warmup: the warm-up's end point depends on the processor)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,7 +123,7 @@ def run_demo(
     # threads an H200 host's warm-up reached 0.53 held-out accuracy instead of 0.36).
     torch.set_num_threads(1)
     try:
-        return _run_demo(out, recipes, seeds, steps, device, workers)
+        return _run_demo(out, recipes, seeds, steps, device, workers, local_warmup)
     finally:
         torch.set_num_threads(threads)
 
@@ -132,9 +135,12 @@ def _run_demo(
     steps: int | None,
     device: str,
     workers: int,
+    local_warmup: bool,
 ) -> Path:
     t0 = time.perf_counter()
-    base, warm = warmed_up_model(builtin_config("tiny-moe"), demo_task(-1), WARMUP_STEPS)
+    base, warm = warmed_up_model(
+        builtin_config("tiny-moe"), demo_task(-1), WARMUP_STEPS, shipped=not local_warmup
+    )
     warm_s = time.perf_counter() - t0
     logger.info("warm-up held-out accuracy %.2f (%.0f s)", warm["accuracy"], warm_s)
     jobs = [(recipe, seed) for recipe in recipes for seed in range(seeds)]
@@ -162,6 +168,13 @@ def _run_demo(
     path = _write_report(out, runs, report, warm, seconds, warm_s, device, workers)
     logger.info("demo: report at %s (%.0f s)", path, seconds)
     return path
+
+
+_WARM_SOURCES = {
+    "shipped": ", the shipped warm-up: the same start on every machine",
+    "cache": ", cached",
+    "trained": ", trained here",
+}
 
 
 def _usable_cpus() -> int:
@@ -306,7 +319,7 @@ def _write_report(
         f"{seeds} seed(s) each, on {device}"
         f"{f' ({workers} run(s) at a time, one thread each)' if device == 'cpu' else ''}. "
         f"Total {seconds:.0f} s (warm-up {warm_s:.0f} s"
-        f"{', cached' if warm_s < 5 else ''}).",
+        f"{_WARM_SOURCES.get(warm.get('source', ''), '')}).",
         "",
         _settings_line(runs),
         "",
