@@ -19,38 +19,15 @@ from mxrl.recipe import resolve
 from mxrl.sync import InProcessTransport
 from mxrl.weights import export, export_weights
 from tests.numerics import as_bytes
-from tests.sync.helpers import tiny
+from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, tiny
 
 # every 2-D tensor NVFP4 (a per-tensor global amax: all-reduced over the shards; the shared
 # expert's gate and up share one: both all-reduced) and the experts NVFP4 (per expert, inside a
 # shard); bf16 norms, router, embeddings. The export does not need apply_plan (it reads the
 # master weights), so the models here are sharded without it: QLinear's 2-D fuse partner is
-# refused by parallelize (mxrl/dist/parallelize.py).
-ALL_NVFP4 = {
-    "name": "all-nvfp4",
-    "backward": "dequantized",
-    "default": "bf16",
-    "rules": [
-        {"match": {"kind": "router"}, "format": "bf16"},
-        {"match": {"kind": "attention"}, "format": "nvfp4", "activations": "per_token"},
-        {"match": {"kind": "shared_expert"}, "format": "nvfp4", "activations": "per_token",
-         "fuse": ["gate", "up"]},
-        {"match": {"kind": "routed_expert"}, "format": "nvfp4", "activations": "per_token",
-         "fuse": ["gate", "up"]},
-    ],
-}  # fmt: skip
-# block FP8 in 32x32 blocks: 64-row tensors shard by whole blocks (32 rows a rank, quantized
-# shard-locally), 32-row ones (k_proj, v_proj: 16 rows a rank) are gathered and quantized whole
-FP8_BLOCK_32 = {
-    "name": "fp8-block-32",
-    "backward": "high_precision",
-    "default": "bf16",
-    "rules": [
-        {"match": {"kind": "router"}, "format": "bf16"},
-        {"match": {"kind": ["attention", "routed_expert"]}, "format": "fp8_block",
-         "block": [32, 32]},
-    ],
-}  # fmt: skip
+# refused by parallelize (mxrl/dist/parallelize.py). FP8_BLOCK_32: 64-row tensors shard by
+# whole blocks (32 rows a rank, quantized shard-locally), 32-row ones (k_proj, v_proj: 16 rows a
+# rank) are gathered and quantized whole.
 RECIPES = {
     "bf16": "bf16", "mxfp8": "mxfp8", "nvfp4-dequantized": "nvfp4-dequantized",
     "fp8-block-32": FP8_BLOCK_32, "all-nvfp4": ALL_NVFP4,

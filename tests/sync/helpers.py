@@ -8,6 +8,32 @@ from mxrl.recipe import builtin_config
 
 PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized")
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8]
+_NVFP4 = {"format": "nvfp4", "activations": "per_token"}
+# every 2-D tensor NVFP4 (a per-tensor global amax; the shared expert's gate and up a 2-D fuse
+# pair sharing one), the routed experts NVFP4 per expert with gate_up fused; bf16 norms, router
+# and embeddings
+ALL_NVFP4 = {
+    "name": "all-nvfp4",
+    "backward": "dequantized",
+    "default": "bf16",
+    "rules": [
+        {"match": {"kind": "router"}, "format": "bf16"},
+        {"match": {"kind": "attention"}, **_NVFP4},
+        {"match": {"kind": "shared_expert"}, **_NVFP4, "fuse": ["gate", "up"]},
+        {"match": {"kind": "routed_expert"}, **_NVFP4, "fuse": ["gate", "up"]},
+    ],
+}
+# block FP8 in 32x32 blocks: the tiny MoE's K (64, 32) takes no 128-wide block
+FP8_BLOCK_32 = {
+    "name": "fp8-block-32",
+    "backward": "high_precision",
+    "default": "bf16",
+    "rules": [
+        {"match": {"kind": "router"}, "format": "bf16"},
+        {"match": {"kind": ["attention", "routed_expert"]}, "format": "fp8_block",
+         "block": [32, 32]},
+    ],
+}  # fmt: skip
 
 
 def tiny(seed: int = 0, dtype: torch.dtype = torch.float32):

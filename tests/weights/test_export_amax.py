@@ -19,43 +19,24 @@ from mxrl.recipe.quantize import quantize_weight
 from mxrl.weights import checksum, export, export_weights, quantized_values
 from mxrl.weights.export import fuse_partners
 from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
-from tests.sync.helpers import tiny
+from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, tiny
 
 export_module = importlib.import_module("mxrl.weights.export")  # `mxrl.weights.export` is
 # also the name of the bucketed export function, which `import ... as` would give
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 
-_NVFP4 = {"format": "nvfp4", "activations": "per_token"}
 # attention 2-D NVFP4 alone; the shared expert's gate and up a 2-D fuse pair (one amax for the
-# two); routed experts per expert ([E, 1, 1]), their fused gate_up per expert (fused) or per half
-# ([E, 2I, 1], not fused); the router and the norms bf16.
-ALL_NVFP4 = {
-    "name": "all-nvfp4",
-    "backward": "dequantized",
-    "default": "bf16",
-    "rules": [
-        {"match": {"kind": "router"}, "format": "bf16"},
-        {"match": {"kind": "attention"}, **_NVFP4},
-        {"match": {"kind": "shared_expert"}, **_NVFP4, "fuse": ["gate", "up"]},
-        {"match": {"kind": "routed_expert"}, **_NVFP4, "fuse": ["gate", "up"]},
-    ],
-}
+# two); routed experts per expert ([E, 1, 1]), their fused gate_up per expert (ALL_NVFP4) or per
+# half ([E, 2I, 1], not fused); the router and the norms bf16.
 ALL_NVFP4_HALVES = {
     **ALL_NVFP4,
     "name": "all-nvfp4-halves",
-    "rules": [*ALL_NVFP4["rules"][:3], {"match": {"kind": "routed_expert"}, **_NVFP4}],
+    "rules": [
+        *ALL_NVFP4["rules"][:3],
+        {"match": {"kind": "routed_expert"}, "format": "nvfp4", "activations": "per_token"},
+    ],
 }
 RECIPES = {"fused": ALL_NVFP4, "halves": ALL_NVFP4_HALVES}
-FP8_BLOCK_32 = {  # the tiny MoE's K (64, 32) takes no 128-wide block
-    "name": "fp8-block-32",
-    "backward": "high_precision",
-    "default": "bf16",
-    "rules": [
-        {"match": {"kind": "router"}, "format": "bf16"},
-        {"match": {"kind": ["attention", "routed_expert"]}, "format": "fp8_block",
-         "block": [32, 32]},
-    ],
-}  # fmt: skip
 GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 SHARED_GATE = "model.layers.2.mlp.shared_expert.gate_proj.weight"
 SHARED_UP = "model.layers.2.mlp.shared_expert.up_proj.weight"
