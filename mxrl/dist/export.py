@@ -123,13 +123,14 @@ def sharded_export(
 
 
 def _check_finite_everywhere(params, plan: Plan, group) -> None:
-    """One flag per tensor (computed on the device, no host read per tensor), all-reduced."""
+    """One flag per tensor (one aminmax pass each on the device, no host read per tensor; NaN
+    propagates into both ends), all-reduced."""
     locals_ = {n: _local(params[n]) for n in plan}
     device = _device(params)
     checked = [t.numel() > 0 and t.is_floating_point() for t in locals_.values()]
     bad = torch.stack(
         [
-            (~torch.isfinite(t).all()).to(device=device, dtype=torch.int32)
+            _not_finite(t).to(device=device, dtype=torch.int32)
             if ok
             else torch.zeros((), dtype=torch.int32, device=device)
             for t, ok in zip(locals_.values(), checked, strict=True)
@@ -154,6 +155,11 @@ def _check_finite_everywhere(params, plan: Plan, group) -> None:
         "shard; its log names the element). Nothing was sent: restore the last good "
         "checkpoint"
     )
+
+
+def _not_finite(t: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(t)
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -> Iterator:
@@ -217,7 +223,9 @@ def _quantize_shard(shard, spec, params, partners, group, bf16_dtype, backend) -
 
 
 def _amax(w: torch.Tensor, spec: TensorSpec, partner: torch.Tensor | None):
-    return weight_amax(w, spec, partner)
+    # every shard of every tensor was checked finite first (`_check_finite_everywhere`): the
+    # one-read amax, the same values as the masked one
+    return weight_amax(w, spec, partner, finite=True)
 
 
 def _quantize(w: torch.Tensor, spec: TensorSpec, amax, backend: Backend) -> QTensor:
