@@ -7,6 +7,7 @@ contiguous on CPU), so -0.0 vs 0.0, NaN payloads and scale padding all count.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mxrl.formats import QTensor, sqnr_db, tensor_hash
 from mxrl.formats.numerics import tensor_bytes
@@ -54,3 +55,23 @@ def assert_qtensor_bytes_equal(actual: QTensor, expected: QTensor, what: str = "
     assert fa.keys() == fe.keys(), f"{what}: fields {sorted(fa)} != {sorted(fe)}"
     for name in fa:
         assert_bytes_equal(fa[name], fe[name], f"{what} {name}".strip())
+
+
+class HostReads(TorchDispatchMode):
+    """The ops that read a tensor's value back to the host (`bool(t)`, `t.item()`, `.tolist()`;
+    on a GPU each is a sync), in call order: `with HostReads() as reads: ...; reads.ops`."""
+
+    _READS = (
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.item.default,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self._READS:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))

@@ -25,6 +25,7 @@ def quantize(
     global_amax: torch.Tensor | float | None = None,
     block: tuple[int, int] | None = None,
     check_finite: bool = False,
+    check_amax: bool = True,
 ) -> QTensor:
     """Quantize `x` ([..., K], fp32/bf16/fp16, any device) to `fmt`.
 
@@ -33,7 +34,10 @@ def quantize(
     fmt="nvfp4": 1x16 blocks, E4M3 block scale and one FP32 global encode scale per tensor, or
       per row with `per_token=True`, or from a caller's `global_amax` (gate+up share one): a
       scalar, or a tensor of x's rank with last dim 1 (per row, or per expert as [E, 1, 1]).
-      scale_mode "te" (default) or "torchao" (comparison only).
+      scale_mode "te" (default) or "torchao" (comparison only). A `global_amax` holding
+      NaN/Inf or a negative value is refused (read back to the host: on a GPU a sync);
+      `check_amax=False` skips that for an amax the caller computed finite itself
+      (`mxrl.recipe.quantize.weight_amax`), with no effect on the bytes.
     fmt="fp8_block": `block=(128, 128)` (default; weights, over the last two dims) or `(1, 128)`
       (activations); scale_mode "fp32" (default) or "ue8m0" (power-of-two scales).
     check_finite=True raises on NaN/Inf, naming their count and the first index and value.
@@ -53,7 +57,9 @@ def quantize(
         axis = -1 if axis in (-1, ndim - 1) else axis % ndim
         return quantize_mxfp8(x, axis=axis, scale_mode=mode)
     if fmt is C.Format.NVFP4:
-        return quantize_nvfp4(x, per_token=per_token, global_amax=global_amax, scale_mode=mode)
+        return quantize_nvfp4(
+            x, per_token=per_token, global_amax=global_amax, scale_mode=mode, check_amax=check_amax
+        )
     return quantize_fp8_block(x, block=block or C.FP8_BLOCK_WEIGHT, scale_mode=mode)
 
 

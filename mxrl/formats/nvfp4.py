@@ -43,9 +43,13 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.ones_like(s_enc), s_enc)
 
 
-def _caller_amax(global_amax, shape: torch.Size, device: torch.device) -> torch.Tensor:
+def _caller_amax(
+    global_amax, shape: torch.Size, device: torch.device, check: bool = True
+) -> torch.Tensor:
     """A scalar (one scale for the tensor) or a tensor of x's rank whose last dim is 1 and which
-    broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...)."""
+    broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...). check: refuse
+    NaN/Inf/negative values (a read back to the host: on a GPU, a sync); False when the caller
+    computed the amax finite itself (`check_amax=False` of `quantize`)."""
     g = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     fits = g.dim() == 0 or (
         g.dim() == len(shape)
@@ -57,6 +61,8 @@ def _caller_amax(global_amax, shape: torch.Size, device: torch.device) -> torch.
             f"nvfp4: global_amax of shape {tuple(g.shape)} does not fit x of shape {tuple(shape)}; "
             "pass a scalar, or a tensor of x's rank with last dim 1 (e.g. [rows, 1] or [E, 1, 1])"
         )
+    if not check:
+        return g
     bad = ~torch.isfinite(g) | (g < 0)
     if bool(bad.any()):
         first = tuple(int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], g.shape))
@@ -74,6 +80,7 @@ def quantize_nvfp4(
     per_token: bool = False,
     global_amax: torch.Tensor | float | None = None,
     scale_mode: str = "te",
+    check_amax: bool = True,
 ) -> QTensor:
     if scale_mode not in SCALE_MODES:
         raise ValueError(f"nvfp4 scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
@@ -91,7 +98,7 @@ def quantize_nvfp4(
     if per_token:
         g_amax = b_amax.amax(dim=-1, keepdim=True)  # [..., 1]
     elif global_amax is not None:
-        g_amax = _caller_amax(global_amax, shape, x.device)
+        g_amax = _caller_amax(global_amax, shape, x.device, check=check_amax)
     else:
         g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
     s_enc = global_encode_scale(g_amax)

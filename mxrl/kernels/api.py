@@ -37,6 +37,7 @@ def quantize(
     global_amax: torch.Tensor | float | None = None,
     block: tuple[int, int] | None = None,
     check_finite: bool = False,
+    check_amax: bool = True,
     backend: Backend | str | None = None,
 ) -> QTensor:
     """`mxrl.formats.quantize(x, fmt, ...)` (same arguments, same bytes) on `backend`.
@@ -51,6 +52,7 @@ def quantize(
         global_amax=global_amax,
         block=block,
         check_finite=check_finite,
+        check_amax=check_amax,
     )
     if chosen is Backend.REFERENCE:
         return reference_quantize(x, fmt, **kwargs)
@@ -77,7 +79,11 @@ def quantize(
                 "nvfp4: per_token=True computes one amax per row; global_amax cannot be "
                 "combined with it (pass one or the other)"
             )
-        g = None if global_amax is None else _caller_amax(global_amax, x.shape, x.device)
+        g = (
+            None
+            if global_amax is None
+            else _caller_amax(global_amax, x.shape, x.device, check=check_amax)
+        )
         q, s, gs = _ops().quantize_nvfp4(x, g, per_token)
         return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
     br, bk = block or C.FP8_BLOCK_WEIGHT

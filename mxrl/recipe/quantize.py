@@ -116,6 +116,9 @@ def weight_quantizer_kwargs(
         if global_amax is None:
             global_amax = weight_amax(weight, spec, partner, finite=finite)
         kwargs["global_amax"] = global_amax
+        # weight_amax's values are finite and >= 0 (over finite elements, or after the caller's
+        # NaN/Inf check): no host read to check them again (one sync per tensor on a GPU)
+        kwargs["check_amax"] = False
     elif spec.format is Format.FP8_BLOCK:
         kwargs["block"] = spec.block
     elif axis != -1:

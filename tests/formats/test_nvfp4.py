@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from mxrl.formats import codecs, dequantize, quantize
 from mxrl.formats.constants import FLT_MAX, RCP_6_BITS
 from tests import cases
-from tests.numerics import assert_bytes_equal, sqnr_db
+from tests.numerics import HostReads, assert_bytes_equal, assert_qtensor_bytes_equal, sqnr_db
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 
@@ -242,3 +242,19 @@ def test_sqnr_on_randn_at_least_18_db(rows, blocks, seed, log_scale, per_token):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, 16 * blocks, generator=g) * 2.0**log_scale
     assert sqnr_db(x, dequantize(quantize(x, "nvfp4", per_token=per_token))) >= 18.0
+
+
+@pytest.mark.parametrize("amax_shape", [(), (64, 1)])
+def test_check_amax_false_reads_nothing_back_and_keeps_the_bytes(amax_shape):
+    """A caller's global amax is checked (NaN/Inf/negative refused) by a read back to the host,
+    a sync on a GPU; check_amax=False (an amax the caller computed finite) skips only that."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5))
+    amax = x.abs().amax() if not amax_shape else x.abs().amax(dim=-1, keepdim=True)
+    with HostReads() as checked:
+        q = quantize(x, "nvfp4", global_amax=amax)
+    with HostReads() as trusted:
+        q_trusted = quantize(x, "nvfp4", global_amax=amax, check_amax=False)
+    assert checked.ops and not trusted.ops, (checked.ops, trusted.ops)
+    assert_qtensor_bytes_equal(q_trusted, q, "check_amax=False")
+    with pytest.raises(ValueError, match="global_amax must be finite"):
+        quantize(x, "nvfp4", global_amax=torch.tensor(float("nan")))

@@ -24,7 +24,7 @@ from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
 from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
 from mxrl.recipe import builtin_config, resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
-from tests.numerics import assert_bytes_equal
+from tests.numerics import HostReads, assert_bytes_equal
 
 BF16 = torch.bfloat16
 EXACT, ROUNDED = 0.0, 2.0**-8
@@ -90,6 +90,18 @@ def test_cached_weight_keeps_only_the_gemm_operands(fmt, mode):
         assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), "deq")
     else:
         assert tw.col is not None and tw.s_dec is None
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_quantizing_a_weight_reads_nothing_back(fmt):
+    """A training step quantizes each weight once (the cache lives until the optimizer step): an
+    NVFP4 weight's global amax is weight_amax's, finite by construction, so nothing is read back
+    to the host to check it (on a GPU: no sync in the step)."""
+    q = make_linear(fmt, "dequantized")
+    with HostReads() as reads:
+        q.tensor_core_weight()
+        q.quantized_weight()
+    assert not reads.ops, reads.ops
 
 
 def test_cached_expert_weight_dequantizes_exactly():

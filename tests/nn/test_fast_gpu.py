@@ -106,7 +106,7 @@ def test_a_decoder_layer_step_makes_no_host_sync(preset):
             out, _ = layer(h, rope)
         out.float().square().mean().backward()
 
-    step()  # quantizes the weights once (an NVFP4 weight's amax check reads back)
+    step()  # the first step compiles the kernels and quantizes the weights (once per optimizer step)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

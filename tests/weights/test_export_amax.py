@@ -18,7 +18,7 @@ from mxrl.recipe import resolve
 from mxrl.recipe.quantize import quantize_weight
 from mxrl.weights import checksum, export, export_weights, quantized_values
 from mxrl.weights.export import fuse_partners
-from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
+from tests.numerics import HostReads, assert_bytes_equal, assert_qtensor_bytes_equal
 from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, tiny
 
 export_module = importlib.import_module("mxrl.weights.export")  # `mxrl.weights.export` is
@@ -217,3 +217,17 @@ def test_a_bf16_value_is_one_contiguous_copy_of_a_strided_master():
     assert copies.ops == ["aten._to_copy.default"]
     assert value.is_contiguous() and value.data_ptr() != params[name].data_ptr()
     assert_bytes_equal(value, params[name].to(torch.bfloat16).contiguous())
+
+
+@pytest.mark.parametrize("recipe", ["fused", "halves"])
+def test_nvfp4_export_quantizes_without_reading_back(recipe):
+    """The export's amaxes are proven finite by its one check (one host read for all tensors,
+    `.tolist()`, outside torch's dispatch): quantizing reads nothing back per tensor (on a GPU,
+    no sync between one tensor's quantization and the next)."""
+    model = _model()
+    params = dict(model.named_parameters())
+    plan = _plan(model, RECIPES[recipe])
+    with HostReads() as reads:
+        values = list(quantized_values(params, plan))
+    assert len(values) == len(plan)
+    assert not reads.ops, reads.ops
