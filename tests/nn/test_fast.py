@@ -104,6 +104,25 @@ def test_quantizing_a_weight_reads_nothing_back(fmt):
     assert not reads.ops, reads.ops
 
 
+@pytest.mark.parametrize("preset", ["bf16", "mxfp8", "mxfp8-hp", "nvfp4-hp", "nvfp4-dequantized"])
+def test_a_moe_layer_first_step_reads_nothing_back(preset):
+    """Forward and backward of a MoE decoder layer on the tensor-core path, the first after an
+    optimizer step (so the weights are quantized in it): no value read back to the host (on a
+    GPU, no sync: tests/nn/test_fast_gpu.py checks the steps after it under CUDA's sync debug
+    mode)."""
+    model = build_model(builtin_config("tiny-moe"), seed=0)
+    apply_plan(model, resolve(preset, {n: p.shape for n, p in model.named_parameters()}))
+    set_gemm(model, Gemm.TENSOR_CORE)
+    layer = model.model.layers[0]
+    assert layer.is_moe
+    h = torch.randn(3, 40, model.config.hidden_size, requires_grad=True)
+    rope = model.model.rotary_emb(torch.arange(40)[None].expand(3, 40), h.dtype)
+    with HostReads() as reads:
+        out, _ = layer(h, rope)
+        out.float().square().mean().backward()
+    assert not reads.ops, reads.ops
+
+
 def test_cached_expert_weight_dequantizes_exactly():
     """A 3-D NVFP4 expert weight (decode scale per expert): the dequantized backward's bf16
     operand is the reference's fp32 deq rounded once."""
