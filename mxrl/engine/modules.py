@@ -13,7 +13,10 @@ same quantizer as the trainer's, products exact, the fp32 sum in the kernel's or
 `decode_gemm.error_bound` of the emulated GEMM). Routed experts take one grouped launch for all
 experts. Each launch configuration is fixed by the weight's shape alone (the dense tile is fixed;
 the grouped one is `GROUPED_CONFIG_ROWS` rows per M tile), and every output row is computed
-from its own activation row only, so batch invariance holds on this path too.
+from its own activation row only, so batch invariance holds on this path too. Block-FP8 weights
+in 128x128 blocks stay packed as well (`uses_fp8_block_gemm`): dense projections run
+`fp8_block_matmul` on CUDA (a tile's fixed shape fixes its cuBLAS kernel), routed experts the
+grouped block-FP8 Triton kernel.
 """
 
 from __future__ import annotations
