@@ -115,19 +115,20 @@ def warmed_up_model(
     key = warmup_key(config, task, steps, seed, batch_size, lr)
     folder = cache_dir() / "warmup"
     weights, meta = folder / f"{key}.safetensors", folder / f"{key}.json"
-    model = build_model(config, seed=seed)
     sources = [("shipped", SHIPPED_DIR)] if shipped else []
     for source, where in [*sources, ("cache", folder)]:
         w, m = where / f"{key}.safetensors", where / f"{key}.json"
         if not (w.exists() and m.exists()):
             continue
         try:
+            model = build_model(config, seed=seed)
             model.load_state_dict(load_file(str(w)))
             info = json.loads(m.read_text()) | {"source": source}
             logger.info("warm-up: %s %s (accuracy %.2f)", source, w, info["accuracy"])
             return model, info
         except (OSError, RuntimeError, ValueError, KeyError) as err:
             logger.warning("warm-up %s %s unreadable (%s): trying the next", source, w, err)
+    model = build_model(config, seed=seed)  # not one a failed load half-filled
     fresh = task.fresh()
     losses = sft(model, fresh, steps, batch_size=batch_size, lr=lr)
     info = {"steps": steps, "final_loss": losses[-1], "accuracy": greedy_accuracy(model, fresh)}
