@@ -53,3 +53,20 @@ def test_the_demo_loads_the_shipped_warmup_and_local_ignores_it(tmp_path, monkey
     assert info["source"] == "cache"
     name = next(iter(other))
     assert torch.equal(model.state_dict()[name], other[name])
+
+
+def test_an_unreadable_cache_entry_is_trained_again_from_scratch(tmp_path, monkeypatch):
+    """A cache entry that fails to load half-way (a tensor missing, the others changed) is
+    trained again from the seed's initialisation, not from the half-loaded tensors."""
+    monkeypatch.setenv("MXRL_CACHE", str(tmp_path))
+    task = demo.demo_task(-1)
+    clean, info = warmed_up_model(CONFIG, task, 3)
+    assert info["source"] == "trained"
+    weights = tmp_path / "warmup" / f"{warmup_key(CONFIG, task, 3, 0, 64, 3e-3)}.safetensors"
+    state = load_file(str(weights))
+    state.pop(next(iter(state)))
+    save_file({k: v + 1 for k, v in state.items()}, str(weights))
+    again, info = warmed_up_model(CONFIG, task, 3)
+    assert info["source"] == "trained"
+    for name, t in clean.state_dict().items():
+        assert torch.equal(t, again.state_dict()[name]), name
