@@ -43,6 +43,23 @@ def report_in_subprocess(module: str, timeout: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def ptx_counts(
+    fn, signature: dict, constexprs: dict, patterns: dict, *, options=None, attrs=None
+) -> dict[str, int]:
+    """Compile the Triton kernel `fn` for sm_90 (signature: {argument: type} of its runtime
+    arguments, in any order) and count each pattern's matches in its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {**signature, **{k: "constexpr" for k in constexprs}}
+    full = {n: full[n] for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=full, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", 90, 32)
+    ptx = triton.compile(src, target=target, options=options or {"num_warps": 4}).asm["ptx"]
+    return {key: len(re.findall(p, ptx)) for key, p in patterns.items()}
+
+
 def _variants():
     from mxrl.kernels import triton_fp8_block as fb
     from mxrl.kernels import triton_mxfp8 as mx

@@ -15,14 +15,13 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import sys
 
 import pytest
 import torch
 
 from mxrl.formats import quantize
-from tests.kernels.compile_sm90 import report_in_subprocess
+from tests.kernels.compile_sm90 import ptx_counts, report_in_subprocess
 from tests.numerics import assert_bytes_equal
 
 if __name__ == "__main__":  # the sm_90 report or the benchmark: no interpreter in this process
@@ -181,10 +180,6 @@ PATTERNS = {
 
 
 def compile_all() -> dict[str, dict[str, int]]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from mxrl.kernels import triton_digest as td
 
     cfg = td.DEFAULT_CONFIG
@@ -194,13 +189,11 @@ def compile_all() -> dict[str, dict[str, int]]:
         constexprs = {"ROW": ROW, "LANES": digest.LANES, "BLOCK_M": cfg["BLOCK_M"],
                       "BLOCK_K": cfg["BLOCK_K"], "ALIGN": align}  # fmt: skip
         sig = {"seg_ptr": "*i64", "num_segments": "i32", "coef_ptr": "*i8"}
-        signature = {**sig, **{k: "constexpr" for k in constexprs}}
-        signature = {n: signature[n] for n in fn.arg_names}
         aligned = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        report[f"align_{align}"] = {k: len(re.findall(p, ptx)) for k, p in PATTERNS.items()}
+        report[f"align_{align}"] = ptx_counts(
+            fn, sig, constexprs, PATTERNS, options=options, attrs=aligned
+        )
     return report
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 
 import pytest
 
-from tests.kernels.compile_sm90 import report_in_subprocess
+from tests.kernels.compile_sm90 import ptx_counts, report_in_subprocess
 
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.triton
@@ -31,10 +30,6 @@ PATTERNS = {
 
 
 def compile_all() -> dict[str, dict[str, int]]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from mxrl.kernels import triton_fp8_block_gemm as fb
     from mxrl.kernels import triton_rowwise as rw
     from mxrl.kernels import triton_sampling as ts
@@ -88,14 +83,10 @@ def compile_all() -> dict[str, dict[str, int]]:
             {"BLOCK": 1024},
         ),
     }  # fmt: skip
-    report = {}
-    for name, (fn, sig, constexprs) in variants.items():
-        signature = {**sig, **{k: "constexpr" for k in constexprs}}
-        signature = {n: signature[n] for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        report[name] = {k: len(re.findall(p, ptx.asm["ptx"])) for k, p in PATTERNS.items()}
-    return report
+    return {
+        name: ptx_counts(fn, sig, constexprs, PATTERNS)
+        for name, (fn, sig, constexprs) in variants.items()
+    }
 
 
 @pytest.fixture(scope="module")
