@@ -246,7 +246,6 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
         super().__init__()
         c = config
-        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=dtype)
         self.select = TopKSoftmax(c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
         self.experts = GroupedExperts(
@@ -272,7 +271,7 @@ class SparseMoeBlock(nn.Module):
         probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
         ids_Tk = replay_ids_Tk.to(device=x_TH.device, dtype=torch.int64)
         weights_Tk = probs_TE.gather(-1, ids_Tk)
-        if self.norm_topk_prob:
+        if self.select.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
         return ids_Tk, weights_Tk.to(x_TH.dtype)
 
