@@ -120,10 +120,47 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     compute = None if args.compute == "fp32" else torch.bfloat16
     model.set_training_options(compute_dtype=compute, checkpoint_layers=args.checkpoint_layers)
     model.train()
-    got = measure(make_step(model, ids, None), device, args.warmup, args.repeats)
+    step = make_step(model, ids, None)
+    got = measure(step, device, args.warmup, args.repeats)
+    if args.profile:
+        got["profile"] = profile_step(step, device, f"{preset} {tuple(ids.shape)}", args.profile)
     del model
     _free(device)
     return {"impl": "mxrl", "preset": preset, **got}
+
+
+GEMM_KERNEL_MARKS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped", "scaled_mm", "_kernel_")
+
+
+def profile_step(step, device: torch.device, label: str, top: int) -> dict:
+    """One step under torch.profiler: GPU time per kernel name, and the share of GEMM kernels
+    (cuBLAS / CUTLASS / nvjet names and our Triton GEMM kernels) in the step's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        _sync(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+
+    def us(e) -> float:  # on the CPU (the script's logic only): self CPU time of each op
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events.sort(key=lambda e: -us(e))
+    total = sum(us(e) for e in events)
+    gemm = sum(
+        us(e)
+        for e in events
+        if any(m in e.key.lower() for m in GEMM_KERNEL_MARKS) and "quant" not in e.key.lower()
+    )
+    launches = sum(e.count for e in events)
+    print(f"  profile {label}: {total / 1e3:.1f} ms of kernel time in {launches} kernels, "
+          f"GEMM kernels {gemm / 1e3:.1f} ms ({100 * gemm / max(total, 1):.0f} %)")  # fmt: skip
+    for e in events[:top]:
+        print(f"    {us(e) / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:100]}")
+    return {"kernel_ms": total / 1e3, "gemm_ms": gemm / 1e3, "kernels": launches}
 
 
 def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
@@ -172,6 +209,8 @@ def parse_args(argv):
     ap.add_argument("--checkpoint-layers", action="store_true", help="activation checkpointing")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="profile one step per preset and print its TOP kernels")
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
     args = ap.parse_args(argv)
     if args.tiny:
