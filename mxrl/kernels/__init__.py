@@ -10,7 +10,7 @@ Importing this package does not import triton (CI has none): the kernels load on
 the triton backend. docs/kernels.md lists each kernel and the reference it matches.
 """
 
-from mxrl.kernels.api import quantize, quantize_mxfp8_both
+from mxrl.kernels.api import dequantize, quantize, quantize_mxfp8_both
 from mxrl.kernels.backend import Backend, select_backend, triton_available
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
@@ -23,6 +23,7 @@ from mxrl.kernels.decode_gemm import (
 __all__ = [
     "Backend",
     "GemmConfig",
+    "dequantize",
     "grouped_low_bit_linear",
     "grouped_low_bit_matmul",
     "low_bit_linear",

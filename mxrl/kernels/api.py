@@ -1,4 +1,6 @@
-"""`mxrl.kernels.quantize`: `mxrl.formats.quantize` on the chosen backend, same bytes.
+"""`mxrl.kernels.quantize`: `mxrl.formats.quantize` on the chosen backend, same bytes; and
+`mxrl.kernels.dequantize`: `mxrl.formats.dequantize(...).to(bfloat16)`, same bytes, without the
+fp32 tensor in between.
 
 The reference backend calls `mxrl.formats.quantize`; the triton backend calls the torch ops of
 `mxrl.kernels.ops` (imported on first use, so that this module imports without triton). Input
@@ -17,6 +19,7 @@ import torch
 
 from mxrl.formats import QTensor
 from mxrl.formats import constants as C
+from mxrl.formats import dequantize as reference_dequantize
 from mxrl.formats import quantize as reference_quantize
 from mxrl.formats.api import _check_input, _parse_format, _raise_if_not_finite
 from mxrl.formats.nvfp4 import _caller_amax
@@ -120,6 +123,56 @@ def quantize_mxfp8_both(
         QTensor(q_row, s_row.view(e8m0), C.Format.MXFP8, x.shape),
         QTensor(q_col, s_col.view(e8m0), C.Format.MXFP8, x.shape, axis=col_axis),
     )
+
+
+def dequantize(
+    q: QTensor,
+    *,
+    global_scale: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    backend: Backend | str | None = None,
+) -> torch.Tensor:
+    """`mxrl.formats.dequantize(q, global_scale=global_scale).to(dtype)`, bit for bit.
+
+    The triton backend writes bf16 straight from the packed bytes (one read, one 2-byte write
+    per element) for mxfp8 row-wise and column-wise (dim -2) copies, nvfp4 (with or without its
+    global scale) and fp8_block blocks that divide the tensor; other dtypes and layouts (an
+    mxfp8 copy along another axis, fp8_block blocks that overhang the tensor) run the reference:
+    the same bytes, without the speed."""
+    chosen = select_backend(backend, q.device)
+    fmt = q.fmt
+    shape = list(q.shape)
+    if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(shape) >= 1:
+        block = _dequant_block(q)
+        if block is not None:
+            s_dec = None
+            if fmt is C.Format.NVFP4 and global_scale:
+                from mxrl.formats import decode_global_scale
+
+                s_dec = decode_global_scale(q)
+            scale = q.scale if fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
+            code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[fmt]
+            return _ops().dequantize_bf16(q.qdata, scale, s_dec, code, shape, *block)
+    return reference_dequantize(q, global_scale=global_scale).to(dtype)
+
+
+def _dequant_block(q: QTensor) -> tuple[int, int] | None:
+    """(rows, cols) of one scale block in the [prod(shape[:-1]), K] view, or None where the
+    kernel does not take the layout."""
+    k = q.shape[-1]
+    if q.fmt is C.Format.MXFP8:
+        if q.axis in (-1, len(q.shape) - 1):
+            return (1, C.MXFP8_BLOCK)
+        if len(q.shape) >= 2 and q.axis == len(q.shape) - 2:
+            return (C.MXFP8_BLOCK, 1)
+        return None
+    if q.fmt is C.Format.NVFP4:
+        return (1, C.NVFP4_BLOCK)
+    br, bk = q.block
+    rows = q.shape[-2] if len(q.shape) >= 2 else 1
+    if k % bk or rows % br or (br > 1 and len(q.shape) < 2):
+        return None
+    return (br, bk)
 
 
 def _kernel_scale_mode(fmt: C.Format, scale_mode: str | None) -> str:

@@ -10,6 +10,10 @@ view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference'
   quantize_nvfp4(x, global_amax?, per_token) -> (q [..., K/2], s [..., K/16], global_scale)
   quantize_fp8_block(x, block_rows, block_k, ue8m0) -> (q [..., K], sf fp32)
 
+and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
+
+  dequantize_bf16(qdata, scale, decode_scale?, fmt, shape, block_rows, block_k) -> bf16 [shape]
+
 A copy not asked for (rowwise / colwise False) is an empty tensor. Imports triton: load this
 module only through the triton backend.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
+from mxrl.kernels.triton_dequant import launch_dequant
 from mxrl.kernels.triton_fp8_block import launch_fp8_block
 from mxrl.kernels.triton_mxfp8 import launch_mxfp8
 from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
@@ -95,3 +100,27 @@ def quantize_fp8_block(
     r = shape[-2]
     q, sf = launch_fp8_block(x.reshape(-1, r, k), (block_rows, block_k), ue8m0)
     return q.view(shape), sf.view(*shape[:-2], sf.shape[1], k // block_k)
+
+
+@triton_op("mxrl::dequantize_bf16", mutates_args=())
+def dequantize_bf16(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    decode_scale: torch.Tensor | None,
+    fmt: int,
+    shape: list[int],
+    block_rows: int,
+    block_k: int,
+) -> torch.Tensor:
+    """fmt: 0 mxfp8, 1 nvfp4, 2 fp8_block (`triton_dequant.FMT_*`); scale as uint8 codes (or
+    fp32 for fp8_block); decode_scale: NVFP4's fp32 S_dec ([] or [..., 1]) to multiply by, or
+    None; (block_rows, block_k): one scale's block in the [prod(shape[:-1]), K] view."""
+    k = shape[-1]
+    m = qdata.numel() // (k // 2 if fmt == 1 else k) if k else 0
+    rows = None
+    if decode_scale is not None:
+        rows = decode_scale.to(torch.float32).expand(*shape[:-1], 1).reshape(-1).contiguous()
+    out = launch_dequant(
+        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
+    )
+    return out.view(shape)

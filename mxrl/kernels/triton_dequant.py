@@ -1,0 +1,159 @@
+"""Dequantize to bf16 (Triton): one read of the packed bytes, one bf16 write.
+
+Matches `mxrl.formats.dequantize(q, global_scale=...).to(torch.bfloat16)` bit for bit, for
+  mxfp8      row-wise (1x32 along K) and column-wise (32x1 along M) scales;
+  nvfp4      1x16 E4M3 block scales, with or without the FP32 decode scale S_dec per row;
+  fp8_block  fp32 block scales of (1, bk) or (br, bk) blocks that divide the tensor;
+without the fp32 tensor the reference writes and converts. Each element is computed as the
+reference computes it: the element value times its block scale in fp32 (exact: an E4M3 or E2M1
+value times a power of two or an E4M3 scale has few significant bits), times S_dec in fp32 (one
+rounding, as `dequantize_nvfp4`) for NVFP4 with its global scale, then one round to nearest
+even into bf16. HW (CUDA): `cvt.rn.bf16.f32`, which is what torch's CUDA `.to(bfloat16)` runs
+(NaN -> 0x7FFF). Not HW (the interpreter, on CPU tensors): the same rounding on the fp32 bit
+pattern, NaN -> 0x7FC0 as torch's CPU conversion, since the interpreter's float casts are
+NumPy's.
+
+Legend: the logical tensor viewed as [M, K] (leading dims flattened, K contiguous); a scale
+tensor viewed as [M / SR, K / SK] (SR, SK: the block's rows and columns), which holds for every
+layout above because no block crosses a matrix of the flattened leading dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from mxrl.kernels.triton_codecs import e4m3_decode_nonneg, e8m0_to_f32
+
+FMT_MXFP8: tl.constexpr = tl.constexpr(0)
+FMT_NVFP4: tl.constexpr = tl.constexpr(1)
+FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
+NAN: tl.constexpr = tl.constexpr(float("nan"))  # the bf16 store canonicalises every NaN
+SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
+BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)
+
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 256, "num_warps": 4}
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """E4M3 byte (int32 0..255) -> fp32, exact; 0x7F / 0xFF -> NaN, 0x80 -> -0.0."""
+    mag = code & 0x7F
+    value = e4m3_decode_nonneg(mag)
+    value = tl.where(mag == 0x7F, NAN, value)
+    return _with_sign(value, code >= 0x80)
+
+
+@triton.jit
+def _e2m1_decode(code):
+    """E2M1 code (int32 0..15) -> fp32 (0, .5, 1, 1.5, 2, 3, 4, 6; code 8 -> -0.0)."""
+    mag = code & 7
+    exp_m1 = (mag >> 1) - 1  # 0, 1, 2 for 2..3, 4..5, 6..7
+    normal = (((exp_m1 + 127) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    value = tl.where(mag >= 2, normal, mag.to(tl.float32) * 0.5)
+    return _with_sign(value, code >= 8)
+
+
+@triton.jit
+def _with_sign(value, negative):
+    """value with its sign bit set where `negative` (-0.0 for a zero: `-x` lowers to 0 - x)."""
+    bits = value.to(tl.int32, bitcast=True) | tl.where(negative, SIGN_BIT, 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16_bits(value):
+    """fp32 -> bf16 bit pattern (int16) by round to nearest even on the bits; NaN -> 0x7FC0."""
+    bits = value.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, BF16_CPU_NAN, rounded & 0xFFFF).to(tl.int16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dequant_kernel(
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    M,
+    K,
+    FMT: tl.constexpr,
+    SR: tl.constexpr,
+    SK: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    if FMT == FMT_NVFP4:
+        byte = tl.load(q_ptr + rows[:, None] * (K // 2) + (cols // 2)[None, :], mask=mask, other=0)
+        code = (byte.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 0xF
+        value = _e2m1_decode(code)
+    else:
+        code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0)
+        value = _e4m3_decode(code.to(tl.int32))
+    s_offs = (rows // SR)[:, None] * (K // SK) + (cols // SK)[None, :]
+    if FMT == FMT_MXFP8:
+        s_code = tl.load(s_ptr + s_offs, mask=mask, other=127).to(tl.int32)
+        scale = tl.where(s_code == 255, NAN, e8m0_to_f32(s_code))
+    elif FMT == FMT_NVFP4:
+        scale = _e4m3_decode(tl.load(s_ptr + s_offs, mask=mask, other=0x38).to(tl.int32))
+    else:
+        scale = tl.load(s_ptr + s_offs, mask=mask, other=1.0)
+    value = value * scale
+    if HAS_G:
+        value = value * tl.load(g_ptr + rows, mask=rows < M, other=1.0)[:, None]
+    offs = rows[:, None] * K + cols[None, :]
+    if HW:
+        tl.store(out_ptr + offs, value.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(out_ptr + offs, _to_bf16_bits(value), mask=mask)
+
+
+def launch_dequant(
+    qdata_MP: torch.Tensor,
+    scale: torch.Tensor,
+    decode_rows: torch.Tensor | None,
+    fmt: int,
+    m: int,
+    k: int,
+    block: tuple[int, int],
+    *,
+    hw: bool | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """bf16 [M, K] from contiguous packed bytes qdata_MP ([M, K] or [M, K/2] for nvfp4), a
+    contiguous scale of M/SR x K/SK elements (uint8 codes, or fp32 for fp8_block) and, for
+    nvfp4 with its global scale, decode_rows: fp32 [M] S_dec per row."""
+    sr, sk = block
+    assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
+    assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    hw = qdata_MP.is_cuda if hw is None else hw
+    out = torch.empty((m, k), dtype=torch.bfloat16, device=qdata_MP.device)
+    if m == 0 or k == 0:
+        return out
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    wrap_triton(_dequant_kernel)[grid](
+        qdata_MP,
+        scale,
+        decode_rows if decode_rows is not None else scale,  # a dummy unless HAS_G
+        out if hw else out.view(torch.int16),  # not HW: the kernel stores the bf16 bits
+        m,
+        k,
+        FMT=fmt,
+        SR=sr,
+        SK=sk,
+        HAS_G=decode_rows is not None,
+        HW=hw,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"],
+    )
+    return out

@@ -1,0 +1,135 @@
+"""`mxrl.kernels.dequantize` (bf16 straight from the packed bytes) byte for byte against
+`mxrl.formats.dequantize(q).to(torch.bfloat16)` computed on the same device (NaN where the
+reference has NaN; its bits are the bf16 conversion's, see `assert_same_bf16`).
+
+Two tiers run the same checks: the interpreter (marker `triton`, CPU tensors, the kernel's
+integer bf16 rounding) and the GPU (marker `gpu`, the compiled kernel's `cvt.rn.bf16.f32`).
+Inputs: every element byte against every scale code (NaN codes, subnormal products, the largest
+scales), random fp8_block scales down to the bf16 subnormal range, and QTensors from the
+quantizers in the layouts training uses (row-wise and column-wise MXFP8, per-token and
+per-expert NVFP4 with and without the global scale, 1x128 and 128x128 block FP8 on [E, N, K]).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.formats import QTensor, quantize
+from mxrl.formats import dequantize as reference_dequantize
+from mxrl.formats.constants import Format
+from tests import cases
+from tests.kernels import conftest
+from tests.numerics import assert_bytes_equal
+
+pytest.importorskip("triton")
+
+INTERPRETER = pytest.mark.skipif(
+    not conftest.INTERPRETER_READY, reason="the interpreter tier runs without CUDA"
+)
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TIERS = [
+    pytest.param("cpu", marks=[pytest.mark.triton, INTERPRETER], id="interpreter"),
+    pytest.param("cuda", marks=[pytest.mark.gpu, GPU], id="gpu"),
+]
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
+
+
+def _check(q: QTensor, what: str, global_scale: bool = True) -> None:
+    from mxrl.kernels import dequantize
+
+    got = dequantize(q, global_scale=global_scale, backend="triton")
+    want = reference_dequantize(q, global_scale=global_scale).to(torch.bfloat16)
+    assert_same_bf16(got, want, what)
+
+
+def assert_same_bf16(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """NaN exactly where the reference has NaN, every other byte equal. A NaN's bf16 bits are
+    the conversion's, not the contract's: torch's CPU conversion writes 0x7FC0 in its scalar
+    code and 0xFFFF in its AVX2 / AVX-512 code, CUDA's 0x7FFF."""
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
+    assert nan.sum() < want.numel() // 2, f"{what}: mostly NaN, the check would see little"
+    keep = ~nan
+    assert_bytes_equal(got[keep], want[keep], what)
+
+
+def _every_code_and_scale(rows: int, cols: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [rows, cols] where each row holds every byte value (shifted per row), and a row
+    index for the scale codes: row r uses scale code r % 256."""
+    base = torch.arange(cols, dtype=torch.int64) % 256
+    codes = (base[None, :] + 37 * torch.arange(rows)[:, None]) % 256
+    return codes.to(torch.uint8).to(device), torch.arange(rows) % 256
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_mxfp8_every_byte_and_scale(device):
+    codes, s_codes = _every_code_and_scale(256, 256, device)
+    scale = s_codes.to(torch.uint8)[:, None].expand(256, 256 // 32).contiguous()
+    q = QTensor(codes, scale.view(torch.float8_e8m0fnu).to(device), Format.MXFP8, codes.shape)
+    _check(q, "mxfp8 row-wise, every code x every E8M0 scale")
+    col_scale = torch.arange(256 * 8, dtype=torch.int64).reshape(8, 256) % 256
+    col_scale = col_scale.to(torch.uint8).view(torch.float8_e8m0fnu).to(device)
+    q = QTensor(codes, col_scale, Format.MXFP8, codes.shape, axis=0)
+    _check(q, "mxfp8 column-wise, every code x every E8M0 scale")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_nvfp4_every_byte_and_scale(device):
+    packed, s_codes = _every_code_and_scale(256, 128, device)
+    scale = s_codes.to(torch.uint8)[:, None].expand(256, 256 // 16).contiguous()
+    scale = scale.view(torch.float8_e4m3fn).to(device)
+    g = torch.Generator().manual_seed(3)
+    # per-row global scales from tiny to huge: the fp32 product S_dec * value rounds, and lands
+    # in bf16's subnormal range for the small ones
+    exps = torch.randint(-60, 60, (256, 1), generator=g).float()
+    gs = (torch.rand((256, 1), generator=g) + 0.5) * torch.exp2(exps)
+    q = QTensor(packed, scale, Format.NVFP4, (256, 256), global_scale=gs.to(device))
+    _check(q, "nvfp4 per row, with the global scale")
+    _check(q, "nvfp4 per row, without the global scale", global_scale=False)
+    q = QTensor(packed, scale, Format.NVFP4, (256, 256), global_scale=gs[7, 0].to(device))
+    _check(q, "nvfp4 per tensor, with the global scale")
+
+
+@pytest.mark.parametrize("device", TIERS)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), (1, 32)], ids=str)
+def test_fp8_block_every_byte_random_scales(device, block):
+    codes, _ = _every_code_and_scale(256, 256, device)
+    br, bk = block
+    g = torch.Generator().manual_seed(br + bk)
+    n = (256 // br) * (256 // bk)
+    exps = torch.randint(-140, 100, (n,), generator=g).float()
+    sf = ((torch.rand(n, generator=g) + 0.5) * torch.exp2(exps)).reshape(256 // br, 256 // bk)
+    q = QTensor(codes, sf.to(device), Format.FP8_BLOCK, codes.shape)
+    assert q.block == block
+    _check(q, f"fp8_block {block}, every code x random scales")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_quantizer_outputs_in_training_layouts(device):
+    x = cases.randn((4, 64, 256), torch.bfloat16, seed=11, scale=4.0).to(device)
+    x[0, 3, 5] = float("nan")
+    x[1, 7, 9] = float("inf")
+    rows = x.reshape(-1, 256)
+    _check(quantize(rows, "mxfp8"), "mxfp8 row-wise activations")
+    _check(quantize(rows, "mxfp8", axis=0), "mxfp8 column-wise activations")
+    _check(quantize(x, "mxfp8", axis=1), "mxfp8 column-wise [E, N, K] weights")
+    w = torch.nan_to_num(x, nan=0.0, posinf=0.0)
+    token = quantize(w.reshape(-1, 256), "nvfp4", per_token=True)
+    _check(token, "nvfp4 per token")
+    _check(token, "nvfp4 per token, no global scale", global_scale=False)
+    amax = w.abs().amax(dim=(1, 2), keepdim=True).float()
+    expert = quantize(w, "nvfp4", global_amax=amax)
+    _check(expert, "nvfp4 per expert [E, 1, 1]")
+    _check(quantize(w.reshape(-1, 256), "fp8_block", block=(1, 128)), "fp8_block 1x128")
+    _check(quantize(w, "fp8_block", block=(32, 32)), "fp8_block 32x32 on [E, N, K]")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_layouts_the_kernel_does_not_take_run_the_reference(device):
+    """fp8_block blocks that overhang the tensor's rows, mxfp8 blocks along a leading dim: the
+    same bytes, through the reference."""
+    x = cases.randn((100, 256), torch.float32, seed=5).to(device)
+    _check(quantize(x, "fp8_block", block=(128, 128)), "fp8_block overhanging blocks")
+    y = cases.randn((64, 4, 32), torch.float32, seed=6).to(device)
+    _check(quantize(y, "mxfp8", axis=0), "mxfp8 blocks along dim 0 of a 3-D tensor")
