@@ -129,7 +129,10 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     return {"impl": "mxrl", "preset": preset, **got}
 
 
-GEMM_KERNEL_MARKS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "grouped", "scaled_mm", "_kernel_")
+# GEMM kernels by name: cuBLAS (nvjet, xmma), CUTLASS (torch._grouped_mm), our grouped
+# block-FP8 kernel; and the attention kernels (cuDNN / flash SDPA)
+GEMM_KERNEL_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "fp8_block_grouped_kernel")
+ATTENTION_KERNEL_MARKS = ("sdpa", "flash", "fmha")
 
 
 def profile_step(step, device: torch.device, label: str, top: int) -> dict:
@@ -150,17 +153,23 @@ def profile_step(step, device: torch.device, label: str, top: int) -> dict:
 
     events.sort(key=lambda e: -us(e))
     total = sum(us(e) for e in events)
-    gemm = sum(
-        us(e)
-        for e in events
-        if any(m in e.key.lower() for m in GEMM_KERNEL_MARKS) and "quant" not in e.key.lower()
-    )
+
+    def share(marks) -> float:
+        return sum(us(e) for e in events if any(m in e.key.lower() for m in marks))
+
+    gemm, attention = share(GEMM_KERNEL_MARKS), share(ATTENTION_KERNEL_MARKS)
     launches = sum(e.count for e in events)
     print(f"  profile {label}: {total / 1e3:.1f} ms of kernel time in {launches} kernels, "
-          f"GEMM kernels {gemm / 1e3:.1f} ms ({100 * gemm / max(total, 1):.0f} %)")  # fmt: skip
+          f"GEMM kernels {gemm / 1e3:.1f} ms ({100 * gemm / max(total, 1):.0f} %), "
+          f"attention {attention / 1e3:.1f} ms")  # fmt: skip
     for e in events[:top]:
         print(f"    {us(e) / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:100]}")
-    return {"kernel_ms": total / 1e3, "gemm_ms": gemm / 1e3, "kernels": launches}
+    return {
+        "kernel_ms": total / 1e3,
+        "gemm_ms": gemm / 1e3,
+        "attention_ms": attention / 1e3,
+        "kernels": launches,
+    }
 
 
 def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
@@ -209,8 +218,13 @@ def parse_args(argv):
     ap.add_argument("--checkpoint-layers", action="store_true", help="activation checkpointing")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
-                    help="profile one step per preset and print its TOP kernels")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="profile one step per preset and print its TOP kernels",
+    )
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
     args = ap.parse_args(argv)
     if args.tiny:

@@ -29,6 +29,7 @@ import torch
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import Backend, quantize_mxfp8_both
+from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
@@ -41,21 +42,22 @@ FP8_GEMM_BLOCK = 128
 
 @dataclass(frozen=True)
 class TensorCoreWeight:
-    """One quantized weight as the tensor-core GEMMs take it (no fp32 copy is kept).
+    """One quantized weight as the tensor-core GEMMs take it: its packed bytes, no bf16 copy.
 
-    q:     the QTensor (the contract bytes) for block FP8, whose GEMMs take the codes and block
-           scales; None for MXFP8 / NVFP4, whose GEMMs read only `lp` (`lp` holds the same
-           values, so keeping the QTensor too would cost 8.25 / 4.5 bits per weight for nothing:
-           the weight cache lives from one optimizer step to the next).
-    lp:    bf16, dequantized without the NVFP4 global scale (exact); None for block FP8.
-    s_dec: NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
-    col:   bf16 dequantized column-wise MXFP8 copy (quantized backward); else None.
+    q:       the QTensor (the contract bytes: 8.25 / 4.5 / ~8 bits per weight), kept from one
+             optimizer step to the next; the bf16 operands below are written from it by
+             `mxrl.kernels.dequantize` (one read of the bytes, one bf16 write) when a GEMM
+             needs them and freed after it, instead of a bf16 copy of every weight held for
+             the whole step (2 bytes per weight beside the fp32 master and its gradient).
+    s_dec:   NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
+    col:     the column-wise MXFP8 QTensor (quantized backward); else None.
+    backend: the kernels that dequantize (triton on CUDA; the reference elsewhere).
     """
 
-    q: QTensor | None
-    lp: torch.Tensor | None
+    q: QTensor
     s_dec: torch.Tensor | None
-    col: torch.Tensor | None = None
+    col: QTensor | None = None
+    backend: Backend = Backend.REFERENCE
 
     @classmethod
     def build(
@@ -73,25 +75,28 @@ class TensorCoreWeight:
         col = None
         if with_col:
             kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
-            col = dequantize(kernel_quantize(w, spec.format, **kwargs, backend=backend)).to(BF16)
-        if spec.format is Format.FP8_BLOCK:
-            return cls(q=q, lp=None, s_dec=None, col=col)
-        lp = dequantize(q, global_scale=False).to(BF16)
-        return cls(q=None, lp=lp, s_dec=decode_global_scale(q), col=col)
+            col = kernel_quantize(w, spec.format, **kwargs, backend=backend)
+        return cls(q=q, s_dec=decode_global_scale(q), col=col, backend=backend)
+
+    def lp(self) -> torch.Tensor:
+        """bf16 lp(Qw(w)): dequantized without the NVFP4 global scale (exact in bf16)."""
+        return to_bf16(self.q, self.backend, global_scale=False)
 
     def deq_bf16(self) -> torch.Tensor:
-        """deq(Qw(w)) in bf16 (the dequantized backward's operand), built when asked."""
-        if self.lp is None:
-            assert self.q is not None
-            return dequantize(self.q).to(BF16)
-        if self.s_dec is None:
-            return self.lp
-        # fl_bf16(lp * s_dec) with the product in fp32, written straight to bf16: no fp32 copy
-        # of the weight (for a layer's experts ~1.6 GB at Qwen3-30B-A3B shapes). A [] scale is
-        # given a dim so that it promotes the product to fp32 (a 0-dim fp32 scale beside a bf16
-        # tensor would be rounded to bf16 first).
-        s = self.s_dec if self.s_dec.dim() else self.s_dec.reshape([1] * self.lp.dim())
-        return torch.mul(self.lp, s, out=torch.empty_like(self.lp))
+        """deq(Qw(w)) in bf16 (the dequantized backward's operand): fl_bf16 of the fp32
+        dequantized value, the NVFP4 global scale included."""
+        return to_bf16(self.q, self.backend)
+
+    def col_bf16(self) -> torch.Tensor:
+        """The column-wise MXFP8 copy dequantized in bf16 (exact)."""
+        assert self.col is not None, "quantized backward needs the column-wise weight copy"
+        return to_bf16(self.col, self.backend)
+
+
+def to_bf16(q: QTensor, backend: Backend, global_scale: bool = True) -> torch.Tensor:
+    """`dequantize(q, global_scale=...).to(bf16)`, written straight to bf16 on the triton
+    backend (`mxrl.kernels.dequantize`: no fp32 tensor in between, the same bytes)."""
+    return kernel_dequantize(q, global_scale=global_scale, backend=backend)
 
 
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
@@ -119,14 +124,12 @@ def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.T
             from mxrl.kernels.fp8_gemm import fp8_block_matmul
 
             return fp8_block_matmul(xq, tw.q, out_dtype=torch.float32)
-        assert tw.q is not None
         return emulated_gemm(dequantize(xq), dequantize(tw.q))
-    assert tw.lp is not None
     s_w = tw.s_dec
     if s_w is not None and s_w.dim():
         s_w = s_w.reshape(1, -1)  # per-row [N, 1] -> a column scale of the output
-    lp_x = dequantize(xq, global_scale=False).to(BF16)
-    return apply_global_scales(mm_f32(lp_x, tw.lp.t()), decode_global_scale(xq), s_w)
+    lp_x = to_bf16(xq, tw.backend, global_scale=False)
+    return apply_global_scales(mm_f32(lp_x, tw.lp().t()), decode_global_scale(xq), s_w)
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -165,14 +168,13 @@ class TensorCoreQMatmul(torch.autograd.Function):
             w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)
         elif ctx.mode is Backward.DEQUANTIZED:
             w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = dequantize(ctx.xq).to(BF16)
+            x_op = to_bf16(ctx.xq, ctx.backend)
         else:
-            assert tw.col is not None, "quantized backward needs the column-wise weight copy"
             row, col = quantize_mxfp8_both(pad_rows(dy, MXFP8_BLOCK), backend=ctx.backend)
-            w_op = tw.col
-            dy_op = dequantize(row)[:rows].to(BF16)
-            dyt_op = dequantize(col)[:rows].to(BF16)
-            x_op = dequantize(ctx.x_col)[:rows].to(BF16)
+            w_op = tw.col_bf16()
+            dy_op = to_bf16(row, ctx.backend)[:rows]
+            dyt_op = to_bf16(col, ctx.backend)[:rows]
+            x_op = to_bf16(ctx.x_col, ctx.backend)[:rows]
         dx = mm_f32(dy_op, w_op).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = mm_f32(dyt_op.t(), x_op).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None

@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrl.formats import decode_global_scale, dequantize
+from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels import quantize_mxfp8_both
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.nn import invariant
-from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
+from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation, to_bf16
 from mxrl.nn.gemm import grouped_mm
 from mxrl.recipe import Backward, TensorSpec
 
@@ -141,8 +141,8 @@ class GroupedLinear(torch.autograd.Function):
             offsets = torch.cat([layout.ends.new_zeros(1), layout.ends])
             y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, block_m=64)
         else:
-            lp_x = dequantize(xq, global_scale=False).to(BF16)
-            y = grouped_mm(lp_x, tw.lp.transpose(-2, -1), layout.ends)
+            lp_x = to_bf16(xq, backend, global_scale=False)
+            y = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends)
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
             if scale is not None:
                 y = (y.float() * scale).to(BF16)
@@ -169,15 +169,15 @@ class GroupedLinear(torch.autograd.Function):
             w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
         elif ctx.mode is Backward.DEQUANTIZED:
             w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = dequantize(ctx.xq).to(BF16)
+            x_op = to_bf16(ctx.xq, ctx.backend)
         else:
-            assert tw is not None and tw.col is not None, "quantized backward needs the col copy"
+            assert tw is not None, "quantized backward needs the quantized weight"
             pad: PaddedLayout = ctx.padded
             row, col = quantize_mxfp8_both(pad.scatter(dy), backend=ctx.backend)
-            w_op = tw.col
-            dy_op = dequantize(row).index_select(0, pad.dest).to(BF16)
-            dyt_op = dequantize(col).to(BF16)
-            x_op = dequantize(ctx.x_col).to(BF16)
+            w_op = tw.col_bf16()
+            dy_op = to_bf16(row, ctx.backend).index_select(0, pad.dest)
+            dyt_op = to_bf16(col, ctx.backend)
+            x_op = to_bf16(ctx.x_col, ctx.backend)
             ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
         dx = dw = None
         if ctx.needs_input_grad[0]:

@@ -98,3 +98,64 @@ def test_quantized_backward_triton_equals_reference_under_interpreter(monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_backward_triton_equals_reference_on_cuda(monkeypatch, rows, dtype):
     _check_backends_agree(monkeypatch, "cuda", rows, dtype)
+
+
+# --- the tensor-core path: the triton backend also writes the bf16 operands ---------------------
+def _tensor_core_grads(fmt: str, mode: str, backend: Backend, calls: list):
+    """y, dx, dw of the tensor-core dense op and of the grouped experts' two projections."""
+    from tests.nn import test_qmatmul as tq
+    from tests.nn.test_fast import _module
+
+    lin = tq.make_linear(fmt, mode)
+    q = QLinear.from_linear(nn.Linear(tq.K, tq.N, bias=False), lin.spec, mode, backend=backend)
+    q.weight = lin.weight
+    q.gemm_choice = "tensor_core"
+    x, dy = tq.inputs()
+    x = x.clone().requires_grad_(True)
+    with torch.no_grad():
+        q(x)  # quantizes and caches the weight
+    calls.clear()
+    y = q(x)
+    y.backward(dy.to(torch.bfloat16).float())
+    out = [y.detach(), x.grad, q.weight.grad]
+    experts, module = _module(fmt, mode, backend=backend.value)
+    module.gemm_choice = "tensor_core"
+    g = torch.Generator().manual_seed(9)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(21)])
+    h = torch.randn(21, experts.hidden_size, generator=g).requires_grad_(True)
+    weights = torch.rand(21, 2, generator=g)
+    o = module(h, ids, weights)
+    o.backward(torch.randn(o.shape, generator=g).to(o.dtype))
+    return [*out, o.detach(), h.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(
+    not kernels_conftest.INTERPRETER_READY,
+    reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton is "
+    "imported (pytest tests/nn, or TRITON_INTERPRET=1 pytest)",
+)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
+@pytest.mark.parametrize(
+    ("fmt", "mode"), [("mxfp8", "quantized"), ("mxfp8", "dequantized"), ("nvfp4", "dequantized")]
+)
+def test_tensor_core_path_triton_equals_reference_under_interpreter(monkeypatch, fmt, mode):
+    """Forward and every gradient of the tensor-core dense op and grouped experts are the same
+    bits whether the reference or the triton kernels quantize and write the bf16 operands
+    (`mxrl.kernels.dequantize`); a spy checks the dequantize op ran."""
+    from mxrl.kernels import ops
+
+    want = _tensor_core_grads(fmt, mode, Backend.REFERENCE, [])
+    calls: list = []
+    original = ops.dequantize_bf16
+
+    def spy(*args):
+        calls.append(args[3])
+        return original(*args)
+
+    monkeypatch.setattr(ops, "dequantize_bf16", spy)
+    got = _tensor_core_grads(fmt, mode, Backend.TRITON, calls)
+    names = ("y", "dx", "dw", "experts out", "experts dx", "gate_up dw", "down dw")
+    for name, a, b in zip(names, got, want, strict=True):
+        assert_bytes_equal(a, b, f"{fmt} {mode} {name}")
+    assert calls, "the triton backend did not run the dequantize kernel"

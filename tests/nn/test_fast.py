@@ -77,19 +77,23 @@ def test_dense_tensor_core_forward_is_the_reference_bitwise(fmt, acts, mode):
 
 
 @pytest.mark.parametrize(("fmt", "mode"), [("mxfp8", "quantized"), ("nvfp4", "dequantized")])
-def test_cached_weight_keeps_only_the_gemm_operands(fmt, mode):
-    """The weight cache (kept from one optimizer step to the next) holds the bf16 operands and
-    the NVFP4 decode scale, not the QTensor too: MXFP8 / NVFP4 GEMMs read only `lp`, which holds
-    the QTensor's values exactly."""
+def test_cached_weight_keeps_only_the_packed_bytes(fmt, mode):
+    """The weight cache (kept from one optimizer step to the next) holds the QTensors, not a
+    bf16 copy of the weight: 8.25 / 4.5 bits per weight (+ 8.25 for MXFP8's column-wise copy)
+    instead of 16 (+ 16); the GEMM operands it writes on demand equal the reference path's."""
     q = make_linear(fmt, mode)
     tw = q.tensor_core_weight()
-    assert tw.q is None
+    held = [tw.q] + ([tw.col] if tw.col is not None else [])
+    numel = q.weight.numel()
+    held_bytes = sum(t.nbytes for t in held) + (tw.s_dec.numel() * 4 if tw.s_dec is not None else 0)
+    bits = {"mxfp8": 8.25 * len(held), "nvfp4": 4.5}[fmt]
+    assert held_bytes <= numel * bits / 8 + 64, (held_bytes, numel)
     wq = q.quantized_weight()  # the reference path's operands of the same weight (fp32)
-    assert_bytes_equal(tw.lp, wq.lp.to(BF16), "lp")
-    if fmt == "nvfp4":
-        assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), "deq")
-    else:
+    assert_bytes_equal(tw.lp(), wq.lp.to(BF16), "lp")
+    assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), "deq")
+    if fmt == "mxfp8":
         assert tw.col is not None and tw.s_dec is None
+        assert_bytes_equal(tw.col_bf16(), wq.col.to(BF16), "col")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
@@ -129,7 +133,7 @@ def test_cached_expert_weight_dequantizes_exactly():
     _, q = _module("nvfp4", "dequantized")
     for which in ("gate_up", "down"):
         tw, wq = q._tensor_core(which), q._quantized(which)
-        assert tw.q is None and tw.s_dec is not None and tw.s_dec.dim() == 3
+        assert tw.s_dec is not None and tw.s_dec.dim() == 3
         assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), which)
 
 
