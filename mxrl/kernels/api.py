@@ -156,6 +156,15 @@ def dequantize(
     return reference_dequantize(q, global_scale=global_scale).to(dtype)
 
 
+def to_float32(x: torch.Tensor, *, backend: Backend | str | None = None) -> torch.Tensor:
+    """x.to(torch.float32), the same bits; for a bf16 x on the triton backend one copy-speed
+    kernel (`triton_dequant.launch_widen_bf16`) instead of torch's generic casting loop."""
+    chosen = select_backend(backend, x.device)
+    if chosen is Backend.REFERENCE or x.dtype != torch.bfloat16:
+        return x.to(torch.float32)
+    return _ops().widen_bf16(x)
+
+
 def _dequant_block(q: QTensor) -> tuple[int, int] | None:
     """(rows, cols) of one scale block in the [prod(shape[:-1]), K] view, or None where the
     kernel does not take the layout."""

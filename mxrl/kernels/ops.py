@@ -13,6 +13,7 @@ view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference'
 and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
 
   dequantize_bf16(qdata, scale, decode_scale?, fmt, shape, block_rows, block_k) -> bf16 [shape]
+  widen_bf16(x bf16) -> fp32, exact (bf16 values are fp32 values)
 
 A copy not asked for (rowwise / colwise False) is an empty tensor. Imports triton: load this
 module only through the triton backend.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
-from mxrl.kernels.triton_dequant import launch_dequant
+from mxrl.kernels.triton_dequant import launch_dequant, launch_widen_bf16
 from mxrl.kernels.triton_fp8_block import launch_fp8_block
 from mxrl.kernels.triton_mxfp8 import launch_mxfp8
 from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
@@ -124,3 +125,10 @@ def dequantize_bf16(
         qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
     )
     return out.view(shape)
+
+
+@triton_op("mxrl::widen_bf16", mutates_args=())
+def widen_bf16(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"mxrl::widen_bf16 takes bfloat16, got {x.dtype}")
+    return launch_widen_bf16(x.contiguous())

@@ -29,7 +29,7 @@ import torch
 from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import quantize as kernel_quantize
-from mxrl.kernels import quantize_mxfp8_both
+from mxrl.kernels import quantize_mxfp8_both, to_float32
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.nn import invariant
@@ -181,10 +181,18 @@ class GroupedLinear(torch.autograd.Function):
             ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm(dy_op, w_op, lay.ends).to(ctx.x_dtype)
+            dx = _widen(grouped_mm(dy_op, w_op, lay.ends), ctx.x_dtype, ctx.backend)
         if ctx.needs_input_grad[1]:
-            dw = grouped_mm(dyt_op.t(), x_op, ends).to(ctx.w_dtype)
+            dw = _widen(grouped_mm(dyt_op.t(), x_op, ends), ctx.w_dtype, ctx.backend)
         return dx, dw, None, None, None, None, None
+
+
+def _widen(t_bf16: torch.Tensor, dtype: torch.dtype, backend) -> torch.Tensor:
+    """A grouped GEMM's bf16 output in the gradient's dtype: to fp32 (an fp32 master's weight
+    gradient, the largest tensors of the step) by the copy-speed kernel on the triton backend."""
+    if dtype == torch.float32:
+        return to_float32(t_bf16, backend=backend)
+    return t_bf16.to(dtype)
 
 
 def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:

@@ -133,3 +133,13 @@ def test_layouts_the_kernel_does_not_take_run_the_reference(device):
     _check(quantize(x, "fp8_block", block=(128, 128)), "fp8_block overhanging blocks")
     y = cases.randn((64, 4, 32), torch.float32, seed=6).to(device)
     _check(quantize(y, "mxfp8", axis=0), "mxfp8 blocks along dim 0 of a 3-D tensor")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_widen_bf16_is_the_conversion_bit_for_bit(device):
+    from mxrl.kernels import to_float32
+
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = torch.cat([every, every[:4100]]).reshape(-1, 7).to(device)  # a ragged last block
+    got = to_float32(x, backend="triton")
+    assert_bytes_equal(got, x.to(torch.float32), "every bf16 value, NaN payloads included")
