@@ -19,9 +19,14 @@ cuda:0 -> cuda:1 and a raw NCCL broadcast of the same size), the peak memory the
 beyond what trainer and engine hold, and the share of each stage, each timed alone and
 synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on receive),
 transfer (--nccl: a raw broadcast of the payload bytes; in-process: none, records are handed over
-by reference) and load (`load_weights` less its checksum: the copy into the engine's buffers and
-the GEMM operands derived from them). The 48-layer row scales the sync time by the engine bytes
-of a 48-layer plan (resolved on the full model's shapes, bytes per format by formula).
+by reference) and load (`load_weights` of records verified already, as the distributed receiver
+hands them: the copy into the engine's buffers and the GEMM operands derived from them). The
+shares are of the stages' work, not of the sync's wall time where stages overlap: in --nccl mode
+the receiver checksums bucket k while bucket k+1 is on the wire, so the row also gives what of
+its checksum the transfer did not hide, from `DistributedReceiver.timings` (the last payload's
+arrival to the last checksum compared): `receiver_checksum_tail_s` and its share of the sync.
+The 48-layer row scales the sync time by the engine bytes of a 48-layer plan (resolved on the
+full model's shapes, bytes per format by formula).
 Writes the `sync` (in-process) or `sync_nccl` section of the results JSON.
 """
 
@@ -51,7 +56,13 @@ from mxrl.formats.constants import Format  # noqa: E402
 from mxrl.models import CausalLM, ModelConfig, build_model  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 from mxrl.sync import InProcessTransport  # noqa: E402
-from mxrl.weights import WeightRecord, checksums, export, quantized_values  # noqa: E402
+from mxrl.weights import (  # noqa: E402
+    WeightRecord,
+    checksums,
+    export,
+    quantized_values,
+    verified_records,
+)
 
 DEFAULT_PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized", "fp8-block")
 FULL_LAYERS = 48
@@ -145,12 +156,14 @@ def breakdown(model, engine: Engine, device, repeats: int) -> dict:
     t_checksum = timed(lambda: checksums([v for _, v in values]), device, repeats)
     sums = checksums([v for _, v in values])
     records = [WeightRecord(n, v, s) for (n, v), s in zip(values, sums, strict=True)]
-    t_load = timed(lambda: engine.load_weights(records, plan.hash()), device, repeats)
+    verified = verified_records(records, sums)  # what the distributed receiver hands over
+    t_load = timed(lambda: engine.load_weights(verified, plan.hash()), device, repeats)
+    t_load_checked = timed(lambda: engine.load_weights(records, plan.hash()), device, repeats)
     return {
         "quantize_s": t_quantize,
         "checksum_s": t_checksum,  # one pass; a sync runs two (send, receive)
-        "load_s": max(t_load - t_checksum, 0.0),
-        "load_with_checksum_s": t_load,
+        "load_s": t_load,
+        "load_with_checksum_s": t_load_checked,
     }
 
 
@@ -305,12 +318,15 @@ def nccl(args) -> dict | None:
                 end.send(exp)
         else:
             end = DistributedReceiver(engine, src=0)
+            tails: list[float] = []
 
-            def once(sqnr=False, end=end):
+            def once(sqnr=False, end=end, tails=tails):
                 dist.barrier()
                 end.receive()
+                tails.append(end.timings["verified"] - end.timings["arrived"])
 
         seconds = timed(once, device, args.repeats)
+        tail = statistics.median(tails[1:]) if rank == 1 else None  # the timed runs
         seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
         peak = peak_extra(once, device)
         engine_bytes = sum(r.nbytes for r in engine.records())
@@ -322,6 +338,9 @@ def nccl(args) -> dict | None:
         base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_broadcast"]["gbps"]
         row = row_common(preset, engine, seconds, seconds_sqnr, stages, transfer, peak, base, args)
         row["rank"] = rank
+        if tail is not None:
+            row["receiver_checksum_tail_s"] = tail
+            row["receiver_checksum_tail_share"] = tail / seconds
         gathered = [None, None]
         dist.all_gather_object(gathered, {"row": row, "bandwidth": bandwidth})
         if rank == 0:
@@ -337,12 +356,18 @@ def nccl(args) -> dict | None:
                     "ratio_to_p2p_copy": sender["gbps"] / p2p,
                     "ratio_to_nccl_broadcast": sender["gbps"] / bandwidth["nccl_broadcast"]["gbps"],
                     "sync_s_48_layers": sender["sync_s_48_layers"],
+                    "receiver_checksum_tail_share": receiver["receiver_checksum_tail_share"],
                     "sender": sender,
                     "receiver": receiver,
                 }
             )
             print_row(sender)
-            print(f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s)")
+            print(
+                f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s); "
+                "receiver checksum after the last payload "
+                f"{receiver['receiver_checksum_tail_s'] * 1e3:.2f} ms "
+                f"({receiver['receiver_checksum_tail_share']:.0%} of its sync)"
+            )
         del engine, end
         gc.collect()
         torch.cuda.empty_cache()

@@ -16,7 +16,7 @@ from torch import nn
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
-from mxrl.weights import WeightRecord, WeightValue, checksums
+from mxrl.weights import VerifiedRecord, WeightRecord, WeightValue, checksums, verified_records
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ class WeightLoading:
         """Verify, then load, a set of exported weights; returns the new weights_version.
 
         All or nothing: the plan hash, every record (known name, format and shape per the
-        plan, its checksum recomputed on the device holding it, once) and, unless `partial`,
+        plan, its checksum recomputed on the device holding it, once; a `VerifiedRecord` was
+        checksummed in this process already and is not computed again) and, unless `partial`,
         the presence of every tensor of the plan are checked before any byte of the live
         weights is written; any failure raises ValueError and the previous weights keep
         serving. Then each tensor is copied into the buffers the engine already holds (same
@@ -127,14 +128,10 @@ class WeightLoading:
                     f"incomplete update: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
                     "the engine keeps its previous weights"
                 )
-        sums = checksums([r.value for r in received.values()])  # one host read per device
-        bad = [r.name for r, s in zip(received.values(), sums, strict=True) if s != r.hash]
-        if bad:
-            raise ValueError(
-                f"{bad[0]}: checksum mismatch (corrupted in transit or on disk)"
-                + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
-                + "; the engine keeps its previous weights"
-            )
+        # each checksum once: records verified in this process already (VerifiedRecord, e.g.
+        # by DistributedReceiver as their bucket arrived) are not computed again
+        todo = [r for r in received.values() if not isinstance(r, VerifiedRecord)]
+        verified_records(todo, checksums([r.value for r in todo]))  # one host read per device
         # staged before any live byte is written: what cannot be loaded in place
         replaced: dict[str, tuple] = {}
         for name, record in received.items():

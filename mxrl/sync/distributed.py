@@ -8,33 +8,47 @@ Every rank of `group` takes part: `src` sends, all others receive (gloo on CPU t
 the current CUDA device). The sender quantizes bucket k+1 while bucket k is on the wire: on CUDA
 the export and the packing run on a side stream and the payload broadcast is asynchronous, with
 at most two payloads alive (the one in transfer, the one being built); on gloo / CPU the steps
-run one after the other. Per bucket, three broadcasts from `src`:
+run one after the other. Per bucket, two broadcasts from `src` (wire version 3):
 
-1. meta, int64[8]: wire version, flags (1 = last bucket, 2 = the sender aborted), header length,
-   payload length, and the sha256 of the header (4 x int64). Fixed size, so a receiver always
-   knows how much follows, even when it cannot use what arrives.
-2. header, uint8[header length]: JSON of the bucket (index, last, num_buckets, plan hash, step,
-   the QuantizationEvent on the last bucket) and of each record: name, checksum, and its
-   fields (QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and
-   byte count in the payload.
-3. payload, one flat uint8 bucket: every field's bytes, each at a 16-byte-aligned offset.
+1. meta, uint8[META_BYTES = 64 KiB], fixed size, so a receiver always knows how much follows,
+   even when it cannot use what arrives: int64[4] (little-endian) wire version, flags (1 = last
+   bucket, 2 = the sender aborted), header length, payload length; the sha256 of the header (32
+   bytes); then the header itself when it fits the remaining META_BYTES - 64 bytes (zero-padded).
+   A longer header follows as a broadcast of its own, uint8[header length].
+2. payload, one flat uint8 bucket: every field's bytes, each at a 16-byte-aligned offset.
 
-Engine ranks rebuild `WeightRecord`s (`QTensor.from_state_dict`) as views of the payload, on
-their device and, after the last bucket, load them with ONE `Engine.load_weights` call
-(`transport.apply_update`), which recomputes every checksum there and copies into the engine's
-buffers. A receiver keeps receiving to the last bucket even after an
-error, so the collectives stay in step; then all ranks all-gather (failed, weights_version), and a
-refusal on any engine rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update leaves each engine
-rank on its previous weights.
+The header is the JSON of the bucket (index, last, num_buckets, plan hash, step, the
+QuantizationEvent on the last bucket) and of each record: name, checksum, and its fields
+(QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and byte
+count in the payload. (Wire 2 sent the meta as int64[8] and the header always on its own.)
+
+The receive pipeline: one host round trip per bucket, reading its meta (with the header inline).
+The payload's receive is then queued without waiting for it, the bucket's records are rebuilt as
+views of the payload (`QTensor.from_state_dict`, on the rank's device), and their checksums are
+queued behind the payload (CUDA: on a side stream, their 64 bytes per field copied to pinned
+host memory behind an event; gloo / CPU: computed at once), before the next bucket's meta is
+received: bucket k is verified while bucket k+1 is on the wire. The meta of bucket k+1 travels
+behind payload k (one communicator, one stream), so that host read is also where payload k has
+landed. After the last bucket the receiver reads the digests (only the last bucket's can still
+be running), compares every record's checksum with the one it carries, and hands the records to
+ONE `Engine.load_weights` call (`transport.apply_update`) as `VerifiedRecord`s, which it does not
+checksum again (once on send, once on receive), before it copies anything into the engine's
+buffers. A receiver keeps receiving to the last bucket even after an error, so the collectives
+stay in step; then all ranks all-gather (failed, weights_version), and a refusal on any engine
+rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update
+leaves each engine rank on its previous weights. Memory: every payload of the update (all or
+nothing), plus the checksums' workspace of the buckets being verified (1/32 of their bytes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,14 +60,25 @@ import torch.distributed as dist
 from mxrl.engine import Engine
 from mxrl.formats import QTensor
 from mxrl.sync.transport import SyncReport, apply_update
-from mxrl.weights import Bucket, Export, QuantizationEvent, WeightRecord
+from mxrl.weights import (
+    Bucket,
+    Export,
+    PendingChecksums,
+    QuantizationEvent,
+    WeightRecord,
+    verified_records,
+)
 
 logger = logging.getLogger(__name__)
 
-WIRE_VERSION = 2  # 2: records carry mxrl.weights checksums (1: sha256 content hashes)
+# 3: the header inline in a fixed 64 KiB meta; 2: records carry mxrl.weights checksums (meta
+# int64[8], header on its own); 1: sha256 content hashes
+WIRE_VERSION = 3
 FLAG_LAST = 1
 FLAG_ABORT = 2
-_META_LEN = 8
+META_BYTES = 64 * 1024  # the meta broadcast: _HEAD_BYTES, then the header if it fits
+_HEAD = struct.Struct("<4q32s")  # wire version, flags, header length, payload length, sha256
+_HEAD_BYTES = _HEAD.size  # 64
 _ALIGN = 16
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -171,9 +196,18 @@ def _record(r: dict[str, Any], payload: torch.Tensor) -> WeightRecord:
 
 
 def _meta(flags: int, header: bytes, payload_len: int, device: torch.device) -> torch.Tensor:
-    digest = torch.frombuffer(bytearray(hashlib.sha256(header).digest()), dtype=torch.int64)
-    head = torch.tensor([WIRE_VERSION, flags, len(header), payload_len], dtype=torch.int64)
-    return torch.cat([head, digest]).to(device)
+    """The meta of one bucket (module docstring), uint8[META_BYTES] on `device`."""
+    meta = bytearray(META_BYTES)
+    digest = hashlib.sha256(header).digest()
+    _HEAD.pack_into(meta, 0, WIRE_VERSION, flags, len(header), payload_len, digest)
+    if _inline(len(header)):
+        meta[_HEAD_BYTES : _HEAD_BYTES + len(header)] = header
+    return torch.frombuffer(meta, dtype=torch.uint8).to(device)
+
+
+def _inline(header_len: int) -> bool:
+    """Whether a header of this length travels inside the meta."""
+    return header_len <= META_BYTES - _HEAD_BYTES
 
 
 def _comm_device(group: dist.ProcessGroup | None, device: torch.device | str | None):
@@ -255,7 +289,10 @@ class DistributedSender:
                 self.tamper(bucket.index, payload)
             flags = FLAG_LAST if bucket.last else 0
             self._broadcast(_meta(flags, header, payload.numel(), self.device))
-            self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
+            if not _inline(len(header)):
+                self._broadcast(
+                    torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
+                )
             if payload.numel():
                 inflight.append((self._broadcast(payload, async_op=True), payload))
             self._finish(inflight, keep=1)  # bounded memory: one in transfer, one being built
@@ -303,45 +340,82 @@ class DistributedReceiver:
             raise ValueError(f"DistributedReceiver runs on engine ranks, not on src={src}")
         self.engine, self.group, self.src = engine, group, src
         self.device = _comm_device(group, device)
+        self.timings: dict[str, float] = {}  # of the last receive() (its docstring)
 
     def _receive(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Queue the receive of one broadcast (on CUDA the host does not wait for it)."""
         t = torch.empty(numel, dtype=dtype, device=self.device)
         if numel:
             dist.broadcast(t, src=self.src, group=self.group)
         return t
 
+    def _receive_meta(self) -> tuple[int, bytes, bytes, int]:
+        """(flags, header, the header's sha256 as sent, payload length) of the next bucket: the
+        one host round trip of a bucket (two when its header does not fit the meta)."""
+        meta = self._receive(META_BYTES, torch.uint8).cpu().numpy().tobytes()
+        wire, flags, header_len, payload_len, digest = _HEAD.unpack_from(meta)
+        if wire != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
+            raise ValueError(
+                f"the sender speaks sync wire version {wire}, this rank {WIRE_VERSION}: "
+                "run one mxrl version on every rank"
+            )
+        if flags & FLAG_ABORT:
+            raise ValueError("the trainer aborted the update; the engine keeps its weights")
+        if _inline(header_len):
+            header = meta[_HEAD_BYTES : _HEAD_BYTES + header_len]
+        else:
+            header = self._receive(header_len, torch.uint8).cpu().numpy().tobytes()
+        return flags, header, digest, payload_len
+
+    def _check(
+        self, bucket: Bucket, payload: torch.Tensor, side: torch.cuda.Stream | None
+    ) -> PendingChecksums:
+        """Start the checksums of a bucket's records (views of `payload`): on CUDA queued on
+        `side` behind the payload's receive, no host wait; on the CPU computed now."""
+        values = [r.value for r in bucket.records]
+        if side is None:
+            return PendingChecksums(values)
+        side.wait_stream(torch.cuda.current_stream(self.device))  # behind the payload
+        if payload.numel():
+            payload.record_stream(side)  # alive until the checksums have read it
+        with torch.cuda.stream(side):
+            return PendingChecksums(values)
+
     def receive(self) -> SyncReport:
-        """Block until one whole update has arrived, then verify and load it. Raises ValueError
-        (weights unchanged) for a refused update, after every rank has agreed on the outcome."""
+        """Block until one whole update has arrived, verified and loaded. Raises ValueError
+        (weights unchanged) for a refused update, after every rank has agreed on the outcome.
+        `self.timings` then holds seconds since the call: `arrived` (the last payload is on
+        this rank), `verified` (every checksum compared), `loaded` (`load_weights` returned;
+        its copies may still run on the device)."""
         t0 = time.perf_counter()
-        buckets: list[Bucket] = []
+        self.timings = {}
+        cuda = self.device.type == "cuda"
+        side = torch.cuda.Stream(self.device) if cuda else None
+        arrived: list[tuple[Bucket, PendingChecksums]] = []
         error: Exception | None = None
         while True:
-            meta = self._receive(_META_LEN, torch.int64).cpu()
-            wire, flags, header_len, payload_len = (int(v) for v in meta[:4])
-            if wire != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
-                raise ValueError(
-                    f"the sender speaks sync wire version {wire}, this rank {WIRE_VERSION}: "
-                    "run one mxrl version on every rank"
-                )
-            if flags & FLAG_ABORT:
-                raise ValueError("the trainer aborted the update; the engine keeps its weights")
-            header = bytes(self._receive(header_len, torch.uint8).cpu().numpy())
+            flags, header, digest, payload_len = self._receive_meta()
             payload = self._receive(payload_len, torch.uint8)
             if error is None:
                 try:
-                    if hashlib.sha256(header).digest() != meta[4:].numpy().tobytes():
+                    if hashlib.sha256(header).digest() != digest:
                         raise ValueError("bucket header corrupted in transit (sha256 mismatch)")
-                    buckets.append(unpack_bucket(header, payload))
-                except ValueError as e:
+                    bucket = unpack_bucket(header, payload)
+                    arrived.append((bucket, self._check(bucket, payload, side)))
+                except Exception as e:  # keep receiving: the collectives stay in step
                     error = e
             if flags & FLAG_LAST:
                 break
         report = None
         if error is None:
             try:
-                plan_hash = buckets[0].plan_hash
-                report = apply_update(self.engine, buckets, plan_hash, started=t0)
+                if cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                self.timings["arrived"] = time.perf_counter() - t0
+                buckets = _verified(arrived)
+                self.timings["verified"] = time.perf_counter() - t0
+                report = apply_update(self.engine, buckets, buckets[0].plan_hash, started=t0)
+                self.timings["loaded"] = time.perf_counter() - t0
             except Exception as e:  # every failure must reach the status all-gather below
                 error = e
         _gather_status(int(error is not None), self.engine.weights_version, self.group, self.device)
@@ -350,3 +424,15 @@ class DistributedReceiver:
             raise error
         assert report is not None
         return report
+
+
+def _verified(arrived: list[tuple[Bucket, PendingChecksums]]) -> list[Bucket]:
+    """The buckets with their records as VerifiedRecords, once every bucket's checksums have
+    been read (blocks for those still running); ValueError naming the records that differ."""
+    records = [r for bucket, _ in arrived for r in bucket.records]
+    sums = [s for _, pending in arrived for s in pending.wait()]
+    verified = iter(verified_records(records, sums))
+    return [
+        dataclasses.replace(bucket, records=tuple(next(verified) for _ in bucket.records))
+        for bucket, _ in arrived
+    ]

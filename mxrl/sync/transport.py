@@ -2,8 +2,10 @@
 
 Both transports (in-process here, torch.distributed in `sync/distributed.py`) end in
 `apply_update`, so they accept and refuse the same updates. `Engine.load_weights` verifies the
-plan hash, each record's name, format, shape and checksum (once, on the device holding it), and
-that every tensor of the plan is present, before it writes any byte of its weights (in place);
+plan hash, each record's name, format, shape and checksum (once, on the device holding it; the
+distributed receiver checks each bucket's checksums as it arrives and hands `VerifiedRecord`s,
+which are not checksummed again), and that every tensor of the plan is present, before it
+writes any byte of its weights (in place);
 the bucket checks below (same plan hash and step, indices 0..n-1, a last bucket) run inside the
 stream it reads. A failure anywhere therefore raises before anything is written: the engine
 keeps its previous weights, whole.

@@ -19,10 +19,10 @@ from mxrl.weights.checkpoint import (
     write_quantized_checkpoint,
 )
 from mxrl.weights.convert import convert_checkpoint
-from mxrl.weights.digest import checksum, checksums
+from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
 from mxrl.weights.event import QuantizationEvent
 from mxrl.weights.export import check_finite, export_weights, quantized_values
-from mxrl.weights.record import WeightRecord, WeightValue, stored_tensors
+from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, stored_tensors
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -30,7 +30,9 @@ __all__ = [
     "PLAN_NAME",
     "Bucket",
     "Export",
+    "PendingChecksums",
     "QuantizationEvent",
+    "VerifiedRecord",
     "WeightRecord",
     "WeightValue",
     "check_finite",
@@ -42,5 +44,6 @@ __all__ = [
     "quantized_values",
     "read_quantized_checkpoint",
     "stored_tensors",
+    "verified_records",
     "write_quantized_checkpoint",
 ]

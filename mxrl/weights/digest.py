@@ -61,7 +61,7 @@ import torch
 
 from mxrl.formats import QTensor
 from mxrl.kernels.backend import Backend, select_backend
-from mxrl.weights.record import WeightValue, stored_tensors
+from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, stored_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -198,24 +198,72 @@ def header(value: WeightValue) -> bytes:
     return "\n".join([VERSION, *lines]).encode()
 
 
+class PendingChecksums:
+    """`checksums(values)` started without waiting for it: every field's digest is queued on its
+    device (on CUDA: on the current stream, then copied into pinned host memory behind an
+    event), so the host goes on at once. `wait()` reads the 64 bytes per field once they are
+    there and returns the checksums. The values' tensors must not be written before `wait()`
+    returns (a CUDA caller whose values were allocated on another stream records them on this
+    one: `Tensor.record_stream`)."""
+
+    def __init__(self, values: Sequence[WeightValue], backend: Backend | str | None = None):
+        self._headers = [header(v) for v in values]
+        by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+        self._num_fields: list[int] = []
+        for i, v in enumerate(values):
+            fields = list(stored_tensors(v).values())
+            self._num_fields.append(len(fields))
+            for j, t in enumerate(fields):
+                by_device.setdefault(t.device, []).append((i, j, t))
+        self._groups: list[tuple[list[tuple[int, int]], torch.Tensor, torch.cuda.Event | None]] = []
+        for device, group in by_device.items():
+            digests = field_digests([t for _, _, t in group], backend)
+            event = None
+            if device.type == "cuda":
+                host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
+                host.copy_(digests, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                digests = host
+            elif device.type != "cpu":
+                digests = digests.cpu()
+            self._groups.append(([(i, j) for i, j, _ in group], digests, event))
+
+    def wait(self) -> list[str]:
+        """The checksums, in the order of the values (blocks until their digests are read)."""
+        parts = [[b""] * n for n in self._num_fields]
+        for where, digests, event in self._groups:
+            if event is not None:
+                event.synchronize()
+            flat = digests.numpy().tobytes()
+            for k, (i, j) in enumerate(where):
+                parts[i][j] = flat[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+        return [
+            hashlib.sha256(h + b"\0" + b"".join(p)).hexdigest()
+            for h, p in zip(self._headers, parts, strict=True)
+        ]
+
+
 def checksums(values: Sequence[WeightValue], backend: Backend | str | None = None) -> list[str]:
     """The checksum of each value, computed on its device: per device, every field of every
     value in one batch (a few kernel launches on CUDA) and one host read."""
-    by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
-    parts: list[list[bytes]] = []
-    for i, v in enumerate(values):
-        fields = list(stored_tensors(v).values())
-        parts.append([b""] * len(fields))
-        for j, t in enumerate(fields):
-            by_device.setdefault(t.device, []).append((i, j, t))
-    for group in by_device.values():
-        flat = field_digests([t for _, _, t in group], backend).cpu().numpy().tobytes()
-        for k, (i, j, _) in enumerate(group):
-            parts[i][j] = flat[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
-    host = [b"".join(p) for p in parts]
-    return [
-        hashlib.sha256(header(v) + b"\0" + h).hexdigest() for v, h in zip(values, host, strict=True)
-    ]
+    return PendingChecksums(values, backend).wait()
+
+
+def verified_records(
+    records: Sequence[WeightRecord], sums: Sequence[str]
+) -> tuple[VerifiedRecord, ...]:
+    """`records` as `VerifiedRecord`s, given `sums`: their checksums, computed in this process
+    from the bytes of their values (`checksums`, `PendingChecksums`). Raises ValueError naming
+    the records whose checksum is not their `hash`."""
+    bad = [r.name for r, s in zip(records, sums, strict=True) if s != r.hash]
+    if bad:
+        raise ValueError(
+            f"{bad[0]}: checksum mismatch (corrupted in transit or on disk)"
+            + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
+            + "; the engine keeps its previous weights"
+        )
+    return tuple(VerifiedRecord(r.name, r.value, r.hash) for r in records)
 
 
 def checksum(value: WeightValue, backend: Backend | str | None = None) -> str:

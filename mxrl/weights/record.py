@@ -25,6 +25,15 @@ class WeightRecord:
         return value_nbytes(self.value)
 
 
+@dataclass(frozen=True)
+class VerifiedRecord(WeightRecord):
+    """A record whose checksum this process has recomputed from its value's bytes and found
+    equal to `hash` (made only by `mxrl.weights.digest.verified_records`), its tensors written
+    by nothing since: `Engine.load_weights` does not compute its checksum again. A receiver
+    that checks each bucket as it arrives (`DistributedReceiver`) hands these over, so every
+    record is checksummed once on send and once on receive."""
+
+
 def stored_tensors(value: WeightValue) -> dict[str, torch.Tensor]:
     """Every tensor a value stores, in a fixed order: QTensor qdata, scale (and global_scale),
     or the plain tensor under the key ""."""

@@ -1,6 +1,10 @@
 """The two ranks of the sync test (spawned by test_distributed.py): rank 0 trains and sends, rank 1
 runs an Engine and receives. Each writes what it saw to `rank{r}.json` in `out`. gloo: both on the
-CPU; nccl: rank r on cuda:r, compared with exports made on the CPU."""
+CPU; nccl: rank r on cuda:r, compared with exports made on the CPU.
+
+Rank 1 counts the checksum work of its first receive (every call of `field_digests`, which every
+checksum goes through). The last sync runs with a small meta on both ranks (`META_BYTES`), so
+that some headers travel inline and the others as a broadcast of their own."""
 
 import json
 from datetime import timedelta
@@ -11,12 +15,26 @@ import torch.distributed as dist
 
 from mxrl.engine import Engine
 from mxrl.recipe import resolve
-from mxrl.sync import DistributedReceiver, DistributedSender
-from mxrl.weights import export, export_weights
+from mxrl.sync import DistributedReceiver, DistributedSender, distributed
+from mxrl.weights import digest, export, export_weights, stored_tensors
 from tests.sync.helpers import hashes, tiny
 
 PRESET = "nvfp4-dequantized"
 BUCKET_BYTES = 48 * 1024
+SMALL_META = 1536  # headers of 1.4-2.7 KB: some inline, some on their own
+
+
+class CountDigests:
+    """Wraps digest.field_digests: how often it ran, over how many fields."""
+
+    def __init__(self) -> None:
+        self.calls = self.fields = 0
+        self.wrapped = digest.field_digests
+
+    def __call__(self, fields, backend=None):
+        self.calls += 1
+        self.fields += len(fields)
+        return self.wrapped(fields, backend)
 
 
 def flip_first_byte_of_bucket_1(index: int, payload: torch.Tensor) -> None:
@@ -75,10 +93,17 @@ def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
             seen["aborted"] = "sent"
         except RuntimeError as e:
             seen["aborted"] = str(e)
+        distributed.META_BYTES = SMALL_META
+        update = export(trained_more, plan, bucket_bytes=BUCKET_BYTES, step=4)
+        seen["small_meta"] = {"version": sender.send(update).version}
     else:
         engine = Engine(tiny(seed=0), PRESET, device=device)
         receiver = DistributedReceiver(engine, src=0)
-        report = receiver.receive()
+        count = digest.field_digests = CountDigests()
+        try:
+            report = receiver.receive()
+        finally:
+            digest.field_digests = count.wrapped
         local = hashes(export_weights(tiny(seed=1).named_parameters(), engine.plan))  # on CPU
         held = hashes(engine.records())
         seen["good"] = {
@@ -88,6 +113,12 @@ def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
             "event": report.event.to_dict(),
         }
         seen["good"]["device"] = str(next(iter(engine.weights.values())).device)
+        seen["good"]["digest_calls"] = count.calls
+        seen["good"]["digested_fields"] = count.fields
+        seen["good"]["fields"] = sum(len(stored_tensors(v)) for v in engine.weights.values())
+        seen["good"]["num_buckets"] = sum(
+            1 for _ in export(tiny(seed=1), engine.plan, bucket_bytes=BUCKET_BYTES)
+        )
         for case in ("corrupted", "mismatch", "aborted"):
             try:
                 receiver.receive()
@@ -98,6 +129,13 @@ def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
                 "version": engine.weights_version,
                 "equal_to_previous": hashes(engine.records()) == held,
             }
+        distributed.META_BYTES = SMALL_META
+        report = receiver.receive()
+        local = hashes(export_weights(tiny(seed=2).named_parameters(), engine.plan))
+        seen["small_meta"] = {
+            "version": report.version,
+            "equal_to_local_export": hashes(engine.records()) == local,
+        }
     dist.barrier()
     dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -84,6 +84,22 @@ def test_engine_rank_holds_the_bytes_of_a_local_export(gloo_run):
     assert set(trainer["event"]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
 
 
+def test_the_engine_rank_checksums_each_record_once_bucket_by_bucket(gloo_run):
+    _, engine = gloo_run
+    good = engine["good"]
+    assert good["num_buckets"] > 3
+    # every field of every record digested exactly once on the receiving rank (not again in
+    # load_weights), in one batch per bucket as it arrived (not all after the last one)
+    assert good["digested_fields"] == good["fields"] > 0
+    assert good["digest_calls"] == good["num_buckets"]
+
+
+def test_headers_that_do_not_fit_the_meta_travel_on_their_own(gloo_run):
+    trainer, engine = gloo_run
+    assert trainer["small_meta"]["version"] == engine["small_meta"]["version"] == 3
+    assert engine["small_meta"]["equal_to_local_export"]
+
+
 def test_a_payload_corrupted_in_transit_is_refused_on_both_ends(gloo_run):
     trainer, engine = gloo_run
     assert "checksum mismatch" in engine["corrupted"]
@@ -117,3 +133,6 @@ def test_nccl_sync_between_two_gpus_gives_the_cpu_export_bytes(tmp_path):
         assert engine[f"{case}_kept"] == {"version": 2, "equal_to_previous": True}, case
     assert "checksum mismatch" in engine["corrupted"]
     assert "plan hash mismatch" in engine["mismatch"]
+    assert engine["good"]["digested_fields"] == engine["good"]["fields"]
+    assert engine["good"]["digest_calls"] == engine["good"]["num_buckets"]
+    assert engine["small_meta"]["equal_to_local_export"]
