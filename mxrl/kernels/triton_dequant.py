@@ -30,7 +30,7 @@ from mxrl.kernels.triton_codecs import e4m3_decode_nonneg, e8m0_to_f32
 FMT_MXFP8: tl.constexpr = tl.constexpr(0)
 FMT_NVFP4: tl.constexpr = tl.constexpr(1)
 FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
-NAN: tl.constexpr = tl.constexpr(float("nan"))  # the bf16 store canonicalises every NaN
+F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store canonicalises it
 SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
 BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)
 
@@ -38,11 +38,18 @@ DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 256, "num_warps": 4}
 
 
 @triton.jit
+def _nan_like(x_int):
+    """A NaN of int32 x's shape (a NaN constexpr cannot be shared by jit functions: Triton
+    compares their globals by value, and NaN != NaN)."""
+    return (x_int * 0 + F32_QNAN_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3_decode(code):
     """E4M3 byte (int32 0..255) -> fp32, exact; 0x7F / 0xFF -> NaN, 0x80 -> -0.0."""
     mag = code & 0x7F
     value = e4m3_decode_nonneg(mag)
-    value = tl.where(mag == 0x7F, NAN, value)
+    value = tl.where(mag == 0x7F, _nan_like(mag), value)
     return _with_sign(value, code >= 0x80)
 
 
@@ -101,7 +108,7 @@ def _dequant_kernel(
     s_offs = (rows // SR)[:, None] * (K // SK) + (cols // SK)[None, :]
     if FMT == FMT_MXFP8:
         s_code = tl.load(s_ptr + s_offs, mask=mask, other=127).to(tl.int32)
-        scale = tl.where(s_code == 255, NAN, e8m0_to_f32(s_code))
+        scale = tl.where(s_code == 255, _nan_like(s_code), e8m0_to_f32(s_code))
     elif FMT == FMT_NVFP4:
         scale = _e4m3_decode(tl.load(s_ptr + s_offs, mask=mask, other=0x38).to(tl.int32))
     else:
