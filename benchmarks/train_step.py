@@ -11,6 +11,8 @@ default (`mxrl.nn.select_gemm`: tensor cores on an sm_90 GPU) or `--gemm`. A ste
 `cross_entropy(model(ids).float(), targets).backward()` on B x S random tokens, gradients set to
 None between steps (no optimizer: its cost is the same for every preset). Timed: median of
 `--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator).
+"host s": the time until step() returns, before the final sync (the host's launches: a step
+whose host time reaches its s/step is bound by Python and launches, not by the GPU).
 Peak memory: `torch.cuda.max_memory_allocated` over the timed steps (parameters and gradients
 included). HF peer: the same weights through `save_pretrained`, `AutoModelForCausalLM` with
 `experts_implementation="grouped_mm"`, (a) fp32 parameters under bf16 autocast and (b) bf16
@@ -81,15 +83,21 @@ def measure(step, device: torch.device, warmup: int, repeats: int) -> dict:
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, host = [], []
     for _ in range(repeats):
         _sync(device)
         start = time.perf_counter()
         step()
+        host.append(time.perf_counter() - start)  # the host's launches (no sync in the step)
         _sync(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"s_step": statistics.median(times), "times_s": times, "peak_bytes": peak}
+    return {
+        "s_step": statistics.median(times),
+        "times_s": times,
+        "host_s": statistics.median(host),
+        "peak_bytes": peak,
+    }
 
 
 def make_step(model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool = False):
@@ -271,6 +279,7 @@ def main(argv=None) -> int:
         ("preset", "run", ""), ("B", "B", "d"), ("S", "S", "d"), ("s_step", "s/step", ".3f"),
         ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
         ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"),
+        ("host_s", "host s", ".3f"),
         ("bf16_x_hf_autocast", "bf16 x HF(amp)", ".2f"), ("bf16_x_hf_bf16", "bf16 x HF(bf16)", ".2f"),
     ]))  # fmt: skip
     env = environment() if device.type == "cuda" else cpu_environment()

@@ -179,8 +179,8 @@ def _dequant_block(q: QTensor) -> tuple[int, int] | None:
         return (1, C.NVFP4_BLOCK)
     br, bk = q.block
     rows = q.shape[-2] if len(q.shape) >= 2 else 1
-    if k % bk or rows % br or (br > 1 and len(q.shape) < 2):
-        return None
+    if k % bk or rows % br or (br > 1 and len(q.shape) < 2) or (br & (br - 1)) or (bk & (bk - 1)):
+        return None  # overhanging blocks, or not powers of two (the kernel's tiles hold whole ones)
     return (br, bk)
 
 

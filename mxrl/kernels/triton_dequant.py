@@ -34,7 +34,7 @@ F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store 
 SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
 BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)
 
-DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 256, "num_warps": 4}
+DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8}
 
 
 @triton.jit
@@ -98,22 +98,33 @@ def _dequant_kernel(
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    if FMT == FMT_NVFP4:
-        byte = tl.load(q_ptr + rows[:, None] * (K // 2) + (cols // 2)[None, :], mask=mask, other=0)
-        code = (byte.to(tl.int32) >> ((cols % 2) * 4)[None, :]) & 0xF
-        value = _e2m1_decode(code)
+    if FMT == FMT_NVFP4:  # a byte holds elements 2i (low nibble) and 2i + 1 (high)
+        HALF: tl.constexpr = BLOCK_K // 2
+        pcols = tl.program_id(1) * HALF + tl.arange(0, HALF)
+        pmask = (rows < M)[:, None] & (pcols < K // 2)[None, :]
+        byte = tl.load(q_ptr + rows[:, None] * (K // 2) + pcols[None, :], mask=pmask, other=0)
+        byte = byte.to(tl.int32)
+        pair = tl.join(_e2m1_decode(byte & 0xF), _e2m1_decode(byte >> 4))
+        value = tl.reshape(pair, [BLOCK_M, BLOCK_K])
     else:
         code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0)
         value = _e4m3_decode(code.to(tl.int32))
-    s_offs = (rows // SR)[:, None] * (K // SK) + (cols // SK)[None, :]
+    # one scale per (SR x SK) block: loaded and decoded once, broadcast over its block
+    NR: tl.constexpr = BLOCK_M // SR
+    NK: tl.constexpr = BLOCK_K // SK
+    s_rows = tl.program_id(0) * NR + tl.arange(0, NR).to(tl.int64)
+    s_cols = tl.program_id(1) * NK + tl.arange(0, NK)
+    s_mask = (s_rows < M // SR)[:, None] & (s_cols < K // SK)[None, :]
+    s_ptrs = s_ptr + s_rows[:, None] * (K // SK) + s_cols[None, :]
     if FMT == FMT_MXFP8:
-        s_code = tl.load(s_ptr + s_offs, mask=mask, other=127).to(tl.int32)
+        s_code = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
         scale = tl.where(s_code == 255, _nan_like(s_code), e8m0_to_f32(s_code))
     elif FMT == FMT_NVFP4:
-        scale = _e4m3_decode(tl.load(s_ptr + s_offs, mask=mask, other=0x38).to(tl.int32))
+        scale = _e4m3_decode(tl.load(s_ptrs, mask=s_mask, other=0x38).to(tl.int32))
     else:
-        scale = tl.load(s_ptr + s_offs, mask=mask, other=1.0)
-    value = value * scale
+        scale = tl.load(s_ptrs, mask=s_mask, other=1.0)
+    blocks = tl.reshape(value, [NR, SR, NK, SK]) * tl.reshape(scale, [NR, 1, NK, 1])
+    value = tl.reshape(blocks, [BLOCK_M, BLOCK_K])
     if HAS_G:
         value = value * tl.load(g_ptr + rows, mask=rows < M, other=1.0)[:, None]
     offs = rows[:, None] * K + cols[None, :]
@@ -141,7 +152,12 @@ def launch_dequant(
     sr, sk = block
     assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
     assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
+    assert sr & (sr - 1) == 0 and sk & (sk - 1) == 0, f"blocks of powers of two, got {block}"
     cfg = {**DEFAULT_CONFIG, **(config or {})}
+    # a tile holds whole scale blocks: BLOCK_M a multiple of SR, BLOCK_K of SK (powers of two)
+    cfg["BLOCK_M"], cfg["BLOCK_K"] = max(cfg["BLOCK_M"], sr), max(cfg["BLOCK_K"], sk)
+    if cfg["BLOCK_M"] * cfg["BLOCK_K"] > 8192:
+        cfg["BLOCK_K"] = max(sk, 8192 // cfg["BLOCK_M"])
     hw = qdata_MP.is_cuda if hw is None else hw
     out = torch.empty((m, k), dtype=torch.bfloat16, device=qdata_MP.device)
     if m == 0 or k == 0:
