@@ -10,7 +10,7 @@ Importing this package does not import triton (CI has none): the kernels load on
 the triton backend. docs/kernels.md lists each kernel and the reference it matches.
 """
 
-from mxrl.kernels.api import dequantize, quantize, quantize_mxfp8_both, to_float32
+from mxrl.kernels.api import dequantize, qdq_mxfp8, quantize, quantize_mxfp8_both, to_float32
 from mxrl.kernels.backend import Backend, select_backend, triton_available
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
@@ -28,6 +28,7 @@ __all__ = [
     "grouped_low_bit_matmul",
     "low_bit_linear",
     "low_bit_matmul",
+    "qdq_mxfp8",
     "quantize",
     "quantize_mxfp8_both",
     "select_backend",

@@ -16,6 +16,7 @@ triton backend: ask for backend "reference" for those.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mxrl.formats import QTensor
 from mxrl.formats import constants as C
@@ -67,10 +68,10 @@ def quantize(
     if fmt is C.Format.MXFP8:
         ndim = x.dim()
         if axis in (-1, ndim - 1):
-            q, s, _, _ = _ops().quantize_mxfp8(x, True, False)
+            q, s, _, _ = _kernel("quantize_mxfp8")(x, True, False)
             return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape)
         if ndim >= 2 and axis % ndim == ndim - 2:
-            _, _, q, s = _ops().quantize_mxfp8(x, False, True)
+            _, _, q, s = _kernel("quantize_mxfp8")(x, False, True)
             return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape, axis=ndim - 2)
         raise ValueError(
             f"mxfp8 axis={axis} on shape {tuple(x.shape)}: the triton kernels block along the "
@@ -87,7 +88,7 @@ def quantize(
             if global_amax is None
             else _caller_amax(global_amax, x.shape, x.device, check=check_amax)
         )
-        q, s, gs = _ops().quantize_nvfp4(x, g, per_token)
+        q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token)
         return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
     br, bk = block or C.FP8_BLOCK_WEIGHT
     if bk not in KERNEL_FP8_BLOCK_SIZES:
@@ -95,7 +96,7 @@ def quantize(
             f"fp8_block block {(br, bk)}: the triton kernels take b in {KERNEL_FP8_BLOCK_SIZES}; "
             "use backend 'reference' for other block sizes"
         )
-    q, sf = _ops().quantize_fp8_block(x, br, bk, mode == "ue8m0")
+    q, sf = _kernel("quantize_fp8_block")(x, br, bk, mode == "ue8m0")
     return QTensor(q, sf, fmt, x.shape)
 
 
@@ -117,7 +118,7 @@ def quantize_mxfp8_both(
     _check_input(x, C.Format.MXFP8, col_axis, False, None, None)
     if check_finite:
         _raise_if_not_finite(x, C.Format.MXFP8)
-    q_row, s_row, q_col, s_col = _ops().quantize_mxfp8(x, True, True)
+    q_row, s_row, q_col, s_col = _kernel("quantize_mxfp8")(x, True, True)
     e8m0 = torch.float8_e8m0fnu
     return (
         QTensor(q_row, s_row.view(e8m0), C.Format.MXFP8, x.shape),
@@ -152,8 +153,39 @@ def dequantize(
                 s_dec = decode_global_scale(q)
             scale = q.scale if fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
             code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[fmt]
-            return _ops().dequantize_bf16(q.qdata, scale, s_dec, code, shape, *block)
+            return _kernel("dequantize_bf16")(q.qdata, scale, s_dec, code, shape, *block)
     return reference_dequantize(q, global_scale=global_scale).to(dtype)
+
+
+def qdq_mxfp8(
+    x: torch.Tensor,
+    *,
+    rowwise: bool = True,
+    colwise: bool = False,
+    backend: Backend | str | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The bf16 operands of x's MXFP8 copies, each `dequantize(quantize(x, "mxfp8", axis=...))`
+    in bf16 (row-wise: blocks along K; column-wise: along dim -2), None for a copy not asked
+    for. The triton backend reads x once and writes only the bf16 values (no codes, no scales):
+    what a GEMM on the emulated MXFP8 operand needs when nothing keeps the quantized bytes."""
+    if not rowwise and not colwise:
+        raise ValueError("qdq_mxfp8: ask for the row-wise copy, the column-wise one, or both")
+    if not isinstance(x, torch.Tensor) or (colwise and x.dim() < 2):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"qdq_mxfp8 takes a [..., M, K] tensor, got {got}")
+    chosen = select_backend(backend, x.device)
+    if chosen is Backend.REFERENCE:
+
+        def qdq(axis: int) -> torch.Tensor:
+            q = reference_quantize(x, C.Format.MXFP8, axis=axis)
+            return reference_dequantize(q).to(torch.bfloat16)
+
+        return (qdq(-1) if rowwise else None), (qdq(x.dim() - 2) if colwise else None)
+    _check_input(x, C.Format.MXFP8, -1, False, None, None)
+    if colwise:
+        _check_input(x, C.Format.MXFP8, x.dim() - 2, False, None, None)
+    row, col = _kernel("qdq_mxfp8")(x, rowwise, colwise)
+    return (row if rowwise else None), (col if colwise else None)
 
 
 def to_float32(x: torch.Tensor, *, backend: Backend | str | None = None) -> torch.Tensor:
@@ -162,7 +194,7 @@ def to_float32(x: torch.Tensor, *, backend: Backend | str | None = None) -> torc
     chosen = select_backend(backend, x.device)
     if chosen is Backend.REFERENCE or x.dtype != torch.bfloat16:
         return x.to(torch.float32)
-    return _ops().widen_bf16(x)
+    return _kernel("widen_bf16")(x)
 
 
 def _dequant_block(q: QTensor) -> tuple[int, int] | None:
@@ -193,6 +225,16 @@ def _kernel_scale_mode(fmt: C.Format, scale_mode: str | None) -> str:
             f"use backend 'reference' for the comparison-only modes"
         )
     return mode
+
+
+def _kernel(name: str):
+    """The torch op `mxrl::name` where something traces (torch.compile, or a dispatch mode such
+    as FakeTensorMode or make_fx), else its body (`ops.EAGER`): the same kernels, without the
+    custom-op dispatch's host time."""
+    ops = _ops()
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return getattr(ops, name)
+    return ops.EAGER[name]
 
 
 def _ops():

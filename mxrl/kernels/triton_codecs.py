@@ -27,6 +27,9 @@ for sm_90; where the two differ the kernels take a constexpr `HW` (True on CUDA)
   quantizers have no a*b+c except in `e2m1_encode`, where the product is exact, so FMA
   contraction cannot change a result. No fp32 op is flushed to zero (no .ftz in the PTX).
 
+- Decoders (E4M3, E2M1) and the bf16 store serve the dequantize paths: exact values, one
+  round to nearest even into bf16 (`store_bf16`).
+
 This module imports triton: import it only where triton is available (the triton backend).
 """
 
@@ -62,6 +65,9 @@ F32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)  # |bits| >= this: Inf or 
 F32_NEG_INF_BITS: tl.constexpr = tl.constexpr(-8388608)  # 0xFF800000 as int32
 RNE_MAGIC: tl.constexpr = tl.constexpr(8388608.0)  # 2^23: x + 2^23 rounds x in [0, 2^22] to int
 RNE_MAGIC_BITS: tl.constexpr = tl.constexpr(0x4B000000)
+F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store canonicalises it
+SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
+BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)  # torch's scalar CPU conversion of any NaN
 
 
 @triton.jit
@@ -213,3 +219,57 @@ def nvfp4_encode_scale(amax):
     s_enc = tl.minimum(s_enc, FLT_MAX)
     bad = (amax == 0.0) | (s_enc == 0.0)
     return tl.where(bad, 1.0, s_enc)
+
+
+# --- decoders and the bf16 store of the dequantize paths (triton_dequant, triton_mxfp8) ----
+@triton.jit
+def nan_like(x_int):
+    """A NaN of int32 x's shape (a NaN constexpr cannot be shared by jit functions: Triton
+    compares their globals by value, and NaN != NaN)."""
+    return (x_int * 0 + F32_QNAN_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_decode(code):
+    """E4M3 byte (int32 0..255) -> fp32, exact; 0x7F / 0xFF -> NaN, 0x80 -> -0.0."""
+    mag = code & 0x7F
+    value = e4m3_decode_nonneg(mag)
+    value = tl.where(mag == 0x7F, nan_like(mag), value)
+    return with_sign(value, code >= 0x80)
+
+
+@triton.jit
+def e2m1_decode(code):
+    """E2M1 code (int32 0..15) -> fp32 (0, .5, 1, 1.5, 2, 3, 4, 6; code 8 -> -0.0)."""
+    mag = code & 7
+    exp_m1 = (mag >> 1) - 1  # 0, 1, 2 for 2..3, 4..5, 6..7
+    normal = (((exp_m1 + 127) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
+    value = tl.where(mag >= 2, normal, mag.to(tl.float32) * 0.5)
+    return with_sign(value, code >= 8)
+
+
+@triton.jit
+def with_sign(value, negative):
+    """value with its sign bit set where `negative` (-0.0 for a zero: `-x` lowers to 0 - x)."""
+    bits = value.to(tl.int32, bitcast=True) | tl.where(negative, SIGN_BIT, 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits_rne(value):
+    """fp32 -> bf16 bit pattern (int16) by round to nearest even on the bits; NaN -> 0x7FC0."""
+    bits = value.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, BF16_CPU_NAN, rounded & 0xFFFF).to(tl.int16)
+
+
+@triton.jit
+def store_bf16(ptrs, value, mask, HW: tl.constexpr):
+    """Store fp32 `value` rounded to bf16 (RNE). HW: `cvt.rn.bf16.f32`, what torch's CUDA
+    `.to(bfloat16)` runs, into a bf16 buffer. Not HW (the interpreter): `bf16_bits_rne` into
+    the buffer's int16 view (the launcher passes it), since the interpreter's casts are NumPy's."""
+    if HW:
+        tl.store(ptrs, value.to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptrs, bf16_bits_rne(value), mask=mask)

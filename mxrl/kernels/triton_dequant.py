@@ -25,58 +25,19 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from mxrl.kernels.triton_codecs import e4m3_decode_nonneg, e8m0_to_f32
+from mxrl.kernels.triton_codecs import (
+    e2m1_decode,
+    e4m3_decode,
+    e8m0_to_f32,
+    nan_like,
+    store_bf16,
+)
 
 FMT_MXFP8: tl.constexpr = tl.constexpr(0)
 FMT_NVFP4: tl.constexpr = tl.constexpr(1)
 FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
-F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store canonicalises it
-SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
-BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8}
-
-
-@triton.jit
-def _nan_like(x_int):
-    """A NaN of int32 x's shape (a NaN constexpr cannot be shared by jit functions: Triton
-    compares their globals by value, and NaN != NaN)."""
-    return (x_int * 0 + F32_QNAN_BITS).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_decode(code):
-    """E4M3 byte (int32 0..255) -> fp32, exact; 0x7F / 0xFF -> NaN, 0x80 -> -0.0."""
-    mag = code & 0x7F
-    value = e4m3_decode_nonneg(mag)
-    value = tl.where(mag == 0x7F, _nan_like(mag), value)
-    return _with_sign(value, code >= 0x80)
-
-
-@triton.jit
-def _e2m1_decode(code):
-    """E2M1 code (int32 0..15) -> fp32 (0, .5, 1, 1.5, 2, 3, 4, 6; code 8 -> -0.0)."""
-    mag = code & 7
-    exp_m1 = (mag >> 1) - 1  # 0, 1, 2 for 2..3, 4..5, 6..7
-    normal = (((exp_m1 + 127) << 23) | ((mag & 1) << 22)).to(tl.float32, bitcast=True)
-    value = tl.where(mag >= 2, normal, mag.to(tl.float32) * 0.5)
-    return _with_sign(value, code >= 8)
-
-
-@triton.jit
-def _with_sign(value, negative):
-    """value with its sign bit set where `negative` (-0.0 for a zero: `-x` lowers to 0 - x)."""
-    bits = value.to(tl.int32, bitcast=True) | tl.where(negative, SIGN_BIT, 0)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_bf16_bits(value):
-    """fp32 -> bf16 bit pattern (int16) by round to nearest even on the bits; NaN -> 0x7FC0."""
-    bits = value.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, BF16_CPU_NAN, rounded & 0xFFFF).to(tl.int16)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -104,11 +65,11 @@ def _dequant_kernel(
         pmask = (rows < M)[:, None] & (pcols < K // 2)[None, :]
         byte = tl.load(q_ptr + rows[:, None] * (K // 2) + pcols[None, :], mask=pmask, other=0)
         byte = byte.to(tl.int32)
-        pair = tl.join(_e2m1_decode(byte & 0xF), _e2m1_decode(byte >> 4))
+        pair = tl.join(e2m1_decode(byte & 0xF), e2m1_decode(byte >> 4))
         value = tl.reshape(pair, [BLOCK_M, BLOCK_K])
     else:
         code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0)
-        value = _e4m3_decode(code.to(tl.int32))
+        value = e4m3_decode(code.to(tl.int32))
     # one scale per (SR x SK) block: loaded and decoded once, broadcast over its block
     NR: tl.constexpr = BLOCK_M // SR
     NK: tl.constexpr = BLOCK_K // SK
@@ -118,20 +79,16 @@ def _dequant_kernel(
     s_ptrs = s_ptr + s_rows[:, None] * (K // SK) + s_cols[None, :]
     if FMT == FMT_MXFP8:
         s_code = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-        scale = tl.where(s_code == 255, _nan_like(s_code), e8m0_to_f32(s_code))
+        scale = tl.where(s_code == 255, nan_like(s_code), e8m0_to_f32(s_code))
     elif FMT == FMT_NVFP4:
-        scale = _e4m3_decode(tl.load(s_ptrs, mask=s_mask, other=0x38).to(tl.int32))
+        scale = e4m3_decode(tl.load(s_ptrs, mask=s_mask, other=0x38).to(tl.int32))
     else:
         scale = tl.load(s_ptrs, mask=s_mask, other=1.0)
     blocks = tl.reshape(value, [NR, SR, NK, SK]) * tl.reshape(scale, [NR, 1, NK, 1])
     value = tl.reshape(blocks, [BLOCK_M, BLOCK_K])
     if HAS_G:
         value = value * tl.load(g_ptr + rows, mask=rows < M, other=1.0)[:, None]
-    offs = rows[:, None] * K + cols[None, :]
-    if HW:
-        tl.store(out_ptr + offs, value.to(tl.bfloat16), mask=mask)
-    else:
-        tl.store(out_ptr + offs, _to_bf16_bits(value), mask=mask)
+    store_bf16(out_ptr + rows[:, None] * K + cols[None, :], value, mask, HW)
 
 
 def launch_dequant(

@@ -22,11 +22,14 @@ from torch.library import wrap_triton
 from mxrl.kernels.triton_codecs import (
     RCP_448,
     ceil_e8m0,
+    e4m3_decode,
     e4m3_encode_masked,
     e8m0_reciprocal,
+    e8m0_to_f32,
     finite_amax,
     is_finite,
     load_tile,
+    store_bf16,
     store_tile,
 )
 
@@ -52,6 +55,7 @@ def _mxfp8_kernel(
     EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QDQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -70,11 +74,16 @@ def _mxfp8_kernel(
         code = ceil_e8m0(amax * RCP_448)
         scaled = tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]) * e8m0_reciprocal(code)[:, :, None]
         q = e4m3_encode_masked(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), finite, HW)
-        store_tile(q_row_ptr + offs, q, mask, EVEN)
-        kb = pid_k * NUM_KB + tl.arange(0, NUM_KB)
-        s_mask = (rows < M)[:, None] & (kb < K // MX_BLOCK)[None, :]
-        s_offs = rows[:, None] * (K // MX_BLOCK) + kb[None, :]
-        store_tile(s_row_ptr + s_offs, code.to(tl.uint8), s_mask, EVEN)
+        if QDQ:  # the dequantized values in bf16 (exact), no codes or scales
+            deq = tl.reshape(e4m3_decode(q.to(tl.int32)), [BLOCK_M, NUM_KB, MX_BLOCK])
+            deq = deq * e8m0_to_f32(code)[:, :, None]
+            store_bf16(q_row_ptr + offs, tl.reshape(deq, [BLOCK_M, BLOCK_K]), mask, HW)
+        else:
+            store_tile(q_row_ptr + offs, q, mask, EVEN)
+            kb = pid_k * NUM_KB + tl.arange(0, NUM_KB)
+            s_mask = (rows < M)[:, None] & (kb < K // MX_BLOCK)[None, :]
+            s_offs = rows[:, None] * (K // MX_BLOCK) + kb[None, :]
+            store_tile(s_row_ptr + s_offs, code.to(tl.uint8), s_mask, EVEN)
 
     if COLWISE:
         NUM_MB: tl.constexpr = BLOCK_M // MX_BLOCK
@@ -82,12 +91,18 @@ def _mxfp8_kernel(
         code_c = ceil_e8m0(amax_c * RCP_448)
         scaled_c = tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]) * e8m0_reciprocal(code_c)[:, None, :]
         q_c = e4m3_encode_masked(tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]), finite, HW)
-        store_tile(q_col_ptr + offs, q_c, mask, EVEN)
-        mb = pid_m * NUM_MB + tl.arange(0, NUM_MB)
-        if INDEX_64:
-            mb = mb.to(tl.int64)
-        sc_mask = (mb < M // MX_BLOCK)[:, None] & (cols < K)[None, :]
-        store_tile(s_col_ptr + mb[:, None] * K + cols[None, :], code_c.to(tl.uint8), sc_mask, EVEN)
+        if QDQ:
+            deq_c = tl.reshape(e4m3_decode(q_c.to(tl.int32)), [NUM_MB, MX_BLOCK, BLOCK_K])
+            deq_c = deq_c * e8m0_to_f32(code_c)[:, None, :]
+            store_bf16(q_col_ptr + offs, tl.reshape(deq_c, [BLOCK_M, BLOCK_K]), mask, HW)
+        else:
+            store_tile(q_col_ptr + offs, q_c, mask, EVEN)
+            mb = pid_m * NUM_MB + tl.arange(0, NUM_MB)
+            if INDEX_64:
+                mb = mb.to(tl.int64)
+            sc_mask = (mb < M // MX_BLOCK)[:, None] & (cols < K)[None, :]
+            sc_ptrs = s_col_ptr + mb[:, None] * K + cols[None, :]
+            store_tile(sc_ptrs, code_c.to(tl.uint8), sc_mask, EVEN)
 
 
 def launch_mxfp8(
@@ -97,9 +112,12 @@ def launch_mxfp8(
     *,
     hw: bool | None = None,
     config: dict | None = None,
+    qdq: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_row [M, K] u8, s_row [M, K/32] u8, q_col [M, K] u8, s_col [M/32, K] u8); a copy
-    not asked for comes back as an empty tensor. x_MK: contiguous 2-D fp32/bf16/fp16."""
+    not asked for comes back as an empty tensor. x_MK: contiguous 2-D fp32/bf16/fp16.
+    qdq: each copy's dequantized values in bf16 [M, K] instead of its codes, and no scales
+    (empty): `dequantize(quantize(x)).to(bfloat16)` in one pass."""
     assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
     assert rowwise or colwise
     m, k = x_MK.shape
@@ -108,32 +126,39 @@ def launch_mxfp8(
     block_m, block_k = cfg["BLOCK_M"], cfg["BLOCK_K"]
     assert block_m % 32 == 0 and block_k % 32 == 0, cfg
     dev = x_MK.device
+    hw = x_MK.is_cuda if hw is None else hw
 
-    def out(shape, wanted):
-        return torch.empty(shape if wanted else (0,), dtype=torch.uint8, device=dev)
+    def out(shape, wanted, dtype=torch.uint8):
+        return torch.empty(shape if wanted else (0,), dtype=dtype, device=dev)
 
-    q_row, s_row = out((m, k), rowwise), out((m, k // 32), rowwise)
-    q_col, s_col = out((m, k), colwise), out((m // 32, k), colwise)
+    data = torch.bfloat16 if qdq else torch.uint8
+    q_row, s_row = out((m, k), rowwise, data), out((m, k // 32), rowwise and not qdq)
+    q_col, s_col = out((m, k), colwise, data), out((m // 32, k), colwise and not qdq)
     if m == 0 or k == 0:
         return q_row, s_row, q_col, s_col
+
+    def target(t, wanted):  # not HW, the bf16 store writes the bits into an int16 view
+        return dummy if not wanted else (t.view(torch.int16) if qdq and not hw else t)
+
     # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     wrap_triton(_mxfp8_kernel)[grid](
         x_MK,
-        q_row if rowwise else dummy,
-        s_row if rowwise else dummy,
-        q_col if colwise else dummy,
-        s_col if colwise else dummy,
+        target(q_row, rowwise),
+        target(s_row, rowwise and not qdq),
+        target(q_col, colwise),
+        target(s_col, colwise and not qdq),
         m,
         k,
         ROWWISE=rowwise,
         COLWISE=colwise,
-        HW=x_MK.is_cuda if hw is None else hw,
+        HW=hw,
         INDEX_64=x_MK.numel() >= 2**31,
         EVEN=m % block_m == 0 and k % block_k == 0,
         BLOCK_M=block_m,
         BLOCK_K=block_k,
+        QDQ=qdq,
         num_warps=cfg["num_warps"],
     )
     return q_row, s_row, q_col, s_col

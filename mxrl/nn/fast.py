@@ -28,7 +28,7 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
-from mxrl.kernels import Backend, quantize_mxfp8_both
+from mxrl.kernels import Backend, qdq_mxfp8
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
@@ -142,8 +142,13 @@ class TensorCoreQMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, tw: TensorCoreWeight, spec: TensorSpec, mode: Backward, backend):
-        xq = quantize_activation(x, spec, backend)
-        y = forward_gemm(xq, tw, spec)
+        if spec.format is Format.MXFP8 and mode is not Backward.DEQUANTIZED:
+            # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
+            lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
+            y, xq = mm_f32(lp_x, tw.lp().t()), None
+        else:
+            xq = quantize_activation(x, spec, backend)
+            y = forward_gemm(xq, tw, spec)
         ctx.mode, ctx.tw, ctx.x_dtype, ctx.w_dtype = mode, tw, x.dtype, w.dtype
         ctx.backend, ctx.rows = backend, x.shape[0]
         if mode is Backward.HIGH_PRECISION:
@@ -170,10 +175,9 @@ class TensorCoreQMatmul(torch.autograd.Function):
             w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
             x_op = to_bf16(ctx.xq, ctx.backend)
         else:
-            row, col = quantize_mxfp8_both(pad_rows(dy, MXFP8_BLOCK), backend=ctx.backend)
+            row, col = qdq_mxfp8(pad_rows(dy, MXFP8_BLOCK), colwise=True, backend=ctx.backend)
             w_op = tw.col_bf16()
-            dy_op = to_bf16(row, ctx.backend)[:rows]
-            dyt_op = to_bf16(col, ctx.backend)[:rows]
+            dy_op, dyt_op = row[:rows], col[:rows]
             x_op = to_bf16(ctx.x_col, ctx.backend)[:rows]
         dx = mm_f32(dy_op, w_op).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = mm_f32(dyt_op.t(), x_op).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None

@@ -28,8 +28,8 @@ import torch
 
 from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.kernels import qdq_mxfp8, to_float32
 from mxrl.kernels import quantize as kernel_quantize
-from mxrl.kernels import quantize_mxfp8_both, to_float32
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.nn import invariant
@@ -136,11 +136,16 @@ class GroupedLinear(torch.autograd.Function):
             y = grouped_mm(a, w.to(BF16).transpose(-2, -1), layout.ends)
             ctx.save_for_backward(a, w)
             return y
-        xq = quantize_activation(x, spec, backend)
-        if spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
+        if spec.format is Format.MXFP8 and mode is not Backward.DEQUANTIZED:
+            # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
+            lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
+            y, xq = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends), None
+        elif spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
+            xq = quantize_activation(x, spec, backend)
             offsets = torch.cat([layout.ends.new_zeros(1), layout.ends])
             y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, block_m=64)
         else:
+            xq = quantize_activation(x, spec, backend)
             lp_x = to_bf16(xq, backend, global_scale=False)
             y = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends)
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
@@ -173,10 +178,9 @@ class GroupedLinear(torch.autograd.Function):
         else:
             assert tw is not None, "quantized backward needs the quantized weight"
             pad: PaddedLayout = ctx.padded
-            row, col = quantize_mxfp8_both(pad.scatter(dy), backend=ctx.backend)
+            row, dyt_op = qdq_mxfp8(pad.scatter(dy), colwise=True, backend=ctx.backend)
             w_op = tw.col_bf16()
-            dy_op = to_bf16(row, ctx.backend).index_select(0, pad.dest)
-            dyt_op = to_bf16(col, ctx.backend)
+            dy_op = row.index_select(0, pad.dest)
             x_op = to_bf16(ctx.x_col, ctx.backend)
             ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
         dx = dw = None

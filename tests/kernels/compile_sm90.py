@@ -75,7 +75,7 @@ def _variants():
         "mxfp8_row_col",
         mx._mxfp8_kernel,
         [*mx_sig, "M:i32", "K:i32"],
-        {"ROWWISE": True, "COLWISE": True, "BLOCK_M": 32, "BLOCK_K": 256, **common},
+        {"ROWWISE": True, "COLWISE": True, "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": False, **common},
         4,
     )
     yield (

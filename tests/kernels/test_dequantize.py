@@ -143,3 +143,58 @@ def test_widen_bf16_is_the_conversion_bit_for_bit(device):
     x = torch.cat([every, every[:4100]]).reshape(-1, 7).to(device)  # a ragged last block
     got = to_float32(x, backend="triton")
     assert_bytes_equal(got, x.to(torch.float32), "every bf16 value, NaN payloads included")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_eager_calls_run_the_body_and_tracing_sees_the_op(device, monkeypatch):
+    """In eager mode the api calls each op's body (`ops.EAGER`: no custom-op dispatch); under a
+    dispatch mode (FakeTensorMode, make_fx, ...) it calls the registered op, which the mode
+    sees whole."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxrl.kernels import dequantize, ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = quantize(cases.randn((32, 64), torch.float32, seed=2).to(device), "mxfp8")
+    bodies = []
+    original = ops.EAGER["dequantize_bf16"]
+    monkeypatch.setitem(ops.EAGER, "dequantize_bf16", lambda *a: bodies.append(1) or original(*a))
+    eager = dequantize(q, backend="triton")
+    assert bodies == [1]
+    with Seen() as mode:
+        traced = dequantize(q, backend="triton")
+    assert bodies == [1] and any("mxrl.dequantize_bf16" in op for op in mode.ops), mode.ops
+    assert_bytes_equal(traced, eager, "the op and its body")
+
+
+@pytest.mark.parametrize("device", TIERS)
+@pytest.mark.parametrize(("rowwise", "colwise"), [(True, False), (False, True), (True, True)])
+def test_qdq_mxfp8_is_quantize_then_dequantize(device, rowwise, colwise):
+    """`qdq_mxfp8`: the bf16 dequantized values of each MXFP8 copy from one kernel, equal to
+    the reference's quantize -> dequantize -> bf16 (NaN and Inf inputs, a 3-D input, a ragged
+    last tile)."""
+    from mxrl.kernels import qdq_mxfp8
+
+    for label, x in [
+        ("2-D with NaN/Inf", cases.randn((96, 160), torch.bfloat16, seed=3, scale=6.0)),
+        ("3-D fp32", cases.randn((3, 64, 96), torch.float32, seed=4, scale=1e-3)),
+    ]:
+        x = x.clone()
+        x.view(-1)[7] = float("nan")
+        x.view(-1)[100] = float("-inf")
+        x = x.to(device)
+        row, col = qdq_mxfp8(x, rowwise=rowwise, colwise=colwise, backend="triton")
+        want_row, want_col = qdq_mxfp8(x, rowwise=rowwise, colwise=colwise, backend="reference")
+        assert (row is None) == (not rowwise) and (col is None) == (not colwise)
+        if rowwise:
+            assert_same_bf16(row, want_row, f"{label} row-wise")
+        if colwise:
+            assert_same_bf16(col, want_col, f"{label} column-wise")

@@ -1,4 +1,5 @@
-"""The dequantize kernels (mxrl/kernels/triton_dequant.py) compile for sm_90 on the CPU, and their
+"""The dequantize kernels (mxrl/kernels/triton_dequant.py, and the MXFP8 quantizer's one-pass
+quantize -> bf16 mode) compile for sm_90 on the CPU, and their
 PTX holds what their bit-exactness relies on: the bf16 store is the round-to-nearest-even cvt
 (what torch's CUDA `.to(bfloat16)` runs), nothing flushes to zero (E4M3 subnormals times tiny
 scales stay subnormal), and no FMA (each element is a chain of exact or once-rounded products).
@@ -41,6 +42,13 @@ def compile_all() -> dict[str, dict[str, int]]:
         constexprs = {"FMT": fmt, "SR": sr, "SK": sk, "HAS_G": has_g, "HW": True,
                       "BLOCK_M": bm, "BLOCK_K": bk}  # fmt: skip
         report[name] = ptx_counts(td._dequant_kernel, sig, constexprs, PATTERNS)
+    from mxrl.kernels import triton_mxfp8 as mx
+
+    mx_sig = {"x_ptr": "*bf16", "q_row_ptr": "*bf16", "s_row_ptr": "*u8", "q_col_ptr": "*bf16",
+              "s_col_ptr": "*u8", "M": "i32", "K": "i32"}  # fmt: skip
+    mx_const = {"ROWWISE": True, "COLWISE": True, "HW": True, "INDEX_64": False, "EVEN": True,
+                "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": True}  # fmt: skip
+    report["qdq_mxfp8"] = ptx_counts(mx._mxfp8_kernel, mx_sig, mx_const, PATTERNS)
     widen = {"src_ptr": "*i16", "dst_ptr": "*i32", "N": "i32"}
     report["widen_bf16"] = ptx_counts(td._widen_bf16_kernel, widen, {"BLOCK": 4096}, PATTERNS)
     return report
@@ -54,8 +62,8 @@ def ptx_report():
 
 
 def test_dequantize_kernels_compile_with_exact_arithmetic(ptx_report):
-    assert set(ptx_report) == {*LAYOUTS, "widen_bf16"}
-    for name in LAYOUTS:
+    assert set(ptx_report) == {*LAYOUTS, "widen_bf16", "qdq_mxfp8"}
+    for name in [*LAYOUTS, "qdq_mxfp8"]:
         counts = ptx_report[name]
         assert counts["cvt_bf16"] > 0, (name, counts)
         assert counts["ftz"] == 0 and counts["fma"] == 0, (name, counts)

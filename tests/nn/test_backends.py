@@ -54,17 +54,20 @@ def _grads(backend: Backend, device: str, rows: int, dtype: torch.dtype, calls: 
 
 
 def _spy_on_triton_mxfp8(monkeypatch) -> list[tuple[tuple[int, ...], bool, bool]]:
-    """Record (shape, rowwise, colwise) of each call of the triton mxfp8 op."""
+    """Record (shape, rowwise, colwise) of each call of the triton mxfp8 ops: the quantizer, and
+    its one-pass quantize -> bf16 values (`qdq_mxfp8`, which the tensor-core path calls where no
+    codes are kept). Both are what the api calls in eager mode (`ops.EAGER`)."""
     from mxrl.kernels import ops
 
     calls = []
-    original = ops.quantize_mxfp8
+    for name in ("quantize_mxfp8", "qdq_mxfp8"):
+        original = ops.EAGER[name]
 
-    def spy(x, rowwise, colwise):
-        calls.append((tuple(x.shape), rowwise, colwise))
-        return original(x, rowwise, colwise)
+        def spy(x, rowwise, colwise, original=original):
+            calls.append((tuple(x.shape), rowwise, colwise))
+            return original(x, rowwise, colwise)
 
-    monkeypatch.setattr(ops, "quantize_mxfp8", spy)
+        monkeypatch.setitem(ops.EAGER, name, spy)
     return calls
 
 
@@ -147,13 +150,13 @@ def test_tensor_core_path_triton_equals_reference_under_interpreter(monkeypatch,
 
     want = _tensor_core_grads(fmt, mode, Backend.REFERENCE, [])
     calls: list = []
-    original = ops.dequantize_bf16
+    original = ops.EAGER["dequantize_bf16"]  # what the api calls in eager mode
 
     def spy(*args):
         calls.append(args[3])
         return original(*args)
 
-    monkeypatch.setattr(ops, "dequantize_bf16", spy)
+    monkeypatch.setitem(ops.EAGER, "dequantize_bf16", spy)
     got = _tensor_core_grads(fmt, mode, Backend.TRITON, calls)
     names = ("y", "dx", "dw", "experts out", "experts dx", "gate_up dw", "down dw")
     for name, a, b in zip(names, got, want, strict=True):
