@@ -16,7 +16,6 @@ triton backend: ask for backend "reference" for those.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mxrl.formats import QTensor
 from mxrl.formats import constants as C
@@ -24,7 +23,7 @@ from mxrl.formats import dequantize as reference_dequantize
 from mxrl.formats import quantize as reference_quantize
 from mxrl.formats.api import _check_input, _parse_format, _raise_if_not_finite
 from mxrl.formats.nvfp4 import _caller_amax
-from mxrl.kernels.backend import Backend, select_backend
+from mxrl.kernels.backend import Backend, select_backend, tracing
 
 KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te",)}
 KERNEL_SCALE_MODES[C.Format.FP8_BLOCK] = ("fp32", "ue8m0")
@@ -232,9 +231,7 @@ def _kernel(name: str):
     as FakeTensorMode or make_fx), else its body (`ops.EAGER`): the same kernels, without the
     custom-op dispatch's host time."""
     ops = _ops()
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return getattr(ops, name)
-    return ops.EAGER[name]
+    return getattr(ops, name) if tracing() else ops.EAGER[name]
 
 
 def _ops():

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_codecs import (
     e2m1_decode,
     e4m3_decode,
@@ -120,7 +120,7 @@ def launch_dequant(
     if m == 0 or k == 0:
         return out
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    wrap_triton(_dequant_kernel)[grid](
+    launcher(_dequant_kernel, qdata_MP)[grid](
         qdata_MP,
         scale,
         decode_rows if decode_rows is not None else scale,  # a dummy unless HAS_G
@@ -156,7 +156,7 @@ def launch_widen_bf16(x: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
     n = x.numel()
     if n:
         grid = (triton.cdiv(n, block),)
-        wrap_triton(_widen_bf16_kernel)[grid](
+        launcher(_widen_bf16_kernel, x)[grid](
             x.view(torch.int16), out.view(torch.int32), n, BLOCK=block, num_warps=8
         )
     return out

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from mxrl.formats import constants as C
+from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_codecs import (
     E4M3_MAX,
     E8M0_MAX_CODE,
@@ -143,7 +143,7 @@ def launch_fp8_block(
         block_k = max(bk, cfg["BLOCK_K"])
         rows = cfg["ROWS"]
         grid = (triton.cdiv(m, rows), triton.cdiv(k, block_k))
-        wrap_triton(_fp8_block_1d_kernel)[grid](
+        launcher(_fp8_block_1d_kernel, x_BRK)[grid](
             x_BRK,
             q,
             sf,
@@ -160,7 +160,7 @@ def launch_fp8_block(
         )
     else:
         grid = (b * num_rb, k // bk)
-        wrap_triton(_fp8_block_2d_kernel)[grid](
+        launcher(_fp8_block_2d_kernel, x_BRK)[grid](
             x_BRK,
             q,
             sf,

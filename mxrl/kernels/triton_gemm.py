@@ -44,8 +44,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
+from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_gemm_decode import mxfp8_values, nvfp4_halves
 from mxrl.kernels.triton_gemm_tiles import (
     find_group,
@@ -341,7 +342,7 @@ def launch_low_bit_gemm(
     slots = num_slots if grouped else triton.cdiv(t, block_m)
     if split_k > 1 and reduce and counters.numel() < slots * n_tiles:
         raise ValueError(f"mxrl::low_bit_gemm: {slots * n_tiles} split-K counters needed")
-    wrap_triton(_low_bit_gemm_kernel)[(n_tiles * split_k, slots)](
+    launcher(_low_bit_gemm_kernel, xq)[(n_tiles * split_k, slots)](
         xq,
         xs,
         xgs,

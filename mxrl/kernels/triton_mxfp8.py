@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_codecs import (
     RCP_448,
     ceil_e8m0,
@@ -143,7 +143,7 @@ def launch_mxfp8(
     # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
-    wrap_triton(_mxfp8_kernel)[grid](
+    launcher(_mxfp8_kernel, x_MK)[grid](
         x_MK,
         target(q_row, rowwise),
         target(s_row, rowwise and not qdq),

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from mxrl.kernels.backend import num_sms
+from mxrl.kernels.backend import launcher, num_sms
 from mxrl.kernels.triton_codecs import (
     E4M3_NAN_CODE,
     FLT_MAX,
@@ -194,7 +193,7 @@ def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
         cfg = AMAX_CONFIG
         num_blocks = triton.cdiv(n, cfg["BLOCK"])
         programs = min(num_blocks, num_sms(x_MK.device) * cfg["programs_per_sm"])
-        wrap_triton(_amax_kernel)[(programs,)](
+        launcher(_amax_kernel, x_MK)[(programs,)](
             x_MK,
             bits,
             n,
@@ -213,7 +212,7 @@ def launch_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     n = amax.numel()
     if n:
         block = 1024
-        wrap_triton(_encode_scale_kernel)[(triton.cdiv(n, block),)](amax, out, n, BLOCK=block)
+        launcher(_encode_scale_kernel, amax)[(triton.cdiv(n, block),)](amax, out, n, BLOCK=block)
     return out
 
 
@@ -260,7 +259,7 @@ def launch_nvfp4(
     single = k_pow2 <= cfg["TILE_ELEMS"]
     block_k = k_pow2 if single else cfg["LOOP_BLOCK_K"]
     rows = max(1, cfg["TILE_ELEMS"] // block_k) if single else 1
-    wrap_triton(_nvfp4_kernel)[(triton.cdiv(m, rows),)](
+    launcher(_nvfp4_kernel, x_MK)[(triton.cdiv(m, rows),)](
         x_MK,
         amax_arg,
         amax_stride,
