@@ -18,6 +18,9 @@ Saved for backward: x itself (high precision; the tensor autograd already keeps)
 activation (dequantized mode: 8.25 / 4.5 bits per element instead of a fp32 copy), the column-wise
 MXFP8 copy of x (quantized mode, quantized in the forward: the same bytes, since a quantizer is a
 pure function of its input).
+Held from one optimizer step to the next: the weight's QTensor(s), never a bf16 copy; every bf16
+operand is written when its GEMM runs (`mxrl.kernels.dequantize`, or `qdq_mxfp8` straight from x
+or dy where no codes are kept), the reference's bytes on either backend.
 """
 
 from __future__ import annotations
