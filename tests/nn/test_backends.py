@@ -21,6 +21,22 @@ from tests.numerics import assert_bytes_equal
 K, N = 64, 32  # the interpreter is slow: one 32-column block of dy, two of x
 
 
+def under_interpreter(test):
+    """The interpreter tier's marks: `triton`, skipped where CUDA is present or the interpreter
+    could not be switched on, NumPy's IEEE warnings ignored."""
+    for mark in (
+        pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*"),
+        pytest.mark.skipif(
+            not kernels_conftest.INTERPRETER_READY,
+            reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before "
+            "triton is imported (pytest tests/nn, or TRITON_INTERPRET=1 pytest)",
+        ),
+        pytest.mark.triton,
+    ):
+        test = mark(test)
+    return test
+
+
 def _qlinear(backend: Backend, device: str) -> QLinear:
     spec = TensorSpec(
         name="model.layers.0.mlp.down_proj.weight",
@@ -84,13 +100,7 @@ def _check_backends_agree(monkeypatch, device: str, rows: int, dtype: torch.dtyp
     assert sorted(calls) == sorted(want), calls
 
 
-@pytest.mark.triton
-@pytest.mark.skipif(
-    not kernels_conftest.INTERPRETER_READY,
-    reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton is "
-    "imported (pytest tests/nn, or TRITON_INTERPRET=1 pytest)",
-)
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
+@under_interpreter
 @pytest.mark.parametrize(("rows", "dtype"), [(33, torch.float32), (40, torch.bfloat16)])
 def test_quantized_backward_triton_equals_reference_under_interpreter(monkeypatch, rows, dtype):
     _check_backends_agree(monkeypatch, "cpu", rows, dtype)
@@ -132,13 +142,7 @@ def _tensor_core_grads(fmt: str, mode: str, backend: Backend, calls: list):
     return [*out, o.detach(), h.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
 
 
-@pytest.mark.triton
-@pytest.mark.skipif(
-    not kernels_conftest.INTERPRETER_READY,
-    reason="interpreter tests run without CUDA, with TRITON_INTERPRET=1 set before triton is "
-    "imported (pytest tests/nn, or TRITON_INTERPRET=1 pytest)",
-)
-@pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
+@under_interpreter
 @pytest.mark.parametrize(
     ("fmt", "mode"), [("mxfp8", "quantized"), ("mxfp8", "dequantized"), ("nvfp4", "dequantized")]
 )
