@@ -15,11 +15,11 @@ Timed with the device synchronized before and after, the median of `--repeats` a
 Per preset: seconds per sync (with the per-layer SQNR off, and on as the loop runs it), GB/s of
 engine bytes (every record's data, scales and global scales), the ratio to the copy bandwidth
 (in-process: a device-to-device `copy_` counting bytes read + written; --nccl: a peer copy
-cuda:0 -> cuda:1 and a raw NCCL broadcast of the same size), the peak memory the sync allocates
-beyond what trainer and engine hold, and the share of each stage, each timed alone and
-synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on receive),
-transfer (--nccl: a raw broadcast of the payload bytes; in-process: none, records are handed over
-by reference) and load (`load_weights` of records verified already, as the distributed receiver
+cuda:0 -> cuda:1, and a raw NCCL broadcast and send/recv of the same size), the peak memory the
+sync allocates beyond what trainer and engine hold, and the share of each stage, each timed
+alone and synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on
+receive), transfer (--nccl: a raw send/recv of the payload bytes, what a sync to one engine rank
+uses; in-process: none, records are handed over by reference) and load (`load_weights` of records verified already, as the distributed receiver
 hands them: the copy into the engine's buffers and the GEMM operands derived from them). The
 shares are of the stages' work, not of the sync's wall time where stages overlap: in --nccl mode
 the receiver checksums bucket k while bucket k+1 is on the wire, so the row also gives what of
@@ -281,7 +281,7 @@ def nccl(args) -> dict | None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
     config = config_of(args.layers, args.vocab, args.tiny)
-    bandwidth = {"p2p_copy": None, "nccl_broadcast": None}
+    bandwidth = {"p2p_copy": None, "nccl_broadcast": None, "nccl_send_recv": None}
     buf = torch.empty(args.copy_bytes, dtype=torch.uint8, device=device)
     if rank == 0:  # a peer copy cuda:0 -> cuda:1, the bytes moved once
         dst = torch.empty(args.copy_bytes, dtype=torch.uint8, device="cuda:1")
@@ -298,6 +298,19 @@ def nccl(args) -> dict | None:
 
     t = timed(broadcast, device, args.repeats)
     bandwidth["nccl_broadcast"] = {
+        "bytes": args.copy_bytes,
+        "s": t,
+        "gbps": args.copy_bytes / t / 1e9,
+    }
+
+    def send_recv(nbytes=args.copy_bytes):  # what a sync to one engine rank uses
+        if rank == 0:
+            dist.send(buf[:nbytes], dst=1)
+        else:
+            dist.recv(buf[:nbytes], src=0)
+
+    t = timed(send_recv, device, args.repeats)
+    bandwidth["nccl_send_recv"] = {
         "bytes": args.copy_bytes,
         "s": t,
         "gbps": args.copy_bytes / t / 1e9,
@@ -330,12 +343,12 @@ def nccl(args) -> dict | None:
         seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
         peak = peak_extra(once, device)
         engine_bytes = sum(r.nbytes for r in engine.records())
-        transfer = timed(
-            lambda n=engine_bytes: broadcast(min(n, args.copy_bytes)), device, args.repeats
+        transfer = timed(  # the payloads to one engine rank go as sends (mxrl.sync)
+            lambda n=engine_bytes: send_recv(min(n, args.copy_bytes)), device, args.repeats
         )
         transfer *= engine_bytes / min(engine_bytes, args.copy_bytes)
         stages = breakdown(model, engine, device, args.repeats)  # this rank's own stages
-        base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_broadcast"]["gbps"]
+        base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_send_recv"]["gbps"]
         row = row_common(preset, engine, seconds, seconds_sqnr, stages, transfer, peak, base, args)
         row["rank"] = rank
         if tail is not None:
@@ -355,6 +368,7 @@ def nccl(args) -> dict | None:
                     "gbps": sender["gbps"],
                     "ratio_to_p2p_copy": sender["gbps"] / p2p,
                     "ratio_to_nccl_broadcast": sender["gbps"] / bandwidth["nccl_broadcast"]["gbps"],
+                    "ratio_to_nccl_send_recv": sender["gbps"] / bandwidth["nccl_send_recv"]["gbps"],
                     "sync_s_48_layers": sender["sync_s_48_layers"],
                     "receiver_checksum_tail_share": receiver["receiver_checksum_tail_share"],
                     "sender": sender,
@@ -362,6 +376,9 @@ def nccl(args) -> dict | None:
                 }
             )
             print_row(sender)
+            raw = {k: bandwidth[k]["gbps"] for k in ("nccl_broadcast", "nccl_send_recv")}
+            print(f"    raw NCCL 1 GiB: broadcast {raw['nccl_broadcast']:.0f} GB/s, "
+                  f"send/recv {raw['nccl_send_recv']:.0f} GB/s")  # fmt: skip
             print(
                 f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s); "
                 "receiver checksum after the last payload "
@@ -380,7 +397,9 @@ def nccl(args) -> dict | None:
         "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
         "bucket_bytes": args.bucket_bytes,
         "repeats": args.repeats,
-        "baseline": "peer copy cuda:0 -> cuda:1 (bytes moved once); raw NCCL broadcast",
+        "baseline": (
+            "peer copy cuda:0 -> cuda:1 (bytes moved once); raw NCCL broadcast and send/recv"
+        ),
         "bandwidth": bandwidth,
         "rows": rows,
     }

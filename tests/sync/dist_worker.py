@@ -1,5 +1,6 @@
-"""The two ranks of the sync test (spawned by test_distributed.py): rank 0 trains and sends, rank 1
-runs an Engine and receives. Each writes what it saw to `rank{r}.json` in `out`. gloo: both on the
+"""The ranks of the sync test (spawned by test_distributed.py): rank 0 trains and sends, every
+other rank runs an Engine and receives (two ranks: the payloads go as sends to the one engine
+rank; three: as broadcasts). Each writes what it saw to `rank{r}.json` in `out`. gloo: both on the
 CPU; nccl: rank r on cuda:r, compared with exports made on the CPU.
 
 Rank 1 counts the checksum work of its first receive (every call of `field_digests`, which every
@@ -56,7 +57,7 @@ class FailsMidway:
         raise RuntimeError("export failed after bucket 0")
 
 
-def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
+def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int = 2) -> None:
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -66,7 +67,7 @@ def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
         backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=2,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
     )
     trained, trained_more = tiny(seed=1).to(device), tiny(seed=2).to(device)
@@ -113,6 +114,7 @@ def run(rank: int, port: int, out: str, backend: str = "gloo") -> None:
             "event": report.event.to_dict(),
         }
         seen["good"]["device"] = str(next(iter(engine.weights.values())).device)
+        seen["good"]["p2p"] = receiver.p2p
         seen["good"]["digest_calls"] = count.calls
         seen["good"]["digested_fields"] = count.fields
         seen["good"]["fields"] = sum(len(stored_tensors(v)) for v in engine.weights.values())

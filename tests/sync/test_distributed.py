@@ -52,12 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_ranks(out, backend: str):
-    """Run dist_worker on two spawned processes; the ranks' observations."""
+def two_ranks(out, backend: str, world_size: int = 2):
+    """Run dist_worker on `world_size` spawned processes (one sender, the rest engine ranks);
+    the ranks' observations."""
     ctx = mp.start_processes(
         dist_worker.run,
-        args=(_free_port(), str(out), backend),
-        nprocs=2,
+        args=(_free_port(), str(out), backend, world_size),
+        nprocs=world_size,
         join=False,
         start_method="spawn",
     )
@@ -67,7 +68,7 @@ def two_ranks(out, backend: str):
             for p in ctx.processes:
                 p.terminate()
             pytest.fail(f"the {backend} sync test timed out (a rank is stuck in a collective)")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,7 @@ def test_engine_rank_holds_the_bytes_of_a_local_export(gloo_run):
     assert trainer["good"]["version"] == engine["good"]["version"] == 2
     assert trainer["good"]["num_bytes"] == engine["good"]["num_bytes"]
     assert engine["good"]["event"] == trainer["event"]  # the event travels with the last bucket
+    assert engine["good"]["p2p"]  # one engine rank: the payloads came as sends
     assert set(trainer["event"]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
 
 
@@ -119,6 +121,22 @@ def test_an_export_failing_midway_aborts_every_rank(gloo_run):
     assert "export failed after bucket 0" in trainer["aborted"]
     assert "aborted" in engine["aborted"]
     assert engine["aborted_kept"] == {"version": 2, "equal_to_previous": True}
+
+
+def test_two_engine_ranks_receive_broadcasts_and_refuse_together(tmp_path):
+    """Three ranks: the payloads go as broadcasts (two ranks use a send / receive pair). Both
+    engine ranks hold the export's bytes, each checksums every field once, and a corrupted
+    payload is refused on both with their weights kept."""
+    trainer, *engines = two_ranks(tmp_path, "gloo", world_size=3)
+    assert trainer["good"]["version"] == 2
+    for engine in engines:
+        assert not engine["good"]["p2p"]  # two engine ranks: broadcasts
+        assert engine["good"]["equal_to_local_export"] and engine["good"]["version"] == 2
+        assert engine["good"]["digested_fields"] == engine["good"]["fields"] > 0
+        assert "checksum mismatch" in engine["corrupted"]
+        assert engine["corrupted_kept"] == {"version": 2, "equal_to_previous": True}
+        assert engine["small_meta"]["equal_to_local_export"]
+    assert "engine rank(s) [1, 2] refused" in trainer["corrupted"]
 
 
 @pytest.mark.gpu
