@@ -18,8 +18,8 @@ engine bytes (every record's data, scales and global scales), the ratio to the c
 cuda:0 -> cuda:1, and a raw NCCL broadcast and send/recv of the same size), the peak memory the
 sync allocates beyond what trainer and engine hold, and the share of each stage, each timed
 alone and synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on
-receive), transfer (--nccl: a raw send/recv of the payload bytes, what a sync to one engine rank
-uses; in-process: none, records are handed over by reference) and load (`load_weights` of records verified already, as the distributed receiver
+receive), transfer (--nccl: a raw broadcast of the payload bytes; in-process: none, records are
+handed over by reference) and load (`load_weights` of records verified already, as the distributed receiver
 hands them: the copy into the engine's buffers and the GEMM operands derived from them). The
 shares are of the stages' work, not of the sync's wall time where stages overlap: in --nccl mode
 the receiver checksums bucket k while bucket k+1 is on the wire, so the row also gives what of
@@ -303,7 +303,7 @@ def nccl(args) -> dict | None:
         "gbps": args.copy_bytes / t / 1e9,
     }
 
-    def send_recv(nbytes=args.copy_bytes):  # what a sync to one engine rank uses
+    def send_recv(nbytes=args.copy_bytes):  # the point-to-point alternative, for comparison
         if rank == 0:
             dist.send(buf[:nbytes], dst=1)
         else:
@@ -343,12 +343,12 @@ def nccl(args) -> dict | None:
         seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
         peak = peak_extra(once, device)
         engine_bytes = sum(r.nbytes for r in engine.records())
-        transfer = timed(  # the payloads to one engine rank go as sends (mxrl.sync)
-            lambda n=engine_bytes: send_recv(min(n, args.copy_bytes)), device, args.repeats
+        transfer = timed(
+            lambda n=engine_bytes: broadcast(min(n, args.copy_bytes)), device, args.repeats
         )
         transfer *= engine_bytes / min(engine_bytes, args.copy_bytes)
         stages = breakdown(model, engine, device, args.repeats)  # this rank's own stages
-        base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_send_recv"]["gbps"]
+        base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_broadcast"]["gbps"]
         row = row_common(preset, engine, seconds, seconds_sqnr, stages, transfer, peak, base, args)
         row["rank"] = rank
         if tail is not None:

@@ -218,17 +218,6 @@ def _comm_device(group: dist.ProcessGroup | None, device: torch.device | str | N
     return torch.device("cpu")
 
 
-def _only_peer(group: dist.ProcessGroup | None, src: int) -> int | None:
-    """The global rank of the one engine rank when `group` holds two ranks, else None. Payloads
-    to a single engine rank go as a send / receive pair (NCCL's point-to-point path), to several
-    as a broadcast; `benchmarks/sync.py --nccl` measures both raw bandwidths."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else None
-    if ranks is None:
-        ranks = list(range(dist.get_world_size()))
-    peers = [r for r in ranks if r != src]
-    return peers[0] if len(peers) == 1 else None
-
-
 def _gather_status(
     failed: int, version: int, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[tuple[int, int, int]]:
@@ -266,16 +255,9 @@ class DistributedSender:
             )
         self.group, self.src, self.tamper = group, src, tamper
         self.device = _comm_device(group, device)
-        self.peer = _only_peer(group, src)
 
     def _broadcast(self, t: torch.Tensor, *, async_op: bool = False):
         return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
-
-    def _send_payload(self, payload: torch.Tensor):
-        """Asynchronous: a send to the one engine rank, else a broadcast (`_only_peer`)."""
-        if self.peer is not None:
-            return dist.isend(payload, dst=self.peer, group=self.group)
-        return self._broadcast(payload, async_op=True)
 
     def send(self, update: Export) -> SyncReport:
         """Broadcast one export; returns once every engine rank has verified and loaded it.
@@ -312,7 +294,7 @@ class DistributedSender:
                     torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
                 )
             if payload.numel():
-                inflight.append((self._send_payload(payload), payload))
+                inflight.append((self._broadcast(payload, async_op=True), payload))
             self._finish(inflight, keep=1)  # bounded memory: one in transfer, one being built
             num_tensors += bucket.num_tensors
             num_bytes += bucket.nbytes
@@ -358,7 +340,6 @@ class DistributedReceiver:
             raise ValueError(f"DistributedReceiver runs on engine ranks, not on src={src}")
         self.engine, self.group, self.src = engine, group, src
         self.device = _comm_device(group, device)
-        self.p2p = _only_peer(group, src) is not None
         self.timings: dict[str, float] = {}  # of the last receive() (its docstring)
 
     def _receive(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -366,15 +347,6 @@ class DistributedReceiver:
         t = torch.empty(numel, dtype=dtype, device=self.device)
         if numel:
             dist.broadcast(t, src=self.src, group=self.group)
-        return t
-
-    def _receive_payload(self, numel: int) -> torch.Tensor:
-        """Queue the receive of one payload: from a send when this is the one engine rank
-        (NCCL: the current stream waits for it, not the host), else of a broadcast."""
-        if not self.p2p or not numel:
-            return self._receive(numel, torch.uint8)
-        t = torch.empty(numel, dtype=torch.uint8, device=self.device)
-        dist.irecv(t, src=self.src, group=self.group).wait()
         return t
 
     def _receive_meta(self) -> tuple[int, bytes, bytes, int]:
@@ -423,7 +395,7 @@ class DistributedReceiver:
         error: Exception | None = None
         while True:
             flags, header, digest, payload_len = self._receive_meta()
-            payload = self._receive_payload(payload_len)
+            payload = self._receive(payload_len, torch.uint8)
             if error is None:
                 try:
                     if hashlib.sha256(header).digest() != digest:

@@ -82,7 +82,6 @@ def test_engine_rank_holds_the_bytes_of_a_local_export(gloo_run):
     assert trainer["good"]["version"] == engine["good"]["version"] == 2
     assert trainer["good"]["num_bytes"] == engine["good"]["num_bytes"]
     assert engine["good"]["event"] == trainer["event"]  # the event travels with the last bucket
-    assert engine["good"]["p2p"]  # one engine rank: the payloads came as sends
     assert set(trainer["event"]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
 
 
@@ -124,13 +123,12 @@ def test_an_export_failing_midway_aborts_every_rank(gloo_run):
 
 
 def test_two_engine_ranks_receive_broadcasts_and_refuse_together(tmp_path):
-    """Three ranks: the payloads go as broadcasts (two ranks use a send / receive pair). Both
-    engine ranks hold the export's bytes, each checksums every field once, and a corrupted
-    payload is refused on both with their weights kept."""
+    """Three ranks, one sender and two engine ranks on one broadcast: both hold the export's
+    bytes, each checksums every field once, and a corrupted payload is refused on both (the
+    sender names both ranks) with their weights kept."""
     trainer, *engines = two_ranks(tmp_path, "gloo", world_size=3)
     assert trainer["good"]["version"] == 2
     for engine in engines:
-        assert not engine["good"]["p2p"]  # two engine ranks: broadcasts
         assert engine["good"]["equal_to_local_export"] and engine["good"]["version"] == 2
         assert engine["good"]["digested_fields"] == engine["good"]["fields"] > 0
         assert "checksum mismatch" in engine["corrupted"]
