@@ -5,8 +5,8 @@
     y = grouped_low_bit_linear(x_sorted, wq, offs)   # x [T, K] sorted by expert, wq [E, N, K],
                                                      # offs [E+1]: expert e owns rows offs[e]:offs[e+1]
 
-Semantics: `mxrl.nn.qmatmul.emulated_matmul` (docs/design.md §2), which this module reproduces
-without importing it (kernels sit left of nn):
+Semantics: the emulated GEMM of `mxrl.kernels.emulated` (docs/design.md §2), the one formula
+the trainer's `mxrl.nn.qmatmul.emulated_matmul` computes too:
   xq = quantize(x, fmt, per_token=...)               same bytes as the trainer's activations
   y  = fl( (lp(xq) @ lp(wq)^T)_fp32  *  fl(s_x * s_w) )
 lp = dequantized without NVFP4's FP32 global scale (exact in fp32, and in the fp16 / bf16 the
@@ -39,6 +39,7 @@ from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import Format
 from mxrl.kernels.api import quantize as kernel_quantize
 from mxrl.kernels.backend import Backend, num_sms, select_backend
+from mxrl.kernels.emulated import emulated_gemm
 
 __all__ = [
     "BOUND_ULPS",
@@ -254,13 +255,14 @@ def grouped_low_bit_matmul(
 def reference_low_bit_matmul(
     xq: QTensor, wq: QTensor, expert_offsets: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """fp32 y [T, N]: `emulated_matmul`'s formula, op for op (per expert when grouped)."""
+    """fp32 y [T, N]: the emulated GEMM (`mxrl.kernels.emulated`, the formula the trainer's
+    `emulated_matmul` computes), per expert when grouped."""
     if xq.shape[0] == 0:
         return torch.zeros((0, wq.shape[-2]), dtype=torch.float32, device=xq.device)
     lp_x = dequantize(xq, global_scale=False)
     s_x = decode_global_scale(xq)  # [T, 1], [] or None
     if expert_offsets is None:
-        return _scaled(lp_x @ dequantize(wq, global_scale=False).t(), s_x, _s_w(wq, None))
+        return emulated_gemm(lp_x, dequantize(wq, global_scale=False), s_x, _s_w(wq, None))
     lp_w = dequantize(wq, global_scale=False)
     y = torch.zeros((lp_x.shape[0], wq.shape[1]), dtype=torch.float32, device=lp_x.device)
     bounds = expert_offsets.tolist()
@@ -269,7 +271,7 @@ def reference_low_bit_matmul(
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             s_xe = s_x[lo:hi] if s_x is not None and s_x.dim() else s_x
-            y[lo:hi] = _scaled(lp_x[lo:hi] @ lp_w[e].t(), s_xe, _s_w(wq, e))
+            y[lo:hi] = emulated_gemm(lp_x[lo:hi], lp_w[e], s_xe, _s_w(wq, e))
     return y
 
 
@@ -284,26 +286,18 @@ def error_bound(
     s_x = s_x.abs() if s_x is not None else None
     ulps = BOUND_ULPS * k * 2.0**-24
     if expert_offsets is None:
-        return _scaled(lp_x @ lp_w.t(), s_x, _abs(_s_w(wq, None))) * ulps
+        return emulated_gemm(lp_x, lp_w, s_x, _abs(_s_w(wq, None))) * ulps
     out = torch.zeros((lp_x.shape[0], wq.shape[1]), dtype=torch.float32, device=lp_x.device)
     bounds = expert_offsets.tolist()
     for e in range(wq.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if hi > lo:
             s_xe = s_x[lo:hi] if s_x is not None and s_x.dim() else s_x
-            out[lo:hi] = _scaled(lp_x[lo:hi] @ lp_w[e].t(), s_xe, _abs(_s_w(wq, e))) * ulps
+            out[lo:hi] = emulated_gemm(lp_x[lo:hi], lp_w[e], s_xe, _abs(_s_w(wq, e))) * ulps
     return out
 
 
 # --- helpers ------------------------------------------------------------------------------------
-
-
-def _scaled(y: torch.Tensor, s_x: torch.Tensor | None, s_w: torch.Tensor | None) -> torch.Tensor:
-    """y * fl(s_x * s_w), the missing scale read as 1 (emulated_matmul's order)."""
-    if s_x is None and s_w is None:
-        return y
-    one = torch.ones((), device=y.device)
-    return y * ((s_x if s_x is not None else one) * (s_w if s_w is not None else one))
 
 
 def _s_w(wq: QTensor, e: int | None) -> torch.Tensor | None:
