@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mxrl.formats import QTensor
+from mxrl.formats import QTensor, decode_global_scale
 from mxrl.formats import constants as C
 from mxrl.formats import dequantize as reference_dequantize
 from mxrl.formats import quantize as reference_quantize
@@ -145,11 +145,7 @@ def dequantize(
     if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(shape) >= 1:
         block = _dequant_block(q)
         if block is not None:
-            s_dec = None
-            if fmt is C.Format.NVFP4 and global_scale:
-                from mxrl.formats import decode_global_scale
-
-                s_dec = decode_global_scale(q)
+            s_dec = decode_global_scale(q) if fmt is C.Format.NVFP4 and global_scale else None
             scale = q.scale if fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
             code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[fmt]
             return _kernel("dequantize_bf16")(q.qdata, scale, s_dec, code, shape, *block)
