@@ -283,25 +283,20 @@ def nccl(args) -> dict | None:
     config = config_of(args.layers, args.vocab, args.tiny)
     bandwidth = {"p2p_copy": None, "nccl_broadcast": None, "nccl_send_recv": None}
     buf = torch.empty(args.copy_bytes, dtype=torch.uint8, device=device)
+
+    def rate(fn, on: torch.device) -> dict:  # args.copy_bytes moved once per call of fn
+        t = timed(fn, on, args.repeats)
+        return {"bytes": args.copy_bytes, "s": t, "gbps": args.copy_bytes / t / 1e9}
+
     if rank == 0:  # a peer copy cuda:0 -> cuda:1, the bytes moved once
         dst = torch.empty(args.copy_bytes, dtype=torch.uint8, device="cuda:1")
-        t = timed(lambda: dst.copy_(buf), torch.device("cuda:1"), args.repeats)
-        bandwidth["p2p_copy"] = {
-            "bytes": args.copy_bytes,
-            "s": t,
-            "gbps": args.copy_bytes / t / 1e9,
-        }
+        bandwidth["p2p_copy"] = rate(lambda: dst.copy_(buf), torch.device("cuda:1"))
         del dst
 
     def broadcast(nbytes=args.copy_bytes):
         dist.broadcast(buf[:nbytes], src=0)
 
-    t = timed(broadcast, device, args.repeats)
-    bandwidth["nccl_broadcast"] = {
-        "bytes": args.copy_bytes,
-        "s": t,
-        "gbps": args.copy_bytes / t / 1e9,
-    }
+    bandwidth["nccl_broadcast"] = rate(broadcast, device)
 
     def send_recv(nbytes=args.copy_bytes):  # the point-to-point alternative, for comparison
         if rank == 0:
@@ -309,12 +304,7 @@ def nccl(args) -> dict | None:
         else:
             dist.recv(buf[:nbytes], src=0)
 
-    t = timed(send_recv, device, args.repeats)
-    bandwidth["nccl_send_recv"] = {
-        "bytes": args.copy_bytes,
-        "s": t,
-        "gbps": args.copy_bytes / t / 1e9,
-    }
+    bandwidth["nccl_send_recv"] = rate(send_recv, device)
     rows = []
     model = build_model(config, seed=0).to(device)
     for preset in args.presets:

@@ -136,12 +136,12 @@ def launch_mxfp8(
     q_col, s_col = out((m, k), colwise, data), out((m // 32, k), colwise and not qdq)
     if m == 0 or k == 0:
         return q_row, s_row, q_col, s_col
+    # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
 
     def target(t, wanted):  # not HW, the bf16 store writes the bits into an int16 view
         return dummy if not wanted else (t.view(torch.int16) if qdq and not hw else t)
 
-    # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
-    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     launcher(_mxfp8_kernel, x_MK)[grid](
         x_MK,

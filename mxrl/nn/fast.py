@@ -83,23 +83,17 @@ class TensorCoreWeight:
 
     def lp(self) -> torch.Tensor:
         """bf16 lp(Qw(w)): dequantized without the NVFP4 global scale (exact in bf16)."""
-        return to_bf16(self.q, self.backend, global_scale=False)
+        return kernel_dequantize(self.q, global_scale=False, backend=self.backend)
 
     def deq_bf16(self) -> torch.Tensor:
         """deq(Qw(w)) in bf16 (the dequantized backward's operand): fl_bf16 of the fp32
         dequantized value, the NVFP4 global scale included."""
-        return to_bf16(self.q, self.backend)
+        return kernel_dequantize(self.q, backend=self.backend)
 
     def col_bf16(self) -> torch.Tensor:
         """The column-wise MXFP8 copy dequantized in bf16 (exact)."""
         assert self.col is not None, "quantized backward needs the column-wise weight copy"
-        return to_bf16(self.col, self.backend)
-
-
-def to_bf16(q: QTensor, backend: Backend, global_scale: bool = True) -> torch.Tensor:
-    """`dequantize(q, global_scale=...).to(bf16)`, written straight to bf16 on the triton
-    backend (`mxrl.kernels.dequantize`: no fp32 tensor in between, the same bytes)."""
-    return kernel_dequantize(q, global_scale=global_scale, backend=backend)
+        return kernel_dequantize(self.col, backend=self.backend)
 
 
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
@@ -131,7 +125,7 @@ def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.T
     s_w = tw.s_dec
     if s_w is not None and s_w.dim():
         s_w = s_w.reshape(1, -1)  # per-row [N, 1] -> a column scale of the output
-    lp_x = to_bf16(xq, tw.backend, global_scale=False)
+    lp_x = kernel_dequantize(xq, global_scale=False, backend=tw.backend)
     return apply_global_scales(mm_f32(lp_x, tw.lp().t()), decode_global_scale(xq), s_w)
 
 
@@ -176,12 +170,12 @@ class TensorCoreQMatmul(torch.autograd.Function):
             w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)
         elif ctx.mode is Backward.DEQUANTIZED:
             w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = to_bf16(ctx.xq, ctx.backend)
+            x_op = kernel_dequantize(ctx.xq, backend=ctx.backend)
         else:
             row, col = qdq_mxfp8(pad_rows(dy, MXFP8_BLOCK), colwise=True, backend=ctx.backend)
             w_op = tw.col_bf16()
             dy_op, dyt_op = row[:rows], col[:rows]
-            x_op = to_bf16(ctx.x_col, ctx.backend)[:rows]
+            x_op = kernel_dequantize(ctx.x_col, backend=ctx.backend)[:rows]
         dx = mm_f32(dy_op, w_op).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = mm_f32(dyt_op.t(), x_op).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None

@@ -28,12 +28,13 @@ import torch
 
 from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import qdq_mxfp8, to_float32
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
 from mxrl.nn import invariant
-from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation, to_bf16
+from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
 from mxrl.nn.gemm import grouped_mm
 from mxrl.recipe import Backward, TensorSpec
 
@@ -146,7 +147,7 @@ class GroupedLinear(torch.autograd.Function):
             y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, block_m=64)
         else:
             xq = quantize_activation(x, spec, backend)
-            lp_x = to_bf16(xq, backend, global_scale=False)
+            lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
             y = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends)
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
             if scale is not None:
@@ -174,14 +175,14 @@ class GroupedLinear(torch.autograd.Function):
             w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
         elif ctx.mode is Backward.DEQUANTIZED:
             w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = to_bf16(ctx.xq, ctx.backend)
+            x_op = kernel_dequantize(ctx.xq, backend=ctx.backend)
         else:
             assert tw is not None, "quantized backward needs the quantized weight"
             pad: PaddedLayout = ctx.padded
             row, dyt_op = qdq_mxfp8(pad.scatter(dy), colwise=True, backend=ctx.backend)
             w_op = tw.col_bf16()
             dy_op = row.index_select(0, pad.dest)
-            x_op = to_bf16(ctx.x_col, ctx.backend)
+            x_op = kernel_dequantize(ctx.x_col, backend=ctx.backend)
             ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
         dx = dw = None
         if ctx.needs_input_grad[0]:
