@@ -8,7 +8,17 @@ Every rank of `group` takes part: `src` sends, all others receive (gloo on CPU t
 the current CUDA device). The sender quantizes bucket k+1 while bucket k is on the wire: on CUDA
 the export and the packing run on a side stream and the payload broadcast is asynchronous, with
 at most two payloads alive (the one in transfer, the one being built); on gloo / CPU the steps
-run one after the other. Per bucket, two broadcasts from `src` (wire version 3):
+run one after the other.
+
+An update opens with one all-gather of (wire version, layout id) (wire version 4). The layout is
+where every field of an update lies in its payloads: the bucket headers without the checksums,
+the step and the event (`Layout`). It follows from the plan and the bucket size, so every update
+of a run after the first has the one layout both ends learnt from the first. When every rank
+holds the same layout the update runs **scheduled**, otherwise **bucket by bucket** (the first
+update, a new sender or engine rank, another plan or bucket size, after a refused layout); both
+ends remember the layout of an update that went through bucket by bucket.
+
+Bucket by bucket, two broadcasts per bucket from `src`:
 
 1. meta, uint8[META_BYTES = 64 KiB], fixed size, so a receiver always knows how much follows,
    even when it cannot use what arrives: int64[4] (little-endian) wire version, flags (1 = last
@@ -20,24 +30,31 @@ run one after the other. Per bucket, two broadcasts from `src` (wire version 3):
 The header is the JSON of the bucket (index, last, num_buckets, plan hash, step, the
 QuantizationEvent on the last bucket) and of each record: name, checksum, and its fields
 (QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and byte
-count in the payload. (Wire 2 sent the meta as int64[8] and the header always on its own.)
+count in the payload. A receiver reads each meta on the host before it can queue the payload's
+receive, and the meta of bucket k+1 travels behind payload k (one communicator, one stream): one
+host round trip per bucket, during which the wire waits.
 
-The receive pipeline: one host round trip per bucket, reading its meta (with the header inline).
-The payload's receive is then queued without waiting for it, the bucket's records are rebuilt as
-views of the payload (`QTensor.from_state_dict`, on the rank's device), and their checksums are
-queued behind the payload (CUDA: on a side stream, their 64 bytes per field copied to pinned
-host memory behind an event; gloo / CPU: computed at once), before the next bucket's meta is
-received: bucket k is verified while bucket k+1 is on the wire. The meta of bucket k+1 travels
-behind payload k (one communicator, one stream), so that host read is also where payload k has
-landed. After the last bucket the receiver reads the digests (only the last bucket's can still
-be running), compares every record's checksum with the one it carries, and hands the records to
-ONE `Engine.load_weights` call (`transport.apply_update`) as `VerifiedRecord`s, which it does not
+Scheduled: every payload back to back, then one meta (flag 1) whose header, the trailer, holds
+the plan hash, the step, the event and every record's checksum in layout order (2 = aborted, as
+above). The receivers queue the receives of all payloads at once (sizes from the layout) and
+build each bucket's records as views of its payload from the layout, so the wire never waits on
+a receiver's host. The sender checks each packed bucket against the layout; an export that is
+laid out otherwise, ends early or fails mid-way still sends every payload the receivers queued
+(zeros), then aborts: every rank keeps its weights, and the sender forgets the layout.
+
+The receive pipeline, both modes: each bucket's checksums are queued behind its payload (CUDA:
+on a side stream, their 64 bytes per field copied to pinned host memory behind an event; gloo /
+CPU: computed at once): bucket k is verified while bucket k+1 is on the wire. After the last
+bucket the receiver reads the digests (only the last bucket's can still be running), compares
+every record's checksum with the one it carries, and hands the records to ONE
+`Engine.load_weights` call (`transport.apply_update`) as `VerifiedRecord`s, which it does not
 checksum again (once on send, once on receive), before it copies anything into the engine's
 buffers. A receiver keeps receiving to the last bucket even after an error, so the collectives
 stay in step; then all ranks all-gather (failed, weights_version), and a refusal on any engine
 rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update
 leaves each engine rank on its previous weights. Memory: every payload of the update (all or
 nothing), plus the checksums' workspace of the buckets being verified (1/32 of their bytes).
+(Wire 3: bucket by bucket only; 2: the meta as int64[8], the header always on its own.)
 """
 
 from __future__ import annotations
@@ -71,9 +88,9 @@ from mxrl.weights import (
 
 logger = logging.getLogger(__name__)
 
-# 3: the header inline in a fixed 64 KiB meta; 2: records carry mxrl.weights checksums (meta
-# int64[8], header on its own); 1: sha256 content hashes
-WIRE_VERSION = 3
+# 4: the layout agreement and the scheduled mode; 3: the header inline in a fixed 64 KiB meta;
+# 2: records carry mxrl.weights checksums (meta int64[8], header on its own); 1: sha256 hashes
+WIRE_VERSION = 4
 FLAG_LAST = 1
 FLAG_ABORT = 2
 META_BYTES = 64 * 1024  # the meta broadcast: _HEAD_BYTES, then the header if it fits
@@ -232,13 +249,68 @@ def _gather_status(
     ]
 
 
+# --- the layout of an update: what both ends remember for the scheduled mode ---------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every field of an update lies in its payloads: the bucket headers without what
+    depends on the weights' values (checksums, step, event). It follows from the plan and the
+    bucket size alone, so the updates of one run share it. id: 16 bytes of the sha256 of the
+    buckets' JSON."""
+
+    id: bytes
+    plan_hash: str
+    buckets: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, headers: list[dict[str, Any]]) -> Layout:
+        buckets = tuple(_bucket_layout(h) for h in headers)
+        text = json.dumps(buckets, separators=(",", ":")).encode()
+        return cls(hashlib.sha256(text).digest()[:16], str(headers[0]["plan_hash"]), buckets)
+
+
+def _bucket_layout(h: dict[str, Any]) -> dict[str, Any]:
+    records = [{k: v for k, v in r.items() if k != "hash"} for r in h["records"]]
+    return {"plan_hash": h["plan_hash"], "payload_bytes": h["payload_bytes"], "records": records}
+
+
+def _agree(layout: Layout | None, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of `group` holds this same layout (the update then runs scheduled):
+    one all-gather of (wire version, layout id); every rank reaches the same answer."""
+    ident = layout.id if layout is not None else bytes(16)
+    mine = torch.tensor([WIRE_VERSION, *struct.unpack("<2q", ident)], dtype=torch.int64)
+    everyone = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine.to(device), group=group)
+    seen = {tuple(t.tolist()) for t in everyone}
+    wires = sorted({w for w, _, _ in seen})
+    if wires != [WIRE_VERSION]:  # every rank sees the same set and raises together
+        raise ValueError(
+            f"the ranks speak sync wire versions {wires}: run one mxrl version on every rank"
+        )
+    return len(seen) == 1 and seen != {(WIRE_VERSION, 0, 0)}
+
+
+def _layout_key(update: Export) -> tuple[str, int] | None:
+    """What the export's layout follows from (plan, bucket size); None for an update that does
+    not say (it is then sent bucket by bucket)."""
+    plan_hash, bucket_bytes = (
+        getattr(update, "plan_hash", None),
+        getattr(update, "bucket_bytes", None),
+    )
+    return None if plan_hash is None or bucket_bytes is None else (plan_hash, bucket_bytes)
+
+
+class _LayoutChanged(Exception):
+    """The export does not match the layout both ends agreed on (the sender's own check)."""
+
+
 # --- the two ends ------------------------------------------------------------------------------
 class DistributedSender:
     """The trainer end: broadcasts each bucket of an export from rank `src` (a global rank) to
     every other rank of `group` (None: the default group).
 
     tamper: tests only; called as tamper(bucket_index, payload) before the payload is broadcast,
-    to corrupt bytes in transit on purpose.
+    to corrupt bytes in transit on purpose. `last_mode`: "per-bucket" or "scheduled", how the
+    last `send` ran (module docstring).
     """
 
     def __init__(
@@ -255,50 +327,133 @@ class DistributedSender:
             )
         self.group, self.src, self.tamper = group, src, tamper
         self.device = _comm_device(group, device)
+        self.last_mode: str | None = None
+        self._layout: tuple[tuple[str, int], Layout] | None = None  # (key, layout) last sent
 
     def _broadcast(self, t: torch.Tensor, *, async_op: bool = False):
         return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
+
+    def _send_meta(self, flags: int, header: bytes, payload_len: int) -> None:
+        self._broadcast(_meta(flags, header, payload_len, self.device))
+        if not _inline(len(header)):
+            self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
 
     def send(self, update: Export) -> SyncReport:
         """Broadcast one export; returns once every engine rank has verified and loaded it.
         Raises ValueError when any engine rank refused it (they all keep their weights)."""
         t0 = time.perf_counter()
+        key = _layout_key(update)
+        layout = self._layout[1] if self._layout is not None and self._layout[0] == key else None
+        if _agree(layout, self.group, self.device):
+            assert layout is not None
+            self.last_mode = "scheduled"
+            return self._send_scheduled(update, layout, t0)
+        self.last_mode = "per-bucket"
+        report, headers = self._send_per_bucket(update, t0)
+        self._layout = (key, Layout.of(headers)) if key is not None else None
+        return report
+
+    def _pack(self, buckets, side) -> tuple[Bucket | None, bytes, torch.Tensor | None]:
+        """The next bucket of the export, quantized and packed (on CUDA: on the side stream,
+        while the payload before it transfers); (None, b"", None) after the last."""
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            bucket = next(buckets, None)
+            if bucket is None:
+                return None, b"", None
+            header, payload = pack_bucket(bucket, self.device)
+        if side is not None:  # the broadcasts (current stream) follow the side stream
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(side)
+            payload.record_stream(current)
+        if self.tamper is not None:
+            self.tamper(bucket.index, payload)
+        return bucket, header, payload
+
+    def _send_per_bucket(self, update: Export, t0: float) -> tuple[SyncReport, list[dict]]:
         num_tensors = num_bytes = 0
-        cuda = self.device.type == "cuda"
-        side = torch.cuda.Stream(self.device) if cuda else None
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         inflight: deque = deque()  # (work, payload) of the payloads on the wire
         buckets = iter(update)
+        headers: list[dict] = []
         while True:
             try:
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    bucket = next(buckets, None)  # quantized while the last payload transfers
-                    if bucket is not None:
-                        header, payload = pack_bucket(bucket, self.device)
+                bucket, header, payload = self._pack(buckets, side)
             except Exception:
                 # The export failed mid-way: tell the receivers, so that no rank waits forever.
                 self._finish(inflight)
-                self._broadcast(_meta(FLAG_ABORT, b"", 0, self.device))
+                self._send_meta(FLAG_ABORT, b"", 0)
                 raise
             if bucket is None:
                 break
-            if side is not None:  # the broadcasts (current stream) follow the side stream
-                current = torch.cuda.current_stream(self.device)
-                current.wait_stream(side)
-                payload.record_stream(current)
-            if self.tamper is not None:
-                self.tamper(bucket.index, payload)
-            flags = FLAG_LAST if bucket.last else 0
-            self._broadcast(_meta(flags, header, payload.numel(), self.device))
-            if not _inline(len(header)):
-                self._broadcast(
-                    torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-                )
+            assert payload is not None
+            headers.append(json.loads(header))
+            self._send_meta(FLAG_LAST if bucket.last else 0, header, payload.numel())
             if payload.numel():
                 inflight.append((self._broadcast(payload, async_op=True), payload))
             self._finish(inflight, keep=1)  # bounded memory: one in transfer, one being built
             num_tensors += bucket.num_tensors
             num_bytes += bucket.nbytes
         self._finish(inflight)
+        report = self._outcome(update, t0, num_tensors, num_bytes)
+        return report, headers
+
+    def _send_scheduled(self, update: Export, layout: Layout, t0: float) -> SyncReport:
+        """Every payload back to back, sized by `layout` (the receivers have queued all their
+        receives), then one trailer with the records' checksums, the step and the event."""
+        num_tensors = num_bytes = 0
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        inflight: deque = deque()
+        buckets = iter(update)
+        failure: Exception | None = None
+        hashes: list[str] = []
+        last: Bucket | None = None
+        for k, expected in enumerate(layout.buckets):
+            payload = None
+            if failure is None:
+                try:
+                    bucket, header, payload = self._pack(buckets, side)
+                    if bucket is None:
+                        raise _LayoutChanged(f"the export ended after {k} bucket(s)")
+                    if _bucket_layout(json.loads(header)) != expected:
+                        raise _LayoutChanged(f"bucket {k} is laid out differently")
+                    hashes += [r.hash for r in bucket.records]
+                    num_tensors += bucket.num_tensors
+                    num_bytes += bucket.nbytes
+                    last = bucket
+                except Exception as e:
+                    failure, payload = e, None
+            if payload is None:  # after a failure: keep every rank's queued receives in step
+                payload = torch.zeros(
+                    expected["payload_bytes"], dtype=torch.uint8, device=self.device
+                )
+            if payload.numel():
+                inflight.append((self._broadcast(payload, async_op=True), payload))
+            self._finish(inflight, keep=1)
+        if failure is None and (last is None or not last.last):
+            failure = _LayoutChanged(f"the export has more than {len(layout.buckets)} bucket(s)")
+        self._finish(inflight)
+        if failure is not None:
+            self._send_meta(FLAG_ABORT, b"", 0)
+            if not isinstance(failure, _LayoutChanged):
+                raise failure
+            self._layout = None  # the next update goes bucket by bucket and learns the layout
+            raise ValueError(
+                f"weight update step {update.step}: {failure}, unlike the {len(layout.buckets)} "
+                "bucket(s) of the layout the ranks agreed on; nothing was loaded (every engine "
+                "rank keeps its weights) and the next update is sent bucket by bucket"
+            )
+        assert last is not None and last.event is not None
+        trailer = {
+            "wire": WIRE_VERSION,
+            "plan_hash": last.plan_hash,
+            "step": last.step,
+            "event": last.event.to_dict(),
+            "hashes": hashes,
+        }
+        self._send_meta(FLAG_LAST, json.dumps(trailer, separators=(",", ":")).encode(), 0)
+        return self._outcome(update, t0, num_tensors, num_bytes)
+
+    def _outcome(self, update: Export, t0: float, num_tensors: int, num_bytes: int) -> SyncReport:
         engines = [s for s in _gather_status(0, 0, self.group, self.device) if s[0] != self.src]
         refused = [rank for rank, failed, _ in engines if failed]
         if refused:
@@ -326,7 +481,8 @@ class DistributedSender:
 
 class DistributedReceiver:
     """The engine end: receives one update from rank `src` per `receive()` call and loads it
-    into `engine` (see the module docstring for what is checked)."""
+    into `engine` (see the module docstring for what is checked). `last_mode`: "per-bucket" or
+    "scheduled", how the last `receive` ran."""
 
     def __init__(
         self,
@@ -341,6 +497,8 @@ class DistributedReceiver:
         self.engine, self.group, self.src = engine, group, src
         self.device = _comm_device(group, device)
         self.timings: dict[str, float] = {}  # of the last receive() (its docstring)
+        self.last_mode: str | None = None
+        self._layout: Layout | None = None  # of the last update this rank loaded
 
     def _receive(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Queue the receive of one broadcast (on CUDA the host does not wait for it)."""
@@ -350,8 +508,8 @@ class DistributedReceiver:
         return t
 
     def _receive_meta(self) -> tuple[int, bytes, bytes, int]:
-        """(flags, header, the header's sha256 as sent, payload length) of the next bucket: the
-        one host round trip of a bucket (two when its header does not fit the meta)."""
+        """(flags, header, the header's sha256 as sent, payload length) of the next meta: one
+        host round trip (two when its header does not fit the meta)."""
         meta = self._receive(META_BYTES, torch.uint8).cpu().numpy().tobytes()
         wire, flags, header_len, payload_len, digest = _HEAD.unpack_from(meta)
         if wire != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
@@ -368,11 +526,10 @@ class DistributedReceiver:
         return flags, header, digest, payload_len
 
     def _check(
-        self, bucket: Bucket, payload: torch.Tensor, side: torch.cuda.Stream | None
+        self, values: list, payload: torch.Tensor, side: torch.cuda.Stream | None
     ) -> PendingChecksums:
-        """Start the checksums of a bucket's records (views of `payload`): on CUDA queued on
+        """Start the checksums of a bucket's values (views of `payload`): on CUDA queued on
         `side` behind the payload's receive, no host wait; on the CPU computed now."""
-        values = [r.value for r in bucket.records]
         if side is None:
             return PendingChecksums(values)
         side.wait_stream(torch.cuda.current_stream(self.device))  # behind the payload
@@ -389,27 +546,20 @@ class DistributedReceiver:
         its copies may still run on the device)."""
         t0 = time.perf_counter()
         self.timings = {}
-        cuda = self.device.type == "cuda"
-        side = torch.cuda.Stream(self.device) if cuda else None
-        arrived: list[tuple[Bucket, PendingChecksums]] = []
-        error: Exception | None = None
-        while True:
-            flags, header, digest, payload_len = self._receive_meta()
-            payload = self._receive(payload_len, torch.uint8)
-            if error is None:
-                try:
-                    if hashlib.sha256(header).digest() != digest:
-                        raise ValueError("bucket header corrupted in transit (sha256 mismatch)")
-                    bucket = unpack_bucket(header, payload)
-                    arrived.append((bucket, self._check(bucket, payload, side)))
-                except Exception as e:  # keep receiving: the collectives stay in step
-                    error = e
-            if flags & FLAG_LAST:
-                break
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        layout = self._layout
+        if _agree(layout, self.group, self.device):
+            assert layout is not None
+            self.last_mode = "scheduled"
+            arrived, error = self._receive_scheduled(layout, side)
+            headers = None
+        else:
+            self.last_mode = "per-bucket"
+            arrived, error, headers = self._receive_per_bucket(side)
         report = None
         if error is None:
             try:
-                if cuda:
+                if side is not None:
                     torch.cuda.current_stream(self.device).synchronize()
                 self.timings["arrived"] = time.perf_counter() - t0
                 buckets = _verified(arrived)
@@ -423,7 +573,73 @@ class DistributedReceiver:
             logger.error("sync refused on rank %d: %s", dist.get_rank(), error)
             raise error
         assert report is not None
+        if headers is not None:
+            self._layout = Layout.of(headers)
         return report
+
+    def _receive_per_bucket(self, side):
+        """Meta, then payload, bucket by bucket: (arrived, the first error, the headers)."""
+        arrived: list[tuple[Bucket, PendingChecksums]] = []
+        headers: list[dict] = []
+        error: Exception | None = None
+        while True:
+            flags, header, digest, payload_len = self._receive_meta()
+            payload = self._receive(payload_len, torch.uint8)
+            if error is None:
+                try:
+                    if hashlib.sha256(header).digest() != digest:
+                        raise ValueError("bucket header corrupted in transit (sha256 mismatch)")
+                    bucket = unpack_bucket(header, payload)
+                    headers.append(json.loads(header))
+                    values = [r.value for r in bucket.records]
+                    arrived.append((bucket, self._check(values, payload, side)))
+                except Exception as e:  # keep receiving: the collectives stay in step
+                    error = e
+            if flags & FLAG_LAST:
+                break
+        return arrived, error, headers
+
+    def _receive_scheduled(self, layout: Layout, side):
+        """Every payload's receive queued at once, sized by `layout`, each bucket's checksums
+        behind it; then the trailer (one host round trip): (arrived, the first error)."""
+        staged = []
+        for lay in layout.buckets:
+            payload = self._receive(lay["payload_bytes"], torch.uint8)
+            records = [_record({**r, "hash": ""}, payload) for r in lay["records"]]
+            staged.append((records, self._check([r.value for r in records], payload, side)))
+        flags, trailer, digest, _ = self._receive_meta()  # after the last payload: in step
+        try:
+            if hashlib.sha256(trailer).digest() != digest:
+                raise ValueError("update trailer corrupted in transit (sha256 mismatch)")
+            t = json.loads(trailer.decode())
+            hashes = [str(h) for h in t["hashes"]]
+            if len(hashes) != sum(len(records) for records, _ in staged):
+                raise ValueError("the update trailer does not list one checksum per record")
+            if t["plan_hash"] != layout.plan_hash or not flags & FLAG_LAST:
+                raise ValueError("the update trailer does not close the agreed layout")
+            event = QuantizationEvent.from_dict(t["event"])
+        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            return [], ValueError(f"malformed update trailer ({e!r}); the update is refused")
+        except ValueError as e:
+            return [], e
+        named = iter(hashes)
+        n = len(staged)
+        arrived = [
+            (
+                Bucket(
+                    index=k,
+                    plan_hash=layout.plan_hash,
+                    records=tuple(dataclasses.replace(r, hash=next(named)) for r in records),
+                    last=k == n - 1,
+                    num_buckets=n if k == n - 1 else None,
+                    step=int(t["step"]),
+                    event=event if k == n - 1 else None,
+                ),
+                pending,
+            )
+            for k, (records, pending) in enumerate(staged)
+        ]
+        return arrived, None
 
 
 def _verified(arrived: list[tuple[Bucket, PendingChecksums]]) -> list[Bucket]:

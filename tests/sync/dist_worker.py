@@ -1,11 +1,16 @@
 """The ranks of the sync test (spawned by test_distributed.py): rank 0 trains and sends, every
-other rank runs an Engine and receives (two or three ranks: one or two engine ranks). Each writes what it saw to `rank{r}.json` in `out`. gloo: both on the
+other rank runs an Engine and receives (two or three ranks: one or two engine ranks). Each writes
+what it saw to `rank{r}.json` in `out`, one entry per case of `CASES`. gloo: every rank on the
 CPU; nccl: rank r on cuda:r, compared with exports made on the CPU.
 
-Rank 1 counts the checksum work of its first receive (every call of `field_digests`, which every
-checksum goes through). The last sync runs with a small meta on both ranks (`META_BYTES`), so
-that some headers travel inline and the others as a broadcast of their own."""
+The cases run in order on every rank and cover both modes of the wire (mxrl.sync.distributed):
+the first update goes bucket by bucket, the next ones scheduled once both ends know the layout.
+The engine ranks count the checksum work of the first two receives (every call of
+`field_digests`, which every checksum goes through). The last two cases run with a small meta on
+every rank (`SMALL_META`), so that some headers (and the scheduled trailer) travel inline and the
+others as a broadcast of their own."""
 
+import faulthandler
 import json
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +27,20 @@ from tests.sync.helpers import hashes, tiny
 PRESET = "nvfp4-dequantized"
 BUCKET_BYTES = 48 * 1024
 SMALL_META = 1536  # headers of 1.4-2.7 KB: some inline, some on their own
+# (case, the seed of the weights an engine holds after it: None for a refused update)
+CASES = [
+    ("good", 1),  # the first update: bucket by bucket
+    ("scheduled", 2),  # the layout is known on both ends
+    ("corrupted_scheduled", None),
+    ("corrupted", None),  # a new sender, without the layout: bucket by bucket
+    ("mismatch", None),  # another plan
+    ("aborted_scheduled", None),
+    ("aborted", None),  # an update that does not say its plan: bucket by bucket
+    ("relaid", None),  # the export's layout is not the agreed one: the sender aborts
+    ("small_meta", 1),  # bucket by bucket again: the sender forgot the layout
+    ("small_meta_scheduled", 2),
+]
+COUNTED = ("good", "scheduled")
 
 
 class CountDigests:
@@ -43,12 +62,15 @@ def flip_first_byte_of_bucket_1(index: int, payload: torch.Tensor) -> None:
 
 
 class FailsMidway:
-    """An update whose export breaks after its first bucket."""
+    """An update whose export breaks after its first bucket; `keyed`: it says its plan and
+    bucket size, as an Export does (so it can go scheduled)."""
 
     step = 3
 
-    def __init__(self, update) -> None:
+    def __init__(self, update, keyed: bool) -> None:
         self.update = update
+        if keyed:
+            self.plan_hash, self.bucket_bytes = update.plan_hash, update.bucket_bytes
 
     def __iter__(self):
         buckets = iter(self.update)
@@ -56,7 +78,63 @@ class FailsMidway:
         raise RuntimeError("export failed after bucket 0")
 
 
+class Relabelled:
+    """An export in half-size buckets that claims the usual bucket size: a layout that is not
+    the one the ends agreed on, under the same key."""
+
+    def __init__(self, update) -> None:
+        self.update, self.step = update, update.step
+        self.plan_hash, self.bucket_bytes = update.plan_hash, BUCKET_BYTES
+
+    def __iter__(self):
+        return iter(self.update)
+
+
+def sender_cases(trained, trained_more, shapes) -> dict:
+    """What rank 0 does in each case (send, and say how it went), and a list holding the
+    sender the last case used."""
+    plan = resolve(PRESET, shapes)
+    sender = DistributedSender(src=0)
+    used = [sender]  # the sender of the last case (its last_mode says how the case went)
+
+    def x(model, step, bucket_bytes=BUCKET_BYTES, p=plan):
+        return export(model, p, bucket_bytes=bucket_bytes, step=step)
+
+    def send(s, update):
+        used[0] = s
+        report = s.send(update)
+        return {"version": report.version, "num_bytes": report.num_bytes, "mode": s.last_mode}
+
+    def tampered(update):
+        sender.tamper = flip_first_byte_of_bucket_1
+        try:
+            return send(sender, update)
+        finally:
+            sender.tamper = None
+
+    def small_meta(update):
+        distributed.META_BYTES = SMALL_META
+        return send(sender, update)
+
+    good = x(trained, 1)
+    return {
+        "good": lambda: {**send(sender, good), "event": good.event.to_dict()},
+        "scheduled": lambda: send(sender, x(trained_more, 2)),
+        "corrupted_scheduled": lambda: tampered(x(trained, 3)),
+        "corrupted": lambda: send(
+            DistributedSender(src=0, tamper=flip_first_byte_of_bucket_1), x(trained, 3)
+        ),
+        "mismatch": lambda: send(sender, x(trained, 3, p=resolve("mxfp8", shapes))),
+        "aborted_scheduled": lambda: send(sender, FailsMidway(x(trained, 3), keyed=True)),
+        "aborted": lambda: send(sender, FailsMidway(x(trained, 3), keyed=False)),
+        "relaid": lambda: send(sender, Relabelled(x(trained, 3, BUCKET_BYTES // 2))),
+        "small_meta": lambda: small_meta(x(trained, 4)),
+        "small_meta_scheduled": lambda: send(sender, x(trained_more, 5)),
+    }, used
+
+
 def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int = 2) -> None:
+    faulthandler.enable(all_threads=True)  # a native abort shows every thread's Python stack
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -73,69 +151,52 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
     shapes = {n: p.shape for n, p in trained.named_parameters()}
     seen: dict = {}
     if rank == 0:
-        plan = resolve(PRESET, shapes)
-        sender = DistributedSender(src=0)
-        update = export(trained, plan, bucket_bytes=BUCKET_BYTES, step=1)
-        report = sender.send(update)
-        seen["good"] = {"version": report.version, "num_bytes": report.num_bytes}
-        seen["event"] = update.event.to_dict()
-        for case, s, p in [
-            ("corrupted", DistributedSender(src=0, tamper=flip_first_byte_of_bucket_1), plan),
-            ("mismatch", sender, resolve("mxfp8", shapes)),
-        ]:
+        actions, used = sender_cases(trained, trained_more, shapes)
+        for case, _ in CASES:
             try:
-                s.send(export(trained_more, p, bucket_bytes=BUCKET_BYTES, step=2))
-                seen[case] = "accepted"
-            except ValueError as e:
-                seen[case] = str(e)
-        try:
-            sender.send(FailsMidway(export(trained_more, plan, bucket_bytes=BUCKET_BYTES)))
-            seen["aborted"] = "sent"
-        except RuntimeError as e:
-            seen["aborted"] = str(e)
-        distributed.META_BYTES = SMALL_META
-        update = export(trained_more, plan, bucket_bytes=BUCKET_BYTES, step=4)
-        seen["small_meta"] = {"version": sender.send(update).version}
+                seen[case] = actions[case]()
+            except (ValueError, RuntimeError) as e:
+                seen[case] = {"refused": str(e), "mode": used[0].last_mode}
     else:
         engine = Engine(tiny(seed=0), PRESET, device=device)
         receiver = DistributedReceiver(engine, src=0)
-        count = digest.field_digests = CountDigests()
-        try:
-            report = receiver.receive()
-        finally:
-            digest.field_digests = count.wrapped
-        local = hashes(export_weights(tiny(seed=1).named_parameters(), engine.plan))  # on CPU
-        held = hashes(engine.records())
-        seen["good"] = {
-            "version": report.version,
-            "num_bytes": report.num_bytes,
-            "equal_to_local_export": held == local,
-            "event": report.event.to_dict(),
-        }
-        seen["good"]["device"] = str(next(iter(engine.weights.values())).device)
-        seen["good"]["digest_calls"] = count.calls
-        seen["good"]["digested_fields"] = count.fields
-        seen["good"]["fields"] = sum(len(stored_tensors(v)) for v in engine.weights.values())
-        seen["good"]["num_buckets"] = sum(
-            1 for _ in export(tiny(seed=1), engine.plan, bucket_bytes=BUCKET_BYTES)
-        )
-        for case in ("corrupted", "mismatch", "aborted"):
+        local = {
+            seed: hashes(export_weights(tiny(seed=seed).named_parameters(), engine.plan))
+            for seed in (1, 2)
+        }  # exported on the CPU
+        fields = sum(len(stored_tensors(v)) for v in engine.weights.values())
+        num_buckets = sum(1 for _ in export(tiny(seed=1), engine.plan, bucket_bytes=BUCKET_BYTES))
+        for case, seed in CASES:
+            if case == "small_meta":
+                distributed.META_BYTES = SMALL_META
+            held = hashes(engine.records())
+            count = digest.field_digests = CountDigests()  # the receive's checksums only
             try:
-                receiver.receive()
-                seen[case] = "accepted"
+                report, error = receiver.receive(), None
             except ValueError as e:
-                seen[case] = str(e)
-            seen[f"{case}_kept"] = {
-                "version": engine.weights_version,
-                "equal_to_previous": hashes(engine.records()) == held,
-            }
-        distributed.META_BYTES = SMALL_META
-        report = receiver.receive()
-        local = hashes(export_weights(tiny(seed=2).named_parameters(), engine.plan))
-        seen["small_meta"] = {
-            "version": report.version,
-            "equal_to_local_export": hashes(engine.records()) == local,
-        }
+                report, error = None, e
+            finally:
+                digest.field_digests = count.wrapped
+            if report is not None:
+                got = {
+                    "version": report.version,
+                    "num_bytes": report.num_bytes,
+                    "equal_to_local_export": seed is not None
+                    and hashes(engine.records()) == local[seed],
+                    "event": report.event.to_dict(),
+                }
+            else:
+                got = {
+                    "refused": str(error),
+                    "version": engine.weights_version,
+                    "equal_to_previous": hashes(engine.records()) == held,
+                }
+            got["mode"] = receiver.last_mode
+            if case in COUNTED:
+                got.update(digest_calls=count.calls, digested_fields=count.fields)
+                got.update(fields=fields, num_buckets=num_buckets)
+            got["device"] = str(next(iter(engine.weights.values())).device)
+            seen[case] = got
     dist.barrier()
     dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))

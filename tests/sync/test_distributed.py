@@ -4,6 +4,7 @@ import dataclasses
 import json
 import socket
 import time
+import warnings
 
 import pytest
 import torch
@@ -52,23 +53,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_ranks(out, backend: str, world_size: int = 2):
+def two_ranks(out, backend: str, world_size: int = 2, *, attempts: int = 2):
     """Run dist_worker on `world_size` spawned processes (one sender, the rest engine ranks);
-    the ranks' observations."""
-    ctx = mp.start_processes(
-        dist_worker.run,
-        args=(_free_port(), str(out), backend, world_size),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"the {backend} sync test timed out (a rank is stuck in a collective)")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    the ranks' observations.
+
+    A run in which a rank is killed by a signal is started once more (`attempts`): CI once saw
+    a rank of the three-rank gloo run abort in native code ("terminate called without an active
+    exception", SIGABRT) on a loaded 2-core machine, which 60 runs here did not reproduce. Each
+    rank dumps its Python stacks on such a signal (faulthandler, in dist_worker), so the first
+    run's stacks stay in the captured output; a rank failing by a Python exception, a timeout or
+    a second signal fails the test."""
+    for attempt in range(1, attempts + 1):
+        ctx = mp.start_processes(
+            dist_worker.run,
+            args=(_free_port(), str(out), backend, world_size),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + 120
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        p.terminate()
+                    pytest.fail(f"the {backend} sync test timed out (a rank is stuck)")
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or attempt == attempts:
+                raise
+            warnings.warn(f"{backend} sync run {attempt}: {e}; running it again", stacklevel=1)
+            continue
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -76,65 +92,95 @@ def gloo_run(tmp_path_factory):
     return two_ranks(tmp_path_factory.mktemp("gloo"), "gloo")
 
 
+ACCEPTED = {"good": 2, "scheduled": 3, "small_meta": 4, "small_meta_scheduled": 5}  # versions
+REFUSED = [case for case, seed in dist_worker.CASES if seed is None]
+MODES = {
+    "good": "per-bucket",
+    "scheduled": "scheduled",
+    "corrupted_scheduled": "scheduled",
+    "corrupted": "per-bucket",
+    "mismatch": "per-bucket",
+    "aborted_scheduled": "scheduled",
+    "aborted": "per-bucket",
+    "relaid": "scheduled",
+    "small_meta": "per-bucket",
+    "small_meta_scheduled": "scheduled",
+}
+
+
+def check_refused_cases(trainer, engine, ranks="[1]"):
+    """Every refused case: the engine kept the weights of the last accepted update (version 3),
+    and each end says why."""
+    for case in REFUSED:
+        assert engine[case]["version"] == 3 and engine[case]["equal_to_previous"], case
+    for case in ("corrupted", "corrupted_scheduled"):
+        assert "checksum mismatch" in engine[case]["refused"], case
+        assert f"engine rank(s) {ranks} refused" in trainer[case]["refused"], case
+    assert "plan hash mismatch" in engine["mismatch"]["refused"]
+    assert f"engine rank(s) {ranks} refused" in trainer["mismatch"]["refused"]
+    for case in ("aborted", "aborted_scheduled"):
+        assert "export failed after bucket 0" in trainer[case]["refused"], case
+        assert "aborted" in engine[case]["refused"], case
+    assert "bucket 0 is laid out differently" in trainer["relaid"]["refused"]
+    assert "aborted" in engine["relaid"]["refused"]
+
+
 def test_engine_rank_holds_the_bytes_of_a_local_export(gloo_run):
     trainer, engine = gloo_run
-    assert engine["good"]["equal_to_local_export"]
-    assert trainer["good"]["version"] == engine["good"]["version"] == 2
-    assert trainer["good"]["num_bytes"] == engine["good"]["num_bytes"]
-    assert engine["good"]["event"] == trainer["event"]  # the event travels with the last bucket
-    assert set(trainer["event"]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
+    for case, version in ACCEPTED.items():
+        assert engine[case]["equal_to_local_export"], case
+        assert trainer[case]["version"] == engine[case]["version"] == version, case
+        assert trainer[case]["num_bytes"] == engine[case]["num_bytes"], case
+    assert engine["good"]["event"] == trainer["good"]["event"]  # the event travels with the data
+    assert set(trainer["good"]["event"]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
+
+
+def test_the_first_update_goes_bucket_by_bucket_and_the_next_ones_scheduled(gloo_run):
+    """Scheduled once both ends hold the layout of an update under the same plan and bucket
+    size; bucket by bucket for a new sender, another plan, an update that does not say its
+    plan, and after the sender found its export laid out differently."""
+    trainer, engine = gloo_run
+    assert {case: trainer[case]["mode"] for case in MODES} == MODES
+    assert {case: engine[case]["mode"] for case in MODES} == MODES
 
 
 def test_the_engine_rank_checksums_each_record_once_bucket_by_bucket(gloo_run):
     _, engine = gloo_run
-    good = engine["good"]
-    assert good["num_buckets"] > 3
-    # every field of every record digested exactly once on the receiving rank (not again in
-    # load_weights), in one batch per bucket as it arrived (not all after the last one)
-    assert good["digested_fields"] == good["fields"] > 0
-    assert good["digest_calls"] == good["num_buckets"]
+    for case in dist_worker.COUNTED:  # one per mode
+        got = engine[case]
+        assert got["num_buckets"] > 3
+        # every field of every record digested exactly once on the receiving rank (not again
+        # in load_weights), in one batch per bucket as it arrived (not all after the last one)
+        assert got["digested_fields"] == got["fields"] > 0, case
+        assert got["digest_calls"] == got["num_buckets"], case
 
 
-def test_headers_that_do_not_fit_the_meta_travel_on_their_own(gloo_run):
+def test_headers_and_trailers_that_do_not_fit_the_meta_travel_on_their_own(gloo_run):
     trainer, engine = gloo_run
-    assert trainer["small_meta"]["version"] == engine["small_meta"]["version"] == 3
-    assert engine["small_meta"]["equal_to_local_export"]
+    for case in ("small_meta", "small_meta_scheduled"):
+        assert engine[case]["equal_to_local_export"], case
+        assert trainer[case]["version"] == engine[case]["version"], case
 
 
-def test_a_payload_corrupted_in_transit_is_refused_on_both_ends(gloo_run):
-    trainer, engine = gloo_run
-    assert "checksum mismatch" in engine["corrupted"]
-    assert "engine rank(s) [1] refused" in trainer["corrupted"]
-    assert engine["corrupted_kept"] == {"version": 2, "equal_to_previous": True}
-
-
-def test_a_plan_hash_mismatch_is_refused_on_both_ends(gloo_run):
-    trainer, engine = gloo_run
-    assert "plan hash mismatch" in engine["mismatch"]
-    assert "engine rank(s) [1] refused" in trainer["mismatch"]
-    assert engine["mismatch_kept"] == {"version": 2, "equal_to_previous": True}
-
-
-def test_an_export_failing_midway_aborts_every_rank(gloo_run):
-    trainer, engine = gloo_run
-    assert "export failed after bucket 0" in trainer["aborted"]
-    assert "aborted" in engine["aborted"]
-    assert engine["aborted_kept"] == {"version": 2, "equal_to_previous": True}
+def test_refused_updates_keep_the_weights_and_say_why_on_both_ends(gloo_run):
+    """A payload corrupted in transit, a plan hash mismatch, an export failing mid-way and an
+    export whose layout is not the agreed one: refused in both modes, the weights kept."""
+    check_refused_cases(*gloo_run)
 
 
 def test_two_engine_ranks_receive_broadcasts_and_refuse_together(tmp_path):
     """Three ranks, one sender and two engine ranks on one broadcast: both hold the export's
-    bytes, each checksums every field once, and a corrupted payload is refused on both (the
-    sender names both ranks) with their weights kept."""
+    bytes in both modes, each checksums every field once, and every refused update is refused
+    on both (the sender names both ranks) with their weights kept."""
     trainer, *engines = two_ranks(tmp_path, "gloo", world_size=3)
-    assert trainer["good"]["version"] == 2
     for engine in engines:
-        assert engine["good"]["equal_to_local_export"] and engine["good"]["version"] == 2
-        assert engine["good"]["digested_fields"] == engine["good"]["fields"] > 0
-        assert "checksum mismatch" in engine["corrupted"]
-        assert engine["corrupted_kept"] == {"version": 2, "equal_to_previous": True}
-        assert engine["small_meta"]["equal_to_local_export"]
-    assert "engine rank(s) [1, 2] refused" in trainer["corrupted"]
+        for case, version in ACCEPTED.items():
+            assert engine[case]["equal_to_local_export"], case
+            assert trainer[case]["version"] == engine[case]["version"] == version, case
+        assert {case: engine[case]["mode"] for case in MODES} == MODES
+        for case in dist_worker.COUNTED:
+            assert engine[case]["digested_fields"] == engine[case]["fields"] > 0
+        check_refused_cases(trainer, engine, ranks="[1, 2]")
 
 
 @pytest.mark.gpu
@@ -143,12 +189,11 @@ def test_nccl_sync_between_two_gpus_gives_the_cpu_export_bytes(tmp_path):
         pytest.skip("needs 2 CUDA devices")
     trainer, engine = two_ranks(tmp_path, "nccl")
     assert engine["good"]["device"] == "cuda:1"
-    assert engine["good"]["equal_to_local_export"]  # exported on cuda:0, compared with the CPU
-    assert trainer["good"]["version"] == engine["good"]["version"] == 2
-    for case in ("corrupted", "mismatch", "aborted"):
-        assert engine[f"{case}_kept"] == {"version": 2, "equal_to_previous": True}, case
-    assert "checksum mismatch" in engine["corrupted"]
-    assert "plan hash mismatch" in engine["mismatch"]
-    assert engine["good"]["digested_fields"] == engine["good"]["fields"]
-    assert engine["good"]["digest_calls"] == engine["good"]["num_buckets"]
-    assert engine["small_meta"]["equal_to_local_export"]
+    for case, version in ACCEPTED.items():  # exported on cuda:0, compared with the CPU
+        assert engine[case]["equal_to_local_export"], case
+        assert trainer[case]["version"] == engine[case]["version"] == version, case
+    assert {case: engine[case]["mode"] for case in MODES} == MODES
+    for case in dist_worker.COUNTED:
+        assert engine[case]["digested_fields"] == engine[case]["fields"], case
+        assert engine[case]["digest_calls"] == engine[case]["num_buckets"], case
+    check_refused_cases(trainer, engine)
