@@ -11,6 +11,9 @@ optimizer step: `InProcessTransport(engine).send(export(model, plan, step=s))`, 
 engine on the same GPU (the engine computing in bf16, its default backend); in --nccl mode
 `DistributedSender.send` on rank 0 (cuda:0) and `DistributedReceiver.receive` on rank 1 (cuda:1).
 Timed with the device synchronized before and after, the median of `--repeats` after a warm-up.
+In --nccl mode the warm-up teaches both ends the update's layout, so the timed syncs run
+scheduled (`mxrl.sync.distributed`); the same syncs from a fresh sender, which goes bucket by
+bucket, are timed too (`sync_s_per_bucket`), in the same run.
 
 Per preset: seconds per sync (with the per-layer SQNR off, and on as the loop runs it), GB/s of
 engine bytes (every record's data, scales and global scales), the ratio to the copy bandwidth
@@ -313,23 +316,26 @@ def nccl(args) -> dict | None:
         if rank == 0:
             end = DistributedSender(src=0)
 
-            def once(sqnr=False, end=end, engine=engine, step=step):
+            def once(sqnr=False, fresh=False, end=end, engine=engine, step=step):
                 dist.barrier()
                 exp = export(
                     model, engine.plan, step=next(step), sqnr=sqnr, bucket_bytes=args.bucket_bytes
                 )
-                end.send(exp)
+                # fresh: a sender that has not learnt the layout, so the update goes per bucket
+                (DistributedSender(src=0) if fresh else end).send(exp)
         else:
             end = DistributedReceiver(engine, src=0)
             tails: list[float] = []
 
-            def once(sqnr=False, end=end, tails=tails):
+            def once(sqnr=False, fresh=False, end=end, tails=tails):
                 dist.barrier()
                 end.receive()
                 tails.append(end.timings["verified"] - end.timings["arrived"])
 
-        seconds = timed(once, device, args.repeats)
+        seconds = timed(once, device, args.repeats)  # the warm-up teaches both ends the layout
+        mode = end.last_mode
         tail = statistics.median(tails[1:]) if rank == 1 else None  # the timed runs
+        per_bucket = timed(lambda once=once: once(fresh=True), device, args.repeats, warmup=False)
         seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
         peak = peak_extra(once, device)
         engine_bytes = sum(r.nbytes for r in engine.records())
@@ -340,7 +346,8 @@ def nccl(args) -> dict | None:
         stages = breakdown(model, engine, device, args.repeats)  # this rank's own stages
         base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_broadcast"]["gbps"]
         row = row_common(preset, engine, seconds, seconds_sqnr, stages, transfer, peak, base, args)
-        row["rank"] = rank
+        row.update(rank=rank, mode=mode, sync_s_per_bucket=per_bucket)
+        row["gbps_per_bucket"] = engine_bytes / per_bucket / 1e9
         if tail is not None:
             row["receiver_checksum_tail_s"] = tail
             row["receiver_checksum_tail_share"] = tail / seconds
@@ -359,6 +366,9 @@ def nccl(args) -> dict | None:
                     "ratio_to_p2p_copy": sender["gbps"] / p2p,
                     "ratio_to_nccl_broadcast": sender["gbps"] / bandwidth["nccl_broadcast"]["gbps"],
                     "ratio_to_nccl_send_recv": sender["gbps"] / bandwidth["nccl_send_recv"]["gbps"],
+                    "mode": sender["mode"],
+                    "sync_s_per_bucket": sender["sync_s_per_bucket"],
+                    "ratio_to_p2p_copy_per_bucket": sender["gbps_per_bucket"] / p2p,
                     "sync_s_48_layers": sender["sync_s_48_layers"],
                     "receiver_checksum_tail_share": receiver["receiver_checksum_tail_share"],
                     "sender": sender,
@@ -370,7 +380,9 @@ def nccl(args) -> dict | None:
             print(f"    raw NCCL 1 GiB: broadcast {raw['nccl_broadcast']:.0f} GB/s, "
                   f"send/recv {raw['nccl_send_recv']:.0f} GB/s")  # fmt: skip
             print(
-                f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s); "
+                f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s) "
+                f"{sender['mode']}; per bucket {sender['sync_s_per_bucket']:.4f} s = "
+                f"{rows[-1]['ratio_to_p2p_copy_per_bucket']:.2f} x; "
                 "receiver checksum after the last payload "
                 f"{receiver['receiver_checksum_tail_s'] * 1e3:.2f} ms "
                 f"({receiver['receiver_checksum_tail_share']:.0%} of its sync)"
