@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -96,7 +96,12 @@ class WeightLoading:
         self.weights[name] = value
 
     def load_weights(
-        self, records: Iterable[WeightRecord], plan_hash: str, *, partial: bool = False
+        self,
+        records: Iterable[WeightRecord],
+        plan_hash: str,
+        *,
+        partial: bool = False,
+        before_write: Callable[[], None] | None = None,
     ) -> int:
         """Verify, then load, a set of exported weights; returns the new weights_version.
 
@@ -108,6 +113,10 @@ class WeightLoading:
         serving. Then each tensor is copied into the buffers the engine already holds (same
         shapes, dtypes and storage: captured CUDA graphs stay valid); only a first load, or a
         layout that changed, installs new buffers (and drops the captured graphs).
+
+        before_write: called once everything is checked and staged, right before the first live
+        byte is written; if it raises, nothing is written (a distributed receiver agrees there
+        with the other engine ranks that every one of them can load).
         """
         if plan_hash != self.plan.hash():
             raise ValueError(
@@ -137,6 +146,8 @@ class WeightLoading:
         for name, record in received.items():
             if not _same_layout(self._installed(name), (record.value, None), values_only=True):
                 replaced[name] = self._stage(name, record.value)
+        if before_write is not None:
+            before_write()
         with torch.no_grad():  # into the live buffers; only memory can fail from here
             for name, record in received.items():
                 if name in replaced:

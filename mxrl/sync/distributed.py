@@ -50,9 +50,11 @@ every record's checksum with the one it carries, and hands the records to ONE
 `Engine.load_weights` call (`transport.apply_update`) as `VerifiedRecord`s, which it does not
 checksum again (once on send, once on receive), before it copies anything into the engine's
 buffers. A receiver keeps receiving to the last bucket even after an error, so the collectives
-stay in step; then all ranks all-gather (failed, weights_version), and a refusal on any engine
-rank raises on the sender too, naming the ranks. Nothing is half-applied: a refused update
-leaves each engine rank on its previous weights. Memory: every payload of the update (all or
+stay in step; then all ranks all-gather (failed, weights_version): an engine rank does so inside
+`load_weights`, once its update is checked and staged and before the first byte is written
+(`before_write`), or at once when it has already failed. A refusal on any engine rank makes every
+engine rank keep its weights and raises on the sender too, naming the refusing ranks. Nothing is
+half-applied, on any rank. Memory: every payload of the update (all or
 nothing), plus the checksums' workspace of the buckets being verified (1/32 of their bytes).
 (Wire 3: bucket by bucket only; 2: the meta as int64[8], the header always on its own.)
 """
@@ -62,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -482,7 +485,11 @@ class DistributedSender:
 class DistributedReceiver:
     """The engine end: receives one update from rank `src` per `receive()` call and loads it
     into `engine` (see the module docstring for what is checked). `last_mode`: "per-bucket" or
-    "scheduled", how the last `receive` ran."""
+    "scheduled", how the last `receive` ran.
+
+    tamper: tests only; called as tamper(bucket_index, payload) once a payload's receive is
+    queued, before its checksums, to corrupt the bytes this rank received on purpose.
+    """
 
     def __init__(
         self,
@@ -491,10 +498,11 @@ class DistributedReceiver:
         src: int = 0,
         *,
         device: torch.device | str | None = None,
+        tamper: Tamper | None = None,
     ) -> None:
         if dist.get_rank() == src:
             raise ValueError(f"DistributedReceiver runs on engine ranks, not on src={src}")
-        self.engine, self.group, self.src = engine, group, src
+        self.engine, self.group, self.src, self.tamper = engine, group, src, tamper
         self.device = _comm_device(group, device)
         self.timings: dict[str, float] = {}  # of the last receive() (its docstring)
         self.last_mode: str | None = None
@@ -557,6 +565,22 @@ class DistributedReceiver:
             self.last_mode = "per-bucket"
             arrived, error, headers = self._receive_per_bucket(side)
         report = None
+        agreed = False
+
+        def agree() -> None:
+            """Every engine rank checked its update and can load it, or none loads: the status
+            all-gather, right before the first byte is written."""
+            nonlocal agreed
+            agreed = True
+            version = self.engine.weights_version + 1
+            status = _gather_status(0, version, self.group, self.device)
+            refused = [rank for rank, failed, _ in status if failed]
+            if refused:
+                raise ValueError(
+                    f"engine rank(s) {refused} refused this update, so this rank does not load "
+                    "it either (all or nothing across the engine ranks); it keeps its weights"
+                )
+
         if error is None:
             try:
                 if side is not None:
@@ -564,11 +588,15 @@ class DistributedReceiver:
                 self.timings["arrived"] = time.perf_counter() - t0
                 buckets = _verified(arrived)
                 self.timings["verified"] = time.perf_counter() - t0
-                report = apply_update(self.engine, buckets, buckets[0].plan_hash, started=t0)
+                plan_hash = buckets[0].plan_hash
+                report = apply_update(
+                    self.engine, buckets, plan_hash, started=t0, before_write=agree
+                )
                 self.timings["loaded"] = time.perf_counter() - t0
-            except Exception as e:  # every failure must reach the status all-gather below
+            except Exception as e:  # every failure must reach the status all-gather
                 error = e
-        _gather_status(int(error is not None), self.engine.weights_version, self.group, self.device)
+        if not agreed:  # this rank failed before agree(): it still takes part in the all-gather
+            _gather_status(1, self.engine.weights_version, self.group, self.device)
         if error is not None:
             logger.error("sync refused on rank %d: %s", dist.get_rank(), error)
             raise error
@@ -582,9 +610,11 @@ class DistributedReceiver:
         arrived: list[tuple[Bucket, PendingChecksums]] = []
         headers: list[dict] = []
         error: Exception | None = None
-        while True:
+        for index in itertools.count():
             flags, header, digest, payload_len = self._receive_meta()
             payload = self._receive(payload_len, torch.uint8)
+            if self.tamper is not None:
+                self.tamper(index, payload)
             if error is None:
                 try:
                     if hashlib.sha256(header).digest() != digest:
@@ -603,8 +633,10 @@ class DistributedReceiver:
         """Every payload's receive queued at once, sized by `layout`, each bucket's checksums
         behind it; then the trailer (one host round trip): (arrived, the first error)."""
         staged = []
-        for lay in layout.buckets:
+        for k, lay in enumerate(layout.buckets):
             payload = self._receive(lay["payload_bytes"], torch.uint8)
+            if self.tamper is not None:
+                self.tamper(k, payload)
             records = [_record({**r, "hash": ""}, payload) for r in lay["records"]]
             staged.append((records, self._check([r.value for r in records], payload, side)))
         flags, trailer, digest, _ = self._receive_meta()  # after the last payload: in step

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from mxrl.engine import Engine
@@ -97,12 +97,19 @@ def checked_records(
 
 
 def apply_update(
-    engine: Engine, buckets: Iterable[Bucket], plan_hash: str, *, started: float | None = None
+    engine: Engine,
+    buckets: Iterable[Bucket],
+    plan_hash: str,
+    *,
+    started: float | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> SyncReport:
-    """Load one update's buckets into `engine` with one verified, atomic `load_weights` call."""
+    """Load one update's buckets into `engine` with one verified, atomic `load_weights` call
+    (`before_write`: its hook, called once the update is checked, before any byte is written)."""
     t0 = time.perf_counter() if started is None else started
     tally = _Tally()
-    version = engine.load_weights(checked_records(buckets, plan_hash, tally), plan_hash)
+    records = checked_records(buckets, plan_hash, tally)
+    version = engine.load_weights(records, plan_hash, before_write=before_write)
     report = SyncReport(
         version=version,
         num_tensors=tally.num_tensors,

@@ -33,6 +33,7 @@ CASES = [
     ("scheduled", 2),  # the layout is known on both ends
     ("corrupted_scheduled", None),
     ("corrupted", None),  # a new sender, without the layout: bucket by bucket
+    ("corrupted_on_the_last_rank", None),  # only the last engine rank receives a flipped byte
     ("mismatch", None),  # another plan
     ("aborted_scheduled", None),
     ("aborted", None),  # an update that does not say its plan: bucket by bucket
@@ -124,6 +125,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
         "corrupted": lambda: send(
             DistributedSender(src=0, tamper=flip_first_byte_of_bucket_1), x(trained, 3)
         ),
+        "corrupted_on_the_last_rank": lambda: send(sender, x(trained, 3)),
         "mismatch": lambda: send(sender, x(trained, 3, p=resolve("mxfp8", shapes))),
         "aborted_scheduled": lambda: send(sender, FailsMidway(x(trained, 3), keyed=True)),
         "aborted": lambda: send(sender, FailsMidway(x(trained, 3), keyed=False)),
@@ -170,6 +172,9 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
             if case == "small_meta":
                 distributed.META_BYTES = SMALL_META
             held = hashes(engine.records())
+            last_rank = rank == world_size - 1
+            if case == "corrupted_on_the_last_rank" and last_rank:
+                receiver.tamper = flip_first_byte_of_bucket_1
             count = digest.field_digests = CountDigests()  # the receive's checksums only
             try:
                 report, error = receiver.receive(), None
@@ -177,6 +182,7 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
                 report, error = None, e
             finally:
                 digest.field_digests = count.wrapped
+                receiver.tamper = None
             if report is not None:
                 got = {
                     "version": report.version,

@@ -99,6 +99,7 @@ MODES = {
     "scheduled": "scheduled",
     "corrupted_scheduled": "scheduled",
     "corrupted": "per-bucket",
+    "corrupted_on_the_last_rank": "scheduled",
     "mismatch": "per-bucket",
     "aborted_scheduled": "scheduled",
     "aborted": "per-bucket",
@@ -108,9 +109,20 @@ MODES = {
 }
 
 
-def check_refused_cases(trainer, engine, ranks="[1]"):
-    """Every refused case: the engine kept the weights of the last accepted update (version 3),
-    and each end says why."""
+def check_refused_cases(trainer, engine, ranks="[1]", rank=1):
+    """Every refused case, seen by the sender and engine rank `rank` (of engine ranks `ranks`):
+    the engine kept the weights of the last accepted update (version 3), and each end says why.
+    Where only the last engine rank received corrupted bytes, every engine rank refuses (all or
+    nothing) and the sender names that rank."""
+    last = ranks.strip("[]").split(", ")[-1]
+    if str(rank) == last:
+        assert "checksum mismatch" in engine["corrupted_on_the_last_rank"]["refused"]
+    else:
+        assert (
+            f"engine rank(s) [{last}] refused this update, so this rank does not load"
+            in (engine["corrupted_on_the_last_rank"]["refused"])
+        )
+    assert f"engine rank(s) [{last}] refused" in trainer["corrupted_on_the_last_rank"]["refused"]
     for case in REFUSED:
         assert engine[case]["version"] == 3 and engine[case]["equal_to_previous"], case
     for case in ("corrupted", "corrupted_scheduled"):
@@ -173,14 +185,14 @@ def test_two_engine_ranks_receive_broadcasts_and_refuse_together(tmp_path):
     bytes in both modes, each checksums every field once, and every refused update is refused
     on both (the sender names both ranks) with their weights kept."""
     trainer, *engines = two_ranks(tmp_path, "gloo", world_size=3)
-    for engine in engines:
+    for rank, engine in enumerate(engines, start=1):
         for case, version in ACCEPTED.items():
             assert engine[case]["equal_to_local_export"], case
             assert trainer[case]["version"] == engine[case]["version"] == version, case
         assert {case: engine[case]["mode"] for case in MODES} == MODES
         for case in dist_worker.COUNTED:
             assert engine[case]["digested_fields"] == engine[case]["fields"] > 0
-        check_refused_cases(trainer, engine, ranks="[1, 2]")
+        check_refused_cases(trainer, engine, ranks="[1, 2]", rank=rank)
 
 
 @pytest.mark.gpu
