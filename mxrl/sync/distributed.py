@@ -12,11 +12,14 @@ run one after the other.
 
 An update opens with one all-gather of (wire version, layout id) (wire version 4). The layout is
 where every field of an update lies in its payloads: the bucket headers without the checksums,
-the step and the event (`Layout`). It follows from the plan and the bucket size, so every update
-of a run after the first has the one layout both ends learnt from the first. When every rank
+the step and the event (`Layout`). It follows from the plan, the bucket size and the dtype of
+the bf16 tensors, so every update of a run after the first has the one layout both ends learnt
+from the first. When every rank
 holds the same layout the update runs **scheduled**, otherwise **bucket by bucket** (the first
 update, a new sender or engine rank, another plan or bucket size, after a refused layout); both
-ends remember the layout of an update that went through bucket by bucket.
+ends remember the layout of an update that went through bucket by bucket. Ranks of different
+wire versions from 4 on all refuse at that all-gather; an older rank does not take part in it
+(run one mxrl version on every rank).
 
 Bucket by bucket, two broadcasts per bucket from `src`:
 
@@ -54,7 +57,8 @@ stay in step; then all ranks all-gather (failed, weights_version): an engine ran
 `load_weights`, once its update is checked and staged and before the first byte is written
 (`before_write`), or at once when it has already failed. A refusal on any engine rank makes every
 engine rank keep its weights and raises on the sender too, naming the refusing ranks. Nothing is
-half-applied, on any rank. Memory: every payload of the update (all or
+half-applied, on any rank, short of a failed memory allocation during the copies that follow
+that all-gather. Memory: every payload of the update (all or
 nothing), plus the checksums' workspace of the buckets being verified (1/32 of their bytes).
 (Wire 3: bucket by bucket only; 2: the meta as int64[8], the header always on its own.)
 """
@@ -256,8 +260,8 @@ def _gather_status(
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where every field of an update lies in its payloads: the bucket headers without what
-    depends on the weights' values (checksums, step, event). It follows from the plan and the
-    bucket size alone, so the updates of one run share it. id: 16 bytes of the sha256 of the
+    depends on the weights' values (checksums, step, event). It follows from the plan, the
+    bucket size and the bf16 dtype alone, so the updates of one run share it. id: 16 bytes of the sha256 of the
     buckets' JSON."""
 
     id: bytes
@@ -292,14 +296,11 @@ def _agree(layout: Layout | None, group: dist.ProcessGroup | None, device: torch
     return len(seen) == 1 and seen != {(WIRE_VERSION, 0, 0)}
 
 
-def _layout_key(update: Export) -> tuple[str, int] | None:
-    """What the export's layout follows from (plan, bucket size); None for an update that does
-    not say (it is then sent bucket by bucket)."""
-    plan_hash, bucket_bytes = (
-        getattr(update, "plan_hash", None),
-        getattr(update, "bucket_bytes", None),
-    )
-    return None if plan_hash is None or bucket_bytes is None else (plan_hash, bucket_bytes)
+def _layout_key(update: Export) -> tuple[str, int, str] | None:
+    """What the export's layout follows from (plan, bucket size, the dtype of its bf16
+    tensors); None for an update that does not say (it is then sent bucket by bucket)."""
+    key = [getattr(update, a, None) for a in ("plan_hash", "bucket_bytes", "bf16_dtype")]
+    return None if None in key else (str(key[0]), int(key[1]), str(key[2]))
 
 
 class _LayoutChanged(Exception):
@@ -331,7 +332,7 @@ class DistributedSender:
         self.group, self.src, self.tamper = group, src, tamper
         self.device = _comm_device(group, device)
         self.last_mode: str | None = None
-        self._layout: tuple[tuple[str, int], Layout] | None = None  # (key, layout) last sent
+        self._layout: tuple[tuple[str, int, str], Layout] | None = None  # (key, layout) last sent
 
     def _broadcast(self, t: torch.Tensor, *, async_op: bool = False):
         return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
@@ -445,12 +446,12 @@ class DistributedSender:
                 "bucket(s) of the layout the ranks agreed on; nothing was loaded (every engine "
                 "rank keeps its weights) and the next update is sent bucket by bucket"
             )
-        assert last is not None and last.event is not None
+        assert last is not None  # the layout has at least one bucket, and none failed
         trailer = {
             "wire": WIRE_VERSION,
             "plan_hash": last.plan_hash,
             "step": last.step,
-            "event": last.event.to_dict(),
+            "event": last.event.to_dict() if last.event is not None else None,
             "hashes": hashes,
         }
         self._send_meta(FLAG_LAST, json.dumps(trailer, separators=(",", ":")).encode(), 0)
@@ -631,32 +632,47 @@ class DistributedReceiver:
 
     def _receive_scheduled(self, layout: Layout, side):
         """Every payload's receive queued at once, sized by `layout`, each bucket's checksums
-        behind it; then the trailer (one host round trip): (arrived, the first error)."""
+        behind it; then the trailer (one host round trip): (arrived, the first error). Every
+        receive is queued whatever fails on the way, so the collectives stay in step."""
         staged = []
+        error: Exception | None = None
         for k, lay in enumerate(layout.buckets):
             payload = self._receive(lay["payload_bytes"], torch.uint8)
             if self.tamper is not None:
                 self.tamper(k, payload)
-            records = [_record({**r, "hash": ""}, payload) for r in lay["records"]]
-            staged.append((records, self._check([r.value for r in records], payload, side)))
+            if error is None:
+                try:
+                    records = [_record({**r, "hash": ""}, payload) for r in lay["records"]]
+                    values = [r.value for r in records]
+                    staged.append((records, self._check(values, payload, side)))
+                except Exception as e:  # keep receiving: the collectives stay in step
+                    error = e
         flags, trailer, digest, _ = self._receive_meta()  # after the last payload: in step
+        if error is not None:
+            return [], error
         try:
-            if hashlib.sha256(trailer).digest() != digest:
-                raise ValueError("update trailer corrupted in transit (sha256 mismatch)")
-            t = json.loads(trailer.decode())
-            hashes = [str(h) for h in t["hashes"]]
-            if len(hashes) != sum(len(records) for records, _ in staged):
-                raise ValueError("the update trailer does not list one checksum per record")
-            if t["plan_hash"] != layout.plan_hash or not flags & FLAG_LAST:
-                raise ValueError("the update trailer does not close the agreed layout")
-            event = QuantizationEvent.from_dict(t["event"])
-        except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            return [], ValueError(f"malformed update trailer ({e!r}); the update is refused")
+            return self._arrived(staged, layout, flags, trailer, digest), None
         except ValueError as e:
             return [], e
+        except Exception as e:  # whatever a malformed trailer raises: refused, still in step
+            return [], ValueError(f"malformed update trailer ({e!r}); the update is refused")
+
+    @staticmethod
+    def _arrived(staged, layout: Layout, flags: int, trailer: bytes, digest: bytes):
+        """The buckets of a scheduled update, their records' checksums from the trailer."""
+        if hashlib.sha256(trailer).digest() != digest:
+            raise ValueError("update trailer corrupted in transit (sha256 mismatch)")
+        t = json.loads(trailer.decode())
+        hashes = [str(h) for h in t["hashes"]]
+        if len(hashes) != sum(len(records) for records, _ in staged):
+            raise ValueError("the update trailer does not list one checksum per record")
+        if t["plan_hash"] != layout.plan_hash or not flags & FLAG_LAST:
+            raise ValueError("the update trailer does not close the agreed layout")
+        step = int(t["step"])
+        event = QuantizationEvent.from_dict(t["event"]) if t["event"] is not None else None
         named = iter(hashes)
         n = len(staged)
-        arrived = [
+        return [
             (
                 Bucket(
                     index=k,
@@ -664,14 +680,13 @@ class DistributedReceiver:
                     records=tuple(dataclasses.replace(r, hash=next(named)) for r in records),
                     last=k == n - 1,
                     num_buckets=n if k == n - 1 else None,
-                    step=int(t["step"]),
+                    step=step,
                     event=event if k == n - 1 else None,
                 ),
                 pending,
             )
             for k, (records, pending) in enumerate(staged)
         ]
-        return arrived, None
 
 
 def _verified(arrived: list[tuple[Bucket, PendingChecksums]]) -> list[Bucket]:

@@ -81,10 +81,12 @@ class Export:
         sqnr: bool,
         on_event: Callable[[QuantizationEvent], None] | None,
         seconds: float,
+        bf16_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.plan = plan
         self.plan_hash = plan.hash()
         self.bucket_bytes = bucket_bytes
+        self.bf16_dtype = bf16_dtype
         self.step = step
         self._params = params
         self._values = values
@@ -211,6 +213,7 @@ def export(
         sqnr=sqnr,
         on_event=on_event,
         seconds=time.perf_counter() - t0,
+        bf16_dtype=bf16_dtype,
     )
 
 

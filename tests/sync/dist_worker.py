@@ -34,6 +34,7 @@ CASES = [
     ("corrupted_scheduled", None),
     ("corrupted", None),  # a new sender, without the layout: bucket by bucket
     ("corrupted_on_the_last_rank", None),  # only the last engine rank receives a flipped byte
+    ("malformed_trailer", None),  # a scheduled update's trailer without its step
     ("mismatch", None),  # another plan
     ("aborted_scheduled", None),
     ("aborted", None),  # an update that does not say its plan: bucket by bucket
@@ -63,8 +64,8 @@ def flip_first_byte_of_bucket_1(index: int, payload: torch.Tensor) -> None:
 
 
 class FailsMidway:
-    """An update whose export breaks after its first bucket; `keyed`: it says its plan and
-    bucket size, as an Export does (so it can go scheduled)."""
+    """An update whose export breaks after its first bucket; `keyed`: it says its plan, bucket
+    size and bf16 dtype, as an Export does (so it can go scheduled)."""
 
     step = 3
 
@@ -72,6 +73,7 @@ class FailsMidway:
         self.update = update
         if keyed:
             self.plan_hash, self.bucket_bytes = update.plan_hash, update.bucket_bytes
+            self.bf16_dtype = update.bf16_dtype
 
     def __iter__(self):
         buckets = iter(self.update)
@@ -86,6 +88,7 @@ class Relabelled:
     def __init__(self, update) -> None:
         self.update, self.step = update, update.step
         self.plan_hash, self.bucket_bytes = update.plan_hash, BUCKET_BYTES
+        self.bf16_dtype = update.bf16_dtype
 
     def __iter__(self):
         return iter(self.update)
@@ -113,6 +116,22 @@ def sender_cases(trained, trained_more, shapes) -> dict:
         finally:
             sender.tamper = None
 
+    def without_step(update):
+        send_meta = sender._send_meta
+
+        def drop_step(flags, header, payload_len):
+            if b'"hashes"' in header:  # the trailer: valid JSON, valid sha256, no step
+                trailer = json.loads(header)
+                del trailer["step"]
+                header = json.dumps(trailer).encode()
+            send_meta(flags, header, payload_len)
+
+        sender._send_meta = drop_step
+        try:
+            return send(sender, update)
+        finally:
+            del sender._send_meta
+
     def small_meta(update):
         distributed.META_BYTES = SMALL_META
         return send(sender, update)
@@ -126,6 +145,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
             DistributedSender(src=0, tamper=flip_first_byte_of_bucket_1), x(trained, 3)
         ),
         "corrupted_on_the_last_rank": lambda: send(sender, x(trained, 3)),
+        "malformed_trailer": lambda: without_step(x(trained, 3)),
         "mismatch": lambda: send(sender, x(trained, 3, p=resolve("mxfp8", shapes))),
         "aborted_scheduled": lambda: send(sender, FailsMidway(x(trained, 3), keyed=True)),
         "aborted": lambda: send(sender, FailsMidway(x(trained, 3), keyed=False)),

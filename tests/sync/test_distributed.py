@@ -100,6 +100,7 @@ MODES = {
     "corrupted_scheduled": "scheduled",
     "corrupted": "per-bucket",
     "corrupted_on_the_last_rank": "scheduled",
+    "malformed_trailer": "scheduled",
     "mismatch": "per-bucket",
     "aborted_scheduled": "scheduled",
     "aborted": "per-bucket",
@@ -128,6 +129,8 @@ def check_refused_cases(trainer, engine, ranks="[1]", rank=1):
     for case in ("corrupted", "corrupted_scheduled"):
         assert "checksum mismatch" in engine[case]["refused"], case
         assert f"engine rank(s) {ranks} refused" in trainer[case]["refused"], case
+    assert "malformed update trailer (KeyError('step'))" in engine["malformed_trailer"]["refused"]
+    assert f"engine rank(s) {ranks} refused" in trainer["malformed_trailer"]["refused"]
     assert "plan hash mismatch" in engine["mismatch"]["refused"]
     assert f"engine rank(s) {ranks} refused" in trainer["mismatch"]["refused"]
     for case in ("aborted", "aborted_scheduled"):
