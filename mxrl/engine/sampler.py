@@ -92,14 +92,22 @@ class SamplingBatch:
             dtype=torch.float32,
         )
         greedy = [p.greedy for p in params]
-        ints, floats = ints.to(device, non_blocking=True), floats.to(device, non_blocking=True)
+
+        def upload(t: torch.Tensor) -> torch.Tensor:
+            # pinned: the copy is queued behind the step on the stream instead of making the
+            # host wait for the step first (a copy from pageable memory synchronises the
+            # stream), so the sampler is launched while the step still runs on the device
+            pinned = t.pin_memory() if torch.device(device).type == "cuda" else t
+            return pinned.to(device, non_blocking=True)
+
+        ints, floats = upload(ints), upload(floats)
         return cls(
             temperature=floats[0],
             top_p=floats[1],
             top_k=ints[0],
             seeds=ints[1],
             counters=ints[2],
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
+            greedy=upload(torch.tensor(greedy, dtype=torch.bool)),
             any_top_k=any(p.top_k for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_greedy=any(greedy),
