@@ -369,8 +369,7 @@ class Engine(WeightLoading):
             tokens_t, lps_t = sample_batch(logits, chosen, fused=self.fused_sampler)
             if routing is not None:  # queued before the one transfer that waits
                 routing = routing.to("cpu", non_blocking=True)
-            host = torch.stack([tokens_t.double(), lps_t.double()]).cpu()  # one sync a step
-            tokens, lps = host[0].long().tolist(), host[1].float().tolist()
+            tokens, lps = _to_host(tokens_t, lps_t)  # one sync a step
             if all(s.num_tokens == 1 for s in batch):  # host sync above: the step is done
                 stats.decode_step_s.append(time.perf_counter() - started)
             per_seq = _split_routing(routing, [s.num_tokens for s in batch])
@@ -428,6 +427,18 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+def _to_host(tokens_t: torch.Tensor, lps_t: torch.Tensor) -> tuple[list[int], list[float]]:
+    """A step's sampled tokens and logprobs as host lists. On CUDA: two copies into pinned
+    memory, queued behind the step (and the routing's copy), then one wait for the stream."""
+    if tokens_t.device.type != "cuda":
+        return tokens_t.tolist(), lps_t.tolist()
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens_t, lps_t)]
+    for dst, src in zip(host, (tokens_t, lps_t), strict=True):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.current_stream(tokens_t.device).synchronize()
+    return host[0].tolist(), host[1].tolist()
 
 
 def _pow2_at_least_16(n: int) -> bool:
