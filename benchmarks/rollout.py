@@ -8,7 +8,9 @@ weights and the same prompts, with the weight-read floor of the same run.
 
 Engine modes (`--modes`): `invariant` (the default engine: batch-invariant, CUDA-graph decode),
 `fast` (batch_invariant=False: no fixed-shape tiles; the cost of invariance is its ratio to
-`invariant`), `eager` (invariant, no CUDA graphs: what the graphs buy).
+`invariant`), `eager` (invariant, no CUDA graphs: what the graphs buy), `stepwise` (invariant,
+overlap=False: each decode step read back before the next is queued; what overlapped decoding
+buys).
 
 RL-shaped (`--rl`): `--groups` prompts x `--samples` samples each (GRPO groups, sharing their
 prompt's KV blocks), prompt `--rl-prompt` tokens, sampled at temperature 1, up to
@@ -120,6 +122,7 @@ MODES = {
     "invariant": {},
     "fast": {"batch_invariant": False},
     "eager": {"cuda_graphs": False},
+    "stepwise": {"overlap": False},
 }
 
 

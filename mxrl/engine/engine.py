@@ -37,8 +37,9 @@ from mxrl.engine.modules import (
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams
 from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
-from mxrl.engine.scheduler import Scheduler
+from mxrl.engine.scheduler import Scheduled, Scheduler
 from mxrl.engine.sequence import Sequence as Request
+from mxrl.engine.sequence import Status
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend, select_backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
@@ -97,6 +98,10 @@ class Engine(WeightLoading):
       backend: the activation quantizer ("reference" | "triton"), chosen once for `device`
       (default: triton on CUDA when available); every backend writes the same bytes.
       cache: the KV cache and scheduler limits (`CacheOptions`).
+      overlap: overlapped decoding (default: on CUDA): while a decode step runs, the next one is
+      queued, fed the tokens the running step samples on the device, whenever it is known
+      before those tokens are read (`_ahead_of`); its rows whose request stopped are dropped.
+      The same bytes as one step at a time (docs/engine.md).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class Engine(WeightLoading):
         cache: CacheOptions | None = None,
         batch_invariant: bool = True,
         cuda_graphs: bool = True,
+        overlap: bool | None = None,
     ) -> None:
         shapes = {n: p.shape for n, p in model.named_parameters()}
         plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
@@ -126,6 +132,7 @@ class Engine(WeightLoading):
             cache,
             batch_invariant,
             cuda_graphs,
+            overlap,
         )
         records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
         self.load_weights(records, self.plan.hash())
@@ -145,6 +152,7 @@ class Engine(WeightLoading):
         cache: CacheOptions | None = None,
         batch_invariant: bool = True,
         cuda_graphs: bool = True,
+        overlap: bool | None = None,
     ) -> Engine:
         """An engine that never saw master weights: a config, a plan and exported records
         (a converted checkpoint, a first sync), verified by `load_weights`."""
@@ -160,6 +168,7 @@ class Engine(WeightLoading):
             cache,
             batch_invariant,
             cuda_graphs,
+            overlap,
         )
         engine.load_weights(records, plan.hash())
         return engine
@@ -183,8 +192,13 @@ class Engine(WeightLoading):
         cache,
         batch_invariant=True,
         cuda_graphs=True,
+        overlap=None,
     ) -> None:
         self.config, self.plan, self.device = config, plan, device
+        # overlapped decoding (`generate`): on by default where the device runs ahead of the
+        # host (CUDA); on the CPU a step is done when its kernels return, nothing to overlap
+        self.overlap = device.type == "cuda" if overlap is None else bool(overlap)
+        self._ahead_steps = 0
         self.backend = select_backend(backend, device)  # chosen once for the engine's device
         self.batch_invariant = batch_invariant
         if not batch_invariant:
@@ -352,40 +366,86 @@ class Engine(WeightLoading):
         scheduler, runner = self._start(seqs)
         blocks = scheduler.blocks
         stats = self.stats = GenerateStats()
-        while not scheduler.finished:
-            started = time.perf_counter()
-            batch = scheduler.schedule()
-            if not batch:
-                raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
-            stats.observe(batch, blocks)
-            logits, routing = runner.step(batch)
-            sampling = [s.seq for s in batch if s.sample]
-            chosen = SamplingBatch.build(
-                [q.params for q in sampling],
-                [q.seed for q in sampling],
-                [q.num_generated for q in sampling],
-                self.device,
-            )
-            tokens_t, lps_t = sample_batch(logits, chosen, fused=self.fused_sampler)
-            if routing is not None:  # queued before the one transfer that waits
-                routing = routing.to("cpu", non_blocking=True)
-            tokens, lps = _to_host(tokens_t, lps_t)  # one sync a step
-            if all(s.num_tokens == 1 for s in batch):  # host sync above: the step is done
-                stats.decode_step_s.append(time.perf_counter() - started)
-            per_seq = _split_routing(routing, [s.num_tokens for s in batch])
-            for s, routed in zip(batch, per_seq, strict=True):
-                self._record_routing(s.seq, s.start, routed)
-                s.seq.num_computed += s.num_tokens
-                blocks.register(s.seq, lambda q=s.seq: torch.cat(q.routing))
-            for seq, token, lp in zip(sampling, tokens, lps, strict=True):
-                seq.tokens.append(token)
-                seq.logprobs.append(lp)
-                if token in seq.params.stop_token_ids:
-                    scheduler.finish(seq, "stop")
-                elif seq.num_generated >= seq.params.max_new_tokens:
-                    scheduler.finish(seq, "length")
+        self._ahead_steps = 0
+        pending: _Launched | None = None  # the step on the device whose tokens are not read
+        last_read = time.perf_counter()
+        while pending is not None or not scheduler.finished:
+            if pending is None:
+                started = time.perf_counter()
+                batch = scheduler.schedule()
+                if not batch:
+                    raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
+                stats.observe(batch, blocks)
+                pending = self._launch(runner, batch, started)
+            ahead = _ahead_of(pending, scheduler, blocks.block_size) if self.overlap else None
+            launched = None
+            if ahead is not None:  # the next decode step, queued before this one is read
+                stats.observe(ahead, blocks)
+                launched = self._launch(runner, ahead, time.perf_counter(), pending.tokens_t)
+            tokens, lps = pending.read()  # one sync a step
+            now = time.perf_counter()
+            if all(s.num_tokens == 1 for s in pending.batch):  # the step is done
+                stats.decode_step_s.append(now - max(pending.started, last_read))
+            last_read = now
+            self._advance(pending, tokens, lps, scheduler, blocks)
+            pending = launched
         stats.graph_steps = runner.num_graph_steps
+        stats.ahead_steps = self._ahead_steps
         return [self._completion(seq) for seq in seqs]
+
+    def _launch(
+        self,
+        runner: ModelRunner,
+        batch: list[Scheduled],
+        started: float,
+        ahead_tokens: torch.Tensor | None = None,
+    ) -> _Launched:
+        """Queue one step on the device: the forward, the sampler, the copies of the tokens,
+        logprobs and routing to the host (read by `_Launched.read`)."""
+        logits, routing = runner.step(batch, ahead_tokens)
+        rows = [s for s in batch if s.sample]
+        chosen = SamplingBatch.build(
+            [s.seq.params for s in rows],
+            [s.seq.seed for s in rows],
+            # an ahead row's counter counts the token of the step before it, not yet appended
+            [s.seq.num_generated + int(s.ahead) for s in rows],
+            self.device,
+        )
+        tokens_t, lps_t = sample_batch(logits, chosen, fused=self.fused_sampler)
+        if ahead_tokens is not None:
+            self._ahead_steps += 1
+        return _Launched(batch, rows, tokens_t, lps_t, routing, started)
+
+    def _advance(
+        self,
+        step: _Launched,
+        tokens: list[int],
+        lps: list[float],
+        scheduler: Scheduler,
+        blocks: BlockManager,
+    ) -> None:
+        """The host side of a step whose tokens were read: routing, computed tokens, shared
+        blocks, sampled tokens, finished requests. A row whose request finished in the step
+        before (an ahead step's row: its token came after a stop) is dropped whole."""
+        live = [s.seq.status is not Status.FINISHED for s in step.batch]
+        self.stats.ahead_rows_dropped += live.count(False)
+        per_seq = _split_routing(step.routing_host(), [s.num_tokens for s in step.batch])
+        for s, routed, ok in zip(step.batch, per_seq, live, strict=True):
+            if not ok:
+                continue
+            self._record_routing(s.seq, s.start, routed)
+            s.seq.num_computed += s.num_tokens
+            blocks.register(s.seq, lambda q=s.seq: torch.cat(q.routing))
+        for s, token, lp in zip(step.rows, tokens, lps, strict=True):
+            seq = s.seq
+            if seq.status is Status.FINISHED:
+                continue
+            seq.tokens.append(token)
+            seq.logprobs.append(lp)
+            if token in seq.params.stop_token_ids:
+                scheduler.finish(seq, "stop")
+            elif seq.num_generated >= seq.params.max_new_tokens:
+                scheduler.finish(seq, "length")
 
     @torch.no_grad()
     def next_token_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -429,16 +489,62 @@ class Engine(WeightLoading):
         return out
 
 
-def _to_host(tokens_t: torch.Tensor, lps_t: torch.Tensor) -> tuple[list[int], list[float]]:
-    """A step's sampled tokens and logprobs as host lists. On CUDA: two copies into pinned
-    memory, queued behind the step (and the routing's copy), then one wait for the stream."""
-    if tokens_t.device.type != "cuda":
-        return tokens_t.tolist(), lps_t.tolist()
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens_t, lps_t)]
-    for dst, src in zip(host, (tokens_t, lps_t), strict=True):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.current_stream(tokens_t.device).synchronize()
-    return host[0].tolist(), host[1].tolist()
+class _Launched:
+    """One step queued on the device: its rows, the rows that sample, the sampled tokens on the
+    device (what an ahead step feeds), and their copies to the host. On CUDA the tokens,
+    logprobs and routing go to pinned memory behind the step and an event marks their arrival,
+    so reading them waits for this step only, not for an ahead step queued after it."""
+
+    def __init__(self, batch, rows, tokens_t, lps_t, routing, started: float) -> None:
+        self.batch, self.rows, self.tokens_t, self.started = batch, rows, tokens_t, started
+        self.event = None
+        if tokens_t.device.type == "cuda":
+            out = [tokens_t, lps_t] + ([routing] if routing is not None else [])
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out]
+            for dst, src in zip(host, out, strict=True):
+                dst.copy_(src, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(tokens_t.device))
+            tokens_h, lps_h, *routing_h = host
+            self._host = (tokens_h, lps_h, routing_h[0] if routing_h else None)
+        else:
+            self._host = (tokens_t, lps_t, routing)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The sampled tokens and logprobs as host lists (waits for this step's copies)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self._host[0].tolist(), self._host[1].tolist()
+
+    def routing_host(self) -> torch.Tensor | None:
+        return self._host[2]
+
+
+def _ahead_of(step: _Launched, scheduler: Scheduler, block_size: int) -> list[Scheduled] | None:
+    """The decode step that follows `step`, if it is known before `step`'s tokens are read:
+    the same requests, in the scheduler's order, each feeding the token `step` samples. Only
+    when that is exactly what `Scheduler.schedule` would return: nothing waits to be admitted,
+    every running request is in `step` as a one-token decode row, none can finish by length in
+    `step`, none needs a new KV block (the next position lies in the block of this one), and no
+    row of `step` belongs to a request that has finished already (`step` is then an ahead step
+    whose tokens came after a stop). Rows that `step` stops become dropped rows of the ahead
+    step. None otherwise."""
+    if scheduler.waiting or not scheduler.running or len(step.batch) != len(scheduler.running):
+        return None
+    out = []
+    for s, seq in zip(step.batch, scheduler.running, strict=True):
+        pos = s.start + 1
+        if (
+            s.seq is not seq
+            or s.num_tokens != 1
+            or not s.sample
+            or seq.status is not Status.RUNNING
+            or pos % block_size == 0
+            or seq.num_generated + 1 >= seq.params.max_new_tokens
+        ):
+            return None
+        out.append(Scheduled(seq, pos, 1, ahead=True))
+    return out
 
 
 def _pow2_at_least_16(n: int) -> bool:

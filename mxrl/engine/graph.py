@@ -6,11 +6,14 @@ Legend: R decoding sequences, P the bucket (R padded up), W block-table width, V
 layers, k experts per token.
 
 All of a step's metadata lives in one static int32 buffer `[P_max, 3 + W]` — per row: token
-id, position, KV slot, then the block table — filled on the host (pinned) and copied in one
-transfer; the graph reads its first P rows. Padding rows feed token 0 at position 0 into a
-scratch block that no sequence owns (the cache's last block), so they never touch a real
-sequence's keys. Outputs are the graph's static logits `[P, V]` (fp32) and routing `[P, L, k]`;
-the caller reads rows `[:R]` before the next replay.
+id, position, KV slot, then the block table — filled on the host in one of two pinned staging
+buffers (by turns: with the engine's overlapped decoding the host fills the next step's while
+this step's copy may still be queued) and copied in one transfer; the graph reads its first P
+rows. A step queued ahead (`Scheduled.ahead`) gets its token column on the device, from the
+step before's sampled tokens. Padding rows feed token 0 at position 0 into a scratch block that
+no sequence owns (the cache's last block), so they never touch a real sequence's keys. Outputs
+are the graph's static logits `[P, V]` (fp32) and routing `[P, L, k]`; the caller queues what
+reads rows `[:R]` (the sampler, the copies to the host) before the next replay.
 
 Same bytes as the eager step: the graph replays exactly the kernels the eager forward launches
 for the same P rows, and every engine GEMM, attention tile and element-wise op computes a row
@@ -63,22 +66,34 @@ class DecodeGraphs:
         self.max_batch, self.width, self.scratch = max_batch, width, scratch_block
         self.sizes = buckets(max_batch)
         self.block_size = cache.block_size
-        self.meta_host = torch.zeros((max_batch, META + width), dtype=torch.int32, pin_memory=True)
-        self._meta_np = self.meta_host.numpy()
+        # two pinned staging buffers, filled by turns: with overlapped decoding the host fills
+        # the next step's metadata while the copy of this step's may not have run yet
+        self._staging = [
+            torch.zeros((max_batch, META + width), dtype=torch.int32, pin_memory=True)
+            for _ in range(2)
+        ]
+        # per buffer, what each row's block table there was written for
+        self._known: list[list[tuple[object, list[int]] | None]] = [
+            [None] * max_batch for _ in range(2)
+        ]
+        self._turn = 0
         self.meta = torch.zeros((max_batch, META + width), dtype=torch.int32, device=self.device)
         self.arange = torch.arange(max_batch, dtype=torch.int32, device=self.device)
         self.ones = torch.ones(max_batch, dtype=torch.int32, device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
-        self._rows: list[tuple[object, list[int]] | None] = [None] * max_batch
-        self._pad_rows(0, max_batch)
+        for turn in (1, 0):
+            self._turn = turn
+            self._pad_rows(0, max_batch)
         self.failure: str | None = None  # why capture failed: the engine decodes eagerly
 
-    def try_run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    def try_run(
+        self, batch: list[Scheduled], ahead: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """`run`, or None (and no more graphs for this engine) when capture fails: an op of
         the forward that cannot live in a graph (it reads a value back to the host)."""
         try:
-            return self.run(batch)
+            return self.run(batch, ahead)
         except RuntimeError as err:
             self.failure = str(err).splitlines()[0]
             self.graphs.clear()
@@ -93,23 +108,43 @@ class DecodeGraphs:
             and all(len(s.seq.block_table) <= self.width for s in batch)
         )
 
-    def run(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [R, V] and routing [R, L, k] (views of the graph's outputs) of a decode step."""
+    def run(
+        self, batch: list[Scheduled], ahead: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [R, V] and routing [R, L, k] (views of the graph's outputs) of a decode step.
+        ahead: int64 [R] on the device, the tokens a step launched `ahead` feeds (its rows'
+        `seq.tokens` do not hold them yet); copied into the token column on the device."""
         r = len(batch)
         p = next(size for size in self.sizes if size >= r)
+        self._turn ^= 1  # the other buffer: its last copy was queued before the last step read
         self._fill(batch, p)
         self.meta[:p].copy_(self.meta_host[:p], non_blocking=True)
         graph, logits, routing = self.graphs.get(p) or self._capture(p)
+        if ahead is not None:  # after a capture, which rewrites `meta` from the staging buffer
+            self.meta[:r, 0].copy_(ahead)
         graph.replay()
         return logits[:r], None if routing is None else routing[:r]
 
     # --- metadata --------------------------------------------------------------------------
+    @property
+    def meta_host(self) -> torch.Tensor:
+        """The pinned staging buffer of this turn."""
+        return self._staging[self._turn]
+
+    @property
+    def _meta_np(self):
+        return self._staging[self._turn].numpy()
+
+    @property
+    def _rows(self) -> list[tuple[object, list[int]] | None]:
+        return self._known[self._turn]
+
     def _fill(self, batch: list[Scheduled], p: int) -> None:
         meta, bs = self._meta_np, self.block_size
         for i, s in enumerate(batch):
             seq, pos = s.seq, s.start
             table = seq.block_table
-            meta[i, 0] = seq.tokens[pos]
+            meta[i, 0] = seq.tokens[pos] if pos < len(seq.tokens) else 0  # else: ahead
             meta[i, 1] = pos
             meta[i, 2] = table[pos // bs] * bs + pos % bs
             known = self._rows[i]

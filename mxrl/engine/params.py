@@ -72,6 +72,8 @@ class GenerateStats:
 
     steps: int = 0
     graph_steps: int = 0
+    ahead_steps: int = 0  # decode steps queued before the step before them was read (overlap)
+    ahead_rows_dropped: int = 0  # rows of those whose request stopped in the step before
     peak_kv_blocks: int = 0
     peak_kv_tokens: int = 0
     block_size: int = 0

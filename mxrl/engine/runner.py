@@ -36,26 +36,32 @@ class ModelRunner:
         self.group = c.num_attention_heads // c.num_key_value_heads
         self.num_graph_steps = self.num_eager_steps = 0
 
-    def step(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(
+        self, batch: list[Scheduled], ahead: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fp32 logits [R', V] of the sequences that sample this step, in batch order;
         routing int64 [T, L, k] of every token fed, in batch order, or None for a dense model),
-        both on the engine's device."""
+        both on the engine's device. ahead: for a step of `Scheduled.ahead` rows, the int64 [R]
+        tokens they feed, on the device."""
         if self.graphs is not None and self.graphs.fits(batch):
-            out = self.graphs.try_run(batch)
+            out = self.graphs.try_run(batch, ahead)
             if out is not None:
                 self.num_graph_steps += 1
                 return out
         self.num_eager_steps += 1
-        return self._eager(batch)
+        return self._eager(batch, ahead)
 
-    def _eager(self, batch: list[Scheduled]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _eager(
+        self, batch: list[Scheduled], ahead: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         bs = self.cache.block_size
         ids, positions, slots, requests, last = [], [], [], [], []
         offset = 0
         for s in batch:
             seq, n = s.seq, s.num_tokens
             pos = range(s.start, s.start + n)
-            ids.extend(seq.tokens[s.start : s.start + n])
+            if not s.ahead:
+                ids.extend(seq.tokens[s.start : s.start + n])
             positions.extend(pos)
             slots.extend(seq.block_table[p // bs] * bs + p % bs for p in pos)
             requests.append((offset, n, s.start + n, seq.block_table))
@@ -63,7 +69,7 @@ class ModelRunner:
             if s.sample:
                 last.append(offset - 1)
         dev = self.device
-        ids_t = torch.tensor(ids, dtype=torch.int64, device=dev)
+        ids_t = ahead if ahead is not None else torch.tensor(ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         attention = PagedAttention(
             self.cache,

@@ -29,15 +29,20 @@ from mxrl.engine.sequence import Sequence, Status
 @dataclass(frozen=True)
 class Scheduled:
     """One sequence in a step: feed tokens[start:start + num_tokens]; `sample` when that
-    reaches the end of its tokens (its last token's logits give the next token)."""
+    reaches the end of its tokens (its last token's logits give the next token).
+
+    ahead: a decode step launched before the step in flight has brought its token to the host
+    (the engine's overlapped decoding): the one token it feeds, at `start`, is that step's
+    sampled token, still on the device, and not yet in `seq.tokens`."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    ahead: bool = False
 
     @property
     def sample(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq)
+        return self.ahead or self.start + self.num_tokens == len(self.seq)
 
 
 class Scheduler:

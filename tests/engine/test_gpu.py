@@ -107,25 +107,32 @@ def _mixed_params(n):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_graph_decode_gives_the_eager_bytes(preset):
-    """CUDA-graph decode (bucketed, padded) against the eager step, in bf16 as users run it:
-    the same tokens, logprobs and routing, byte for byte; a request alone gives them too."""
+    """CUDA-graph decode (bucketed, padded), one step at a time and overlapped (each decode
+    step queued before the one before it is read), against the eager step, in bf16 as users run
+    it: the same tokens, logprobs and routing, byte for byte; a request alone gives them too."""
     prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(11)]
     params = _mixed_params(len(prompts))
     outs = {}
-    for graphs in (False, True):
+    # eager one step at a time; graphs one step at a time; graphs overlapped (the default)
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
         engine = Engine(
-            tiny(preset), preset, device="cuda", compute_dtype=torch.bfloat16, cuda_graphs=graphs
-        )
-        outs[graphs] = engine.generate(prompts, params)
+            tiny(preset), preset, device="cuda", compute_dtype=torch.bfloat16,
+            cuda_graphs=graphs, overlap=overlap,
+        )  # fmt: skip
+        outs[graphs, overlap] = engine.generate(prompts, params)
         # graphs need grouped experts: every preset's in bf16 compute (block FP8 included)
         assert (engine.runner.num_graph_steps > 0) == graphs
+        assert (engine.stats.ahead_steps > 0) == overlap
     alone = engine.generate([prompts[9]], [params[9]])[0]
-    for i, (eager, graph) in enumerate(zip(outs[False], outs[True], strict=True)):
-        assert eager.tokens == graph.tokens, f"request {i}"
-        assert_bytes_equal(eager.logprobs, graph.logprobs, f"request {i} logprobs")
-        assert_bytes_equal(eager.routed_experts, graph.routed_experts, f"request {i} routing")
-    assert alone.tokens == outs[True][9].tokens
-    assert_bytes_equal(alone.logprobs, outs[True][9].logprobs, "alone logprobs")
+    for key in ((True, False), (True, True)):
+        for i, (eager, graph) in enumerate(zip(outs[False, False], outs[key], strict=True)):
+            assert eager.tokens == graph.tokens, f"{key} request {i}"
+            assert_bytes_equal(eager.logprobs, graph.logprobs, f"{key} request {i} logprobs")
+            assert_bytes_equal(
+                eager.routed_experts, graph.routed_experts, f"{key} request {i} routing"
+            )
+    assert alone.tokens == outs[True, True][9].tokens
+    assert_bytes_equal(alone.logprobs, outs[True, True][9].logprobs, "alone logprobs")
 
 
 def test_graphs_follow_a_weight_load():

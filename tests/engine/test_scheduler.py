@@ -40,9 +40,9 @@ def _count_fed_tokens(monkeypatch) -> list[int]:
     fed: list[int] = []
     original = ModelRunner.step
 
-    def step(self, batch):
+    def step(self, batch, ahead=None):
         fed.append(sum(s.num_tokens for s in batch))
-        return original(self, batch)
+        return original(self, batch, ahead)
 
     monkeypatch.setattr(ModelRunner, "step", step)
     return fed

@@ -1,0 +1,99 @@
+"""Overlapped decoding (`Engine(overlap=True)`, the default on CUDA): the next decode step is
+queued before the step before it is read back, feeding that step's sampled tokens on the
+device. It must change no byte of any output: tokens, logprobs, routing and finish reasons
+equal those of the same engine decoding one step at a time, through stops that leave a dropped
+row in the step queued ahead, lengths that end requests, KV block boundaries, requests joining
+mid-run, shared GRPO prompts and preemption. On the CPU the steps are computed when launched,
+so this checks the bookkeeping, not the speed (docs/engine.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mxrl.engine import Engine, SamplingParams
+from mxrl.engine.engine import CacheOptions
+from mxrl.engine.scheduler import Scheduler
+from tests.engine.test_engine import PROMPTS, tiny
+from tests.engine.test_scheduler import LONG, _same
+
+
+def _both(make, prompts, params):
+    """(outputs one step at a time, outputs overlapped, the overlapped engine's stats)."""
+    want = make(overlap=False).generate(prompts, params)
+    engine = make(overlap=True)
+    got = engine.generate(prompts, params)
+    return want, got, engine.stats
+
+
+def _params(lengths, stop=(), temperature=1.0):
+    return [
+        SamplingParams(temperature=temperature, max_new_tokens=n, seed=40 + i, stop_token_ids=stop)
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("preset", ["bf16", "nvfp4-dequantized"])
+def test_overlapped_decoding_gives_the_bytes_of_one_step_at_a_time(preset):
+    def make(overlap):  # 4-token blocks: a block boundary every 4 steps
+        return Engine(
+            tiny(preset), preset, tile=8, cache=CacheOptions(block_size=4), overlap=overlap
+        )
+
+    prompts = [PROMPTS[0], PROMPTS[1], LONG]
+    lengths = [7, 23, 18]
+    want, got, stats = _both(make, prompts, _params(lengths))
+    _same(got, want, "overlapped")
+    assert [len(o.tokens) for o in got] == lengths
+    assert stats.ahead_steps > 0 and stats.ahead_rows_dropped == 0
+
+
+def test_a_stop_leaves_a_dropped_row_in_the_step_queued_ahead():
+    def make(overlap):
+        return Engine(tiny("bf16"), "bf16", tile=8, overlap=overlap)
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    free = make(False).generate(prompts, _params([30, 30, 30]))
+    stop = free[0].tokens[9]  # request 0 stops at step 9 at the latest (mid-block, not at a length)
+    want, got, stats = _both(make, prompts, _params([30, 30, 30], stop=(stop,)))
+    _same(got, want, "with a stop")
+    assert got[0].finish_reason == "stop" and len(got[0].tokens) <= 10
+    assert stats.ahead_rows_dropped > 0  # a row of the step queued after the stop, dropped
+
+
+def test_requests_joining_sharing_and_preempted_give_the_same_bytes(monkeypatch):
+    """More requests than max_num_seqs (they join as others finish), one GRPO prompt for four
+    of them (prefix sharing), a step token budget, and a KV cache small enough to preempt."""
+    model = tiny("bf16")
+    prompts = [LONG] * 4 + [PROMPTS[0], PROMPTS[1]]
+    params = _params([9, 14, 5, 20, 12, 3])
+    preempted = []
+    original = Scheduler._preempt
+    monkeypatch.setattr(
+        Scheduler, "_preempt", lambda self, seq: (preempted.append(seq.index), original(self, seq))
+    )
+    per_block = 2 * 4 * 16 * 2 * 16 * 4  # k+v, 4 layers, 16 tokens, 2 kv heads, dim 16, fp32
+    distinct = [[(i * 11 + j) % 60 + 1 for j in range(15)] for i in range(4)]
+    for cache, ps, qs in (
+        ({"max_num_seqs": 2}, prompts, params),
+        ({"max_num_seqs": 3, "max_num_batched_tokens": 24}, prompts, params),
+        ({"kv_cache_bytes": 5 * per_block}, distinct, _params([6, 14, 9, 11])),
+    ):
+
+        def make(overlap, c=cache):
+            return Engine(model, "bf16", tile=8, cache=CacheOptions(**c), overlap=overlap)
+
+        want, got, stats = _both(make, ps, qs)
+        _same(got, want, f"cache {cache}")
+        assert stats.ahead_steps > 0, cache
+    assert preempted, "the last cache was meant to be too small for every request at once"
+
+
+def test_greedy_requests_and_the_default():
+    assert Engine(tiny("bf16"), "bf16").overlap is False  # on the CPU: nothing to overlap
+    want, got, stats = _both(
+        lambda overlap: Engine(tiny("bf16"), "bf16", tile=8, overlap=overlap),
+        [PROMPTS[0], PROMPTS[1]],
+        _params([12, 17], temperature=0.0),
+    )
+    _same(got, want, "greedy")
+    assert stats.ahead_steps > 0
