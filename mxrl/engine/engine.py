@@ -377,7 +377,7 @@ class Engine(WeightLoading):
                     raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
                 stats.observe(batch, blocks)
                 pending = self._launch(runner, batch, started)
-            ahead = _ahead_of(pending, scheduler, blocks.block_size) if self.overlap else None
+            ahead = _ahead_of(pending, scheduler) if self.overlap else None
             launched = None
             if ahead is not None:  # the next decode step, queued before this one is read
                 stats.observe(ahead, blocks)
@@ -520,18 +520,21 @@ class _Launched:
         return self._host[2]
 
 
-def _ahead_of(step: _Launched, scheduler: Scheduler, block_size: int) -> list[Scheduled] | None:
+def _ahead_of(step: _Launched, scheduler: Scheduler) -> list[Scheduled] | None:
     """The decode step that follows `step`, if it is known before `step`'s tokens are read:
     the same requests, in the scheduler's order, each feeding the token `step` samples. Only
     when that is exactly what `Scheduler.schedule` would return: nothing waits to be admitted,
     every running request is in `step` as a one-token decode row, none can finish by length in
-    `step`, none needs a new KV block (the next position lies in the block of this one), and no
-    row of `step` belongs to a request that has finished already (`step` is then an ahead step
-    whose tokens came after a stop). Rows that `step` stops become dropped rows of the ahead
-    step. None otherwise."""
+    `step`, and no row of `step` belongs to a request that has finished already (`step` is then
+    an ahead step whose tokens came after a stop). A row whose next position opens a KV block
+    gets it here, as `schedule` would (`BlockManager.ensure`), when the free blocks suffice for
+    every such row; otherwise `schedule` would preempt, and the answer is None. Rows that `step`
+    stops become dropped rows of the ahead step (their extra block goes back with the rest of
+    theirs). None when the step is not known yet."""
     if scheduler.waiting or not scheduler.running or len(step.batch) != len(scheduler.running):
         return None
-    out = []
+    blocks = scheduler.blocks
+    out, opening = [], []
     for s, seq in zip(step.batch, scheduler.running, strict=True):
         pos = s.start + 1
         if (
@@ -539,11 +542,17 @@ def _ahead_of(step: _Launched, scheduler: Scheduler, block_size: int) -> list[Sc
             or s.num_tokens != 1
             or not s.sample
             or seq.status is not Status.RUNNING
-            or pos % block_size == 0
             or seq.num_generated + 1 >= seq.params.max_new_tokens
         ):
             return None
+        if pos % blocks.block_size == 0 and blocks.blocks_for(pos + 1) > len(seq.block_table):
+            opening.append((seq, pos + 1))
         out.append(Scheduled(seq, pos, 1, ahead=True))
+    if len(opening) > blocks.num_free:
+        return None
+    for seq, num_tokens in opening:
+        taken = blocks.ensure(seq, num_tokens)
+        assert taken, "free blocks were counted before"
     return out
 
 

@@ -179,7 +179,7 @@ class DecodeGraphs:
     def _capture(self, p: int):
         """Warm up (Triton compiles, cuBLAS workspaces) on padding rows only — the warm-up
         really writes KV slots, so it must touch nothing but the scratch block — then capture."""
-        saved = self.meta_host[:p].clone()
+        saved, known = self.meta_host[:p].clone(), self._rows[:p]
         self._pad_rows(0, p)
         self.meta[:p].copy_(self.meta_host[:p])
         stream = torch.cuda.Stream(self.device)
@@ -194,7 +194,8 @@ class DecodeGraphs:
         self.graphs[p] = (graph, logits, routing)
         logger.info("engine: captured the decode graph for %d sequences", p)
         self.meta_host[:p].copy_(saved)  # the step being run, as _fill wrote it
-        for i in range(p):
-            self._rows[i] = None  # force a rewrite of every row's table next time
+        # and what its rows hold, so that a later fill with fewer rows pads the rest again
+        # (marked padding, the step's rows would stay in the buffer as live rows)
+        self._rows[:p] = known
         self.meta[:p].copy_(self.meta_host[:p])
         return self.graphs[p]

@@ -77,7 +77,8 @@ class GenerateStats:
     peak_kv_blocks: int = 0
     peak_kv_tokens: int = 0
     block_size: int = 0
-    # wall time of every decode-only step, scheduling to sampled tokens on the host
+    # wall time of every decode-only step: from its scheduling, or from the read of the step
+    # before when it was queued ahead (overlapped decoding), to its sampled tokens on the host
     decode_step_s: list[float] = field(default_factory=list)
 
     def observe(self, batch, blocks: BlockManager) -> None:

@@ -135,6 +135,36 @@ def test_graph_decode_gives_the_eager_bytes(preset):
     assert_bytes_equal(alone.logprobs, outs[True, True][9].logprobs, "alone logprobs")
 
 
+def test_overlapped_graph_decode_drops_the_rows_after_a_stop():
+    """A stop token in a graph decode queued ahead: the stopped request's row of the next step
+    is dropped, and every request gets the bytes of one step at a time."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i + 1] for i in range(6)]
+
+    def make(overlap):
+        return Engine(
+            tiny("bf16"), "bf16", device="cuda", compute_dtype=torch.bfloat16, overlap=overlap
+        )
+
+    def params(stop=()):
+        return [
+            SamplingParams(temperature=1.0, max_new_tokens=24, seed=80 + i, stop_token_ids=stop)
+            for i in range(len(prompts))
+        ]
+
+    free = make(False).generate(prompts, params())[0].tokens
+    # a token request 0 first samples in a decode step past the second: stopped there, it
+    # leaves a row in the step queued ahead
+    stop = free[next(k for k in range(2, len(free)) if free[k] not in free[:k])]
+    want = make(False).generate(prompts, params((stop,)))
+    engine = make(True)
+    got = engine.generate(prompts, params((stop,)))
+    assert engine.runner.num_graph_steps > 0 and engine.stats.ahead_rows_dropped > 0
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert w.tokens == g.tokens and w.finish_reason == g.finish_reason, f"request {i}"
+        assert_bytes_equal(w.logprobs, g.logprobs, f"request {i} logprobs")
+        assert_bytes_equal(w.routed_experts, g.routed_experts, f"request {i} routing")
+
+
 def test_graphs_follow_a_weight_load():
     """After load_weights the graphs decode with the new weights (in place, or recaptured):
     the same bytes as a fresh engine built on the new weights."""
