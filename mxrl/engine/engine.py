@@ -464,7 +464,7 @@ class Engine(WeightLoading):
             for s in batch:
                 s.seq.num_computed += s.num_tokens
             for seq, row in zip(done, logits, strict=True):
-                out[seq.index] = row
+                out[seq.index] = row.clone()  # a graph step's logits are overwritten by the next
                 scheduler.finish(seq, "length")
         return torch.stack([out[i] for i in range(len(seqs))])
 
