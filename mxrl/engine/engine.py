@@ -35,7 +35,7 @@ from mxrl.engine.modules import (
     RolloutTopK,
 )
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams
-from mxrl.engine.runner import ModelRunner
+from mxrl.engine.runner import Launched, ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
 from mxrl.engine.scheduler import Scheduled, Scheduler
 from mxrl.engine.sequence import Sequence as Request
@@ -100,7 +100,7 @@ class Engine(WeightLoading):
       cache: the KV cache and scheduler limits (`CacheOptions`).
       overlap: overlapped decoding (default: on CUDA): while a decode step runs, the next one is
       queued, fed the tokens the running step samples on the device, whenever it is known
-      before those tokens are read (`_ahead_of`); its rows whose request stopped are dropped.
+      before those tokens are read (`Scheduler.schedule_ahead`); its rows whose request stopped are dropped.
       The same bytes as one step at a time (docs/engine.md).
     """
 
@@ -198,7 +198,6 @@ class Engine(WeightLoading):
         # overlapped decoding (`generate`): on by default where the device runs ahead of the
         # host (CUDA); on the CPU a step is done when its kernels return, nothing to overlap
         self.overlap = device.type == "cuda" if overlap is None else bool(overlap)
-        self._ahead_steps = 0
         self.backend = select_backend(backend, device)  # chosen once for the engine's device
         self.batch_invariant = batch_invariant
         if not batch_invariant:
@@ -366,8 +365,7 @@ class Engine(WeightLoading):
         scheduler, runner = self._start(seqs)
         blocks = scheduler.blocks
         stats = self.stats = GenerateStats()
-        self._ahead_steps = 0
-        pending: _Launched | None = None  # the step on the device whose tokens are not read
+        pending: Launched | None = None  # the step on the device whose tokens are not read
         last_read = time.perf_counter()
         while pending is not None or not scheduler.finished:
             if pending is None:
@@ -377,7 +375,7 @@ class Engine(WeightLoading):
                     raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
                 stats.observe(batch, blocks)
                 pending = self._launch(runner, batch, started)
-            ahead = _ahead_of(pending, scheduler) if self.overlap else None
+            ahead = scheduler.schedule_ahead(pending.batch) if self.overlap else None
             launched = None
             if ahead is not None:  # the next decode step, queued before this one is read
                 stats.observe(ahead, blocks)
@@ -390,7 +388,6 @@ class Engine(WeightLoading):
             self._advance(pending, tokens, lps, scheduler, blocks)
             pending = launched
         stats.graph_steps = runner.num_graph_steps
-        stats.ahead_steps = self._ahead_steps
         return [self._completion(seq) for seq in seqs]
 
     def _launch(
@@ -399,9 +396,9 @@ class Engine(WeightLoading):
         batch: list[Scheduled],
         started: float,
         ahead_tokens: torch.Tensor | None = None,
-    ) -> _Launched:
+    ) -> Launched:
         """Queue one step on the device: the forward, the sampler, the copies of the tokens,
-        logprobs and routing to the host (read by `_Launched.read`)."""
+        logprobs and routing to the host (read by `Launched.read`)."""
         logits, routing = runner.step(batch, ahead_tokens)
         rows = [s for s in batch if s.sample]
         chosen = SamplingBatch.build(
@@ -413,12 +410,12 @@ class Engine(WeightLoading):
         )
         tokens_t, lps_t = sample_batch(logits, chosen, fused=self.fused_sampler)
         if ahead_tokens is not None:
-            self._ahead_steps += 1
-        return _Launched(batch, rows, tokens_t, lps_t, routing, started)
+            self.stats.ahead_steps += 1
+        return Launched(batch, rows, tokens_t, lps_t, routing, started)
 
     def _advance(
         self,
-        step: _Launched,
+        step: Launched,
         tokens: list[int],
         lps: list[float],
         scheduler: Scheduler,
@@ -487,73 +484,6 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
-
-
-class _Launched:
-    """One step queued on the device: its rows, the rows that sample, the sampled tokens on the
-    device (what an ahead step feeds), and their copies to the host. On CUDA the tokens,
-    logprobs and routing go to pinned memory behind the step and an event marks their arrival,
-    so reading them waits for this step only, not for an ahead step queued after it."""
-
-    def __init__(self, batch, rows, tokens_t, lps_t, routing, started: float) -> None:
-        self.batch, self.rows, self.tokens_t, self.started = batch, rows, tokens_t, started
-        self.event = None
-        if tokens_t.device.type == "cuda":
-            out = [tokens_t, lps_t] + ([routing] if routing is not None else [])
-            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out]
-            for dst, src in zip(host, out, strict=True):
-                dst.copy_(src, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(tokens_t.device))
-            tokens_h, lps_h, *routing_h = host
-            self._host = (tokens_h, lps_h, routing_h[0] if routing_h else None)
-        else:
-            self._host = (tokens_t, lps_t, routing)
-
-    def read(self) -> tuple[list[int], list[float]]:
-        """The sampled tokens and logprobs as host lists (waits for this step's copies)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self._host[0].tolist(), self._host[1].tolist()
-
-    def routing_host(self) -> torch.Tensor | None:
-        return self._host[2]
-
-
-def _ahead_of(step: _Launched, scheduler: Scheduler) -> list[Scheduled] | None:
-    """The decode step that follows `step`, if it is known before `step`'s tokens are read:
-    the same requests, in the scheduler's order, each feeding the token `step` samples. Only
-    when that is exactly what `Scheduler.schedule` would return: nothing waits to be admitted,
-    every running request is in `step` as a one-token decode row, none can finish by length in
-    `step`, and no row of `step` belongs to a request that has finished already (`step` is then
-    an ahead step whose tokens came after a stop). A row whose next position opens a KV block
-    gets it here, as `schedule` would (`BlockManager.ensure`), when the free blocks suffice for
-    every such row; otherwise `schedule` would preempt, and the answer is None. Rows that `step`
-    stops become dropped rows of the ahead step (their extra block goes back with the rest of
-    theirs). None when the step is not known yet."""
-    if scheduler.waiting or not scheduler.running or len(step.batch) != len(scheduler.running):
-        return None
-    blocks = scheduler.blocks
-    out, opening = [], []
-    for s, seq in zip(step.batch, scheduler.running, strict=True):
-        pos = s.start + 1
-        if (
-            s.seq is not seq
-            or s.num_tokens != 1
-            or not s.sample
-            or seq.status is not Status.RUNNING
-            or seq.num_generated + 1 >= seq.params.max_new_tokens
-        ):
-            return None
-        if pos % blocks.block_size == 0 and blocks.blocks_for(pos + 1) > len(seq.block_table):
-            opening.append((seq, pos + 1))
-        out.append(Scheduled(seq, pos, 1, ahead=True))
-    if len(opening) > blocks.num_free:
-        return None
-    for seq, num_tokens in opening:
-        taken = blocks.ensure(seq, num_tokens)
-        assert taken, "free blocks were counted before"
-    return out
 
 
 def _pow2_at_least_16(n: int) -> bool:

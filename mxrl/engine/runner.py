@@ -1,7 +1,8 @@
 """One engine step: the scheduled tokens of every sequence as one ragged row, run through the
 model's own modules under a forward context (mxrl.models.context) — the engine has no decoder
 of its own. A step where every sequence decodes one token replays a CUDA graph when the engine
-has them (mxrl.engine.graph); any other step runs eagerly. Both give the same bytes.
+has them (mxrl.engine.graph); any other step runs eagerly. Both give the same bytes. `Launched`
+is a step queued on the device with its outputs on their way to the host.
 
 Legend: T new tokens of all scheduled sequences, R sequences, V vocab, L MoE layers, k experts
 per token.
@@ -83,3 +84,34 @@ class ModelRunner:
         logits = self.net.logits(hidden[0, last]).float() if last else hidden.new_zeros((0, 0))
         routed = torch.stack([r[0] for r in routing], dim=1) if routing else None
         return logits, routed
+
+
+class Launched:
+    """One step queued on the device: its rows, the rows that sample, the sampled tokens on the
+    device (what an ahead step feeds), and their copies to the host. On CUDA the tokens,
+    logprobs and routing go to pinned memory behind the step and an event marks their arrival,
+    so reading them waits for this step only, not for an ahead step queued after it."""
+
+    def __init__(self, batch, rows, tokens_t, lps_t, routing, started: float) -> None:
+        self.batch, self.rows, self.tokens_t, self.started = batch, rows, tokens_t, started
+        self.event = None
+        if tokens_t.device.type == "cuda":
+            out = [tokens_t, lps_t] + ([routing] if routing is not None else [])
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in out]
+            for dst, src in zip(host, out, strict=True):
+                dst.copy_(src, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(tokens_t.device))
+            tokens_h, lps_h, *routing_h = host
+            self._host = (tokens_h, lps_h, routing_h[0] if routing_h else None)
+        else:
+            self._host = (tokens_t, lps_t, routing)
+
+    def read(self) -> tuple[list[int], list[float]]:
+        """The sampled tokens and logprobs as host lists (waits for this step's copies)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self._host[0].tolist(), self._host[1].tolist()
+
+    def routing_host(self) -> torch.Tensor | None:
+        return self._host[2]

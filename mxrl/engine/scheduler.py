@@ -32,7 +32,7 @@ class Scheduled:
     reaches the end of its tokens (its last token's logits give the next token).
 
     ahead: a decode step launched before the step in flight has brought its token to the host
-    (the engine's overlapped decoding): the one token it feeds, at `start`, is that step's
+    (the engine's overlapped decoding, `Scheduler.schedule_ahead`): the one token it feeds, at `start`, is that step's
     sampled token, still on the device, and not yet in `seq.tokens`."""
 
     seq: Sequence
@@ -111,6 +111,43 @@ class Scheduler:
             out.append(Scheduled(seq, start, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        return out
+
+    def schedule_ahead(self, batch: list[Scheduled]) -> list[Scheduled] | None:
+        """The step after `batch` (a step still on the device), if it is known before that
+        step's tokens are read: the same requests, in this order, each feeding the token
+        `batch` samples (`Scheduled.ahead`). Only when that is exactly what `schedule` would
+        return: nothing waits to be admitted, every running request is in `batch` as a
+        one-token decode row, none can finish by length there, and no row of `batch` belongs
+        to a request that has finished already (`batch` is then an ahead step whose tokens
+        came after a stop). A row whose next position opens a KV block gets it here, as
+        `schedule` would (`BlockManager.ensure`), when the free blocks suffice for every such
+        row; otherwise `schedule` would preempt, and the answer is None. Rows that `batch`
+        stops become dropped rows of the ahead step (their extra block goes back with the rest
+        of theirs). None when the step is not known yet."""
+        if self.waiting or not self.running or len(batch) != len(self.running):
+            return None
+        out, opening = [], []
+        for s, seq in zip(batch, self.running, strict=True):
+            pos = s.start + 1
+            if (
+                s.seq is not seq
+                or s.num_tokens != 1
+                or not s.sample
+                or seq.status is not Status.RUNNING
+                or seq.num_generated + 1 >= seq.params.max_new_tokens
+            ):
+                return None
+            if pos % self.blocks.block_size == 0 and self.blocks.blocks_for(pos + 1) > len(
+                seq.block_table
+            ):
+                opening.append((seq, pos + 1))
+            out.append(Scheduled(seq, pos, 1, ahead=True))
+        if len(opening) > self.blocks.num_free:
+            return None
+        for seq, num_tokens in opening:
+            taken = self.blocks.ensure(seq, num_tokens)
+            assert taken, "free blocks were counted before"
         return out
 
     def _pending_hashes(self, seq: Sequence) -> list[bytes]:
