@@ -9,8 +9,9 @@ checksums, buckets, quantization events, quantized checkpoints) is `mxrl.weights
 docs/sync.md describes buckets, checksums, events, the transports and the checkpoint format.
 """
 
-from mxrl.sync.distributed import DistributedReceiver, DistributedSender, pack_bucket, unpack_bucket
+from mxrl.sync.distributed import DistributedReceiver, DistributedSender
 from mxrl.sync.transport import InProcessTransport, SyncReport, apply_update
+from mxrl.sync.wire import pack_bucket, unpack_bucket
 
 __all__ = [
     "DistributedReceiver",

@@ -21,29 +21,7 @@ ends remember the layout of an update that went through bucket by bucket. Ranks 
 wire versions from 4 on all refuse at that all-gather; an older rank does not take part in it
 (run one mxrl version on every rank).
 
-Bucket by bucket, two broadcasts per bucket from `src`:
-
-1. meta, uint8[META_BYTES = 64 KiB], fixed size, so a receiver always knows how much follows,
-   even when it cannot use what arrives: int64[4] (little-endian) wire version, flags (1 = last
-   bucket, 2 = the sender aborted), header length, payload length; the sha256 of the header (32
-   bytes); then the header itself when it fits the remaining META_BYTES - 64 bytes (zero-padded).
-   A longer header follows as a broadcast of its own, uint8[header length].
-2. payload, one flat uint8 bucket: every field's bytes, each at a 16-byte-aligned offset.
-
-The header is the JSON of the bucket (index, last, num_buckets, plan hash, step, the
-QuantizationEvent on the last bucket) and of each record: name, checksum, and its fields
-(QTensor qdata / scale / global_scale, or one plain tensor) as dtype, shape, offset and byte
-count in the payload. A receiver reads each meta on the host before it can queue the payload's
-receive, and the meta of bucket k+1 travels behind payload k (one communicator, one stream): one
-host round trip per bucket, during which the wire waits.
-
-Scheduled: every payload back to back, then one meta (flag 1) whose header, the trailer, holds
-the plan hash, the step, the event and every record's checksum in layout order (2 = aborted, as
-above). The receivers queue the receives of all payloads at once (sizes from the layout) and
-build each bucket's records as views of its payload from the layout, so the wire never waits on
-a receiver's host. The sender checks each packed bucket against the layout; an export that is
-laid out otherwise, ends early or fails mid-way still sends every payload the receivers queued
-(zeros), then aborts: every rank keeps its weights, and the sender forgets the layout.
+The messages of each mode are `mxrl.sync.wire`'s.
 
 The receive pipeline, both modes: each bucket's checksums are queued behind its payload (CUDA:
 on a side stream, their 64 bytes per field copied to pinned host memory behind an event; gloo /
@@ -60,7 +38,6 @@ engine rank keep its weights and raises on the sender too, naming the refusing r
 half-applied, on any rank, short of a failed memory allocation during the copies that follow
 that all-gather. Memory: every payload of the update (all or
 nothing), plus the checksums' workspace of the buckets being verified (1/32 of their bytes).
-(Wire 3: bucket by bucket only; 2: the meta as int64[8], the header always on its own.)
 """
 
 from __future__ import annotations
@@ -71,167 +48,36 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mxrl.engine import Engine
-from mxrl.formats import QTensor
+from mxrl.sync import wire
 from mxrl.sync.transport import SyncReport, apply_update
+from mxrl.sync.wire import (
+    FLAG_ABORT,
+    FLAG_LAST,
+    WIRE_VERSION,
+    Layout,
+    pack_bucket,
+    unpack_bucket,
+)
 from mxrl.weights import (
     Bucket,
     Export,
     PendingChecksums,
     QuantizationEvent,
-    WeightRecord,
     verified_records,
 )
 
 logger = logging.getLogger(__name__)
 
-# 4: the layout agreement and the scheduled mode; 3: the header inline in a fixed 64 KiB meta;
-# 2: records carry mxrl.weights checksums (meta int64[8], header on its own); 1: sha256 hashes
-WIRE_VERSION = 4
-FLAG_LAST = 1
-FLAG_ABORT = 2
-META_BYTES = 64 * 1024  # the meta broadcast: _HEAD_BYTES, then the header if it fits
-_HEAD = struct.Struct("<4q32s")  # wire version, flags, header length, payload length, sha256
-_HEAD_BYTES = _HEAD.size  # 64
-_ALIGN = 16
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.uint8,
-        torch.int8,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.float64,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.float8_e8m0fnu,
-    )
-}
-
 Tamper = Callable[[int, torch.Tensor], None]
-
-
-# --- wire format -------------------------------------------------------------------------------
-def pack_bucket(bucket: Bucket, device: torch.device | str = "cpu") -> tuple[bytes, torch.Tensor]:
-    """(header JSON bytes, flat uint8 payload on `device`) for one bucket."""
-    fields: list[tuple[torch.Tensor, int]] = []
-    records: list[dict[str, Any]] = []
-    offset = 0
-    for record in bucket.records:
-        value = record.value
-        tensors = value.tensors() if isinstance(value, QTensor) else {"": value}
-        described = []
-        for key, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            described.append(
-                {
-                    "key": key,
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                    "offset": offset,
-                    "nbytes": nbytes,
-                }
-            )
-            fields.append((t, offset))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        records.append(
-            {
-                "name": record.name,
-                "hash": record.hash,
-                "qtensor": isinstance(value, QTensor),
-                "fields": described,
-            }
-        )
-    payload = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for t, off in fields:
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        payload[off : off + flat.numel()].copy_(flat)
-    header = {
-        "wire": WIRE_VERSION,
-        "index": bucket.index,
-        "last": bucket.last,
-        "num_buckets": bucket.num_buckets,
-        "plan_hash": bucket.plan_hash,
-        "step": bucket.step,
-        "event": bucket.event.to_dict() if bucket.event is not None else None,
-        "payload_bytes": offset,
-        "records": records,
-    }
-    return json.dumps(header, separators=(",", ":")).encode(), payload
-
-
-def unpack_bucket(header: bytes, payload: torch.Tensor) -> Bucket:
-    """Rebuild a bucket from `pack_bucket`'s output; the tensors are views of `payload`.
-    Raises ValueError for a header that does not describe this payload."""
-    try:
-        h = json.loads(header.decode())
-        if h["wire"] != WIRE_VERSION:
-            raise ValueError(f"wire version {h['wire']!r}, this mxrl speaks {WIRE_VERSION}")
-        if h["payload_bytes"] != payload.numel():
-            raise ValueError(
-                f"header says {h['payload_bytes']} payload bytes, got {payload.numel()}"
-            )
-        records = tuple(_record(r, payload) for r in h["records"])
-        event = QuantizationEvent.from_dict(h["event"]) if h["event"] is not None else None
-        return Bucket(
-            index=int(h["index"]),
-            plan_hash=str(h["plan_hash"]),
-            records=records,
-            last=bool(h["last"]),
-            num_buckets=h["num_buckets"],
-            step=int(h["step"]),
-            event=event,
-        )
-    except (KeyError, TypeError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"malformed bucket header ({e!r}); the update is refused") from None
-
-
-def _record(r: dict[str, Any], payload: torch.Tensor) -> WeightRecord:
-    name = r["name"]
-    tensors = {}
-    for f in r["fields"]:
-        dtype = _DTYPES.get(f["dtype"])
-        if dtype is None:
-            raise ValueError(f"{name}: dtype {f['dtype']!r} is not one a weight record uses")
-        shape = tuple(int(d) for d in f["shape"])
-        nbytes, off = int(f["nbytes"]), int(f["offset"])
-        if (
-            nbytes != math.prod(shape) * dtype.itemsize
-            or off % _ALIGN
-            or off + nbytes > len(payload)
-        ):
-            raise ValueError(f"{name}.{f['key']}: field does not fit the payload")
-        tensors[f"{name}.{f['key']}" if f["key"] else name] = (
-            payload[off : off + nbytes].view(dtype).reshape(shape)
-        )
-    value = QTensor.from_state_dict(tensors, name) if r["qtensor"] else tensors[name]
-    return WeightRecord(name, value, str(r["hash"]))
-
-
-def _meta(flags: int, header: bytes, payload_len: int, device: torch.device) -> torch.Tensor:
-    """The meta of one bucket (module docstring), uint8[META_BYTES] on `device`."""
-    meta = bytearray(META_BYTES)
-    digest = hashlib.sha256(header).digest()
-    _HEAD.pack_into(meta, 0, WIRE_VERSION, flags, len(header), payload_len, digest)
-    if _inline(len(header)):
-        meta[_HEAD_BYTES : _HEAD_BYTES + len(header)] = header
-    return torch.frombuffer(meta, dtype=torch.uint8).to(device)
-
-
-def _inline(header_len: int) -> bool:
-    """Whether a header of this length travels inside the meta."""
-    return header_len <= META_BYTES - _HEAD_BYTES
 
 
 def _comm_device(group: dist.ProcessGroup | None, device: torch.device | str | None):
@@ -254,30 +100,6 @@ def _gather_status(
         (dist.get_global_rank(group, i) if group is not None else i, int(t[0]), int(t[1]))
         for i, t in enumerate(everyone)
     ]
-
-
-# --- the layout of an update: what both ends remember for the scheduled mode ---------------------
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where every field of an update lies in its payloads: the bucket headers without what
-    depends on the weights' values (checksums, step, event). It follows from the plan, the
-    bucket size and the bf16 dtype alone, so the updates of one run share it. id: 16 bytes of the sha256 of the
-    buckets' JSON."""
-
-    id: bytes
-    plan_hash: str
-    buckets: tuple[dict[str, Any], ...]
-
-    @classmethod
-    def of(cls, headers: list[dict[str, Any]]) -> Layout:
-        buckets = tuple(_bucket_layout(h) for h in headers)
-        text = json.dumps(buckets, separators=(",", ":")).encode()
-        return cls(hashlib.sha256(text).digest()[:16], str(headers[0]["plan_hash"]), buckets)
-
-
-def _bucket_layout(h: dict[str, Any]) -> dict[str, Any]:
-    records = [{k: v for k, v in r.items() if k != "hash"} for r in h["records"]]
-    return {"plan_hash": h["plan_hash"], "payload_bytes": h["payload_bytes"], "records": records}
 
 
 def _agree(layout: Layout | None, group: dist.ProcessGroup | None, device: torch.device) -> bool:
@@ -338,8 +160,8 @@ class DistributedSender:
         return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
 
     def _send_meta(self, flags: int, header: bytes, payload_len: int) -> None:
-        self._broadcast(_meta(flags, header, payload_len, self.device))
-        if not _inline(len(header)):
+        self._broadcast(wire.meta_message(flags, header, payload_len, self.device))
+        if not wire.fits_inline(len(header)):
             self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
 
     def send(self, update: Export) -> SyncReport:
@@ -418,7 +240,7 @@ class DistributedSender:
                     bucket, header, payload = self._pack(buckets, side)
                     if bucket is None:
                         raise _LayoutChanged(f"the export ended after {k} bucket(s)")
-                    if _bucket_layout(json.loads(header)) != expected:
+                    if wire.bucket_layout(json.loads(header)) != expected:
                         raise _LayoutChanged(f"bucket {k} is laid out differently")
                     hashes += [r.hash for r in bucket.records]
                     num_tensors += bucket.num_tensors
@@ -519,17 +341,17 @@ class DistributedReceiver:
     def _receive_meta(self) -> tuple[int, bytes, bytes, int]:
         """(flags, header, the header's sha256 as sent, payload length) of the next meta: one
         host round trip (two when its header does not fit the meta)."""
-        meta = self._receive(META_BYTES, torch.uint8).cpu().numpy().tobytes()
-        wire, flags, header_len, payload_len, digest = _HEAD.unpack_from(meta)
-        if wire != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
+        meta = self._receive(wire.META_BYTES, torch.uint8).cpu().numpy().tobytes()
+        version, flags, header_len, payload_len, digest = wire.HEAD.unpack_from(meta)
+        if version != WIRE_VERSION:  # sizes cannot be trusted: no way to stay in step
             raise ValueError(
-                f"the sender speaks sync wire version {wire}, this rank {WIRE_VERSION}: "
+                f"the sender speaks sync wire version {version}, this rank {WIRE_VERSION}: "
                 "run one mxrl version on every rank"
             )
         if flags & FLAG_ABORT:
             raise ValueError("the trainer aborted the update; the engine keeps its weights")
-        if _inline(header_len):
-            header = meta[_HEAD_BYTES : _HEAD_BYTES + header_len]
+        if wire.fits_inline(header_len):
+            header = meta[wire.HEAD_BYTES : wire.HEAD_BYTES + header_len]
         else:
             header = self._receive(header_len, torch.uint8).cpu().numpy().tobytes()
         return flags, header, digest, payload_len
@@ -642,7 +464,9 @@ class DistributedReceiver:
                 self.tamper(k, payload)
             if error is None:
                 try:
-                    records = [_record({**r, "hash": ""}, payload) for r in lay["records"]]
+                    records = [
+                        wire.record_views({**r, "hash": ""}, payload) for r in lay["records"]
+                    ]
                     values = [r.value for r in records]
                     staged.append((records, self._check(values, payload, side)))
                 except Exception as e:  # keep receiving: the collectives stay in step

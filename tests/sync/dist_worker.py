@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mxrl.engine import Engine
 from mxrl.recipe import resolve
-from mxrl.sync import DistributedReceiver, DistributedSender, distributed
+from mxrl.sync import DistributedReceiver, DistributedSender, wire
 from mxrl.weights import digest, export, export_weights, stored_tensors
 from tests.sync.helpers import hashes, tiny
 
@@ -133,7 +133,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
             del sender._send_meta
 
     def small_meta(update):
-        distributed.META_BYTES = SMALL_META
+        wire.META_BYTES = SMALL_META
         return send(sender, update)
 
     good = x(trained, 1)
@@ -190,7 +190,7 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
         num_buckets = sum(1 for _ in export(tiny(seed=1), engine.plan, bucket_bytes=BUCKET_BYTES))
         for case, seed in CASES:
             if case == "small_meta":
-                distributed.META_BYTES = SMALL_META
+                wire.META_BYTES = SMALL_META
             held = hashes(engine.records())
             last_rank = rank == world_size - 1
             if case == "corrupted_on_the_last_rank" and last_rank:
