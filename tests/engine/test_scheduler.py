@@ -81,6 +81,46 @@ def test_blocks_are_counted_shared_and_reused_until_handed_out_again():
     assert bm.cached_prefix(bm.prompt_hashes(c)) == []
 
 
+def test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = _seq(range(9))  # 2 full prompt blocks + the last token's
+    bm.admit(a, [])
+    assert bm.ensure(a, 9)
+    a.num_computed = 9
+    bm.register(a, lambda: torch.zeros((9, 2, 2), dtype=torch.int64))
+    bm.release(a)  # free, oldest first: 3 4 5 then a's 0 1 2
+    b = _seq(range(9), index=1)
+    cached = bm.cached_prefix(bm.prompt_hashes(b))
+    assert cached == [0, 1]
+    bm.admit(b, cached)  # 0 and 1 leave the free list from its middle
+    assert bm.num_free == 4
+    c = _seq(range(50, 66), index=2)
+    assert bm.ensure(c, 16)
+    assert c.block_table == [3, 4, 5, 2]  # the rest in the order they were freed
+
+
+def test_taking_back_cached_blocks_does_not_scan_the_free_list():
+    """A GPU cache has ~500k blocks; taking a cached block back cost a scan of the free list
+    (4 ms a block: 3.7 s to admit 128 repeated 128-token prompts on the H200). 2000 blocks
+    taken back from 400k free ones: about 1 ms in O(1), minutes as a scan."""
+    import time
+
+    bm = BlockManager(num_blocks=400_000, block_size=1)
+    a = _seq(range(2001))
+    bm.admit(a, [])
+    assert bm.ensure(a, 2001)
+    a.num_computed = 2001
+    bm.register(a, lambda: torch.zeros((2001, 1, 1), dtype=torch.int64))
+    bm.release(a)  # its blocks go to the end of the free list
+    b = _seq(range(2001), index=1)
+    cached = bm.cached_prefix(bm.prompt_hashes(b))
+    assert len(cached) == 2000
+    start = time.perf_counter()
+    bm.admit(b, cached)
+    assert time.perf_counter() - start < 0.5
+    assert bm.num_free == 400_000 - 2000
+
+
 # --- the engine ---------------------------------------------------------------------------------
 
 
