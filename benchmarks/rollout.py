@@ -149,6 +149,7 @@ def mxrl_rows(model, preset: str, mode: str, prompts, device, args):
         batch = prompts[:b]
 
         def run(n, batch=batch):
+            engine.reset_prefix_cache()  # prefill every prompt, as HF does
             return engine.generate(batch, SamplingParams(temperature=0.0, max_new_tokens=n))
 
         t_n = _median_s(lambda: run(args.new_tokens), device, args.repeats)
@@ -181,6 +182,7 @@ def rl_mxrl_row(model, preset, mode, prompts, stop, device, args) -> dict:
         temperature=1.0, max_new_tokens=args.rl_new_tokens, stop_token_ids=stop, seed=0
     )
     engine.generate(prompts[: args.samples], params)  # warm-up: graphs, compiled kernels
+    engine.reset_prefix_cache()  # the warm-up's prompt is computed again, as HF does
     _sync(device)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -126,10 +126,11 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered = 0
 
-    def register(self, seq: Sequence, routing: Callable[[], torch.Tensor]) -> None:
+    def register(self, seq: Sequence, routing: Callable[[int], torch.Tensor]) -> None:
         """After a step: hash the sequence's newly completed full blocks so others can share
         them (a block already registered under its hash keeps that registration), with the
-        routing of their tokens (`routing()`: the sequence's, [positions, layers, k])."""
+        routing of their tokens (`routing(p)`: the sequence's from position p on, [positions,
+        layers, k])."""
         full = seq.num_computed // self.block_size
         if full <= seq.num_registered:  # the common decode step: nothing newly full
             return
@@ -142,9 +143,11 @@ class BlockManager:
         if not todo:
             return
         hashes = block_hashes(seq, self.block_size, full)
-        routed = routing()
+        first = todo[0] * self.block_size
+        routed = routing(first)
         for i in todo:
             b, h = seq.block_table[i], hashes[i]
             self.block_hash[b] = h
             self.hash_to_block.setdefault(h, b)
-            self.routing[b] = routed[i * self.block_size : (i + 1) * self.block_size]
+            start = i * self.block_size - first
+            self.routing[b] = routed[start : start + self.block_size]

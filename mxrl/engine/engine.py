@@ -310,6 +310,12 @@ class Engine(WeightLoading):
             self._blocks = BlockManager(self._kv.k[0].shape[0] - scratch, opt.block_size)
         return self._kv, self._blocks
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: the next `generate` computes each prompt from its first
+        token (a benchmark timing prefill on prompts it ran before; loading weights does the
+        same, since cached keys and values belong to the old weights)."""
+        self._blocks = None
+
     def _decode_graphs(self, kv: KVCache, seqs: list[Request]) -> DecodeGraphs | None:
         """The decode graphs, rebuilt when these requests need wider block tables."""
         if not self.cuda_graphs or not seqs:
@@ -432,7 +438,7 @@ class Engine(WeightLoading):
                 continue
             self._record_routing(s.seq, s.start, routed)
             s.seq.num_computed += s.num_tokens
-            blocks.register(s.seq, lambda q=s.seq: torch.cat(q.routing))
+            blocks.register(s.seq, s.seq.routing_from)
         for s, token, lp in zip(step.rows, tokens, lps, strict=True):
             seq = s.seq
             if seq.status is Status.FINISHED:

@@ -46,6 +46,21 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def routing_from(self, start: int) -> torch.Tensor:
+        """The recorded routing of positions [start, num_routed), [n, layers, k]: only the
+        last parts are joined (a block's routing is asked for as it fills; joining every part
+        each time was quadratic in the sequence's length)."""
+        parts, first = [], self.num_routed
+        for part in reversed(self.routing):
+            if first <= start:
+                break
+            parts.append(part)
+            first -= part.shape[0]
+        if not parts:
+            raise ValueError(f"no routing recorded from position {start} (have {self.num_routed})")
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts[::-1])
+        return joined[start - first :]
+
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt)

@@ -63,7 +63,7 @@ def test_blocks_are_counted_shared_and_reused_until_handed_out_again():
     bm.admit(a, [])
     assert bm.ensure(a, 10) and len(a.block_table) == 3 and bm.num_free == 1
     a.num_computed = 10
-    bm.register(a, lambda: torch.zeros((10, 2, 2), dtype=torch.int64))
+    bm.register(a, lambda p: torch.zeros((10 - p, 2, 2), dtype=torch.int64))
     b = _seq(range(10), index=1)
     cached = bm.cached_prefix(bm.prompt_hashes(b))
     assert cached == a.block_table[:2]
@@ -81,13 +81,25 @@ def test_blocks_are_counted_shared_and_reused_until_handed_out_again():
     assert bm.cached_prefix(bm.prompt_hashes(c)) == []
 
 
+def test_routing_from_a_position_joins_only_the_parts_it_needs():
+    seq = _seq(range(3))
+    rows = torch.arange(30 * 4).view(30, 2, 2)
+    for a, b in [(0, 17), (17, 18), (18, 19), (19, 30)]:  # a prefill part, then decode rows
+        seq.routing.append(rows[a:b])
+        seq.num_routed = b
+    for start in (0, 5, 17, 18, 19, 25, 29):
+        assert torch.equal(seq.routing_from(start), rows[start:])
+    with pytest.raises(ValueError, match="position 30"):
+        seq.routing_from(30)
+
+
 def test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone():
     bm = BlockManager(num_blocks=6, block_size=4)
     a = _seq(range(9))  # 2 full prompt blocks + the last token's
     bm.admit(a, [])
     assert bm.ensure(a, 9)
     a.num_computed = 9
-    bm.register(a, lambda: torch.zeros((9, 2, 2), dtype=torch.int64))
+    bm.register(a, lambda p: torch.zeros((9 - p, 2, 2), dtype=torch.int64))
     bm.release(a)  # free, oldest first: 3 4 5 then a's 0 1 2
     b = _seq(range(9), index=1)
     cached = bm.cached_prefix(bm.prompt_hashes(b))
@@ -110,7 +122,7 @@ def test_taking_back_cached_blocks_does_not_scan_the_free_list():
     bm.admit(a, [])
     assert bm.ensure(a, 2001)
     a.num_computed = 2001
-    bm.register(a, lambda: torch.zeros((2001, 1, 1), dtype=torch.int64))
+    bm.register(a, lambda p: torch.zeros((2001 - p, 1, 1), dtype=torch.int64))
     bm.release(a)  # its blocks go to the end of the free list
     b = _seq(range(2001), index=1)
     cached = bm.cached_prefix(bm.prompt_hashes(b))
@@ -131,7 +143,7 @@ def test_grpo_groups_share_their_prompt_and_get_the_bytes_they_get_alone(preset,
     params = _params(len(prompts))
     want = _alone(engine, prompts, params)
     fed = _count_fed_tokens(monkeypatch)
-    engine._blocks = None  # forget the prefixes the lone runs left in the cache
+    engine.reset_prefix_cache()  # forget the prefixes the lone runs left in the cache
     got = engine.generate(prompts, params)
     _same(got, want, "grouped")
     # LONG's two full blocks (32 tokens) are computed once, not four times
@@ -148,6 +160,26 @@ def test_chunked_prefill_and_a_small_step_budget_change_nothing():
     _same(small.generate(prompts, params), want, "5 tokens per step")
     few = Engine(tiny("mxfp8"), "mxfp8", tile=8, cache=CacheOptions(max_num_seqs=2))
     _same(few.generate(prompts, params), want, "2 sequences per step")
+
+
+def test_a_cached_prefix_carries_the_routing_of_every_step_that_computed_it(monkeypatch):
+    """A prompt computed over several steps (5-token chunks, then decode) registers its blocks
+    as they fill, each with the routing of its own positions; a continuation of it takes those
+    blocks from the cache and gets the same routed experts as on an engine that computed all."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    engine = Engine(tiny(), "bf16", tile=8, cache=CacheOptions(max_num_batched_tokens=5))
+    first = engine.generate([LONG], greedy)[0]
+    follow = LONG + first.tokens[:12]  # 49 tokens: 3 full blocks, the third filled by decode
+    fresh = Engine(tiny(), "bf16", tile=8)
+    want = fresh.generate([follow], greedy)
+    fed = _count_fed_tokens(monkeypatch)
+    got = engine.generate([follow], greedy)
+    assert fed[0] == 1  # 48 of its 49 prompt tokens came from the cache
+    _same(got, want, "from the cache")
+    engine.reset_prefix_cache()
+    fed.clear()
+    _same(engine.generate([follow], greedy), want, "after a reset")
+    assert fed[:10] == [5] * 9 + [4]  # all 49 computed again, 5 a step
 
 
 def test_preemption_recomputes_the_same_bytes(monkeypatch):
