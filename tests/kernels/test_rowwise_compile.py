@@ -75,12 +75,13 @@ def compile_all() -> dict[str, dict[str, int]]:
              "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
             {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": 16, "BLOCK_N": 64},
         ),
-        "sample_rows_fp32": (
-            ts.sample_rows_kernel,
+        "sample_race_fp32": (
+            ts.sample_race_kernel,
             {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "greedy_ptr": "*i8",
-             "seeds_ptr": "*i64", "counters_ptr": "*i64", "token_ptr": "*i64",
-             "logp_ptr": "*fp32", "stride_l": "i32", "V": "i32"},
-            {"BLOCK": 1024},
+             "seeds_ptr": "*i64", "counters_ptr": "*i64", "max_ptr": "*fp32",
+             "sum_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32", "best_ptr": "*i32",
+             "stride_l": "i32", "V": "i32", "S": "i32"},
+            {"BLOCK": 2048, "S_POW2": 16},
         ),
     }  # fmt: skip
     return {
@@ -98,7 +99,7 @@ def ptx_report():
 
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
-        "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_rows_fp32",
+        "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_race_fp32",
         "moe_group", "rope_bf16", "moe_route_bf16",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):

@@ -69,3 +69,25 @@ def test_fused_sample_batch_keeps_a_rows_path_in_a_mixed_batch():
         t, lp = sample_batch(logits[r : r + 1], alone, fused=True)
         assert t.item() == tokens[r].item(), f"row {r}"
         assert_bytes_equal(lp, logps[r : r + 1], f"row {r} alone")
+
+
+@interpreter
+def test_a_row_cut_into_parts_keeps_the_lowest_index_of_a_tie_and_skips_masked_parts():
+    """A row spans several parts of the kernel (5000 logits: three parts of 2048): a greedy tie
+    between two parts goes to the lower index, as torch.argmax; a part of -inf logits (a masked
+    vocabulary range) adds nothing and draws nothing; sampled rows match the reference."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 5000, generator=g)
+    logits[0, 100] = logits[0, 4500] = 50.0  # greedy: the tie across parts
+    logits[1:, 2048:4096] = float("-inf")  # the middle part masked
+    params = [SamplingParams(temperature=0.0, seed=1)] + [
+        SamplingParams(temperature=t, seed=2 + i) for i, t in enumerate((1.0, 0.5, 2.0))
+    ]
+    b = SamplingBatch.build(params, [p.seed for p in params], [7, 8, 9, 10], "cpu")
+    tokens, logps = sample_rows(logits, b.temperature, b.greedy, b.seeds, b.counters)
+    want_tokens, want_logps = sample_batch(logits, b)
+    assert tokens[0].item() == 100
+    assert torch.equal(tokens, want_tokens)
+    assert not ((tokens[1:] >= 2048) & (tokens[1:] < 4096)).any()
+    assert torch.isfinite(logps).all()
+    torch.testing.assert_close(logps, want_logps, rtol=0, atol=2e-6)
