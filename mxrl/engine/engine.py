@@ -313,8 +313,10 @@ class Engine(WeightLoading):
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: the next `generate` computes each prompt from its first
         token (a benchmark timing prefill on prompts it ran before; loading weights does the
-        same, since cached keys and values belong to the old weights)."""
-        self._blocks = None
+        same, since cached keys and values belong to the old weights). Between `generate`
+        calls: the blocks stay allocated, only their registrations go."""
+        if self._blocks is not None:
+            self._blocks.forget_prefixes()
 
     def _decode_graphs(self, kv: KVCache, seqs: list[Request]) -> DecodeGraphs | None:
         """The decode graphs, rebuilt when these requests need wider block tables."""

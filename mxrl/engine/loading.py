@@ -169,7 +169,7 @@ class WeightLoading:
             self.hashes[name] = record.hash
         if replaced:
             self._invalidate_graphs()
-        self._blocks = None  # cached prefixes hold keys/values of the old weights
+        self.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
         self.weights_version += 1
         logger.info(
             "engine: loaded %d tensors (%d in place, version %d)",

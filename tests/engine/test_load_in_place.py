@@ -113,3 +113,22 @@ def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs(monkeypatch)
     InProcessTransport(engine).send(export(tiny("mxfp8", seed=1), engine.plan, step=1))
     assert calls == [0, 1]
     assert engine.weights[name].shape == held.shape
+
+
+def test_a_reload_forgets_the_cached_prefixes():
+    """A prompt's blocks cached under the old weights are not reused after a load: the same
+    prompt then gets what an engine built on the new weights gives (the cached keys and values
+    would give the old weights' attention)."""
+    from mxrl.engine import SamplingParams
+    from tests.engine.test_scheduler import LONG
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    engine = Engine(tiny("bf16", seed=0), "bf16")
+    engine.generate([LONG], greedy)  # caches LONG's two full blocks
+    trainer = tiny("bf16", seed=1)
+    InProcessTransport(engine).send(export(trainer, engine.plan, step=1))
+    got = engine.generate([LONG], greedy)[0]
+    want = Engine(trainer, "bf16").generate([LONG], greedy)[0]
+    assert got.tokens == want.tokens
+    assert torch.equal(got.logprobs, want.logprobs)
+    assert torch.equal(got.routed_experts, want.routed_experts)
