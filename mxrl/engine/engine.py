@@ -387,7 +387,8 @@ class Engine(WeightLoading):
             launched = None
             if ahead is not None:  # the next decode step, queued before this one is read
                 stats.observe(ahead, blocks)
-                launched = self._launch(runner, ahead, time.perf_counter(), pending.tokens_t)
+                fed = _live_tokens(pending, len(ahead), self.device)
+                launched = self._launch(runner, ahead, time.perf_counter(), fed)
             tokens, lps = pending.read()  # one sync a step
             now = time.perf_counter()
             if all(s.num_tokens == 1 for s in pending.batch):  # the step is done
@@ -480,9 +481,9 @@ class Engine(WeightLoading):
             for index in range(seq.num_routed // blocks.block_size, start // blocks.block_size):
                 seq.routing.append(blocks.routing[seq.block_table[index]])
             seq.num_routed = start
-        skip = seq.num_routed - start
+        skip = seq.num_routed - start  # >= 0 here: positions recomputed after a preemption
         if skip < routed.shape[0]:
-            seq.routing.append(routed[max(skip, 0) :])
+            seq.routing.append(routed[skip:] if skip else routed)  # a decode row: no new view
             seq.num_routed = start + routed.shape[0]
 
     def _completion(self, seq: Request) -> Completion:
@@ -492,6 +493,19 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+def _live_tokens(step: Launched, live: int, device: torch.device) -> torch.Tensor:
+    """The tokens `step` samples (on the device) for the rows whose request is still running,
+    in order: all of them, or, when a stop read since dropped rows, a gather of the others."""
+    if live == len(step.rows):
+        return step.tokens_t
+    keep = [i for i, s in enumerate(step.rows) if s.seq.status is not Status.FINISHED]
+    assert len(keep) == live, "the step queued ahead feeds every running request"
+    index = torch.tensor(keep, dtype=torch.int64)
+    if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
+        index = index.pin_memory().to(device, non_blocking=True)
+    return step.tokens_t.index_select(0, index)
 
 
 def _pow2_at_least_16(n: int) -> bool:

@@ -115,20 +115,23 @@ class Scheduler:
 
     def schedule_ahead(self, batch: list[Scheduled]) -> list[Scheduled] | None:
         """The step after `batch` (a step still on the device), if it is known before that
-        step's tokens are read: the same requests, in this order, each feeding the token
-        `batch` samples (`Scheduled.ahead`). Only when that is exactly what `schedule` would
-        return: nothing waits to be admitted, every running request is in `batch` as a
-        one-token decode row, none can finish by length there, and no row of `batch` belongs
-        to a request that has finished already (`batch` is then an ahead step whose tokens
-        came after a stop). A row whose next position opens a KV block gets it here, as
+        step's tokens are read: the running requests, in `batch`'s order, each feeding the
+        token `batch` samples for it (`Scheduled.ahead`). Only when that is exactly what
+        `schedule` would return: nothing waits to be admitted, every running request is in
+        `batch` as a one-token decode row, and none can finish by length there. Rows of
+        `batch` whose request has finished already (`batch` is then an ahead step whose tokens
+        came after a stop: its dropped rows) get no row here; the engine feeds the others
+        their tokens by position. A row whose next position opens a KV block gets it here, as
         `schedule` would (`BlockManager.ensure`), when the free blocks suffice for every such
-        row; otherwise `schedule` would preempt, and the answer is None. Rows that `batch`
-        stops become dropped rows of the ahead step (their extra block goes back with the rest
-        of theirs). None when the step is not known yet."""
-        if self.waiting or not self.running or len(batch) != len(self.running):
+        row; otherwise `schedule` would preempt, and the answer is None. None when the step is
+        not known yet."""
+        if self.waiting or not self.running:
+            return None
+        live = [s for s in batch if s.seq.status is not Status.FINISHED]
+        if len(live) != len(self.running):
             return None
         out, opening = [], []
-        for s, seq in zip(batch, self.running, strict=True):
+        for s, seq in zip(live, self.running, strict=True):
             pos = s.start + 1
             if (
                 s.seq is not seq

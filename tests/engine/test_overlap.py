@@ -71,6 +71,9 @@ def test_a_stop_leaves_a_dropped_row_in_the_step_queued_ahead():
     _same(got, want, "with a stop")
     assert got[0].finish_reason == "stop" and len(got[0].tokens) < 30
     assert stats.ahead_rows_dropped > 0  # a row of the step queued after the stop, dropped
+    # and the step after that one is queued ahead too, fed the other rows' tokens by position:
+    # every decode step but the first
+    assert stats.ahead_steps == len(stats.decode_step_s) - 1
 
 
 def test_requests_joining_sharing_and_preempted_give_the_same_bytes(monkeypatch):
