@@ -129,7 +129,9 @@ def rl(args) -> int:
         return observe(self, batch, blocks)
 
     GenerateStats.observe = observed
-    engine.generate(prompts, params)  # warm-up: every graph the run needs, compiled kernels
+    engine.capture_graphs(args.rl_prompt + args.rl_new_tokens)
+    engine.generate(prompts, params)  # warm-up: compiled kernels
+    engine.reset_prefix_cache()
     launched.clear()
     _sync()
     start = time.perf_counter()
@@ -151,6 +153,7 @@ def rl(args) -> int:
     for rows, ts in sorted(by_rows.items()):
         print(f"  decode steps of <= {rows} rows: {len(ts)}, median "
               f"{statistics.median(ts) * 1e3:.2f} ms, {sum(ts):.2f} s")  # fmt: skip
+    engine.reset_prefix_cache()
     print_host(lambda: engine.generate(prompts, params), args.top)
     return 0
 

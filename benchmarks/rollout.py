@@ -181,7 +181,11 @@ def rl_mxrl_row(model, preset, mode, prompts, stop, device, args) -> dict:
     params = SamplingParams(
         temperature=1.0, max_new_tokens=args.rl_new_tokens, stop_token_ids=stop, seed=0
     )
-    engine.generate(prompts[: args.samples], params)  # warm-up: graphs, compiled kernels
+    # every decode graph before the timed call (its batch shrinks through every size as
+    # requests stop; an RL loop captures them in its first rollout and keeps them), then a
+    # warm-up for compiled kernels
+    engine.capture_graphs(args.rl_prompt + args.rl_new_tokens)
+    engine.generate(prompts[: args.samples], params)
     engine.reset_prefix_cache()  # the warm-up's prompt is computed again, as HF does
     _sync(device)
     start = time.perf_counter()

@@ -318,12 +318,32 @@ class Engine(WeightLoading):
         if self._blocks is not None:
             self._blocks.forget_prefixes()
 
-    def _decode_graphs(self, kv: KVCache, seqs: list[Request]) -> DecodeGraphs | None:
-        """The decode graphs, rebuilt when these requests need wider block tables."""
-        if not self.cuda_graphs or not seqs:
+    @torch.no_grad()
+    def capture_graphs(self, max_tokens: int) -> int:
+        """Capture the decode graph of every bucketed batch size now, for requests of up to
+        `max_tokens` tokens (prompt and new tokens), instead of at the first decode step of
+        each size inside `generate`, where a capture holds that step back (an RL rollout whose
+        batch shrinks as requests stop meets every size once). Returns the number of graphs
+        held: 0 where the engine decodes without graphs (the CPU, `cuda_graphs=False`, a
+        capture that failed)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not self.cuda_graphs:
+            return 0
+        kv, _ = self._cache()
+        graphs = self._decode_graphs(kv, max_tokens)
+        if graphs is None:
+            return 0
+        graphs.capture_all()
+        return len(graphs.graphs)
+
+    def _decode_graphs(self, kv: KVCache, max_len: int) -> DecodeGraphs | None:
+        """The decode graphs, rebuilt when requests of `max_len` tokens need wider block
+        tables."""
+        if not self.cuda_graphs or max_len < 1:
             return None
         bs = self.cache_options.block_size
-        need = max(-(-seq.max_len // bs) for seq in seqs)
+        need = -(-max_len // bs)
         if self._graphs is None or self._graphs.width < need:
             width = max(64, 1 << (need - 1).bit_length())
             self._graphs = None  # free the old graphs' pool first
@@ -348,7 +368,7 @@ class Engine(WeightLoading):
         scheduler = Scheduler(blocks, opt.max_num_seqs, opt.max_num_batched_tokens)
         for seq in seqs:
             scheduler.add(seq)
-        graphs = self._decode_graphs(kv, seqs)
+        graphs = self._decode_graphs(kv, max((seq.max_len for seq in seqs), default=0))
         self.runner = ModelRunner(self.net, kv, self.device, self._attention_kernel, graphs)
         return scheduler, self.runner
 

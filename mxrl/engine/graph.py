@@ -95,10 +95,23 @@ class DecodeGraphs:
         try:
             return self.run(batch, ahead)
         except RuntimeError as err:
-            self.failure = str(err).splitlines()[0]
-            self.graphs.clear()
-            logger.warning("engine: CUDA-graph capture failed, decoding eagerly: %s", self.failure)
+            self._failed(err)
             return None
+
+    def capture_all(self) -> None:
+        """Capture every bucket not captured yet (`Engine.capture_graphs`); on a failure, as
+        `try_run`: no graphs for this engine."""
+        try:
+            for p in self.sizes:
+                if p not in self.graphs:
+                    self._capture(p)
+        except RuntimeError as err:
+            self._failed(err)
+
+    def _failed(self, err: RuntimeError) -> None:
+        self.failure = str(err).splitlines()[0]
+        self.graphs.clear()
+        logger.warning("engine: CUDA-graph capture failed, decoding eagerly: %s", self.failure)
 
     def fits(self, batch: list[Scheduled]) -> bool:
         return (

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mxrl.engine import Engine, SamplingParams
+from mxrl.engine.engine import CacheOptions
 from mxrl.weights import export_weights
 from tests.engine.test_engine import PRESETS, PROMPTS, tiny
 from tests.numerics import assert_bytes_equal
@@ -180,6 +181,40 @@ def test_graphs_follow_a_weight_load():
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens
         assert_bytes_equal(g.logprobs, w.logprobs, "logprobs after a load")
+
+
+def test_graphs_captured_up_front_give_the_lazily_captured_bytes():
+    """capture_graphs captures every bucket before generate; generate then captures nothing
+    (its batch shrinks through several sizes as requests stop) and gives the bytes of an
+    engine that captured each size at its first step."""
+    from mxrl.engine.graph import DecodeGraphs
+
+    preset, kw = "bf16", dict(device="cuda", compute_dtype=torch.bfloat16)
+    lengths = [3, 9, 5, 14, 7]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=n, seed=70 + i)
+              for i, n in enumerate(lengths)]  # fmt: skip
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(5)]
+    want = Engine(tiny(preset), preset, **kw).generate(prompts, params)
+    engine = Engine(tiny(preset), preset, cache=CacheOptions(max_num_seqs=8), **kw)
+    held = engine.capture_graphs(64)
+    assert held == len(engine._graphs.sizes) == len(engine._graphs.graphs)
+    captured = []
+    original = DecodeGraphs._capture
+
+    def counting(self, p):
+        captured.append(p)
+        return original(self, p)
+
+    DecodeGraphs._capture = counting
+    try:
+        got = engine.generate(prompts, params)
+    finally:
+        DecodeGraphs._capture = original
+    assert captured == [] and engine.runner.num_graph_steps > 0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.tokens == w.tokens, f"request {i}"
+        assert_bytes_equal(g.logprobs, w.logprobs, f"request {i} logprobs")
+        assert_bytes_equal(g.routed_experts, w.routed_experts, f"request {i} routing")
 
 
 def test_sampler_rows_do_not_depend_on_the_batch_on_cuda():

@@ -113,3 +113,10 @@ def test_greedy_requests_and_the_default():
     )
     _same(got, want, "greedy")
     assert stats.ahead_steps > 0
+
+
+def test_graph_capture_up_front_is_a_no_op_without_graphs():
+    engine = Engine(tiny("bf16"), "bf16")
+    assert engine.capture_graphs(64) == 0  # the CPU decodes eagerly
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.capture_graphs(0)
