@@ -83,11 +83,15 @@ class BlockManager:
 
     def forget_prefixes(self) -> None:
         """No block is registered any more (a cached prefix is never handed out again); the
-        free list keeps its order. In O(blocks) list writes: rebuilding the manager of a GPU
-        cache (~500k blocks) took 75-100 ms."""
+        free list keeps its order. Between `generate` calls (no sequence holds a block): a
+        block still held then was lost by a call that failed, and is freed. In O(blocks) list
+        writes: rebuilding the manager of a GPU cache (~500k blocks) took 75-100 ms."""
         self.block_hash = [None] * self.num_blocks
         self.hash_to_block.clear()
         self.routing.clear()
+        if self.num_free != self.num_blocks:  # between calls every block is free: else lost
+            self.ref_count = [0] * self.num_blocks
+            self.free = OrderedDict.fromkeys(range(self.num_blocks))
 
     # --- allocation ---------------------------------------------------------------------------
 

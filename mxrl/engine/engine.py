@@ -393,29 +393,36 @@ class Engine(WeightLoading):
         scheduler, runner = self._start(seqs)
         blocks = scheduler.blocks
         stats = self.stats = GenerateStats()
-        pending: Launched | None = None  # the step on the device whose tokens are not read
-        last_read = time.perf_counter()
-        while pending is not None or not scheduler.finished:
-            if pending is None:
-                started = time.perf_counter()
-                batch = scheduler.schedule()
-                if not batch:
-                    raise RuntimeError("the scheduler found nothing to run (KV cache exhausted)")
-                stats.observe(batch, blocks)
-                pending = self._launch(runner, batch, started)
-            ahead = scheduler.schedule_ahead(pending.batch) if self.overlap else None
-            launched = None
-            if ahead is not None:  # the next decode step, queued before this one is read
-                stats.observe(ahead, blocks)
-                fed = _live_tokens(pending, len(ahead), self.device)
-                launched = self._launch(runner, ahead, time.perf_counter(), fed)
-            tokens, lps = pending.read()  # one sync a step
-            now = time.perf_counter()
-            if all(s.num_tokens == 1 for s in pending.batch):  # the step is done
-                stats.decode_step_s.append(now - max(pending.started, last_read))
-            last_read = now
-            self._advance(pending, tokens, lps, scheduler, blocks)
-            pending = launched
+        try:
+            pending: Launched | None = None  # the step on the device whose tokens are not read
+            last_read = time.perf_counter()
+            while pending is not None or not scheduler.finished:
+                if pending is None:
+                    started = time.perf_counter()
+                    batch = scheduler.schedule()
+                    if not batch:
+                        raise RuntimeError(
+                            "the scheduler found nothing to run (KV cache exhausted)"
+                        )
+                    stats.observe(batch, blocks)
+                    pending = self._launch(runner, batch, started)
+                ahead = scheduler.schedule_ahead(pending.batch) if self.overlap else None
+                launched = None
+                if ahead is not None:  # the next decode step, queued before this one is read
+                    stats.observe(ahead, blocks)
+                    fed = _live_tokens(pending, len(ahead), self.device)
+                    launched = self._launch(runner, ahead, time.perf_counter(), fed)
+                tokens, lps = pending.read()  # one sync a step
+                now = time.perf_counter()
+                if all(s.num_tokens == 1 for s in pending.batch):  # the step is done
+                    stats.decode_step_s.append(now - max(pending.started, last_read))
+                last_read = now
+                self._advance(pending, tokens, lps, scheduler, blocks)
+                pending = launched
+        except BaseException:  # an error, an interrupt: the blocks go back to the cache
+            for seq in list(scheduler.running):
+                blocks.release(seq)
+            raise
         stats.graph_steps = runner.num_graph_steps
         return [self._completion(seq) for seq in seqs]
 
@@ -498,8 +505,12 @@ class Engine(WeightLoading):
         """Keep the experts of positions not recorded yet (a recomputed one is the same)."""
         if start > seq.num_routed:  # positions taken from the prefix cache: their computer's
             blocks = self._blocks
-            for index in range(seq.num_routed // blocks.block_size, start // blocks.block_size):
-                seq.routing.append(blocks.routing[seq.block_table[index]])
+            bs = blocks.block_size
+            for index in range(seq.num_routed // bs, start // bs):
+                part = blocks.routing[seq.block_table[index]]
+                first = seq.num_routed - index * bs  # > 0 in a block recorded in part
+                seq.routing.append(part[first:] if first > 0 else part)
+                seq.num_routed = (index + 1) * bs
             seq.num_routed = start
         skip = seq.num_routed - start  # >= 0 here: positions recomputed after a preemption
         if skip < routed.shape[0]:
@@ -525,7 +536,7 @@ def _live_tokens(step: Launched, live: int, device: torch.device) -> torch.Tenso
     index = torch.tensor(keep, dtype=torch.int64)
     if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
         index = index.pin_memory().to(device, non_blocking=True)
-    return step.tokens_t.index_select(0, index)
+    return step.tokens_t.index_select(0, index.to(step.tokens_t.device))
 
 
 def _pow2_at_least_16(n: int) -> bool:

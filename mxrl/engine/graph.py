@@ -100,7 +100,9 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         """Capture every bucket not captured yet (`Engine.capture_graphs`); on a failure, as
-        `try_run`: no graphs for this engine."""
+        `try_run`: no graphs for this engine (nor after an earlier failure)."""
+        if self.failure is not None:
+            return
         try:
             for p in self.sizes:
                 if p not in self.graphs:

@@ -223,3 +223,45 @@ def test_next_token_logits_are_the_first_samples_logits():
     assert logits.shape == (2, engine.config.vocab_size) and logits.dtype == torch.float32
     greedy = engine.generate([LONG, PROMPTS[1]], SamplingParams(temperature=0, max_new_tokens=1))
     assert [o.tokens[0] for o in greedy] == logits.argmax(-1).tolist()
+
+
+def test_a_failed_generate_gives_its_blocks_back(monkeypatch):
+    """An error inside generate (here the third step's forward) leaves no KV block held: the
+    engine's next call has the whole cache and gives a fresh engine's bytes."""
+    engine = Engine(tiny(), "bf16", tile=8)
+    prompts, params = [LONG, *PROMPTS], _params(len(PROMPTS) + 1)
+    calls = []
+    original = ModelRunner.step
+
+    def failing(self, batch, ahead=None):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return original(self, batch, ahead)
+
+    monkeypatch.setattr(ModelRunner, "step", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate(prompts, params)
+    assert engine._blocks.num_free == engine._blocks.num_blocks
+    monkeypatch.setattr(ModelRunner, "step", original)
+    _same(
+        engine.generate(prompts, params), Engine(tiny(), "bf16", tile=8).generate(prompts, params)
+    )
+
+
+def test_cached_blocks_after_a_part_recorded_block_add_only_the_positions_not_recorded():
+    """A sequence whose routing is recorded up to the middle of a block, then given cached
+    blocks up to a later position, records each position once (the cached block it was in the
+    middle of contributes its later positions only)."""
+    engine = Engine(tiny(), "bf16", tile=8, cache=CacheOptions(block_size=4))
+    _, blocks = engine._cache()
+    rows = torch.arange(16 * 2 * 2).view(16, 2, 2)
+    seq = _seq(range(16))
+    seq.block_table = [0, 1, 2, 3]
+    for b in range(4):
+        blocks.routing[b] = rows[4 * b : 4 * b + 4]
+    seq.routing, seq.num_routed = [rows[:10]], 10  # recorded up to the middle of block 2
+    engine._record_routing(seq, 12, rows[12:14])  # positions 10, 11 come from block 2
+    assert seq.num_routed == 14
+    assert torch.equal(torch.cat(seq.routing), rows[:14])
+    assert torch.equal(seq.routing_from(9), rows[9:14])

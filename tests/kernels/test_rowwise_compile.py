@@ -83,6 +83,19 @@ def compile_all() -> dict[str, dict[str, int]]:
              "stride_l": "i32", "V": "i32", "S": "i32"},
             {"BLOCK": 2048, "S_POW2": 16},
         ),
+        "sample_partials_fp32": (
+            ts.sample_partials_kernel,
+            {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+             "stride_l": "i32", "V": "i32", "S": "i32"},
+            {"BLOCK": 2048},
+        ),
+        "sample_pick_fp32": (
+            ts.sample_pick_kernel,
+            {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32",
+             "best_ptr": "*i32", "token_ptr": "*i64", "logp_ptr": "*fp32", "stride_l": "i32",
+             "S": "i32"},
+            {"S_POW2": 1},
+        ),
     }  # fmt: skip
     return {
         name: ptx_counts(fn, sig, constexprs, PATTERNS)
@@ -100,6 +113,7 @@ def ptx_report():
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
         "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_race_fp32",
+        "sample_partials_fp32", "sample_pick_fp32",
         "moe_group", "rope_bf16", "moe_route_bf16",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
@@ -113,6 +127,12 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
     # the router's weights: one IEEE division (its bound counts exp as ex2.approx, nothing else)
     assert ptx_report["moe_route_bf16"]["div_rn"] >= 1
+    # the sampler divides by the temperature (and the race by the noise) as the torch sampler
+    # does: IEEE divisions, none approximate (its exp and log are the GPU's, as documented)
+    for name in ("sample_partials_fp32", "sample_race_fp32", "sample_pick_fp32"):
+        counts = ptx_report[name]
+        assert counts["approx"] == 0 and counts["div_rn"] >= 1, (name, counts)
+    assert ptx_report["sample_race_fp32"]["div_rn"] >= 2  # logit / T and p / E
 
 
 def test_grouped_block_fp8_runs_on_tensor_cores(ptx_report):
