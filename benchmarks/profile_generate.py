@@ -29,6 +29,7 @@ import time
 import torch
 from common import ensure_repo_on_path
 from engine_decode import model_config
+from rollout import add_rl_shape_arguments, rl_prompts
 
 ensure_repo_on_path()
 
@@ -46,11 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
     ap.add_argument("--rl", action="store_true", help="the RL-shaped run (module doc)")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--rl-prompt", type=int, default=256)
-    ap.add_argument("--rl-new-tokens", type=int, default=2048)
-    ap.add_argument("--eos-every", type=int, default=1000)
+    add_rl_shape_arguments(ap)
     args = ap.parse_args(argv)
     if args.rl:
         return rl(args)
@@ -109,8 +106,6 @@ def print_host(fn, top: int) -> None:
 
 
 def rl(args) -> int:
-    from rollout import rl_prompts
-
     from mxrl.engine.params import GenerateStats
 
     model = build_model(model_config(layers=args.layers, vocab=32000, tiny=args.tiny), seed=0)

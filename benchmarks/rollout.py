@@ -283,17 +283,22 @@ def _derive(rows: list[dict], rl_rows: list[dict]) -> None:
         r["ratio_to_hf"] = r["tok_s"] / hf_rl if hf_rl else None
 
 
+def add_rl_shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """The RL-shaped run's shape (module doc; `rl_prompts`), shared with profile_generate.py."""
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--rl-prompt", type=int, default=256)
+    ap.add_argument("--rl-new-tokens", type=int, default=2048)
+    ap.add_argument("--eos-every", type=int, default=1000)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
     ap.add_argument("--modes", nargs="+", default=["invariant"], choices=sorted(MODES))
     ap.add_argument("--rl", action="store_true", help="also the RL-shaped run (module doc)")
     ap.add_argument("--rl-only", action="store_true", help="only the RL-shaped run")
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--rl-prompt", type=int, default=256)
-    ap.add_argument("--rl-new-tokens", type=int, default=2048)
-    ap.add_argument("--eos-every", type=int, default=1000)
+    add_rl_shape_arguments(ap)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128])
