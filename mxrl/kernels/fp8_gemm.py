@@ -124,6 +124,70 @@ def grouped_fp8_block_matmul(
     return y
 
 
+def grouped_fp8_block_wgrad_reference(
+    aq: QTensor, bq: QTensor, expert_offsets: torch.Tensor
+) -> torch.Tensor:
+    """fp32 dW [E, N, K]: per expert e, `dequantize(a)[:, rows of e] @ dequantize(b)[:, rows
+    of e].T` (the emulated GEMM of the contract); a = dy^T [N, R], b = x^T [K, R]."""
+    from mxrl.formats import dequantize
+
+    a, b = dequantize(aq), dequantize(bq)
+    bounds = expert_offsets.tolist()
+    out = torch.zeros((len(bounds) - 1, a.shape[0], b.shape[0]), dtype=torch.float32)
+    for e in range(len(bounds) - 1):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[e] = a[:, lo:hi] @ b[:, lo:hi].T
+    return out.to(a.device)
+
+
+def grouped_fp8_block_wgrad(
+    aq: QTensor,
+    bq: QTensor,
+    expert_offsets: torch.Tensor,
+    *,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """The routed experts' block-FP8 weight gradient in one launch, a GEMM grouped along its
+    reduction (mxrl/kernels/triton_fp8_block_gemm.py, `fp8_block_kgrouped_kernel`):
+    dW[e] [N, K] = dy_e^T x_e, from a = dy^T [N, R] and b = x^T [K, R], both quantized 1x128
+    along R (the tokens, sorted by expert), where expert e owns columns
+    expert_offsets[e]:expert_offsets[e + 1] — every offset a multiple of 128, so no 128-token
+    block straddles two experts (zero-pad each expert's tokens: zeros change no block's amax and
+    add nothing). int32 [E + 1] offsets on the device: no host sync. fp32 output; an expert
+    without tokens gets zeros. Not yet wired into training (the fp8-block backward)."""
+    for name, q in (("dy^T", aq), ("x^T", bq)):
+        if q.fmt is not Format.FP8_BLOCK or q.block != (1, BLOCK) or len(q.shape) != 2:
+            raise ValueError(
+                f"grouped_fp8_block_wgrad: {name} must be a 2-D fp8_block QTensor in 1x128 "
+                f"blocks along the tokens, got {q.fmt} {q.block} {tuple(q.shape)}"
+            )
+    (n, r), (k, r_b) = aq.shape, bq.shape
+    e = expert_offsets.shape[0] - 1
+    if r != r_b or r % BLOCK:
+        raise ValueError(
+            f"grouped_fp8_block_wgrad: dy^T {tuple(aq.shape)} and x^T {tuple(bq.shape)} must "
+            f"hold the same tokens, a multiple of {BLOCK} (each expert's zero-padded)"
+        )
+    if e < 1 or expert_offsets.device != aq.device:
+        raise ValueError(f"expert_offsets must be [E + 1] on {aq.device}")
+    if not expert_offsets.is_cuda and bool((expert_offsets % BLOCK).any()):
+        raise ValueError(f"every expert offset must be a multiple of {BLOCK}: {expert_offsets}")
+    from mxrl.kernels import triton_fp8_block_gemm as kern
+
+    y = torch.empty((e, n, k), dtype=torch.float32, device=aq.device)
+    grid = (-(-n // block_n), -(-k // block_k), e)
+    ad, bd = aq.qdata.contiguous(), bq.qdata.contiguous()
+    a_s, b_s = aq.scale.contiguous(), bq.scale.contiguous()
+    kern.fp8_block_kgrouped_kernel[grid](
+        ad, a_s, bd, b_s, expert_offsets.to(torch.int32), y,
+        ad.stride(0), a_s.stride(0), bd.stride(0), b_s.stride(0), y.stride(0), y.stride(1),
+        n, k, e, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
 def _up(v: int, multiple: int) -> int:
     return -(-v // multiple) * multiple
 

@@ -86,3 +86,52 @@ def fp8_block_grouped_kernel(
             else:
                 out = acc.to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + y_off, out, mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["E"])
+def fp8_block_kgrouped_kernel(
+    aq_ptr,  # uint8 [N, R]: dy^T codes, 1x128 blocks along R
+    as_ptr,  # fp32 [N, R/128]
+    bq_ptr,  # uint8 [K, R]: x^T codes, 1x128 blocks along R
+    bs_ptr,  # fp32 [K, R/128]
+    offs_ptr,  # int32 [E + 1]: multiples of 128
+    y_ptr,  # fp32 [E, N, K]
+    aq_stride,
+    as_stride,
+    bq_stride,
+    bs_stride,
+    y_stride_e,
+    y_stride,
+    N,
+    K,
+    E,
+    HW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """dW[e] = sum over the 128-row blocks rb of expert e of
+    sa[:, rb] sb[:, rb]^T * (qa[:, rb] @ qb[:, rb]^T): the routed experts' weight gradient, a
+    GEMM grouped along its reduction (each expert reduces over its own rows)."""
+    n_tile = tl.program_id(0)
+    k_tile = tl.program_id(1)
+    e = tl.program_id(2)
+    lo = tl.load(offs_ptr + e)
+    hi = tl.load(offs_ptr + e + 1)
+    ns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = ns < N
+    k_mask = ks < K
+    rr = tl.arange(0, 128)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for r0 in range(lo, hi, 128):
+        a_off = ns[:, None].to(tl.int64) * aq_stride + (r0 + rr)[None, :]
+        qa = tl.load(aq_ptr + a_off, mask=n_mask[:, None], other=0)
+        b_off = ks[:, None].to(tl.int64) * bq_stride + (r0 + rr)[None, :]
+        qb = tl.load(bq_ptr + b_off, mask=k_mask[:, None], other=0)
+        part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        part = tile_dot(part, e4m3_to_f16(qa, HW), e4m3_to_f16(qb, HW), HW, False)
+        sa = tl.load(as_ptr + ns.to(tl.int64) * as_stride + r0 // 128, mask=n_mask, other=0.0)
+        sb = tl.load(bs_ptr + ks.to(tl.int64) * bs_stride + r0 // 128, mask=k_mask, other=0.0)
+        acc += part * (sa[:, None] * sb[None, :])
+    y_off = e.to(tl.int64) * y_stride_e + ns[:, None].to(tl.int64) * y_stride + ks[None, :]
+    tl.store(y_ptr + y_off, acc, mask=n_mask[:, None] & k_mask[None, :])

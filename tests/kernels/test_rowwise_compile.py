@@ -75,6 +75,14 @@ def compile_all() -> dict[str, dict[str, int]]:
              "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
             {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": 16, "BLOCK_N": 64},
         ),
+        "fp8_block_kgrouped": (
+            fb.fp8_block_kgrouped_kernel,
+            {"aq_ptr": "*u8", "as_ptr": "*fp32", "bq_ptr": "*u8", "bs_ptr": "*fp32",
+             "offs_ptr": "*i32", "y_ptr": "*fp32", "aq_stride": "i32", "as_stride": "i32",
+             "bq_stride": "i32", "bs_stride": "i32", "y_stride_e": "i32", "y_stride": "i32",
+             "N": "i32", "K": "i32", "E": "i32"},
+            {"HW": True, "BLOCK_N": 64, "BLOCK_K": 64},
+        ),
         "sample_race_fp32": (
             ts.sample_race_kernel,
             {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "greedy_ptr": "*i8",
@@ -113,7 +121,7 @@ def ptx_report():
 def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
         "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_race_fp32",
-        "sample_partials_fp32", "sample_pick_fp32",
+        "sample_partials_fp32", "sample_pick_fp32", "fp8_block_kgrouped",
         "moe_group", "rope_bf16", "moe_route_bf16",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
@@ -136,9 +144,11 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
 
 
 def test_grouped_block_fp8_runs_on_tensor_cores(ptx_report):
-    """The E4M3 codes decode with the hardware cvt and the inner sums are MMAs."""
-    counts = ptx_report["fp8_block_grouped_bf16"]
-    assert counts["cvt_e4m3"] > 0 and counts["mma"] > 0, counts
+    """The E4M3 codes decode with the hardware cvt and the inner sums are MMAs (the forward and
+    the experts' weight gradient)."""
+    for name in ("fp8_block_grouped_bf16", "fp8_block_kgrouped"):
+        counts = ptx_report[name]
+        assert counts["cvt_e4m3"] > 0 and counts["mma"] > 0, (name, counts)
 
 
 if __name__ == "__main__":
