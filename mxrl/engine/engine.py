@@ -410,7 +410,7 @@ class Engine(WeightLoading):
                 launched = None
                 if ahead is not None:  # the next decode step, queued before this one is read
                     stats.observe(ahead, blocks)
-                    fed = _live_tokens(pending, len(ahead), self.device)
+                    fed = pending.live_tokens(len(ahead))
                     launched = self._launch(runner, ahead, time.perf_counter(), fed)
                 tokens, lps = pending.read()  # one sync a step
                 now = time.perf_counter()
@@ -466,7 +466,7 @@ class Engine(WeightLoading):
         for s, routed, ok in zip(step.batch, per_seq, live, strict=True):
             if not ok:
                 continue
-            self._record_routing(s.seq, s.start, routed)
+            s.seq.record_routing(s.start, routed, blocks)
             s.seq.num_computed += s.num_tokens
             blocks.register(s.seq, s.seq.routing_from)
         for s, token, lp in zip(step.rows, tokens, lps, strict=True):
@@ -501,22 +501,6 @@ class Engine(WeightLoading):
                 scheduler.finish(seq, "length")
         return torch.stack([out[i] for i in range(len(seqs))])
 
-    def _record_routing(self, seq: Request, start: int, routed: torch.Tensor) -> None:
-        """Keep the experts of positions not recorded yet (a recomputed one is the same)."""
-        if start > seq.num_routed:  # positions taken from the prefix cache: their computer's
-            blocks = self._blocks
-            bs = blocks.block_size
-            for index in range(seq.num_routed // bs, start // bs):
-                part = blocks.routing[seq.block_table[index]]
-                first = seq.num_routed - index * bs  # > 0 in a block recorded in part
-                seq.routing.append(part[first:] if first > 0 else part)
-                seq.num_routed = (index + 1) * bs
-            seq.num_routed = start
-        skip = seq.num_routed - start  # >= 0 here: positions recomputed after a preemption
-        if skip < routed.shape[0]:
-            seq.routing.append(routed[skip:] if skip else routed)  # a decode row: no new view
-            seq.num_routed = start + routed.shape[0]
-
     def _completion(self, seq: Request) -> Completion:
         out = Completion(prompt=seq.prompt, tokens=seq.tokens[len(seq.prompt) :])
         out.logprobs = torch.tensor(seq.logprobs, dtype=torch.float32)
@@ -524,19 +508,6 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
-
-
-def _live_tokens(step: Launched, live: int, device: torch.device) -> torch.Tensor:
-    """The tokens `step` samples (on the device) for the rows whose request is still running,
-    in order: all of them, or, when a stop read since dropped rows, a gather of the others."""
-    if live == len(step.rows):
-        return step.tokens_t
-    keep = [i for i, s in enumerate(step.rows) if s.seq.status is not Status.FINISHED]
-    assert len(keep) == live, "the step queued ahead feeds every running request"
-    index = torch.tensor(keep, dtype=torch.int64)
-    if device.type == "cuda":  # pinned: the copy is queued, the host does not wait for it
-        index = index.pin_memory().to(device, non_blocking=True)
-    return step.tokens_t.index_select(0, index.to(step.tokens_t.device))
 
 
 def _pow2_at_least_16(n: int) -> bool:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mxrl.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mxrl.engine.block_manager import BlockManager
 
 
 class Status(enum.Enum):
@@ -45,6 +49,24 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def record_routing(self, start: int, routed: torch.Tensor, blocks: BlockManager) -> None:
+        """Keep the experts of the positions fed from `start` (`routed` [n, layers, k]) not
+        recorded yet (a recomputed one is the same); positions before `start` not recorded
+        came from the prefix cache: their blocks' routing, as their computer recorded it."""
+        if start > self.num_routed:
+            bs = blocks.block_size
+            for index in range(self.num_routed // bs, start // bs):
+                part = blocks.routing[self.block_table[index]]
+                self.routing.append(
+                    part[self.num_routed - index * bs :]
+                )  # a part-recorded block: its rest
+                self.num_routed = (index + 1) * bs
+            self.num_routed = start
+        skip = self.num_routed - start  # >= 0 here: positions recomputed after a preemption
+        if skip < routed.shape[0]:
+            self.routing.append(routed[skip:] if skip else routed)  # a decode row: no new view
+            self.num_routed = start + routed.shape[0]
 
     def routing_from(self, start: int) -> torch.Tensor:
         """The recorded routing of positions [start, num_routed), [n, layers, k]: only the

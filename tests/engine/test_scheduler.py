@@ -261,7 +261,7 @@ def test_cached_blocks_after_a_part_recorded_block_add_only_the_positions_not_re
     for b in range(4):
         blocks.routing[b] = rows[4 * b : 4 * b + 4]
     seq.routing, seq.num_routed = [rows[:10]], 10  # recorded up to the middle of block 2
-    engine._record_routing(seq, 12, rows[12:14])  # positions 10, 11 come from block 2
+    seq.record_routing(12, rows[12:14], blocks)  # positions 10, 11 come from block 2
     assert seq.num_routed == 14
     assert torch.equal(torch.cat(seq.routing), rows[:14])
     assert torch.equal(seq.routing_from(9), rows[9:14])
