@@ -81,3 +81,26 @@ def dequantize_fp8_block(q: QTensor) -> torch.Tensor:
         return (view * q.scale[..., :, None, :, None]).reshape(values.shape)
     blocks, pad = _blocked(values, block)
     return _unblocked(blocks * q.scale.unsqueeze(-1), block, q.shape, pad)
+
+
+def transpose_square_blocks(q: QTensor) -> QTensor:
+    """The fp8_block QTensor of w^T [..., K, N] from that of w [..., N, K] in square b x b
+    blocks, N and K multiples of b: a square block of w^T holds the same elements as the
+    block of w it mirrors, so it has the same amax, the same scale and the same codes — this
+    is `quantize_fp8_block(w^T, (b, b))` byte for byte, without the master weight. (The
+    quantized backward's dgrad reads w along N, its forward along K: one copy serves both,
+    which is why DeepSeek-V3 quantizes weights in 128x128 blocks.)"""
+    br, bk = q.block
+    rows, k = q.shape[-2], q.shape[-1]
+    if q.fmt is not C.Format.FP8_BLOCK or br != bk or rows % br or k % bk:
+        raise ValueError(
+            f"transpose_square_blocks takes an fp8_block QTensor in square blocks whose last "
+            f"two dims are multiples of the block, got {q.fmt} {tuple(q.shape)} in {q.block}"
+        )
+    shape = (*q.shape[:-2], k, rows)
+    return QTensor(
+        qdata=q.qdata.transpose(-2, -1).contiguous(),
+        scale=q.scale.transpose(-2, -1).contiguous(),
+        fmt=C.Format.FP8_BLOCK,
+        shape=shape,
+    )

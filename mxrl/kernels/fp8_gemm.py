@@ -25,32 +25,38 @@ BLOCK = 128
 def fp8_block_matmul(
     xq: QTensor, wq: QTensor, out_dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """x (1x128 fp8_block QTensor [M, K]) times w (128x128 fp8_block QTensor [N, K]) transposed,
-    on a CUDA device with FP8 tensor cores (sm_90)."""
+    """x (1x128 fp8_block QTensor [M, K]) times w (fp8_block QTensor [N, K], 128x128 blocks —
+    a weight — or 1x128 — a second activation, as in the weight gradient dy^T x, both quantized
+    along the tokens) transposed, on a CUDA device with FP8 tensor cores (sm_90)."""
     if xq.fmt is not Format.FP8_BLOCK or wq.fmt is not Format.FP8_BLOCK:
         raise ValueError(f"fp8_block_matmul takes fp8_block QTensors, got {xq.fmt} and {wq.fmt}")
-    if xq.block != (1, BLOCK) or wq.block != (BLOCK, BLOCK):
+    if xq.block != (1, BLOCK) or wq.block not in ((BLOCK, BLOCK), (1, BLOCK)):
         raise ValueError(
-            f"fp8_block_matmul needs x in 1x128 and w in 128x128 blocks, got {xq.block} and "
-            f"{wq.block}; quantize with block=(1, 128) and block=(128, 128)"
+            f"fp8_block_matmul needs x in 1x128 and w in 128x128 or 1x128 blocks, got "
+            f"{xq.block} and {wq.block}; quantize with block=(1, 128) or block=(128, 128)"
         )
     if len(xq.shape) != 2 or len(wq.shape) != 2 or xq.shape[1] != wq.shape[1]:
         raise ValueError(f"shapes {tuple(xq.shape)} @ {tuple(wq.shape)}^T do not fit")
     if not xq.qdata.is_cuda:
         raise ValueError("fp8_block_matmul runs on CUDA (sm_90); use the emulated GEMM on the CPU")
     m, n, k = xq.shape[0], wq.shape[0], xq.shape[1]
-    if n % BLOCK or k % BLOCK:
+    b_rowwise = wq.block == (1, BLOCK)
+    if (n % BLOCK and not b_rowwise) or k % BLOCK:
         raise ValueError(f"N={n} and K={k} must be multiples of {BLOCK}")
     # On the H200 with torch 2.11, cuBLASLt gave silently wrong results (0.9 relative error)
     # when K/128 or N/128 was not a multiple of 4 (spec §5.4 warns of the K case); M is padded
-    # to 4 as well, as its scale layout asks. Pad with zeros (data) and ones (scales), slice.
-    mp, kp, np_ = _up(m, 4), _up(k, 4 * BLOCK), _up(n, 4 * BLOCK)
+    # to 4 as well, as its scale layout asks, and so is N for a 1x128 w (its scale is laid out
+    # as x's). Pad with zeros (data) and ones (scales), slice.
+    mp, kp = _up(m, 4), _up(k, 4 * BLOCK)
+    np_ = _up(n, 4) if b_rowwise else _up(n, 4 * BLOCK)
     a = _pad2(xq.qdata, mp, kp).view(torch.float8_e4m3fn)
     b = _pad2(wq.qdata, np_, kp).view(torch.float8_e4m3fn).t()  # [K, N], column-major
     sa = _pad2(xq.scale, mp, kp // BLOCK, value=1.0)
-    sb = _pad2(wq.scale, np_ // BLOCK, kp // BLOCK, value=1.0)
     scale_a = sa.t().contiguous().t()  # [M, K/128], M-major
-    scale_b = sb.t()  # [K/128, N/128] view of the [N/128, K/128] weight scale
+    if b_rowwise:  # [N, K/128], N-major
+        scale_b = _pad2(wq.scale, np_, kp // BLOCK, value=1.0).t().contiguous().t()
+    else:  # [K/128, N/128] view of the [N/128, K/128] weight scale
+        scale_b = _pad2(wq.scale, np_ // BLOCK, kp // BLOCK, value=1.0).t()
     y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
@@ -81,11 +87,20 @@ def grouped_fp8_block_matmul(
     out_dtype: torch.dtype = torch.float32,
     block_m: int = 16,
     block_n: int = 64,
+    transpose_w: bool = False,
+    fp8_mma: bool = False,
 ) -> torch.Tensor:
     """Routed experts' block-FP8 GEMM in one launch (mxrl/kernels/triton_fp8_block_gemm.py):
     x (1x128 QTensor [R, K], rows sorted by expert) times w[e] (128x128 QTensor [E, N, K])
     transposed for the rows expert_offsets[e]:expert_offsets[e + 1] (int32 [E + 1], on the
-    device: no host sync). A fixed (block_m, block_n) gives batch-invariant rows."""
+    device: no host sync). A fixed (block_m, block_n) gives batch-invariant rows.
+
+    transpose_w: x [R, N] times w[e] itself (the experts' dgrad, y [R, K]): the kernel reads
+    the same codes and scales through transposed strides (a square block of w^T is a block of
+    w: `mxrl.formats.fp8_block.transpose_square_blocks`), so no transposed copy is written.
+    fp8_mma: each 128-wide block's product on the FP8 tensor cores (Hopper's FP8 MMA, reduced
+    accumulation precision inside the block, promoted to fp32 per block) instead of the fp16
+    MMA on the decoded codes; its bound is docs/kernels.md's."""
     from mxrl.kernels import triton_fp8_block_gemm as kern
 
     if xq.fmt is not Format.FP8_BLOCK or wq.fmt is not Format.FP8_BLOCK:
@@ -98,6 +113,8 @@ def grouped_fp8_block_matmul(
             f"128x128 blocks, got {xq.block} {tuple(xq.shape)} and {wq.block} {tuple(wq.shape)}"
         )
     e, n, k = wq.shape
+    if transpose_w:
+        n, k = k, n
     if len(xq.shape) != 2 or xq.shape[1] != k:
         raise ValueError(f"shapes {tuple(xq.shape)} @ {tuple(wq.shape)}^T do not fit")
     if expert_offsets.shape != (e + 1,) or expert_offsets.device != xq.device:
@@ -110,16 +127,21 @@ def grouped_fp8_block_matmul(
     y = torch.empty((r, n), dtype=out_dtype, device=xq.device)
     if r == 0:
         return y
+    if transpose_w and (n % BLOCK or k % BLOCK):
+        raise ValueError(f"transpose_w needs whole 128x128 weight blocks, got {tuple(wq.shape)}")
     xs, ws = xq.scale.contiguous(), wq.scale.contiguous()
     xd, wd = xq.qdata.contiguous(), wq.qdata.contiguous()
+    # strides of the weight's (output feature, reduction) dims, codes and block scales
+    w_n, w_k = (wd.stride(2), wd.stride(1)) if transpose_w else (wd.stride(1), wd.stride(2))
+    s_n, s_k = (ws.stride(2), ws.stride(1)) if transpose_w else (ws.stride(1), ws.stride(2))
     grid = (-(-n // block_n), max(1, min(e, r)))
     kern.fp8_block_grouped_kernel[grid](
         xd, xs, wd, ws, expert_offsets.to(torch.int32), y,
-        xd.stride(0), xs.stride(0), wd.stride(0), wd.stride(1), ws.stride(0), ws.stride(1),
+        xd.stride(0), xs.stride(0), wd.stride(0), w_n, w_k, ws.stride(0), s_n, s_k,
         y.stride(0), n, k, e,
         HW=xd.is_cuda, OUT_BF16=out_dtype == torch.bfloat16,
         E_POW2=max(2, 1 << (e - 1).bit_length()), BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4,
+        FP8_MMA=fp8_mma, num_warps=4,
     )  # fmt: skip
     return y
 
@@ -148,6 +170,7 @@ def grouped_fp8_block_wgrad(
     *,
     block_n: int = 64,
     block_k: int = 64,
+    fp8_mma: bool = False,
 ) -> torch.Tensor:
     """The routed experts' block-FP8 weight gradient in one launch, a GEMM grouped along its
     reduction (mxrl/kernels/triton_fp8_block_gemm.py, `fp8_block_kgrouped_kernel`):
@@ -156,7 +179,8 @@ def grouped_fp8_block_wgrad(
     expert_offsets[e]:expert_offsets[e + 1] — every offset a multiple of 128, so no 128-token
     block straddles two experts (zero-pad each expert's tokens: zeros change no block's amax and
     add nothing). int32 [E + 1] offsets on the device: no host sync. fp32 output; an expert
-    without tokens gets zeros. Not yet wired into training (the fp8-block backward)."""
+    without tokens gets zeros. fp8_mma as in `grouped_fp8_block_matmul`. The experts' weight
+    gradient of the fp8-block quantized backward (`mxrl.nn.grouped`)."""
     for name, q in (("dy^T", aq), ("x^T", bq)):
         if q.fmt is not Format.FP8_BLOCK or q.block != (1, BLOCK) or len(q.shape) != 2:
             raise ValueError(
@@ -183,7 +207,8 @@ def grouped_fp8_block_wgrad(
     kern.fp8_block_kgrouped_kernel[grid](
         ad, a_s, bd, b_s, expert_offsets.to(torch.int32), y,
         ad.stride(0), a_s.stride(0), bd.stride(0), b_s.stride(0), y.stride(0), y.stride(1),
-        n, k, e, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        n, k, e, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MMA=fp8_mma,
+        num_warps=4,
     )  # fmt: skip
     return y
 

@@ -30,20 +30,35 @@ from mxrl.kernels.triton_gemm_tiles import find_group, tile_dot
 KB = 128
 
 
+@triton.jit
+def code_dot(acc, qa, qb, HW: tl.constexpr, FP8_MMA: tl.constexpr):
+    """acc [BM, BN] += qa [BM, 128] @ qb [BN, 128]^T on E4M3 codes (uint8): on the FP8 tensor
+    cores (FP8_MMA: Hopper's FP8 MMA, whose accumulation inside the 128-wide block keeps fewer
+    than fp32's bits — the reason the caller promotes every block to fp32), or decoded to fp16
+    (exact) on the fp16 MMA with fp32 accumulation."""
+    if HW and FP8_MMA:
+        a8 = qa.to(tl.float8e4nv, bitcast=True)
+        b8 = qb.to(tl.float8e4nv, bitcast=True)
+        return tl.dot(a8, tl.trans(b8), acc)
+    return tile_dot(acc, e4m3_to_f16(qa, HW), e4m3_to_f16(qb, HW), HW, False)
+
+
 @triton.jit(do_not_specialize=["E"])
 def fp8_block_grouped_kernel(
     xq_ptr,  # uint8 [R, K]
     xs_ptr,  # fp32 [R, K/128]
-    wq_ptr,  # uint8 [E, N, K]
-    ws_ptr,  # fp32 [E, N/128, K/128]
+    wq_ptr,  # uint8 [E, N, K] (or a transposed view: strides)
+    ws_ptr,  # fp32 [E, N/128, K/128] (likewise)
     offs_ptr,  # int32 [E + 1]
     y_ptr,  # [R, N]
     xq_stride,
     xs_stride,
     wq_stride_e,
     wq_stride,
+    wq_stride_k,
     ws_stride_e,
     ws_stride,
+    ws_stride_k,
     y_stride,
     N,
     K,
@@ -53,6 +68,7 @@ def fp8_block_grouped_kernel(
     E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
     n_tile = tl.program_id(0)
     slot = tl.program_id(1)
@@ -73,12 +89,15 @@ def fp8_block_grouped_kernel(
                 k_mask = (k0 + kk) < K
                 x_off = rows[:, None].to(tl.int64) * xq_stride + (k0 + kk)[None, :]
                 xq = tl.load(xq_ptr + x_off, mask=m_mask[:, None] & k_mask[None, :], other=0)
-                w_off = cols[:, None].to(tl.int64) * wq_stride + (k0 + kk)[None, :]
+                w_off = (
+                    cols[:, None].to(tl.int64) * wq_stride
+                    + (k0 + kk)[None, :].to(tl.int64) * wq_stride_k
+                )
                 wq = tl.load(wq_base + w_off, mask=n_mask[:, None] & k_mask[None, :], other=0)
                 part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                part = tile_dot(part, e4m3_to_f16(xq, HW), e4m3_to_f16(wq, HW), HW, False)
+                part = code_dot(part, xq, wq, HW, FP8_MMA)
                 sx = tl.load(xs_ptr + rows.to(tl.int64) * xs_stride + k0 // 128, mask=m_mask)
-                sw = tl.load(ws_base + k0 // 128)
+                sw = tl.load(ws_base + (k0 // 128) * ws_stride_k)
                 acc += part * (sx[:, None] * sw)
             y_off = rows[:, None].to(tl.int64) * y_stride + cols[None, :]
             if OUT_BF16:  # round to nearest even (the interpreter's cast truncates)
@@ -108,6 +127,7 @@ def fp8_block_kgrouped_kernel(
     HW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FP8_MMA: tl.constexpr,
 ):
     """dW[e] = sum over the 128-row blocks rb of expert e of
     sa[:, rb] sb[:, rb]^T * (qa[:, rb] @ qb[:, rb]^T): the routed experts' weight gradient, a
@@ -129,7 +149,7 @@ def fp8_block_kgrouped_kernel(
         b_off = ks[:, None].to(tl.int64) * bq_stride + (r0 + rr)[None, :]
         qb = tl.load(bq_ptr + b_off, mask=k_mask[:, None], other=0)
         part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        part = tile_dot(part, e4m3_to_f16(qa, HW), e4m3_to_f16(qb, HW), HW, False)
+        part = code_dot(part, qa, qb, HW, FP8_MMA)
         sa = tl.load(as_ptr + ns.to(tl.int64) * as_stride + r0 // 128, mask=n_mask, other=0.0)
         sb = tl.load(bs_ptr + ks.to(tl.int64) * bs_stride + r0 // 128, mask=k_mask, other=0.0)
         acc += part * (sa[:, None] * sb[None, :])

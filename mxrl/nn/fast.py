@@ -13,11 +13,16 @@ Backward (bf16 operands, fp32 output), by mode:
   dequantized     dx = dy @ deq(Qw(w))  dw = dy^T @ deq(Qa(x))    (deq rounded to bf16: exact
                                                                    for MXFP8, not for NVFP4's
                                                                    global scale nor block FP8)
-  quantized       as qmatmul, every operand exact in bf16 (MXFP8)
+  quantized       MXFP8: as qmatmul, every operand exact in bf16. Block FP8: as qmatmul, on
+                  FP8 tensor cores (`torch._scaled_mm` blockwise, fp32 output): dgrad
+                  Qrow(dy) [T, N] 1x128 times w^T's square blocks (`col`: the forward's codes
+                  transposed once per optimizer step, 1 byte per weight), wgrad dy^T [N, T] and
+                  x^T [K, T] quantized 1x128 along the tokens (1x128 x 1x128); off CUDA, or for
+                  sizes cuBLAS does not take, the fp32 emulated GEMM of the same operands
 Saved for backward: x itself (high precision; the tensor autograd already keeps), the quantized
 activation (dequantized mode: 8.25 / 4.5 bits per element instead of a fp32 copy), the column-wise
-MXFP8 copy of x (quantized mode, quantized in the forward: the same bytes, since a quantizer is a
-pure function of its input).
+copy of x (quantized mode: MXFP8 32x1, block FP8 x^T in 1x128, quantized in the forward: the same
+bytes, since a quantizer is a pure function of its input).
 Held from one optimizer step to the next: the weight's QTensor(s), never a bf16 copy; every bf16
 operand is written when its GEMM runs (`mxrl.kernels.dequantize`, or `qdq_mxfp8` straight from x
 or dy where no codes are kept), the reference's bytes on either backend.
@@ -31,11 +36,13 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.formats.fp8_block import transpose_square_blocks
 from mxrl.kernels import Backend, qdq_mxfp8
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
+from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
@@ -53,7 +60,9 @@ class TensorCoreWeight:
              needs them and freed after it, instead of a bf16 copy of every weight held for
              the whole step (2 bytes per weight beside the fp32 master and its gradient).
     s_dec:   NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
-    col:     the column-wise MXFP8 QTensor (quantized backward); else None.
+    col:     the quantized backward's dgrad weight: the column-wise MXFP8 QTensor, or block
+             FP8's w^T in the same square blocks (`transpose_square_blocks`: the forward's
+             codes, transposed); else None.
     backend: the kernels that dequantize (triton on CUDA; the reference elsewhere).
     """
 
@@ -76,7 +85,10 @@ class TensorCoreWeight:
             w, spec.format, **weight_quantizer_kwargs(w, spec, partner), backend=backend
         )
         col = None
-        if with_col:
+        if with_col and spec.format is Format.FP8_BLOCK:
+            # for the dgrad on FP8 tensor cores; other shapes run the emulated GEMM on q
+            col = transpose_square_blocks(q) if uses_scaled_mm(spec, w.device) else None
+        elif with_col:
             kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
             col = kernel_quantize(w, spec.format, **kwargs, backend=backend)
         return cls(q=q, s_dec=decode_global_scale(q), col=col, backend=backend)
@@ -134,6 +146,31 @@ def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
 
+def fp8_block_gemm(aq: QTensor, bq: QTensor, spec: TensorSpec) -> torch.Tensor:
+    """fp32 a [M, C] @ b [N, C]^T of two block-FP8 QTensors (a 1x128; b 128x128 or 1x128): on
+    FP8 tensor cores where `uses_scaled_mm` holds, else the emulated fp32 GEMM."""
+    if uses_scaled_mm(spec, aq.device):
+        from mxrl.kernels.fp8_gemm import fp8_block_matmul
+
+        return fp8_block_matmul(aq, bq, out_dtype=torch.float32)
+    return emulated_gemm(dequantize(aq), dequantize(bq))
+
+
+def fp8_block_backward(ctx, dy: torch.Tensor):
+    """The block-FP8 quantized backward (module docstring): dx and dw in fp32, None where not
+    needed. ctx holds spec, tw (with its w^T copy), backend and x_col (x^T in 1x128 along T)."""
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dyq = fp8_block_row(dy, ctx.spec, ctx.backend)
+        if ctx.tw.col is not None:
+            dx = fp8_block_gemm(dyq, ctx.tw.col, ctx.spec)
+        else:  # N not whole blocks, or off CUDA: the reference's formula
+            dx = dequantize(dyq)[:, : dy.shape[1]] @ dequantize(ctx.tw.q)
+    if ctx.needs_input_grad[1]:  # padded token columns are zeros in both: nothing to cut
+        dw = fp8_block_gemm(fp8_block_col(dy, ctx.spec, ctx.backend), ctx.x_col, ctx.spec)
+    return dx, dw
+
+
 class TensorCoreQMatmul(torch.autograd.Function):
     """`QMatmul` on tensor cores: y = Qa(x) (x) Qw(w) in x's dtype, the backward of `mode`."""
 
@@ -147,11 +184,14 @@ class TensorCoreQMatmul(torch.autograd.Function):
             xq = quantize_activation(x, spec, backend)
             y = forward_gemm(xq, tw, spec)
         ctx.mode, ctx.tw, ctx.x_dtype, ctx.w_dtype = mode, tw, x.dtype, w.dtype
-        ctx.backend, ctx.rows = backend, x.shape[0]
+        ctx.spec, ctx.backend, ctx.rows = spec, backend, x.shape[0]
         if mode is Backward.HIGH_PRECISION:
             ctx.save_for_backward(x, w)
         elif mode is Backward.DEQUANTIZED:
             ctx.xq = xq  # a QTensor: its bytes, not a fp32 copy
+            ctx.save_for_backward(w)
+        elif spec.format is Format.FP8_BLOCK:
+            ctx.x_col = fp8_block_col(x.detach(), spec, backend)
             ctx.save_for_backward(w)
         else:
             col = kernel_quantize(
@@ -165,6 +205,11 @@ class TensorCoreQMatmul(torch.autograd.Function):
     def backward(ctx, dy):
         tw: TensorCoreWeight = ctx.tw
         rows = ctx.rows
+        if ctx.mode is Backward.QUANTIZED and ctx.spec.format is Format.FP8_BLOCK:
+            dx, dw = fp8_block_backward(ctx, dy)
+            dx = None if dx is None else dx.to(ctx.x_dtype)
+            dw = None if dw is None else dw.to(ctx.w_dtype)
+            return dx, dw, None, None, None, None
         if ctx.mode is Backward.HIGH_PRECISION:
             x, w = ctx.saved_tensors
             w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)

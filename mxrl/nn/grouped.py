@@ -13,8 +13,12 @@ starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torc
   high_precision  dgrad on bf16(w), wgrad on bf16(x)
   dequantized     dgrad on bf16(deq(Qw(w))), wgrad on bf16(deq(Qa(x))) (the saved quantized x)
   quantized       MXFP8, as the loop's: dy and x column-wise copies quantized per expert group,
-                  each group padded with zero rows to a multiple of 32 (`padded_layout`), so the
-                  blocks are the loop's blocks, byte for byte
+                  each group padded with zero rows to a multiple of 32 (`PaddedLayout`), so the
+                  blocks are the loop's blocks, byte for byte. Block FP8 on FP8 codes end to
+                  end: dgrad Qrow(dy) (1x128) times w[e] through the forward's codes read
+                  transposed (`grouped_fp8_block_matmul(transpose_w=True)`), wgrad dy^T and x^T
+                  quantized 1x128 along the tokens, each expert's rows padded to 128
+                  (`grouped_fp8_block_wgrad`, fp32 straight into the master's gradient)
 The (token, slot) outputs are scattered back by a permutation and each token's k outputs summed
 in slot order (no atomics: deterministic). Activation quantization is per row (MXFP8 1x32, NVFP4
 per token), so sorting the rows leaves their bytes as the loop's.
@@ -32,10 +36,11 @@ from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import qdq_mxfp8, to_float32
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import triton_interpreter_enabled
-from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul
+from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn import invariant
 from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
 from mxrl.nn.gemm import grouped_mm
+from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 
 GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
@@ -73,26 +78,30 @@ class ExpertLayout:
 
 @dataclass(frozen=True)
 class PaddedLayout:
-    """Each expert's rows moved to a 32-aligned start, zero rows between (quantized backward).
-    dest [R]: padded row of each sorted row; ends [E] int32; rows P (static: R + 31 E, rounded
-    up to 32, whatever the routing)."""
+    """Each expert's rows moved to a block-aligned start (32 MXFP8, 128 block FP8), zero rows
+    between (quantized backward). dest [R]: padded row of each sorted row; ends [E] int32;
+    rows P (static: R + (b - 1) E, rounded up to b, whatever the routing)."""
 
     dest: torch.Tensor
     ends: torch.Tensor
     rows: int
 
     @classmethod
-    def build(cls, layout: ExpertLayout) -> PaddedLayout:
+    def build(cls, layout: ExpertLayout, block: int = MXFP8_BLOCK) -> PaddedLayout:
         ends = layout.ends.long()
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        padded_counts = (counts + MXFP8_BLOCK - 1) // MXFP8_BLOCK * MXFP8_BLOCK
+        padded_counts = (counts + block - 1) // block * block
         padded_ends = torch.cumsum(padded_counts, 0)
         shift = (padded_ends - padded_counts) - (ends - counts)
         r = layout.order.numel()
         dest = torch.arange(r, device=ends.device) + shift[layout.row_expert]
-        rows = r + (MXFP8_BLOCK - 1) * ends.numel()
-        rows += (-rows) % MXFP8_BLOCK
+        rows = r + (block - 1) * ends.numel()
+        rows += (-rows) % block
         return cls(dest, padded_ends.to(torch.int32), rows)
+
+    def offsets(self) -> torch.Tensor:
+        """int32 [E + 1]: 0 and each expert's padded end (the grouped kernels' offsets)."""
+        return torch.cat([self.ends.new_zeros(1), self.ends])
 
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_zeros((self.rows, t.shape[1]))
@@ -130,7 +139,7 @@ class GroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, layout: ExpertLayout, tw: TensorCoreWeight | None, spec, mode, backend):
-        ctx.layout, ctx.tw, ctx.mode, ctx.backend = layout, tw, mode, backend
+        ctx.layout, ctx.tw, ctx.mode, ctx.backend, ctx.spec = layout, tw, mode, backend, spec
         ctx.x_dtype, ctx.w_dtype, ctx.quantized_spec = x.dtype, w.dtype, spec is not None
         if spec is None:
             a = x.to(BF16)
@@ -157,6 +166,10 @@ class GroupedLinear(torch.autograd.Function):
         elif mode is Backward.DEQUANTIZED:
             ctx.xq = xq
             ctx.save_for_backward(w)
+        elif spec.format is Format.FP8_BLOCK:
+            ctx.padded = PaddedLayout.build(layout, spec.block[1])
+            ctx.x_col = fp8_block_col(ctx.padded.scatter(x.detach()), spec, backend)
+            ctx.save_for_backward(w)
         else:
             ctx.padded = PaddedLayout.build(layout)
             x_pad = ctx.padded.scatter(x.detach())
@@ -170,6 +183,9 @@ class GroupedLinear(torch.autograd.Function):
         tw: TensorCoreWeight | None = ctx.tw
         dy = dy.contiguous()
         ends = lay.ends
+        spec = ctx.spec
+        if ctx.mode is Backward.QUANTIZED and spec is not None and spec.format is Format.FP8_BLOCK:
+            return _fp8_block_backward(ctx, dy)
         if not ctx.quantized_spec or ctx.mode is Backward.HIGH_PRECISION:
             x_op, w = ctx.saved_tensors
             w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
@@ -190,6 +206,26 @@ class GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = _widen(grouped_mm(dyt_op.t(), x_op, ends), ctx.w_dtype, ctx.backend)
         return dx, dw, None, None, None, None, None
+
+
+def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
+    """GroupedLinear's block-FP8 quantized backward (module docstring), on FP8 codes: dgrad
+    through the forward kernel on w's codes transposed, wgrad grouped along the tokens."""
+    lay: ExpertLayout = ctx.layout
+    pad: PaddedLayout = ctx.padded
+    spec, tw, backend = ctx.spec, ctx.tw, ctx.backend
+    offsets = torch.cat([lay.ends.new_zeros(1), lay.ends])
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dyq = fp8_block_row(dy, spec, backend)
+        dx = grouped_fp8_block_matmul(
+            dyq, tw.q, offsets, out_dtype=BF16, block_m=64, transpose_w=True, fp8_mma=True
+        ).to(ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        dy_col = fp8_block_col(pad.scatter(dy), spec, backend)
+        dw = grouped_fp8_block_wgrad(dy_col, ctx.x_col, pad.offsets(), fp8_mma=True)
+        dw = dw.to(ctx.w_dtype)
+    return dx, dw, None, None, None, None, None
 
 
 def _widen(t_bf16: torch.Tensor, dtype: torch.dtype, backend) -> torch.Tensor:
@@ -219,9 +255,8 @@ def grouped_supported(
 ) -> bool:
     """Whether the grouped path takes these experts: bf16, MXFP8 or per-token NVFP4 projections
     (a per-tensor NVFP4 activation scale would span all experts' rows), block FP8 in 128x128
-    weight blocks with a high-precision or dequantized backward on a device the Triton kernel
-    runs on (`mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul`), and every feature dim a
-    multiple of 8 (torch._grouped_mm's 16-byte strides)."""
+    weight blocks on a device the Triton kernels run on (`mxrl.kernels.fp8_gemm`), and every
+    feature dim a multiple of 8 (torch._grouped_mm's 16-byte strides)."""
     for spec in specs.values():
         if spec is None:
             continue
@@ -231,7 +266,7 @@ def grouped_supported(
             return False
         if spec.format is Format.FP8_BLOCK and not (
             spec.block == (128, 128)
-            and backward in (Backward.HIGH_PRECISION, Backward.DEQUANTIZED)
+            and backward is not None
             and device is not None
             and (device.type == "cuda" or triton_interpreter_enabled())
         ):

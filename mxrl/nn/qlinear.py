@@ -18,10 +18,11 @@ from mxrl.recipe import Backward, TensorSpec
 
 
 def _check_mode(spec: TensorSpec, backward: Backward) -> None:
-    if backward is Backward.QUANTIZED and spec.format is not Format.MXFP8:
+    if backward is Backward.QUANTIZED and spec.format not in (Format.MXFP8, Format.FP8_BLOCK):
         raise ValueError(
-            f"{spec.name}: backward 'quantized' runs backward GEMMs in MXFP8 and needs mxfp8 "
-            f"weights, but the plan gives {spec.format}; use high_precision or dequantized"
+            f"{spec.name}: backward 'quantized' runs backward GEMMs in MXFP8 or block FP8 and "
+            f"needs mxfp8 or fp8_block weights, but the plan gives {spec.format}; use "
+            "high_precision or dequantized"
         )
 
 
@@ -80,7 +81,8 @@ class QLinear(nn.Linear):
     def quantized_weight(self) -> QuantizedWeight:
         partner = self._partner[0] if self._partner else None
         tensors = (self.weight,) if partner is None else (self.weight, partner)
-        with_col = self.backward_mode is Backward.QUANTIZED
+        # block FP8's dgrad reads the forward's square blocks: no second copy
+        with_col = self.backward_mode is Backward.QUANTIZED and self.spec.format is Format.MXFP8
         return self._cache.get(
             tensors,
             lambda: QuantizedWeight.build(
@@ -158,7 +160,8 @@ class QExperts(GroupedExperts):
     def _tensor_core(self, which: str) -> TensorCoreWeight:
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         spec = self.specs[which]
-        with_col = self.backward_mode is Backward.QUANTIZED
+        # block FP8's grouped dgrad reads the forward's codes transposed in place (strides)
+        with_col = self.backward_mode is Backward.QUANTIZED and spec.format is Format.MXFP8
         return self._tc_caches[which].get(
             (param,),
             lambda: TensorCoreWeight.build(param, spec, with_col=with_col, backend=self.backend),
@@ -177,7 +180,7 @@ class QExperts(GroupedExperts):
     def _quantized(self, which: str) -> QuantizedWeight:
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         spec = self.specs[which]
-        with_col = self.backward_mode is Backward.QUANTIZED
+        with_col = self.backward_mode is Backward.QUANTIZED and spec.format is Format.MXFP8
         return self._caches[which].get(
             (param,),
             lambda: QuantizedWeight.build(param, spec, with_col=with_col, backend=self.backend),

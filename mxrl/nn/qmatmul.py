@@ -12,13 +12,20 @@ Backward, by mode:
   high_precision  dx = dy @ w              dw = dy^T @ x          (the original operands)
   dequantized     dx = dy @ deq(Qw(w))     dw = dy^T @ deq(Qa(x)) (what the forward really used)
   quantized       dx = deq(Qrow(dy)) @ deq(Qcol(w))
-  (MXFP8 only)    dw = deq(Qcol(dy))^T @ deq(Qcol(x))
-                  Qcol blocks run along the GEMM's reduction dim (N for dx, T for dw); the
+  (MXFP8,         dw = deq(Qcol(dy))^T @ deq(Qcol(x))
+   block FP8)     Qcol blocks run along the GEMM's reduction dim (N for dx, T for dw); the
                   column-wise copies of w and x are quantized from the high-precision tensors,
-                  never from the row-wise copies. T is zero-padded to a multiple of 32 for the
-                  column-wise copies (zeros change no block amax and add nothing to the product).
-                  dy, x (and w, in QuantizedWeight.build) are quantized on the forward's backend;
-                  on triton both copies of dy come from one read (`quantize_mxfp8_both`).
+                  never from the row-wise copies. T is zero-padded to a whole block (32 MXFP8,
+                  b = 128 block FP8) for the column-wise copies (zeros change no block amax and
+                  add nothing to the product).
+                  MXFP8: 1x32 / 32x1 blocks; on triton both copies of dy come from one read
+                  (`quantize_mxfp8_both`).
+                  Block FP8 (DeepSeek-V3's FP8 backward): Qrow(dy) in 1 x b blocks along N
+                  (a partial last block where N is not a multiple of b, as w's row-blocks);
+                  Qcol(w) is the forward's b x b weight copy itself (a square block of w^T holds
+                  the elements of a block of w: same scale, same codes); Qcol(dy), Qcol(x) are
+                  dy^T, x^T quantized in 1 x b blocks along T (b x 1 blocks of dy and x).
+                  dy, x (and w, in QuantizedWeight.build) are quantized on the forward's backend.
 All GEMMs accumulate in fp32; gradients pass straight through the quantizer to the master weight.
 Every backend quantizes to the same bytes, so the backend never changes a gradient.
 """
@@ -157,6 +164,24 @@ def _mxfp8_row_and_col(t: torch.Tensor, backend: Backend) -> tuple[torch.Tensor,
     return dequantize(row)[:rows], dequantize(col)[:rows]
 
 
+def fp8_block_row(t: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
+    """Block FP8 of a 2-D tensor in 1 x b blocks along its last dim (dy's copy for dgrad),
+    that dim zero-padded to a whole block (a partial last block, as the weight's own partial
+    row-block: zeros change no amax); the caller keeps the first t.shape[1] columns."""
+    b = spec.block[1]
+    pad = (-t.shape[1]) % b
+    t = torch.nn.functional.pad(t, (0, pad)) if pad else t
+    return kernel_quantize(t, Format.FP8_BLOCK, block=(1, b), backend=backend)
+
+
+def fp8_block_col(t: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
+    """Block FP8 of t^T [C, rows padded to b] in 1 x b blocks along the tokens (the b x 1
+    blocks of t [rows, C], rows zero-padded to a whole block): dy's and x's copies for wgrad."""
+    b = spec.block[1]
+    t_pad = _pad_rows(t, b)
+    return kernel_quantize(t_pad.t().contiguous(), Format.FP8_BLOCK, block=(1, b), backend=backend)
+
+
 def emulated_matmul(
     x: torch.Tensor, wq: QuantizedWeight, spec: TensorSpec, backend: Backend = Backend.REFERENCE
 ):
@@ -179,7 +204,7 @@ class QMatmul(torch.autograd.Function):
     def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward, backend):
         y, xq = emulated_matmul(x, wq, spec, backend)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
-        ctx.backend = backend  # the quantized backward quantizes dy and x on it too
+        ctx.spec, ctx.backend = spec, backend  # the quantized backward quantizes dy and x too
         # dequantized mode keeps the forward's activation operand, not the original
         ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)
         return y.to(x.dtype)
@@ -193,6 +218,12 @@ class QMatmul(torch.autograd.Function):
             w_op, dy_op, x_op, dyt_op = w.float(), dy32, x_saved.float(), dy32
         elif ctx.mode is Backward.DEQUANTIZED:
             w_op, dy_op, x_op, dyt_op = wq.deq, dy32, x_saved, dy32
+        elif ctx.spec.format is Format.FP8_BLOCK:
+            rows, n = dy.shape
+            w_op = wq.deq  # the square blocks of w^T are w's (module docstring)
+            dy_op = dequantize(fp8_block_row(dy, ctx.spec, ctx.backend))[:, :n]
+            dyt_op = dequantize(fp8_block_col(dy, ctx.spec, ctx.backend))[:, :rows].t()
+            x_op = dequantize(fp8_block_col(x_saved, ctx.spec, ctx.backend))[:, :rows].t()
         else:
             assert wq.col is not None, "quantized backward needs the column-wise weight copy"
             w_op = wq.col

@@ -2,7 +2,7 @@
 
 ```yaml
 name: nvfp4-dequantized
-backward: dequantized            # high_precision | dequantized | quantized (MXFP8 only)
+backward: dequantized            # high_precision | dequantized | quantized (MXFP8, block FP8)
 default: bf16
 rules:
   - match: {layers: "last 15%"}
@@ -49,7 +49,7 @@ FUSE_GATE_UP = ("gate", "up")
 RECIPE_KEYS = ("name", "description", "backward", "default", "rules")
 RULE_KEYS = ("match", "format", "activations", "fuse", "block")
 MATCH_KEYS = ("name", "kind", "layers")
-_QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8)
+_QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8, Format.FP8_BLOCK)
 
 
 def _choices(enum: type[StrEnum]) -> str:
@@ -217,9 +217,10 @@ class Recipe:
             for where, fmt in used:
                 if fmt not in _QUANTIZED_BACKWARD_FORMATS:
                     raise ValueError(
-                        f"backward: quantized runs the backward GEMMs in MXFP8 and is defined for "
-                        f"mxfp8 only, but {where} uses {fmt}. Use backward: dequantized or "
-                        "high_precision (no NVFP4 or fp8_block mode runs backward GEMMs quantized)"
+                        f"backward: quantized runs the backward GEMMs in MXFP8 or block FP8 and "
+                        f"is defined for mxfp8 and fp8_block only, but {where} uses {fmt}. Use "
+                        "backward: dequantized or high_precision (no NVFP4 mode runs backward "
+                        "GEMMs in FP4)"
                     )
 
 

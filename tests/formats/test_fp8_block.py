@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mxrl.formats import dequantize, quantize
+from mxrl.formats.fp8_block import transpose_square_blocks
 from tests import cases
 from tests.numerics import assert_bytes_equal, sqnr_db
 
@@ -134,3 +135,23 @@ def test_dequantize_is_each_code_times_its_block_scale(shape, block):
     br, bk = block
     scale = q.scale.numpy().repeat(br, axis=-2).repeat(bk, axis=-1)[..., : shape[-2], :]
     assert_bytes_equal(dequantize(q), torch.from_numpy(codes * scale), f"{shape} {block}")
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256)])
+def test_square_blocks_transpose_to_the_quantization_of_the_transpose(shape):
+    """A square block of w^T holds the elements of one block of w: quantizing w^T gives w's
+    codes and scales transposed, byte for byte (the quantized backward's dgrad operand)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(shape, generator=g) * torch.logspace(-3, 2, shape[-1])
+    got = transpose_square_blocks(quantize(w, "fp8_block", block=(128, 128)))
+    want = quantize(w.transpose(-2, -1).contiguous(), "fp8_block", block=(128, 128))
+    assert got.shape == want.shape and got.block == (128, 128)
+    assert_bytes_equal(got.qdata, want.qdata, "codes")
+    assert_bytes_equal(got.scale, want.scale, "scales")
+
+
+def test_transpose_square_blocks_refuses_partial_and_row_blocks():
+    with pytest.raises(ValueError, match=r"\(200, 128\) in \(128, 128\)"):
+        transpose_square_blocks(quantize(torch.randn(200, 128), "fp8_block", block=(128, 128)))
+    with pytest.raises(ValueError, match=r"in \(1, 128\)"):
+        transpose_square_blocks(quantize(torch.randn(4, 128), "fp8_block", block=(1, 128)))

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.triton
 
 PATTERNS = {
     "mma": r"\b(mma\.sync|wgmma\.mma_async)",
+    "mma_e4m3": r"\b(mma\.sync|wgmma\.mma_async)\S*\.e4m3\.e4m3",
     "cvt_e4m3": r"cvt\.rn\.f16x2\.e4m3x2",
     "div_rn": r"div\.rn\.f32",
     "sqrt_rn": r"sqrt\.rn\.f32",
@@ -67,22 +68,30 @@ def compile_all() -> dict[str, dict[str, int]]:
              "E": "i32"},
             {"K": 8, "NORM": True, "BLOCK": 128, "IS_BF16": True},
         ),
-        "fp8_block_grouped_bf16": (
-            fb.fp8_block_grouped_kernel,
-            {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32",
-             "offs_ptr": "*i32", "y_ptr": "*bf16", "xq_stride": "i32", "xs_stride": "i32",
-             "wq_stride_e": "i32", "wq_stride": "i32", "ws_stride_e": "i32", "ws_stride": "i32",
-             "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
-            {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": 16, "BLOCK_N": 64},
-        ),
-        "fp8_block_kgrouped": (
-            fb.fp8_block_kgrouped_kernel,
-            {"aq_ptr": "*u8", "as_ptr": "*fp32", "bq_ptr": "*u8", "bs_ptr": "*fp32",
-             "offs_ptr": "*i32", "y_ptr": "*fp32", "aq_stride": "i32", "as_stride": "i32",
-             "bq_stride": "i32", "bs_stride": "i32", "y_stride_e": "i32", "y_stride": "i32",
-             "N": "i32", "K": "i32", "E": "i32"},
-            {"HW": True, "BLOCK_N": 64, "BLOCK_K": 64},
-        ),
+        **{
+            f"fp8_block_grouped_bf16{suffix}": (
+                fb.fp8_block_grouped_kernel,
+                {"xq_ptr": "*u8", "xs_ptr": "*fp32", "wq_ptr": "*u8", "ws_ptr": "*fp32",
+                 "offs_ptr": "*i32", "y_ptr": "*bf16", "xq_stride": "i32", "xs_stride": "i32",
+                 "wq_stride_e": "i32", "wq_stride": "i32", "wq_stride_k": "i32",
+                 "ws_stride_e": "i32", "ws_stride": "i32", "ws_stride_k": "i32",
+                 "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
+                {"HW": True, "OUT_BF16": True, "E_POW2": 128, "BLOCK_M": bm, "BLOCK_N": 64,
+                 "FP8_MMA": fp8},
+            )
+            for suffix, bm, fp8 in (("", 16, False), ("_fp8", 64, True))
+        },
+        **{
+            f"fp8_block_kgrouped{suffix}": (
+                fb.fp8_block_kgrouped_kernel,
+                {"aq_ptr": "*u8", "as_ptr": "*fp32", "bq_ptr": "*u8", "bs_ptr": "*fp32",
+                 "offs_ptr": "*i32", "y_ptr": "*fp32", "aq_stride": "i32", "as_stride": "i32",
+                 "bq_stride": "i32", "bs_stride": "i32", "y_stride_e": "i32",
+                 "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
+                {"HW": True, "BLOCK_N": 64, "BLOCK_K": 64, "FP8_MMA": fp8},
+            )
+            for suffix, fp8 in (("", False), ("_fp8", True))
+        },
         "sample_race_fp32": (
             ts.sample_race_kernel,
             {"logits_ptr": "*fp32", "temp_ptr": "*fp32", "greedy_ptr": "*i8",
@@ -122,6 +131,7 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
         "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_race_fp32",
         "sample_partials_fp32", "sample_pick_fp32", "fp8_block_kgrouped",
+        "fp8_block_grouped_bf16_fp8", "fp8_block_kgrouped_fp8",
         "moe_group", "rope_bf16", "moe_route_bf16",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
@@ -149,6 +159,14 @@ def test_grouped_block_fp8_runs_on_tensor_cores(ptx_report):
     for name in ("fp8_block_grouped_bf16", "fp8_block_kgrouped"):
         counts = ptx_report[name]
         assert counts["cvt_e4m3"] > 0 and counts["mma"] > 0, (name, counts)
+        assert counts["mma_e4m3"] == 0, (name, counts)
+
+
+def test_grouped_block_fp8_runs_on_fp8_tensor_cores_when_asked(ptx_report):
+    """fp8_mma=True: the codes go to the FP8 MMA as they are (no decode to fp16)."""
+    for name in ("fp8_block_grouped_bf16_fp8", "fp8_block_kgrouped_fp8"):
+        counts = ptx_report[name]
+        assert counts["mma_e4m3"] > 0 and counts["cvt_e4m3"] == 0, (name, counts)
 
 
 if __name__ == "__main__":

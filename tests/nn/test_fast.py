@@ -28,6 +28,9 @@ from tests.numerics import HostReads, assert_bytes_equal
 
 BF16 = torch.bfloat16
 EXACT, ROUNDED = 0.0, 2.0**-8
+# Hopper's FP8 MMA keeps about 14 bits of its running sum (DeepSeek-V3, §3.3.2): at most 128
+# additions before each 128-wide block is promoted to fp32, each losing up to 2^-13 of the sum
+FP8_MMA = 128 * 2.0**-13
 
 
 def assert_within(fast, ref, absprod, k, operand_err, what=""):
@@ -224,7 +227,10 @@ def check_grouped_projection(fmt, mode, which, device="cpu", backend="reference"
         # exact code products with the fp32 block scales applied per 128-wide block (exact up
         # to fp32 roundings, inside the k 2^-22 term)
         fwd_err = ROUNDED if fmt == "nvfp4" else EXACT
-        errs = (fwd_err, EXACT if exact_bwd else ROUNDED, EXACT if exact_bwd else ROUNDED)
+        bwd_err = EXACT if exact_bwd else ROUNDED
+        if fmt == "fp8_block" and mode == "quantized" and device == "cuda":
+            bwd_err = FP8_MMA  # the same operands' bytes, summed on the FP8 tensor cores
+        errs = (fwd_err, bwd_err, bwd_err)
         if mode == "quantized":  # operands quantized from dy: bound on those operands' sizes
             absprods = (absprods[0], 2 * absprods[1], 2 * absprods[2])
     assert_within(y, y_ref, absprods[0], k, errs[0], "forward")

@@ -18,7 +18,7 @@ import torch
 from mxrl.models import build_model
 from mxrl.nn import Gemm, apply_plan, set_gemm
 from mxrl.recipe import builtin_config, resolve
-from tests.nn.test_fast import CASES, assert_within, check_grouped_projection
+from tests.nn.test_fast import CASES, FP8_MMA, assert_within, check_grouped_projection
 from tests.nn.test_qmatmul import inputs, make_linear
 
 pytestmark = pytest.mark.gpu
@@ -73,6 +73,39 @@ def test_dense_fp8_block_forward_on_scaled_mm():
     assert (y - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()  # Hopper FP8 accumulation
 
 
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("size", [(4, 128, 128, 45), (16, 2048, 768, 300)], ids=["small", "qwen"])
+def test_grouped_block_fp8_quantized_backward_on_fp8_tensor_cores(which, size):
+    """fp8-block's experts end to end on FP8 codes: the forward kernel, its dgrad reading w
+    transposed, the token-grouped wgrad (FP8 MMAs), against the reference loop."""
+    check_grouped_projection("fp8_block", "quantized", which, "cuda", "triton", size=size)
+
+
+@pytest.mark.parametrize("rows", [50, 300])
+def test_dense_fp8_block_quantized_backward_on_scaled_mm(rows):
+    """dgrad (1x128 x 128x128, the forward's codes transposed) and wgrad (1x128 x 1x128 along
+    the tokens) on torch._scaled_mm, against the reference's fp32 GEMMs of the same bytes."""
+    from tests.nn.test_fp8_block_backward import N, _inputs, _linear
+
+    q = _linear().cuda()
+    tw = q.tensor_core_weight()
+    assert tw.col is not None and tw.col.qdata.data_ptr() != tw.q.qdata.data_ptr()
+    assert torch.equal(tw.col.qdata, tw.q.qdata.t())
+    x, dy = (t.cuda() for t in _inputs(rows))
+    dy = dy.to(BF16).float()
+    grads = {}
+    for gemm in (Gemm.REFERENCE, Gemm.TENSOR_CORE):
+        q.gemm_choice = gemm
+        q.weight.grad = None
+        xg = x.clone().requires_grad_(True)
+        q(xg).backward(dy)
+        grads[gemm] = (xg.grad, q.weight.grad)
+    (dx_ref, dw_ref), (dx, dw) = grads[Gemm.REFERENCE], grads[Gemm.TENSOR_CORE]
+    w = q.weight.detach()
+    assert_within(dx, dx_ref, 2 * dy.abs() @ w.abs(), N, FP8_MMA, "dx")
+    assert_within(dw, dw_ref, 2 * dy.abs().t() @ x.abs(), rows, FP8_MMA, "dw")
+
+
 def _model(preset, cfg=None, seed=0):
     model = build_model(cfg or builtin_config("tiny-moe"), seed=seed, device="cuda")
     apply_plan(model, resolve(preset, {n: p.shape for n, p in model.named_parameters()}))
@@ -90,11 +123,12 @@ def _step(model, ids):
 PRESETS = ["bf16", "mxfp8", "mxfp8-hp", "mxfp8-dequantized", "nvfp4-hp", "nvfp4-dequantized"]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-hp"])
 def test_a_decoder_layer_step_makes_no_host_sync(preset):
     """Forward and backward of a MoE decoder layer (attention, router, grouped experts) under
     CUDA's sync debug mode "error". (The embedding's backward and the loss are torch's.)"""
-    model = _model(preset)
+    cfg = {**builtin_config("tiny-moe"), **WIDE} if preset.startswith("fp8-block") else None
+    model = _model(preset, cfg)
     assert set_gemm(model, None) > 0  # the device default: tensor cores
     layer = model.model.layers[0]
     assert layer.is_moe
@@ -130,9 +164,9 @@ def test_checkpointing_changes_no_gradient(preset):
         assert (grads[1][name] - g).abs().max() <= 1e-2 * g.abs().max(), name
 
 
-@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block"])
+@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-hp"])
 def test_tiny_model_trains_with_bf16_compute(preset):
-    cfg = {**builtin_config("tiny-moe"), **WIDE} if preset == "fp8-block" else None
+    cfg = {**builtin_config("tiny-moe"), **WIDE} if preset.startswith("fp8-block") else None
     model = _model(preset, cfg, seed=1)
     ids = torch.randint(1, 64, (4, 24), generator=torch.Generator().manual_seed(2)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -49,8 +49,8 @@ def test_training_steps_on_cuda():
 def test_triton_backend_equals_reference_backend_bitwise(preset):
     """The backend only changes who quantizes, not the bytes: logits and every gradient of the
     tiny MoE are bit-identical with the Triton kernels and with the reference on CUDA. The mxfp8
-    preset runs the quantized backward (dy and x quantized on the backend; experts see token
-    counts that are not multiples of 32, so the column-wise copies are padded)."""
+    and fp8-block presets run the quantized backward (dy and x quantized on the backend; experts
+    see token counts that are not whole blocks, so the column-wise copies are padded)."""
     wide = (
         {
             "hidden_size": 128,
@@ -67,7 +67,8 @@ def test_triton_backend_equals_reference_backend_bitwise(preset):
     for backend in ("reference", "triton"):
         model = build_model(cfg, seed=0, device="cuda")
         plan = resolve(preset, {n: p.shape for n, p in model.named_parameters()})
-        assert (plan.backward is Backward.QUANTIZED) == (preset == "mxfp8"), plan.backward
+        quantized = preset in ("mxfp8", "fp8-block")
+        assert (plan.backward is Backward.QUANTIZED) == quantized, plan.backward
         apply_plan(model, plan, backend=backend)
         logits = model(ids[:, :-1])
         nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()

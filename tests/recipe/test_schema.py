@@ -10,6 +10,7 @@ from mxrl.recipe import Backward, Kind, Match, Recipe, Rule, list_presets, load_
 PRESETS = [
     "bf16",
     "fp8-block",
+    "fp8-block-hp",
     "mxfp8",
     "mxfp8-dequantized",
     "mxfp8-hp",
@@ -46,7 +47,8 @@ def test_preset_backward_modes():
     backward = {name: load_recipe(name).backward for name in PRESETS}
     assert backward == {
         "bf16": Backward.HIGH_PRECISION,
-        "fp8-block": Backward.HIGH_PRECISION,
+        "fp8-block": Backward.QUANTIZED,
+        "fp8-block-hp": Backward.HIGH_PRECISION,
         "mxfp8": Backward.QUANTIZED,
         "mxfp8-dequantized": Backward.DEQUANTIZED,
         "mxfp8-hp": Backward.HIGH_PRECISION,
@@ -153,14 +155,15 @@ def test_validation_errors_name_the_culprit(data, needles):
         assert needle in msg, (needle, msg)
 
 
-def test_backward_quantized_is_mxfp8_only():
+def test_backward_quantized_is_mxfp8_and_block_fp8_only():
     msg = _error(
         _recipe({"match": {"kind": "routed_expert"}, "format": "nvfp4"}, backward="quantized")
     )
     assert "quantized" in msg and "rules[0]" in msg and "nvfp4" in msg and "dequantized" in msg
-    assert "default" in _error(_recipe(backward="quantized", default="fp8_block"))
-    ok = load_recipe(_recipe({"format": "mxfp8"}, backward="quantized"))
-    assert ok.backward is Backward.QUANTIZED
+    assert "default" in _error(_recipe(backward="quantized", default="nvfp4"))
+    for fmt in ("mxfp8", "fp8_block"):
+        ok = load_recipe(_recipe({"format": fmt}, backward="quantized"))
+        assert ok.backward is Backward.QUANTIZED
     with pytest.raises(ValueError, match="backward"):
         Recipe(name="x", backward="quantized", rules=(Rule(format="nvfp4"),))
 
