@@ -43,7 +43,15 @@ from mxrl.models import ModelConfig, build_model, empty_model, save_pretrained  
 from mxrl.nn import apply_plan, select_gemm, set_gemm  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 
-DEFAULT_PRESETS = ("bf16", "fp8-block", "mxfp8", "mxfp8-hp", "nvfp4-hp", "nvfp4-dequantized")
+DEFAULT_PRESETS = (
+    "bf16",
+    "fp8-block",
+    "fp8-block-quantized",
+    "mxfp8",
+    "mxfp8-hp",
+    "nvfp4-hp",
+    "nvfp4-dequantized",
+)
 BASELINE = "bf16"
 TINY_LAYER = {  # --tiny: every preset's shapes fit (fp8_block needs multiples of 128)
     "hidden_size": 128,

@@ -43,8 +43,8 @@ def test_recipe_list(capsys):
         assert _lines(out, name)
     assert _lines(out, "mxfp8 ", "quantized", "MXFP8 end to end")
     assert _lines(out, "nvfp4-dequantized", "dequantized")
-    assert _lines(out, "fp8-block ", "quantized", "end to end")
-    assert _lines(out, "fp8-block-hp", "high_precision")
+    assert _lines(out, "fp8-block ", "high_precision")
+    assert _lines(out, "fp8-block-quantized", "quantized", "block FP8 end to end")
 
 
 def test_recipe_show_on_qwen3_30b_a3b(capsys, qwen3_30b_dir):

@@ -53,8 +53,8 @@ def fp8_block_matmul(
     b = _pad2(wq.qdata, np_, kp).view(torch.float8_e4m3fn).t()  # [K, N], column-major
     sa = _pad2(xq.scale, mp, kp // BLOCK, value=1.0)
     scale_a = sa.t().contiguous().t()  # [M, K/128], M-major
-    if b_rowwise:  # [N, K/128], N-major
-        scale_b = _pad2(wq.scale, np_, kp // BLOCK, value=1.0).t().contiguous().t()
+    if b_rowwise:  # [K/128, N], N-major (cuBLASLt's runtime check; not the meta kernel's)
+        scale_b = _pad2(wq.scale, np_, kp // BLOCK, value=1.0).t().contiguous()
     else:  # [K/128, N/128] view of the [N/128, K/128] weight scale
         scale_b = _pad2(wq.scale, np_ // BLOCK, kp // BLOCK, value=1.0).t()
     y = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
@@ -89,6 +89,8 @@ def grouped_fp8_block_matmul(
     block_n: int = 64,
     transpose_w: bool = False,
     fp8_mma: bool = False,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Routed experts' block-FP8 GEMM in one launch (mxrl/kernels/triton_fp8_block_gemm.py):
     x (1x128 QTensor [R, K], rows sorted by expert) times w[e] (128x128 QTensor [E, N, K])
@@ -141,7 +143,7 @@ def grouped_fp8_block_matmul(
         y.stride(0), n, k, e,
         HW=xd.is_cuda, OUT_BF16=out_dtype == torch.bfloat16,
         E_POW2=max(2, 1 << (e - 1).bit_length()), BLOCK_M=block_m, BLOCK_N=block_n,
-        FP8_MMA=fp8_mma, num_warps=4,
+        FP8_MMA=fp8_mma, num_warps=num_warps, **_stages(num_stages),
     )  # fmt: skip
     return y
 
@@ -171,6 +173,8 @@ def grouped_fp8_block_wgrad(
     block_n: int = 64,
     block_k: int = 64,
     fp8_mma: bool = False,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' block-FP8 weight gradient in one launch, a GEMM grouped along its
     reduction (mxrl/kernels/triton_fp8_block_gemm.py, `fp8_block_kgrouped_kernel`):
@@ -208,9 +212,14 @@ def grouped_fp8_block_wgrad(
         ad, a_s, bd, b_s, expert_offsets.to(torch.int32), y,
         ad.stride(0), a_s.stride(0), bd.stride(0), b_s.stride(0), y.stride(0), y.stride(1),
         n, k, e, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MMA=fp8_mma,
-        num_warps=4,
+        num_warps=num_warps, **_stages(num_stages),
     )  # fmt: skip
     return y
+
+
+def _stages(num_stages: int | None) -> dict:
+    """Triton's software-pipelining depth where given (its default otherwise)."""
+    return {} if num_stages is None else {"num_stages": num_stages}
 
 
 def _up(v: int, multiple: int) -> int:

@@ -44,6 +44,14 @@ from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 
 GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
+# The block-FP8 kernels' tiles in training, the fastest of `benchmarks/fp8_block_grouped.py`'s
+# sweep on the H200 at Qwen3-30B-A3B's width (docs/kernels.md). The forward and dgrad keep the
+# fp16 MMA on decoded codes (exact products, fp32 sums; the FP8 MMA was faster for the forward,
+# but its reduced-precision accumulation would move the trainer's logits away from rollout's);
+# the wgrad, a gradient only, runs on the FP8 MMA.
+FORWARD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DGRAD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
+WGRAD_TILE = dict(block_n=128, block_k=128, num_warps=8, num_stages=3, fp8_mma=True)
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,7 @@ class GroupedLinear(torch.autograd.Function):
         elif spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
             xq = quantize_activation(x, spec, backend)
             offsets = torch.cat([layout.ends.new_zeros(1), layout.ends])
-            y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, block_m=64)
+            y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, **FORWARD_TILE)
         else:
             xq = quantize_activation(x, spec, backend)
             lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
@@ -210,7 +218,8 @@ class GroupedLinear(torch.autograd.Function):
 
 def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
     """GroupedLinear's block-FP8 quantized backward (module docstring), on FP8 codes: dgrad
-    through the forward kernel on w's codes transposed, wgrad grouped along the tokens."""
+    through the forward kernel on w's codes transposed, wgrad grouped along the tokens (FP8
+    MMA)."""
     lay: ExpertLayout = ctx.layout
     pad: PaddedLayout = ctx.padded
     spec, tw, backend = ctx.spec, ctx.tw, ctx.backend
@@ -219,11 +228,11 @@ def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
     if ctx.needs_input_grad[0]:
         dyq = fp8_block_row(dy, spec, backend)
         dx = grouped_fp8_block_matmul(
-            dyq, tw.q, offsets, out_dtype=BF16, block_m=64, transpose_w=True, fp8_mma=True
+            dyq, tw.q, offsets, out_dtype=BF16, transpose_w=True, **DGRAD_TILE
         ).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         dy_col = fp8_block_col(pad.scatter(dy), spec, backend)
-        dw = grouped_fp8_block_wgrad(dy_col, ctx.x_col, pad.offsets(), fp8_mma=True)
+        dw = grouped_fp8_block_wgrad(dy_col, ctx.x_col, pad.offsets(), **WGRAD_TILE)
         dw = dw.to(ctx.w_dtype)
     return dx, dw, None, None, None, None, None
 

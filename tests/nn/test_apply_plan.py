@@ -111,10 +111,10 @@ WIDE = {
 }
 
 
-@pytest.mark.parametrize("preset", [*ARTICLE_PRESETS, "fp8-block"])
+@pytest.mark.parametrize("preset", [*ARTICLE_PRESETS, "fp8-block", "fp8-block-quantized"])
 def test_a_few_optimizer_steps_lower_the_loss(preset):
     torch.manual_seed(0)
-    model = tiny(seed=1, **(WIDE if preset == "fp8-block" else {}))
+    model = tiny(seed=1, **(WIDE if preset.startswith("fp8-block") else {}))
     swaps = apply_plan(model, plan_for(model, preset))
     assert (len(swaps) > 0) == (preset != "bf16")
     g = torch.Generator().manual_seed(2)

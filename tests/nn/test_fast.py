@@ -228,9 +228,10 @@ def check_grouped_projection(fmt, mode, which, device="cpu", backend="reference"
         # to fp32 roundings, inside the k 2^-22 term)
         fwd_err = ROUNDED if fmt == "nvfp4" else EXACT
         bwd_err = EXACT if exact_bwd else ROUNDED
+        wgrad_err = bwd_err
         if fmt == "fp8_block" and mode == "quantized" and device == "cuda":
-            bwd_err = FP8_MMA  # the same operands' bytes, summed on the FP8 tensor cores
-        errs = (fwd_err, bwd_err, bwd_err)
+            wgrad_err = FP8_MMA  # the same operands' bytes, summed on the FP8 tensor cores
+        errs = (fwd_err, bwd_err, wgrad_err)
         if mode == "quantized":  # operands quantized from dy: bound on those operands' sizes
             absprods = (absprods[0], 2 * absprods[1], 2 * absprods[2])
     assert_within(y, y_ref, absprods[0], k, errs[0], "forward")

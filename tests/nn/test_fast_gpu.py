@@ -123,7 +123,7 @@ def _step(model, ids):
 PRESETS = ["bf16", "mxfp8", "mxfp8-hp", "mxfp8-dequantized", "nvfp4-hp", "nvfp4-dequantized"]
 
 
-@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-hp"])
+@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-quantized"])
 def test_a_decoder_layer_step_makes_no_host_sync(preset):
     """Forward and backward of a MoE decoder layer (attention, router, grouped experts) under
     CUDA's sync debug mode "error". (The embedding's backward and the loss are torch's.)"""
@@ -164,7 +164,7 @@ def test_checkpointing_changes_no_gradient(preset):
         assert (grads[1][name] - g).abs().max() <= 1e-2 * g.abs().max(), name
 
 
-@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-hp"])
+@pytest.mark.parametrize("preset", [*PRESETS, "fp8-block", "fp8-block-quantized"])
 def test_tiny_model_trains_with_bf16_compute(preset):
     cfg = {**builtin_config("tiny-moe"), **WIDE} if preset.startswith("fp8-block") else None
     model = _model(preset, cfg, seed=1)

@@ -45,12 +45,15 @@ def test_training_steps_on_cuda():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize("preset", ["mxfp8", "nvfp4-dequantized", "fp8-block"])
+@pytest.mark.parametrize(
+    "preset", ["mxfp8", "nvfp4-dequantized", "fp8-block", "fp8-block-quantized"]
+)
 def test_triton_backend_equals_reference_backend_bitwise(preset):
     """The backend only changes who quantizes, not the bytes: logits and every gradient of the
     tiny MoE are bit-identical with the Triton kernels and with the reference on CUDA. The mxfp8
-    and fp8-block presets run the quantized backward (dy and x quantized on the backend; experts
-    see token counts that are not whole blocks, so the column-wise copies are padded)."""
+    and fp8-block-quantized presets run the quantized backward (dy and x quantized on the
+    backend; experts see token counts that are not whole blocks, so the column-wise copies are
+    padded)."""
     wide = (
         {
             "hidden_size": 128,
@@ -58,7 +61,7 @@ def test_triton_backend_equals_reference_backend_bitwise(preset):
             "moe_intermediate_size": 128,
             "shared_expert_intermediate_size": 128,
         }
-        if preset == "fp8-block"
+        if preset.startswith("fp8-block")
         else {}
     )
     cfg = {**builtin_config("tiny-moe"), **wide}
@@ -67,7 +70,7 @@ def test_triton_backend_equals_reference_backend_bitwise(preset):
     for backend in ("reference", "triton"):
         model = build_model(cfg, seed=0, device="cuda")
         plan = resolve(preset, {n: p.shape for n, p in model.named_parameters()})
-        quantized = preset in ("mxfp8", "fp8-block")
+        quantized = preset in ("mxfp8", "fp8-block-quantized")
         assert (plan.backward is Backward.QUANTIZED) == quantized, plan.backward
         apply_plan(model, plan, backend=backend)
         logits = model(ids[:, :-1])

@@ -10,7 +10,7 @@ from mxrl.recipe import Backward, Kind, Match, Recipe, Rule, list_presets, load_
 PRESETS = [
     "bf16",
     "fp8-block",
-    "fp8-block-hp",
+    "fp8-block-quantized",
     "mxfp8",
     "mxfp8-dequantized",
     "mxfp8-hp",
@@ -47,8 +47,8 @@ def test_preset_backward_modes():
     backward = {name: load_recipe(name).backward for name in PRESETS}
     assert backward == {
         "bf16": Backward.HIGH_PRECISION,
-        "fp8-block": Backward.QUANTIZED,
-        "fp8-block-hp": Backward.HIGH_PRECISION,
+        "fp8-block": Backward.HIGH_PRECISION,
+        "fp8-block-quantized": Backward.QUANTIZED,
         "mxfp8": Backward.QUANTIZED,
         "mxfp8-dequantized": Backward.DEQUANTIZED,
         "mxfp8-hp": Backward.HIGH_PRECISION,
