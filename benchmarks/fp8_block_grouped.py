@@ -51,7 +51,9 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0):
 CONFIGS = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4), (False, True)))
 
 
-def one_projection(name: str, n: int, k: int, e: int, ends, padded_ends) -> list[dict]:
+def one_projection(
+    name: str, n: int, k: int, e: int, ends, padded_ends, gemms=("forward", "dgrad", "wgrad")
+) -> list[dict]:
     offsets = torch.cat([ends.new_zeros(1), ends])
     p_offsets = torch.cat([ends.new_zeros(1), padded_ends])
     r, p = int(ends[-1]), int(padded_ends[-1])
@@ -87,6 +89,8 @@ def one_projection(name: str, n: int, k: int, e: int, ends, padded_ends) -> list
             ),
         }  # fmt: skip
         for gemm, call in calls.items():
+            if gemm not in gemms:
+                continue
             try:
                 ms = time_ms(call)
             except Exception as err:  # a config that does not compile or fit
@@ -96,7 +100,7 @@ def one_projection(name: str, n: int, k: int, e: int, ends, padded_ends) -> list
     flop = 2 * r * n * k
     for row in rows:
         row.update(proj=name, tflops=flop / row["ms"] / 1e9)
-    for gemm in ("forward", "dgrad", "wgrad"):
+    for gemm in gemms:
         mine = [x for x in rows if x["gemm"] == gemm and x["ms"] == x["ms"]]
         base = next(x for x in mine if x["impl"] == "bf16 grouped_mm")
         fast = min((x for x in mine if x["impl"] != "bf16 grouped_mm"), key=lambda x: x["ms"])
@@ -114,12 +118,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--gemms", nargs="+", default=["forward", "dgrad", "wgrad"])
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
     ends, padded_ends = (t.cuda() for t in routing(args.tokens, args.experts, args.top_k))
     rows = []
     for name, (n, k) in PROJECTIONS.items():
-        rows += one_projection(name, n, k, args.experts, ends, padded_ends)
+        rows += one_projection(name, n, k, args.experts, ends, padded_ends, tuple(args.gemms))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"tokens": args.tokens, "experts": args.experts, "rows": rows}, f)

@@ -10,7 +10,11 @@ compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the dev
 default (`mxrl.nn.select_gemm`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
 `cross_entropy(model(ids).float(), targets).backward()` on B x S random tokens, gradients set to
 None between steps (no optimizer: its cost is the same for every preset). Timed: median of
-`--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator).
+`--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator), twice:
+with the quantized weights cached (the micro-batches after the first of one optimizer step), and
+"fresh": every step the first after an optimizer step (`mxrl.nn.weights_changed()` before it, as
+the optimizer's post-step hook calls it), so the step quantizes every weight, as each RL step does
+when one optimizer step follows each batch.
 "host s": the time until step() returns, before the final sync (the host's launches: a step
 whose host time reaches its s/step is bound by Python and launches, not by the GPU).
 Peak memory: `torch.cuda.max_memory_allocated` over the timed steps (parameters and gradients
@@ -40,7 +44,7 @@ from engine_decode import (
 ensure_repo_on_path()
 
 from mxrl.models import ModelConfig, build_model, empty_model, save_pretrained  # noqa: E402
-from mxrl.nn import apply_plan, select_gemm, set_gemm  # noqa: E402
+from mxrl.nn import apply_plan, select_gemm, set_gemm, weights_changed  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 
 DEFAULT_PRESETS = (
@@ -138,6 +142,13 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     model.train()
     step = make_step(model, ids, None)
     got = measure(step, device, args.warmup, args.repeats)
+
+    def fresh_step():
+        weights_changed()  # what the optimizer's post-step hook does
+        return step()
+
+    fresh = measure(fresh_step, device, 1, args.repeats)
+    got.update(s_step_fresh=fresh["s_step"], peak_bytes_fresh=fresh["peak_bytes"])
     if args.profile:
         got["profile"] = profile_step(step, device, f"{preset} {tuple(ids.shape)}", args.profile)
     del model
@@ -287,7 +298,9 @@ def main(argv=None) -> int:
         ("preset", "run", ""), ("B", "B", "d"), ("S", "S", "d"), ("s_step", "s/step", ".3f"),
         ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
         ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"),
-        ("host_s", "host s", ".3f"),
+        ("host_s", "host s", ".3f"), ("s_step_fresh", "fresh s/step", ".3f"),
+        ("x_bf16_fresh", "x bf16", ".2f"), ("peak_gb_fresh", "fresh GB", ".1f"),
+        ("mem_x_bf16_fresh", "x bf16 mem", ".2f"),
         ("bf16_x_hf_autocast", "bf16 x HF(amp)", ".2f"), ("bf16_x_hf_bf16", "bf16 x HF(bf16)", ".2f"),
     ]))  # fmt: skip
     env = environment() if device.type == "cuda" else cpu_environment()
@@ -318,6 +331,12 @@ def _ratios(rows: list[dict]) -> None:
         r["x_bf16"] = r["s_step"] / base["s_step"] if base else None
         both = base and r["peak_bytes"] and base["peak_bytes"]
         r["mem_x_bf16"] = r["peak_bytes"] / base["peak_bytes"] if both else None
+    for r in rows:  # every step the first after an optimizer step (mxrl rows only)
+        fresh, base_fresh = r.get("s_step_fresh"), base and base.get("s_step_fresh")
+        r["x_bf16_fresh"] = fresh / base_fresh if fresh and base_fresh else None
+        peak, base_peak = r.get("peak_bytes_fresh"), base and base.get("peak_bytes_fresh")
+        r["peak_gb_fresh"] = peak / 1e9 if peak else None
+        r["mem_x_bf16_fresh"] = peak / base_peak if peak and base_peak else None
     for key, name in (("bf16_x_hf_autocast", "hf fp32+autocast"), ("bf16_x_hf_bf16", "hf bf16")):
         if base and name in by:
             base[key] = base["s_step"] / by[name]["s_step"]

@@ -20,6 +20,7 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 
 BLOCK = 128
+WGRAD_PROGRAMS = 4 * 132  # about four waves of an H200's 132 SMs
 
 
 def fp8_block_matmul(
@@ -175,6 +176,7 @@ def grouped_fp8_block_wgrad(
     fp8_mma: bool = False,
     num_warps: int = 4,
     num_stages: int | None = None,
+    runs: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' block-FP8 weight gradient in one launch, a GEMM grouped along its
     reduction (mxrl/kernels/triton_fp8_block_gemm.py, `fp8_block_kgrouped_kernel`):
@@ -184,7 +186,10 @@ def grouped_fp8_block_wgrad(
     block straddles two experts (zero-pad each expert's tokens: zeros change no block's amax and
     add nothing). int32 [E + 1] offsets on the device: no host sync. fp32 output; an expert
     without tokens gets zeros. fp8_mma as in `grouped_fp8_block_matmul`. The experts' weight
-    gradient of the fp8-block quantized backward (`mxrl.nn.grouped`)."""
+    gradient of the fp8-block quantized backward (`mxrl.nn.grouped`).
+    runs: how many runs of consecutive experts the programs split the experts into (each
+    program streams one run's token blocks for one output tile); default: enough programs for
+    about four waves of the GPU. An expert's bytes do not depend on it."""
     for name, q in (("dy^T", aq), ("x^T", bq)):
         if q.fmt is not Format.FP8_BLOCK or q.block != (1, BLOCK) or len(q.shape) != 2:
             raise ValueError(
@@ -205,14 +210,18 @@ def grouped_fp8_block_wgrad(
     from mxrl.kernels import triton_fp8_block_gemm as kern
 
     y = torch.empty((e, n, k), dtype=torch.float32, device=aq.device)
-    grid = (-(-n // block_n), -(-k // block_k), e)
+    tiles = -(-n // block_n) * -(-k // block_k)
+    # enough programs to fill the GPU: the experts split into runs, one program per (tile, run)
+    runs = max(1, min(e, runs or -(-WGRAD_PROGRAMS // tiles)))
+    per_run = -(-e // runs)
+    grid = (-(-n // block_n), -(-k // block_k), -(-e // per_run))
     ad, bd = aq.qdata.contiguous(), bq.qdata.contiguous()
     a_s, b_s = aq.scale.contiguous(), bq.scale.contiguous()
     kern.fp8_block_kgrouped_kernel[grid](
         ad, a_s, bd, b_s, expert_offsets.to(torch.int32), y,
         ad.stride(0), a_s.stride(0), bd.stride(0), b_s.stride(0), y.stride(0), y.stride(1),
-        n, k, e, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MMA=fp8_mma,
-        num_warps=num_warps, **_stages(num_stages),
+        n, k, e, per_run, HW=ad.is_cuda, BLOCK_N=block_n, BLOCK_K=block_k, FP8_MMA=fp8_mma,
+        E_POW2=max(2, 1 << (e - 1).bit_length()), num_warps=num_warps, **_stages(num_stages),
     )  # fmt: skip
     return y
 

@@ -124,26 +124,42 @@ def fp8_block_kgrouped_kernel(
     N,
     K,
     E,
+    E_PER_GROUP,
     HW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP8_MMA: tl.constexpr,
+    E_POW2: tl.constexpr,
 ):
     """dW[e] = sum over the 128-row blocks rb of expert e of
     sa[:, rb] sb[:, rb]^T * (qa[:, rb] @ qb[:, rb]^T): the routed experts' weight gradient, a
-    GEMM grouped along its reduction (each expert reduces over its own rows)."""
+    GEMM grouped along its reduction (each expert reduces over its own rows).
+
+    Program (N tile, K tile, group) streams the 128-row blocks of a run of E_PER_GROUP experts
+    in one loop — one pipelined stream of loads however few tokens each expert has — and stores
+    an expert's tile when its last block is summed (a masked store, then the accumulator
+    restarts). Experts of the group without tokens get zeros."""
     n_tile = tl.program_id(0)
     k_tile = tl.program_id(1)
-    e = tl.program_id(2)
-    lo = tl.load(offs_ptr + e)
-    hi = tl.load(offs_ptr + e + 1)
+    g = tl.program_id(2)
+    e_lo = g * E_PER_GROUP
+    e_hi = tl.minimum(e_lo + E_PER_GROUP, E)
     ns = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     n_mask = ns < N
     k_mask = ks < K
+    tile_mask = n_mask[:, None] & k_mask[None, :]
+    tile_off = ns[:, None].to(tl.int64) * y_stride + ks[None, :]
+    zero = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for ee in range(e_lo, e_hi):  # experts without tokens: a zero gradient
+        empty = tl.load(offs_ptr + ee + 1) == tl.load(offs_ptr + ee)
+        ee64 = ee + tl.zeros([], dtype=tl.int64)  # the interpreter's loop index is an int
+        tl.store(y_ptr + ee64 * y_stride_e + tile_off, zero, mask=tile_mask & empty)
+    idx = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + 1 + idx, mask=idx < E, other=2147483647)  # each expert's end row
     rr = tl.arange(0, 128)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for r0 in range(lo, hi, 128):
+    acc = zero
+    for r0 in range(tl.load(offs_ptr + e_lo), tl.load(offs_ptr + e_hi), 128):
         a_off = ns[:, None].to(tl.int64) * aq_stride + (r0 + rr)[None, :]
         qa = tl.load(aq_ptr + a_off, mask=n_mask[:, None], other=0)
         b_off = ks[:, None].to(tl.int64) * bq_stride + (r0 + rr)[None, :]
@@ -153,5 +169,7 @@ def fp8_block_kgrouped_kernel(
         sa = tl.load(as_ptr + ns.to(tl.int64) * as_stride + r0 // 128, mask=n_mask, other=0.0)
         sb = tl.load(bs_ptr + ks.to(tl.int64) * bs_stride + r0 // 128, mask=k_mask, other=0.0)
         acc += part * (sa[:, None] * sb[None, :])
-    y_off = e.to(tl.int64) * y_stride_e + ns[:, None].to(tl.int64) * y_stride + ks[None, :]
-    tl.store(y_ptr + y_off, acc, mask=n_mask[:, None] & k_mask[None, :])
+        e = tl.sum((ends <= r0).to(tl.int32), 0)  # the expert whose rows hold this block
+        last = tl.sum(tl.where(idx == e, ends, 0), 0) == r0 + 128
+        tl.store(y_ptr + e.to(tl.int64) * y_stride_e + tile_off, acc, mask=tile_mask & last)
+        acc = tl.where(last, 0.0, acc)

@@ -30,7 +30,9 @@ or dy where no codes are kept), the reference's bytes on either backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,7 +44,7 @@ from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
-from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
+from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row, weights_epoch
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
@@ -60,16 +62,29 @@ class TensorCoreWeight:
              needs them and freed after it, instead of a bf16 copy of every weight held for
              the whole step (2 bytes per weight beside the fp32 master and its gradient).
     s_dec:   NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
-    col:     the quantized backward's dgrad weight: the column-wise MXFP8 QTensor, or block
-             FP8's w^T in the same square blocks (`transpose_square_blocks`: the forward's
-             codes, transposed); else None.
+    col:     the quantized backward's dgrad weight: the column-wise MXFP8 QTensor (quantized
+             from the master weight), or block FP8's w^T in the same square blocks
+             (`transpose_square_blocks`: the forward's codes, transposed); else None. Built
+             when the backward first asks for it (`col_fn`), then held with `q`: after an
+             optimizer step, the forward holds the row-wise copies only, and the column-wise
+             ones appear layer by layer as the backward frees the activations, instead of
+             every layer's two copies beside every layer's activations.
     backend: the kernels that dequantize (triton on CUDA; the reference elsewhere).
     """
 
     q: QTensor
     s_dec: torch.Tensor | None
-    col: QTensor | None = None
     backend: Backend = Backend.REFERENCE
+    col_fn: Callable[[], QTensor | None] | None = None
+    _held: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def col(self) -> QTensor | None:
+        if self.col_fn is None:
+            return None
+        if "col" not in self._held:
+            self._held["col"] = self.col_fn()
+        return self._held["col"]
 
     @classmethod
     def build(
@@ -84,14 +99,15 @@ class TensorCoreWeight:
         q = kernel_quantize(
             w, spec.format, **weight_quantizer_kwargs(w, spec, partner), backend=backend
         )
-        col = None
+        col_fn = None
         if with_col and spec.format is Format.FP8_BLOCK:
             # for the dgrad on FP8 tensor cores; other shapes run the emulated GEMM on q
-            col = transpose_square_blocks(q) if uses_scaled_mm(spec, w.device) else None
+            if uses_scaled_mm(spec, w.device):
+                col_fn = functools.partial(transpose_square_blocks, q)
         elif with_col:
             kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
-            col = kernel_quantize(w, spec.format, **kwargs, backend=backend)
-        return cls(q=q, s_dec=decode_global_scale(q), col=col, backend=backend)
+            col_fn = functools.partial(_column_copy, w, weights_epoch(), spec, kwargs, backend)
+        return cls(q=q, s_dec=decode_global_scale(q), backend=backend, col_fn=col_fn)
 
     def lp(self) -> torch.Tensor:
         """bf16 lp(Qw(w)): dequantized without the NVFP4 global scale (exact in bf16)."""
@@ -106,6 +122,19 @@ class TensorCoreWeight:
         """The column-wise MXFP8 copy dequantized in bf16 (exact)."""
         assert self.col is not None, "quantized backward needs the column-wise weight copy"
         return kernel_dequantize(self.col, backend=self.backend)
+
+
+def _column_copy(w: torch.Tensor, epoch: int, spec: TensorSpec, kwargs: dict, backend) -> QTensor:
+    """The column-wise copy of the master weight the row-wise copy was quantized from (the
+    weights epoch, not the tensor's version: FSDP2 gathers the same values into it again
+    before the backward)."""
+    if weights_epoch() != epoch:
+        raise RuntimeError(
+            f"{spec.name}: an optimizer step or weight load came between the forward and the "
+            "backward that needs this weight's column-wise copy; call backward() before "
+            "optimizer.step()"
+        )
+    return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 
 
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:

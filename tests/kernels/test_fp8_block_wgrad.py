@@ -83,3 +83,15 @@ def test_a_layout_whose_experts_straddle_a_block_is_refused():
     with pytest.raises(ValueError, match="1x128 blocks"):
         grouped_fp8_block_wgrad(quantize(torch.randn(64, 256), "fp8_block"), bq,
                                 torch.tensor([0, 256], dtype=torch.int32))  # fmt: skip
+
+
+@interpreter
+def test_the_split_into_runs_of_experts_changes_no_byte():
+    """One program streams a run of experts' token blocks, storing each expert's tile at its
+    last block: all experts in one run, or each in its own, give the same bytes (experts
+    without tokens included)."""
+    aq, bq, offsets = _layout([130, 0, 5, 260, 0, 1], 64, 64, seed=2)
+    one = grouped_fp8_block_wgrad(aq, bq, offsets, runs=1)
+    for runs in (2, 4, 6):
+        assert_bytes_equal(grouped_fp8_block_wgrad(aq, bq, offsets, runs=runs), one, f"{runs}")
+    assert torch.equal(one[1], torch.zeros(64, 64)) and torch.equal(one[4], torch.zeros(64, 64))

@@ -87,8 +87,8 @@ def compile_all() -> dict[str, dict[str, int]]:
                 {"aq_ptr": "*u8", "as_ptr": "*fp32", "bq_ptr": "*u8", "bs_ptr": "*fp32",
                  "offs_ptr": "*i32", "y_ptr": "*fp32", "aq_stride": "i32", "as_stride": "i32",
                  "bq_stride": "i32", "bs_stride": "i32", "y_stride_e": "i32",
-                 "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32"},
-                {"HW": True, "BLOCK_N": 64, "BLOCK_K": 64, "FP8_MMA": fp8},
+                 "y_stride": "i32", "N": "i32", "K": "i32", "E": "i32", "E_PER_GROUP": "i32"},
+                {"HW": True, "BLOCK_N": 128, "BLOCK_K": 128, "FP8_MMA": fp8, "E_POW2": 128},
             )
             for suffix, fp8 in (("", False), ("_fp8", True))
         },

@@ -336,3 +336,27 @@ def test_tiny_model_trains_with_tensor_core_gemms_bf16_autocast_and_checkpointin
         losses.append(loss.item())
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_column_copy_is_built_by_the_backward_and_refused_after_an_optimizer_step():
+    """The MXFP8 column-wise weight copy (quantized backward) is quantized when the backward
+    first needs it, not in the forward, then held with the row-wise copy; an optimizer step
+    between a forward and a backward that has not made the copy yet is refused, naming the
+    fix, instead of differentiating through weights the forward never used."""
+    q = make_linear("mxfp8", "quantized")
+    q.gemm_choice = Gemm.TENSOR_CORE
+    x, dy = inputs()
+    y = q(x.clone().requires_grad_(True))
+    tw = q.tensor_core_weight()
+    assert "col" not in tw._held  # the forward held the row-wise copy only
+    y.backward(dy)
+    held = tw._held["col"]
+    assert_bytes_equal(held.qdata, quantize(q.weight.detach(), "mxfp8", axis=0).qdata, "col")
+    q(x).backward(dy)
+    assert tw._held["col"] is held  # built once per optimizer step
+    opt = torch.optim.SGD(q.parameters(), lr=0.1)
+    opt.step()  # new weights: the next forward quantizes them, row-wise only
+    y = q(x.clone().requires_grad_(True))
+    opt.step()  # the weights the forward used are gone before its backward made their copy
+    with pytest.raises(RuntimeError, match=r"backward\(\) before optimizer.step\(\)"):
+        y.backward(dy)
