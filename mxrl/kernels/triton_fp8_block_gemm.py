@@ -159,7 +159,10 @@ def fp8_block_kgrouped_kernel(
     ends = tl.load(offs_ptr + 1 + idx, mask=idx < E, other=2147483647)  # each expert's end row
     rr = tl.arange(0, 128)
     acc = zero
-    for r0 in range(tl.load(offs_ptr + e_lo), tl.load(offs_ptr + e_hi), 128):
+    # the loop runs over block indices, so that r0 is a known multiple of 128: the codes load
+    # as 16-byte vectors (a loop from a loaded bound loaded them byte by byte, unpipelined)
+    for blk in range(tl.load(offs_ptr + e_lo) // 128, tl.load(offs_ptr + e_hi) // 128):
+        r0 = blk * 128
         a_off = ns[:, None].to(tl.int64) * aq_stride + (r0 + rr)[None, :]
         qa = tl.load(aq_ptr + a_off, mask=n_mask[:, None], other=0)
         b_off = ks[:, None].to(tl.int64) * bq_stride + (r0 + rr)[None, :]
