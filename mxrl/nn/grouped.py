@@ -51,7 +51,7 @@ GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 # the wgrad, a gradient only, runs on the FP8 MMA.
 FORWARD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DGRAD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
-WGRAD_TILE = dict(block_n=128, block_k=128, num_warps=8, num_stages=3, fp8_mma=True)
+WGRAD_TILE = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, fp8_mma=True)
 
 
 @dataclass(frozen=True)
