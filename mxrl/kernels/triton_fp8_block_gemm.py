@@ -1,5 +1,6 @@
-"""Grouped block-FP8 GEMM (routed experts), one launch for all experts: the Triton kernel behind
-`mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul`.
+"""Grouped block-FP8 GEMMs (routed experts), one launch for all experts: the Triton kernels behind
+`mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul` (forward; dgrad with w read transposed) and
+`grouped_fp8_block_wgrad` (the weight gradient, grouped along the tokens).
 
 Legend: R rows sorted by expert (expert e owns rows offsets[e]:offsets[e+1]), N / K a
 projection's output / input features, E experts, KB = 128 (the block), BM / BN the tile.
