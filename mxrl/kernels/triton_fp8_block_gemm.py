@@ -10,8 +10,8 @@ projection's output / input features, E experts, KB = 128 (the block), BM / BN t
 with qx the 1x128 activation codes and qw the 128x128 weight codes (E4M3 bytes, fp32 decode
 scales), exactly the contract's block-FP8 product (spec §5.4). Each K block's inner sum runs on
 the tensor cores with the codes decoded to fp16 (every E4M3 value is an fp16: the products are
-exact) and fp32 accumulation, then is scaled and added in fp32 — the promotion per 128-wide
-block DeepGEMM uses. It differs from the emulated fp32 GEMM (`dequantize(x) @ dequantize(w)^T`)
+exact) and fp32 accumulation — or, FP8_MMA, on the FP8 MMA itself (`code_dot`) — then is
+scaled and added in fp32: the promotion per 128-wide block DeepGEMM uses. It differs from the emulated fp32 GEMM (`dequantize(x) @ dequantize(w)^T`)
 by summation order and where the scales multiply, within the bound the tests state.
 
 Work split: program (n tile, slot) serves the slot-th expert that has rows (`find_group`, no
