@@ -158,7 +158,14 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
 
 # GEMM kernels by name: cuBLAS (nvjet, xmma), CUTLASS (torch._grouped_mm), our grouped
 # block-FP8 kernel; and the attention kernels (cuDNN / flash SDPA)
-GEMM_KERNEL_MARKS = ("gemm", "xmma", "cutlass", "nvjet", "fp8_block_grouped_kernel")
+GEMM_KERNEL_MARKS = (
+    "gemm",
+    "xmma",
+    "cutlass",
+    "nvjet",
+    "fp8_block_grouped_kernel",
+    "fp8_block_kgrouped_kernel",
+)
 ATTENTION_KERNEL_MARKS = ("sdpa", "flash", "fmha")
 
 
@@ -299,8 +306,8 @@ def main(argv=None) -> int:
         ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
         ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"),
         ("host_s", "host s", ".3f"), ("s_step_fresh", "fresh s/step", ".3f"),
-        ("x_bf16_fresh", "x bf16", ".2f"), ("peak_gb_fresh", "fresh GB", ".1f"),
-        ("mem_x_bf16_fresh", "x bf16 mem", ".2f"),
+        ("x_bf16_fresh", "fresh x bf16", ".2f"), ("peak_gb_fresh", "fresh GB", ".1f"),
+        ("mem_x_bf16_fresh", "fresh x mem", ".2f"),
         ("bf16_x_hf_autocast", "bf16 x HF(amp)", ".2f"), ("bf16_x_hf_bf16", "bf16 x HF(bf16)", ".2f"),
     ]))  # fmt: skip
     env = environment() if device.type == "cuda" else cpu_environment()

@@ -4,12 +4,14 @@
     `mxrl.formats` fp8_block QTensors (E4M3 bytes, fp32 *decode* scales).
 
 cuBLASLt (SM90, torch >= 2.10) takes the scales as BlockWise1x128 for A — shape [M, K/128],
-M-major (strides (1, M)) — and BlockWise128x128 for B = w^T given column-major — the weight's
-[N/128, K/128] scale, transposed (a view). It accumulates in fp32 with its own summation order
-and rounds the output to `out_dtype`: not bit-identical to the emulated fp32 GEMM
+M-major (strides (1, M)) — and, for B = w^T given column-major, BlockWise128x128 — the weight's
+[N/128, K/128] scale, transposed (a view) — or BlockWise1x128 (w a second 1x128 operand, as in
+a weight gradient) — [K/128, N], N-major (what its runtime check asks; torch's meta kernel
+describes another layout). It accumulates in fp32 with its own summation order and rounds the
+output to `out_dtype`: not bit-identical to the emulated fp32 GEMM
 (`dequantize(x) @ dequantize(w).T`), within the bound its test states (Hopper's FP8 MMA
-accumulates with reduced precision between fp32 promotions, plus the output rounding). Blackwell has native MX/NV GEMMs instead; nothing here
-was run on Blackwell.
+accumulates with reduced precision between fp32 promotions, plus the output rounding).
+Blackwell has native MX/NV GEMMs instead; nothing here was run on Blackwell.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ def fp8_block_matmul(
         raise ValueError(f"N={n} and K={k} must be multiples of {BLOCK}")
     # On the H200 with torch 2.11, cuBLASLt gave silently wrong results (0.9 relative error)
     # when K/128 or N/128 was not a multiple of 4 (spec §5.4 warns of the K case); M is padded
-    # to 4 as well, as its scale layout asks, and so is N for a 1x128 w (its scale is laid out
-    # as x's). Pad with zeros (data) and ones (scales), slice.
+    # to 4 as well, as its scale layout asks; N of a 1x128 w to 16 (mat2's dims must divide
+    # by 16). Pad with zeros (data) and ones (scales), slice.
     mp, kp = _up(m, 4), _up(k, 4 * BLOCK)
-    np_ = _up(n, 4) if b_rowwise else _up(n, 4 * BLOCK)
+    np_ = _up(n, 16) if b_rowwise else _up(n, 4 * BLOCK)
     a = _pad2(xq.qdata, mp, kp).view(torch.float8_e4m3fn)
     b = _pad2(wq.qdata, np_, kp).view(torch.float8_e4m3fn).t()  # [K, N], column-major
     sa = _pad2(xq.scale, mp, kp // BLOCK, value=1.0)

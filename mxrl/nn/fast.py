@@ -44,7 +44,7 @@ from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
-from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row, weights_epoch
+from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
@@ -106,7 +106,7 @@ class TensorCoreWeight:
                 col_fn = functools.partial(transpose_square_blocks, q)
         elif with_col:
             kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
-            col_fn = functools.partial(_column_copy, w, weights_epoch(), spec, kwargs, backend)
+            col_fn = functools.partial(_column_copy, w, w._version, spec, kwargs, backend)
         return cls(q=q, s_dec=decode_global_scale(q), backend=backend, col_fn=col_fn)
 
     def lp(self) -> torch.Tensor:
@@ -124,15 +124,19 @@ class TensorCoreWeight:
         return kernel_dequantize(self.col, backend=self.backend)
 
 
-def _column_copy(w: torch.Tensor, epoch: int, spec: TensorSpec, kwargs: dict, backend) -> QTensor:
-    """The column-wise copy of the master weight the row-wise copy was quantized from (the
-    weights epoch, not the tensor's version: FSDP2 gathers the same values into it again
-    before the backward)."""
-    if weights_epoch() != epoch:
+def _column_copy(w: torch.Tensor, version: int, spec: TensorSpec, kwargs: dict, backend) -> QTensor:
+    """The column-wise copy of the master weight the row-wise copy was quantized from: refused
+    when the weight was written in place since (an optimizer step or a load between the
+    forward and this backward). The weight's own version counter, not the process-wide
+    weights epoch: an optimizer stepping other weights inside the backward (per-parameter
+    optimizers in post-accumulate-grad hooks) or another model's optimizer must not refuse it.
+    (FSDP2's re-gather of the same values before the backward does not move the counter:
+    `mxrl.nn.qmatmul.weights_changed`.)"""
+    if w._version != version:
         raise RuntimeError(
-            f"{spec.name}: an optimizer step or weight load came between the forward and the "
-            "backward that needs this weight's column-wise copy; call backward() before "
-            "optimizer.step()"
+            f"{spec.name}: the weight was written in place (an optimizer step or a load) "
+            "between the forward and the backward that needs its column-wise copy; call "
+            "backward() before optimizer.step()"
         )
     return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 

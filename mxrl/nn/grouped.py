@@ -264,7 +264,8 @@ def grouped_supported(
 ) -> bool:
     """Whether the grouped path takes these experts: bf16, MXFP8 or per-token NVFP4 projections
     (a per-tensor NVFP4 activation scale would span all experts' rows), block FP8 in 128x128
-    weight blocks on a device the Triton kernels run on (`mxrl.kernels.fp8_gemm`), and every
+    weight blocks on a device the Triton kernels run on (`mxrl.kernels.fp8_gemm`; with the
+    quantized backward, output features in whole blocks), and every
     feature dim a multiple of 8 (torch._grouped_mm's 16-byte strides)."""
     for spec in specs.values():
         if spec is None:
@@ -279,5 +280,11 @@ def grouped_supported(
             and device is not None
             and (device.type == "cuda" or triton_interpreter_enabled())
         ):
+            return False
+        if (
+            spec.format is Format.FP8_BLOCK
+            and backward is Backward.QUANTIZED
+            and spec.shape[-2] % 128
+        ):  # the dgrad reads w's codes transposed: whole 128x128 blocks (else the loop)
             return False
     return all(d % 8 == 0 for d in dims)

@@ -113,11 +113,6 @@ def weights_changed(*_args) -> None:
 register_optimizer_step_post_hook(weights_changed)
 
 
-def weights_epoch() -> int:
-    """How many times `weights_changed` has run (every optimizer step and weight load)."""
-    return _WEIGHTS_EPOCH[0]
-
-
 class WeightCache:
     """Holds a QuantizedWeight until one of the tensors it was built from changes (a load bumps
     the tensor's version counter) or the weights epoch moves (every optimizer step,

@@ -40,7 +40,7 @@ def weight_amax(
 
     finite: the caller has checked that weight and partner hold no NaN/Inf (the export does):
     each amax is then one read of the tensor (the infinity norm, which is exactly max |x|)
-    instead of a masked fp32 copy and a reduction over it. The same values either way."""
+    instead of a read of a NaN/Inf-zeroed fp32 copy. The same values either way."""
     amax = own_weight_amax(weight, spec, finite=finite)
     if amax is not None and partner is not None and weight.dim() != 3:
         amax = torch.maximum(amax, _amax(partner.detach(), None, finite))
@@ -77,8 +77,8 @@ def _amax(t: torch.Tensor, dim: tuple[int, ...] | None, finite: bool) -> torch.T
     only compares magnitudes); finite: t holds no NaN/Inf, so it is one read of t; otherwise
     of t with NaN/Inf set to 0 (one copy: a training step quantizes every NVFP4 weight after
     each optimizer step, and a masked |t| took four)."""
-    if not finite:
-        t = torch.nan_to_num(t.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+    if not finite:  # (fp32 first: an fp64 value past fp32's range is an Inf, skipped)
+        t = torch.nan_to_num(t.detach().float(), nan=0.0, posinf=0.0, neginf=0.0)
     if dim is None:
         return torch.linalg.vector_norm(t, ord=float("inf")).float()
     return torch.linalg.vector_norm(t, ord=float("inf"), dim=dim, keepdim=True).float()

@@ -360,3 +360,34 @@ def test_column_copy_is_built_by_the_backward_and_refused_after_an_optimizer_ste
     opt.step()  # the weights the forward used are gone before its backward made their copy
     with pytest.raises(RuntimeError, match=r"backward\(\) before optimizer.step\(\)"):
         y.backward(dy)
+
+
+def spec_like(spec, shape):
+    import dataclasses
+
+    return dataclasses.replace(spec, shape=shape)
+
+
+def test_an_optimizer_stepping_inside_the_backward_is_not_refused():
+    """Per-parameter optimizers stepped in post-accumulate-grad hooks (the optimizer-in-backward
+    pattern): the last layer's weight changes before the first layer's backward makes its
+    column-wise copy; the first layer's own weight has not changed, so its copy is made, from
+    the weights its forward used."""
+    first, last = make_linear("mxfp8", "quantized", seed=1), make_linear("mxfp8", "quantized")
+    last.weight = torch.nn.Parameter(last.weight.detach()[:, : first.out_features].contiguous())
+    last.in_features = first.out_features
+    last.spec = spec_like(last.spec, (last.out_features, first.out_features))
+    for q in (first, last):
+        q.gemm_choice = Gemm.TENSOR_CORE
+        opt = torch.optim.SGD([q.weight], lr=0.1)
+        q.weight.register_post_accumulate_grad_hook(lambda p, opt=opt: opt.step())
+    torch.optim.SGD([first.weight], lr=0.1).step()  # after a step: no column copy held yet
+    w_first = first.weight.detach().clone()
+    x, _ = inputs()
+    y = last(first(x))
+    tw = first.tensor_core_weight()  # the forward's (the hooks' steps will replace it)
+    assert "col" not in tw._held
+    y.square().sum().backward()
+    assert not torch.equal(first.weight.detach(), w_first)  # its own hook stepped it, after
+    col = tw._held["col"]
+    assert_bytes_equal(col.qdata, quantize(w_first, "mxfp8", axis=0).qdata, "first's copy")
