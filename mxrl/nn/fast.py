@@ -190,8 +190,9 @@ def fp8_block_gemm(aq: QTensor, bq: QTensor, spec: TensorSpec) -> torch.Tensor:
 
 
 def fp8_block_backward(ctx, dy: torch.Tensor):
-    """The block-FP8 quantized backward (module docstring): dx and dw in fp32, None where not
-    needed. ctx holds spec, tw (with its w^T copy), backend and x_col (x^T in 1x128 along T)."""
+    """The block-FP8 quantized backward (module docstring): dx and dw in x's and w's dtypes,
+    None where not needed. ctx holds spec, tw (with its w^T copy), backend, x_col (x^T in
+    1x128 along T) and the dtypes."""
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dyq = fp8_block_row(dy, ctx.spec, ctx.backend)
@@ -201,7 +202,10 @@ def fp8_block_backward(ctx, dy: torch.Tensor):
             dx = dequantize(dyq)[:, : dy.shape[1]] @ dequantize(ctx.tw.q)
     if ctx.needs_input_grad[1]:  # padded token columns are zeros in both: nothing to cut
         dw = fp8_block_gemm(fp8_block_col(dy, ctx.spec, ctx.backend), ctx.x_col, ctx.spec)
-    return dx, dw
+    return (
+        None if dx is None else dx.to(ctx.x_dtype),
+        None if dw is None else dw.to(ctx.w_dtype),
+    )
 
 
 class TensorCoreQMatmul(torch.autograd.Function):
@@ -239,10 +243,7 @@ class TensorCoreQMatmul(torch.autograd.Function):
         tw: TensorCoreWeight = ctx.tw
         rows = ctx.rows
         if ctx.mode is Backward.QUANTIZED and ctx.spec.format is Format.FP8_BLOCK:
-            dx, dw = fp8_block_backward(ctx, dy)
-            dx = None if dx is None else dx.to(ctx.x_dtype)
-            dw = None if dw is None else dw.to(ctx.w_dtype)
-            return dx, dw, None, None, None, None
+            return *fp8_block_backward(ctx, dy), None, None, None, None
         if ctx.mode is Backward.HIGH_PRECISION:
             x, w = ctx.saved_tensors
             w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)

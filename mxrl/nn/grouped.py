@@ -83,6 +83,10 @@ class ExpertLayout:
         ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
         return cls(order, inverse, order // k, row_expert, ends, t, k)
 
+    def offsets(self) -> torch.Tensor:
+        """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
+        return torch.cat([self.ends.new_zeros(1), self.ends])
+
 
 @dataclass(frozen=True)
 class PaddedLayout:
@@ -148,7 +152,7 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, layout: ExpertLayout, tw: TensorCoreWeight | None, spec, mode, backend):
         ctx.layout, ctx.tw, ctx.mode, ctx.backend, ctx.spec = layout, tw, mode, backend, spec
-        ctx.x_dtype, ctx.w_dtype, ctx.quantized_spec = x.dtype, w.dtype, spec is not None
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         if spec is None:
             a = x.to(BF16)
             y = grouped_mm(a, w.to(BF16).transpose(-2, -1), layout.ends)
@@ -160,8 +164,7 @@ class GroupedLinear(torch.autograd.Function):
             y, xq = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends), None
         elif spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
             xq = quantize_activation(x, spec, backend)
-            offsets = torch.cat([layout.ends.new_zeros(1), layout.ends])
-            y = grouped_fp8_block_matmul(xq, tw.q, offsets, out_dtype=BF16, **FORWARD_TILE)
+            y = grouped_fp8_block_matmul(xq, tw.q, layout.offsets(), out_dtype=BF16, **FORWARD_TILE)
         else:
             xq = quantize_activation(x, spec, backend)
             lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
@@ -194,7 +197,7 @@ class GroupedLinear(torch.autograd.Function):
         spec = ctx.spec
         if ctx.mode is Backward.QUANTIZED and spec is not None and spec.format is Format.FP8_BLOCK:
             return _fp8_block_backward(ctx, dy)
-        if not ctx.quantized_spec or ctx.mode is Backward.HIGH_PRECISION:
+        if spec is None or ctx.mode is Backward.HIGH_PRECISION:
             x_op, w = ctx.saved_tensors
             w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
         elif ctx.mode is Backward.DEQUANTIZED:
@@ -223,12 +226,11 @@ def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
     lay: ExpertLayout = ctx.layout
     pad: PaddedLayout = ctx.padded
     spec, tw, backend = ctx.spec, ctx.tw, ctx.backend
-    offsets = torch.cat([lay.ends.new_zeros(1), lay.ends])
     dx = dw = None
     if ctx.needs_input_grad[0]:
         dyq = fp8_block_row(dy, spec, backend)
         dx = grouped_fp8_block_matmul(
-            dyq, tw.q, offsets, out_dtype=BF16, transpose_w=True, **DGRAD_TILE
+            dyq, tw.q, lay.offsets(), out_dtype=BF16, transpose_w=True, **DGRAD_TILE
         ).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         dy_col = fp8_block_col(pad.scatter(dy), spec, backend)
@@ -265,8 +267,8 @@ def grouped_supported(
     """Whether the grouped path takes these experts: bf16, MXFP8 or per-token NVFP4 projections
     (a per-tensor NVFP4 activation scale would span all experts' rows), block FP8 in 128x128
     weight blocks on a device the Triton kernels run on (`mxrl.kernels.fp8_gemm`; with the
-    quantized backward, output features in whole blocks), and every
-    feature dim a multiple of 8 (torch._grouped_mm's 16-byte strides)."""
+    quantized backward, output features in whole blocks, which its dgrad reads transposed),
+    and every feature dim a multiple of 8 (torch._grouped_mm's 16-byte strides)."""
     for spec in specs.values():
         if spec is None:
             continue
@@ -279,12 +281,7 @@ def grouped_supported(
             and backward is not None
             and device is not None
             and (device.type == "cuda" or triton_interpreter_enabled())
+            and (backward is not Backward.QUANTIZED or spec.shape[-2] % 128 == 0)
         ):
-            return False
-        if (
-            spec.format is Format.FP8_BLOCK
-            and backward is Backward.QUANTIZED
-            and spec.shape[-2] % 128
-        ):  # the dgrad reads w's codes transposed: whole 128x128 blocks (else the loop)
             return False
     return all(d % 8 == 0 for d in dims)
