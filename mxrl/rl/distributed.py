@@ -4,14 +4,14 @@ with a `placement` section.
 One step, every rank in lockstep:
 
 1. rollout: each rollout rank generates its share of the step's prompt groups on its own
-   engine (`mxrl.dist.rollout.share`); the completions, with their logprobs and routing
+   engine (`mxrl.parallel.rollout.share`); the completions, with their logprobs and routing
    records, are gathered to every rank in request order;
 2. train: each train rank computes the trainer logprobs and the loss of its share of the groups
    on its FSDP2 shard of the model; the loss uses the whole batch's token count and is scaled
    by the number of train ranks, so FSDP2's averaged gradient is the single-process batch's
    gradient (DAPO token-mean); clipping, spike detection and the optimizer step see the global
    gradient norm;
-3. sync: the train ranks export the sharded master weights (`mxrl.dist.sharded_export`, bytes
+3. sync: the train ranks export the sharded master weights (`mxrl.parallel.sharded_export`, bytes
    identical to a single-process export); colocated, every rank loads its own engine in
    process; split, train rank 0 broadcasts the buckets to the rollout ranks
    (`mxrl.sync.DistributedSender`), which verify and load them.
@@ -19,7 +19,7 @@ One step, every rank in lockstep:
 Rank 0 (a train rank) writes the run record: the same metrics as the single-process loop, the
 step's times as the maximum over ranks (the step waits for the slowest) plus each rank's own
 (`time/rank{r}/...`), the sync events with the engine digest every serving rank agreed on.
-Checkpoints go through torch.distributed.checkpoint (`mxrl.dist.checkpoint`).
+Checkpoints go through torch.distributed.checkpoint (`mxrl.parallel.checkpoint`).
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.dist import Layout, parallelize, sharded_export
-from mxrl.dist import checkpoint as dcp_checkpoint
-from mxrl.dist.parallelize import attach_cache_reset, clear_quantized_caches, full, local
-from mxrl.dist.rollout import gather_in_order, gather_objects, share
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
+from mxrl.parallel import Layout, parallelize, sharded_export
+from mxrl.parallel import checkpoint as dcp_checkpoint
+from mxrl.parallel.parallelize import attach_cache_reset, clear_quantized_caches, full, local
+from mxrl.parallel.rollout import gather_in_order, gather_objects, share
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import yaml
 
-from mxrl.dist.placement import Placement
 from mxrl.kernels import select_backend
 from mxrl.models import CharTokenizer, from_pretrained, load_tokenizer
+from mxrl.parallel.placement import Placement
 from mxrl.recipe import builtin_config, resolve
 from mxrl.rl.data import PromptDataset
 from mxrl.rl.loop import CHECKPOINT_DIR, GRPOConfig, GRPOTrainer, latest_checkpoint
@@ -175,8 +175,8 @@ def run_train(path: str | Path) -> RunRecord | None:
 
 def _run_distributed(raw: dict[str, Any], path: str | Path) -> RunRecord | None:
     """This rank's part of a torchrun job (mxrl/rl/distributed.py, docs/scale.md)."""
-    from mxrl.dist import Layout
-    from mxrl.dist import checkpoint as dcp_checkpoint
+    from mxrl.parallel import Layout
+    from mxrl.parallel import checkpoint as dcp_checkpoint
     from mxrl.rl.distributed import DistributedGRPOTrainer
 
     placement = Placement.from_dict(raw["placement"], f"{path}: placement")

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mxrl.dist import Layout, Placement, parallelize, sharded_export, unshard_module
-from mxrl.dist.parallelize import attach_cache_reset
 from mxrl.engine import Engine
 from mxrl.nn import apply_plan
+from mxrl.parallel import Layout, Placement, parallelize, sharded_export, unshard_module
+from mxrl.parallel.parallelize import attach_cache_reset
 from mxrl.recipe import resolve
 from mxrl.sync import InProcessTransport
 from mxrl.weights import export, export_weights
@@ -25,7 +25,7 @@ from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, tiny
 # expert's gate and up share one: both all-reduced) and the experts NVFP4 (per expert, inside a
 # shard); bf16 norms, router, embeddings. The export does not need apply_plan (it reads the
 # master weights), so the models here are sharded without it: QLinear's 2-D fuse partner is
-# refused by parallelize (mxrl/dist/parallelize.py). FP8_BLOCK_32: 64-row tensors shard by
+# refused by parallelize (mxrl/parallel/parallelize.py). FP8_BLOCK_32: 64-row tensors shard by
 # whole blocks (32 rows a rank, quantized shard-locally), 32-row ones (k_proj, v_proj: 16 rows a
 # rank) are gathered and quantized whole.
 RECIPES = {

@@ -3,9 +3,9 @@
 sharded masters (`export.py`), distributed checkpoints (`checkpoint.py`) and the data-parallel
 rollout helpers (`rollout.py`). The GRPO loop that uses them is `mxrl.rl.distributed`."""
 
-from mxrl.dist.export import ShardedExport, sharded_export
-from mxrl.dist.parallelize import full, layer_policy, local, parallelize, unshard_module
-from mxrl.dist.placement import Layout, Placement
+from mxrl.parallel.export import ShardedExport, sharded_export
+from mxrl.parallel.parallelize import full, layer_policy, local, parallelize, unshard_module
+from mxrl.parallel.placement import Layout, Placement
 
 __all__ = [
     "Layout",

@@ -7,14 +7,14 @@ import json
 
 import pytest
 
-from tests.dist.export_worker import RECIPES
-from tests.dist.helpers import tail, torchrun
+from tests.parallel.export_worker import RECIPES
+from tests.parallel.helpers import tail, torchrun
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_export")
-    run = torchrun(["-m", "tests.dist.export_worker", str(out)])
+    run = torchrun(["-m", "tests.parallel.export_worker", str(out)])
     assert run.returncode == 0, tail(run)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -18,13 +18,13 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mxrl.dist import Placement
-from mxrl.dist.rollout import share
+from mxrl.parallel import Placement
+from mxrl.parallel.rollout import share
 from mxrl.rl.loop import CHECKPOINT_DIR
 from mxrl.runs import RunRecord
-from tests.dist.helpers import tail, torchrun
 from tests.numeric_env import run_python
 from tests.numerics import assert_bytes_equal
+from tests.parallel.helpers import tail, torchrun
 from tests.rl.loop_helpers import numerics
 
 STEPS, EVERY = 4, 2
