@@ -75,7 +75,7 @@ def snapshot(*roots: Path) -> dict[str, str]:
             continue
         if not root.exists():
             continue
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, _dirnames, filenames in os.walk(root):
             out[dirpath + os.sep] = "dir"
             for name in filenames:
                 path = Path(dirpath) / name
