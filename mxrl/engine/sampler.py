@@ -131,25 +131,52 @@ class SamplingBatch:
 
 def processed_logprobs_batch(logits_RV: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """log-probabilities [R, V] of the distributions sampled from: logits / temperature, then
-    top-k, then top-p (nucleus over the sorted probabilities, the token crossing p kept),
-    renormalised. Filtered tokens get -inf. Greedy rows use the unscaled distribution. Ties in
-    the sort are broken by vocabulary index (stable), so the filters are deterministic."""
+    top-k, then top-p (`filter_logits`), renormalised. Filtered tokens get -inf. Greedy rows use
+    the unscaled distribution."""
     logits = logits_RV.float() / b.temperature[:, None]
+    top_k = b.top_k if b.any_top_k else None
+    top_p = b.top_p if b.any_top_p else None
+    return torch.log_softmax(filter_logits(logits, top_k, top_p), dim=-1)
+
+
+def filter_logits(
+    logits_NV: torch.Tensor,
+    top_k_N: torch.Tensor | None = None,
+    top_p_N: torch.Tensor | None = None,
+    *,
+    keep_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Temperature-scaled logits [N, V] with the tokens top-k and then top-p drop set to -inf:
+    top-k keeps the k largest (k = 0 or >= V: off), top-p the nucleus over the sorted
+    probabilities, the token crossing p kept (p = 1: off). Ties in the sort are broken by
+    vocabulary index (stable), so the filters are deterministic. The engine's sampler and the
+    trainer's logprobs (`mxrl.rl.logprobs`) both call this, so both see one distribution.
+
+    keep_N: int64 [N] token ids never dropped (the trainer's sampled tokens: where precision
+    moved a filter's boundary between engine and trainer, the sampled token keeps a finite
+    logprob and the mismatch metrics count the difference)."""
+    logits = logits_NV
     vocab = logits.shape[-1]
-    if b.any_top_k:
-        k = b.top_k.clamp(0, vocab)
+    if top_k_N is not None:
+        k = top_k_N.clamp(0, vocab)
         sorted_logits = torch.sort(logits, dim=-1, descending=True, stable=True).values
         kth = sorted_logits.gather(-1, (k - 1).clamp(min=0)[:, None])
         drop = (logits < kth) & ((k > 0) & (k < vocab))[:, None]
-        logits = logits.masked_fill(drop, float("-inf"))
-    if b.any_top_p:
+        logits = logits.masked_fill(_keeping(drop, keep_N), float("-inf"))
+    if top_p_N is not None:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop_sorted = (before >= b.top_p[:, None]) & (b.top_p < 1.0)[:, None]
+        drop_sorted = (before >= top_p_N[:, None]) & (top_p_N < 1.0)[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
+        logits = logits.masked_fill(_keeping(drop, keep_N), float("-inf"))
+    return logits
+
+
+def _keeping(drop_NV: torch.Tensor, keep_N: torch.Tensor | None) -> torch.Tensor:
+    if keep_N is None:
+        return drop_NV
+    return drop_NV.scatter(-1, keep_N[:, None], False)
 
 
 def _sample_rows(logits_RV: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ Checkpoints go through torch.distributed.checkpoint (`mxrl.parallel.checkpoint`)
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from dataclasses import asdict
@@ -54,6 +55,7 @@ from mxrl.rl.loop import (
     step_metrics,
 )
 from mxrl.rl.mismatch import mismatch_metrics
+from mxrl.rl.optim import adamw
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, _group_of, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -93,7 +95,7 @@ class DistributedGRPOTrainer:
         if layout.trains:
             apply_plan(model, self.plan, backend=cfg.backend)
             self.model = parallelize(model, self.plan, layout.train_mesh)
-            self.opt = torch.optim.AdamW(
+            self.opt = adamw(
                 model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
             )
             attach_cache_reset(model, self.opt)
@@ -203,8 +205,9 @@ class DistributedGRPOTrainer:
         idx = [g * n + j for g in groups for j in range(n)]
         self.model.train()
         logp = sequence_logprobs(
-            self.model, [prompts[i] for i in idx], [outs[i].tokens for i in idx], cfg.temperature
-        )
+            self.model, [prompts[i] for i in idx], [outs[i].tokens for i in idx], cfg.temperature,
+            top_p=cfg.top_p,
+        )  # fmt: skip
         m = pad_sequence([torch.ones(len(outs[i].tokens)) for i in idx], batch_first=True)
         rollout = pad_sequence([outs[i].logprobs for i in idx], batch_first=True).to(logp.device)
         old = logp.detach()
@@ -398,4 +401,4 @@ def _layer_grad_norms(model: torch.nn.Module, group) -> dict[str, float]:
     sq = torch.stack([torch.stack(groups[k]).sum() for k in names]).to(device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
-    return dict(zip(names, sq.sqrt().tolist(), strict=True))
+    return {n: math.sqrt(v) for n, v in zip(names, sq.tolist(), strict=True)}  # as stability

@@ -30,6 +30,7 @@ from mxrl.recipe import Plan, resolve
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.mismatch import mismatch_metrics
+from mxrl.rl.optim import adamw
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -122,7 +123,7 @@ class GRPOTrainer:
             compute_dtype=compute,
         )  # fmt: skip
         self.transport = InProcessTransport(self.engine)
-        self.opt = torch.optim.AdamW(
+        self.opt = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self.spikes = GradSpikeDetector(
@@ -172,7 +173,9 @@ class GRPOTrainer:
         )
         adv = group_advantages(rewards, n, std_normalize=cfg.std_normalize)
         self.model.train()
-        logp = sequence_logprobs(self.model, prompts, [o.tokens for o in outs], cfg.temperature)
+        logp = sequence_logprobs(
+            self.model, prompts, [o.tokens for o in outs], cfg.temperature, top_p=cfg.top_p
+        )
         mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)
         rollout = pad_sequence([o.logprobs for o in outs], batch_first=True).to(logp.device)
         old = logp.detach()  # one update per batch: pi_old is the trainer's current policy

@@ -29,8 +29,9 @@ def measure_mismatch(
     replay = [o.routed_experts for o in outs] if replay_routing else None
     temperature = 0.0 if params.greedy else params.temperature
     train = completion_logprobs(
-        trainer, prompts, [o.tokens for o in outs], temperature=temperature, replay_routing=replay
-    )
+        trainer, prompts, [o.tokens for o in outs], temperature=temperature,
+        top_k=params.top_k, top_p=params.top_p, replay_routing=replay,
+    )  # fmt: skip
     rollout = pad_sequence([o.logprobs for o in outs], batch_first=True)
     trained = pad_sequence(train, batch_first=True)
     mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)

@@ -142,7 +142,9 @@ def layer_grad_norms(model: torch.nn.Module) -> dict[str, float]:
         return {}
     names = list(groups)
     sq = torch.stack([torch.stack(groups[n]).sum() for n in names])
-    return dict(zip(names, sq.sqrt().tolist(), strict=True))
+    # math.sqrt is the correctly rounded IEEE root; torch.sqrt on the CPU is MKL's, which rounds
+    # differently by processor (mxrl/rl/optim.py)
+    return {n: math.sqrt(v) for n, v in zip(names, sq.tolist(), strict=True)}
 
 
 def _group_of(name: str) -> str:

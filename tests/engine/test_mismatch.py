@@ -16,7 +16,7 @@ from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
 from mxrl.nn import apply_plan
 from mxrl.recipe import builtin_config, resolve
-from mxrl.rl import measure_mismatch
+from mxrl.rl import completion_logprobs, measure_mismatch
 from mxrl.weights import export_weights
 
 pytestmark = pytest.mark.capability  # holds on every CPU capability (tests/numeric_env.py)
@@ -77,3 +77,24 @@ def test_the_plan_hash_catches_the_broken_engine_at_sync():
     engine = Engine(trainer, BROKEN_NVFP4)
     with pytest.raises(ValueError, match="plan hash mismatch"):
         engine.load_weights(export_weights(trainer.named_parameters(), plan), plan.hash())
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 0.9), (5, 1.0), (8, 0.8)])
+def test_sampling_filters_reach_the_trainer(top_k, top_p):
+    """Rollouts with top-k / top-p: the trainer scores the same filtered distribution, so
+    |dlogp| stays at the precision level; scored under the full distribution instead (what the
+    trainer did before the filters reached it), the same tokens differ by the mass the filters
+    removed."""
+    trainer = build_model(builtin_config("tiny-moe"), seed=0)
+    engine = Engine(trainer, "bf16", weight_dtype=torch.float32)
+    apply_plan(trainer, resolve("bf16", {n: p.shape for n, p in trainer.named_parameters()}))
+    params = SamplingParams(max_new_tokens=16, seed=0, top_k=top_k, top_p=top_p)
+    outs = engine.generate(_prompts(), params)
+    tokens = [o.tokens for o in outs]
+    with torch.no_grad():
+        same = completion_logprobs(trainer, _prompts(), tokens, top_k=top_k, top_p=top_p)
+        full = completion_logprobs(trainer, _prompts(), tokens)
+    rollout = torch.cat([o.logprobs for o in outs])
+    assert (torch.cat(same) - rollout).abs().max() < 1e-5
+    # the filters renormalise onto fewer tokens: every kept token's logprob rises
+    assert (rollout - torch.cat(full)).min() > 1e-3
