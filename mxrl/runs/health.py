@@ -116,7 +116,18 @@ def unreadable(record: RunRecord) -> list[str]:
             out.append(f"{name} {e}")
         except OSError as e:
             out.append(f"{name} {_os_error(e)}")
-    return out
+    return out or _readers_fail(record)
+
+
+def _readers_fail(record: RunRecord) -> list[str]:
+    """What the record's own readers raise on the folder (they may be stricter than the checks
+    above, e.g. a YAML loader that refuses duplicate keys): one line, or []."""
+    try:
+        record.config, record.env, record.plan_json, record.notes()  # each one reads its file
+        record.metrics(), record.events()
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
+        return [f"the run record cannot be read ({one_line(e)})"]
+    return []
 
 
 def missing(record: RunRecord) -> list[str]:

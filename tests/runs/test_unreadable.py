@@ -180,3 +180,23 @@ def test_a_step_zero_evaluation_row_is_not_a_step(tmp_path, capsys):
     code, out, _ = run(capsys, "runs", "show", "r", "--root", tmp_path)
     assert "status: finished; 3 steps logged, last step 3" in out
     assert "| steps logged | 3 |" in compare([rec], tmp_path / "cmp").table
+
+
+def test_whatever_the_records_own_readers_refuse_is_unreadable(make_run, capsys, monkeypatch):
+    """The checks follow the record's readers: a loader stricter than the checks (one that
+    refuses duplicate keys, say) marks the run unreadable too, not the whole listing."""
+    rec = make_run("dup", steps=2)
+    make_run("good", steps=2)
+    real = RunRecord.config
+
+    def config(self):
+        if self.path == rec.path:
+            raise ValueError("config.yaml: duplicate key 'lr' (lines 1 and 3)")
+        return real.fget(self)
+
+    monkeypatch.setattr(RunRecord, "config", property(config))
+    code, out, _ = run(capsys, "runs", "list", "--root", make_run.root)
+    assert code == 0
+    assert "dup: the run record cannot be read (config.yaml: duplicate key 'lr'" in out
+    code, _, err = run(capsys, "runs", "show", "dup", "--root", make_run.root)
+    assert code == 2 and len(err.splitlines()) == 1 and "duplicate key 'lr'" in err
