@@ -22,6 +22,8 @@ elements as if the bad one were 0); other blocks and the global scale are untouc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mxrl.formats import codecs
@@ -53,12 +55,12 @@ def _caller_amax(
     """A scalar (one scale for the tensor) or a tensor of x's rank whose last dim is 1 and which
     broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...).
 
-    check: refuse a value that is NaN, Inf, 0 or negative, and, given `data_amax` (x's finite
+    check: refuse a value that is NaN, Inf or negative, and, given `data_amax` (x's finite
     magnitudes, or its block amaxes: any tensor of x's rank whose max over a scale's group is
-    that group's amax), a value so far below its data that the E4M3 block scales would
-    saturate, clipping the data (docs/formats.md). One read back to the host for both (on a
-    GPU, a sync); check=False (`check_amax=False` of `quantize`) is for an amax the caller
-    computed itself (`weight_amax`), and skips both."""
+    that group's amax), one below its data: 0 for data that is not all zero, or so far below
+    that the E4M3 block scales would saturate, clipping the data (docs/formats.md). One read
+    back to the host for both (on a GPU, a sync); check=False (`check_amax=False` of
+    `quantize`) is for an amax the caller computed itself (`weight_amax`), and skips both."""
     g = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     fits = g.dim() == 0 or (
         g.dim() == len(shape)
@@ -76,32 +78,39 @@ def _caller_amax(
 
 
 def _check_caller_amax(g: torch.Tensor, data_amax: torch.Tensor | None) -> None:
-    bad = ~torch.isfinite(g) | (g <= 0)
+    bad = ~torch.isfinite(g) | (g < 0)
     if data_amax is None:
-        clipped = torch.zeros_like(bad)
-        group_amax = g
+        group_amax = torch.full_like(g, math.inf)  # unknown: a 0 amax is refused
+        clipped = ~bad & (g == 0)
     else:  # TE order: the largest block scale of each group is that of its amax (§3.3)
         group_amax = _group_max(data_amax, g)
         t = group_amax * (global_encode_scale(g) * C.RCP_6)
-        clipped = ~bad & (t > C.E4M3_SATURATION_EDGE)
+        # 0 is the amax of an all-zero group (S_enc = 1, §3.2); for any other data it is a
+        # missing amax, which would quantize it without a scale (tiny values to 0)
+        below = (g == 0) & (group_amax > 0)
+        clipped = ~bad & ((t > C.E4M3_SATURATION_EDGE) | below)
     flags = int((bad.any().to(torch.int32) + 2 * clipped.any().to(torch.int32)).item())
     if flags & 1:  # (one read back for both checks)
         first = _first_index(bad, g.shape)
         raise ValueError(
-            f"nvfp4: global_amax must be finite and positive; it holds {g[first].item()} at "
+            f"nvfp4: global_amax must be finite and non-negative; it holds {g[first].item()} at "
             f"index {first}. A NaN/Inf amax means the tensor it came from holds NaN/Inf: take "
             "the amax over its finite elements, or find what produced them (check_finite=True "
-            "on that tensor names the first one); 0 or less scales nothing: pass global_amax="
-            "None for a tensor that has no caller amax (an all-zero one)"
+            "on that tensor names the first one)"
         )
     if flags & 2:
         first = _first_index(clipped, g.shape)  # group_amax and clipped have g's shape
         value, amax = f"{g[first].item():.6g}", f"{group_amax[first].item():.6g}"
+        harm = (
+            "a 0 amax stands for all-zero data (S_enc = 1), so this data would be quantized "
+            "without its scale (small values to 0, large ones clipped)"
+            if g[first].item() == 0
+            else f"the E4M3 block scales would saturate and clip the data to about ±{value}"
+        )
         raise ValueError(
             f"nvfp4: global_amax {value} at index {first} is below the amax of the data it "
-            f"scales, {amax}: the E4M3 block scales would saturate and clip the data to about "
-            f"±{value}. Pass the max |x| over every tensor sharing the scale (gate and up: the "
-            "max of both), or global_amax=None to use x's own"
+            f"scales, {amax}: {harm}. Pass the max |x| over every tensor sharing the scale "
+            "(gate and up: the max of both), or global_amax=None to use x's own"
         )
 
 

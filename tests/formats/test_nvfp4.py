@@ -287,10 +287,17 @@ def test_per_expert_amax_below_one_expert_names_it():
     quantize(w, "nvfp4", global_amax=amax * 2)
 
 
-def test_a_zero_caller_amax_is_refused():
-    """0 would give S_enc = 1 (spec §3.2's rule for an all-zero tensor): from a caller it is a
-    missing amax. check_amax=False takes it (an all-zero weight's own amax)."""
-    with pytest.raises(ValueError, match=r"finite and positive; it holds 0.0 at index \(\)"):
-        quantize(torch.zeros(2, 16), "nvfp4", global_amax=0.0)
-    q = quantize(torch.zeros(2, 16), "nvfp4", global_amax=0.0, check_amax=False)
-    assert q.global_scale.item() == 1.0
+def test_a_zero_caller_amax_is_refused_unless_its_data_is_all_zero():
+    """0 is the amax of all-zero data (S_enc = 1, spec §3.2's rule): a padding row, an expert
+    that got no update. For other data it is a missing amax: with S_enc = 1 a block of amax
+    1e-3 would get the E4M3 scale 1e-3 / 6, below E4M3's smallest 2^-9, and become 0."""
+    x = torch.zeros(3, 16)
+    x[1, 4] = 1e-3
+    amax = torch.tensor([[0.0], [0.0], [0.0]])
+    with pytest.raises(ValueError, match=r"global_amax 0 at index \(1, 0\) is below .* 0.001: a 0"):
+        quantize(x, "nvfp4", global_amax=amax)
+    amax[1, 0] = 1e-3
+    q = quantize(x, "nvfp4", global_amax=amax)  # rows 0 and 2 are all zero: their 0 is right
+    assert q.global_scale.reshape(-1)[[0, 2]].tolist() == [1.0, 1.0]
+    q = quantize(x, "nvfp4", global_amax=0.0, check_amax=False)  # the caller's word: taken
+    assert q.scale.view(torch.uint8)[1, 0] == 0 and dequantize(q)[1, 4] == 0  # 1e-3 is lost
