@@ -383,9 +383,11 @@ class Engine(WeightLoading):
         same prompt share its KV blocks. Outputs do not depend on any of this."""
         per_req = _per_request(params, len(prompts))
         vocab = self.config.vocab_size
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True)):
             if not p or any(not 0 <= int(t) < vocab for t in p):
                 raise ValueError(f"prompt {i} is empty or holds ids outside [0, {vocab})")
+            # before anything runs: past max_position_embeddings the model generates silently
+            self.config.check_positions(len(p), sp.max_new_tokens, f"request {i}", "max_new_tokens")
         seqs = [
             Request(i, [int(t) for t in p], sp, _seed(sp.seed))
             for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True))

@@ -46,16 +46,33 @@ def _f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def e4m3_encode(x: torch.Tensor) -> torch.Tensor:
+def e4m3_encode(x: torch.Tensor, limit: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 -> E4M3 byte (uint8): RNE, finite overflow saturates to ±448 (spec §1.5 reference
-    recipe); NaN and ±Inf -> 0x7F (mxrl's non-finite policy, not satfinite's ±448)."""
+    recipe); NaN and ±Inf -> 0x7F (mxrl's non-finite policy, not satfinite's ±448).
+
+    limit: a per-element cap (an E4M3 value <= 448, broadcast to x), from `e4m3_limit`: finite
+    values saturate to ±limit instead of ±448, so that a value times its block scale stays
+    finite (docs/formats.md, "The top of the fp32 range")."""
     assert x.dtype == torch.float32, x.dtype
-    clamped = torch.clamp(x, -C.E4M3_MAX, C.E4M3_MAX)
+    if limit is None:
+        clamped = torch.clamp(x, -C.E4M3_MAX, C.E4M3_MAX)
+    else:
+        clamped = torch.minimum(torch.maximum(x, -limit), limit)
     codes = clamped.to(torch.float8_e4m3fn).view(torch.uint8)
     # One canonical NaN byte for NaN of either sign (torch keeps the sign on the CPU, not on
     # CUDA) and for ±Inf (which the clamp above turned into ±448).
     non_finite = ~torch.isfinite(x)
     return torch.where(non_finite, torch.full_like(codes, C.E4M3_NAN_CODE), codes)
+
+
+def e4m3_limit(scale_codes: torch.Tensor) -> torch.Tensor:
+    """The largest E4M3 magnitude an element may take under the E8M0 scale `scale_codes`
+    (int tensor, any shape) so that element x scale is finite in fp32: 448, except at the codes
+    whose 448 x 2^(c-127) overflows (c >= 247; a finite input reaches 247 at most), where it is
+    240 (constants.E4M3_MAX_AT_OVERFLOW_CODE). fp32, scale_codes' shape."""
+    top = scale_codes.to(torch.int32) >= C.E8M0_OVERFLOW_CODE
+    full = torch.full(top.shape, C.E4M3_MAX, dtype=torch.float32, device=top.device)
+    return torch.where(top, torch.full_like(full, C.E4M3_MAX_AT_OVERFLOW_CODE), full)
 
 
 def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,9 @@ def f32_from_bits(bits: int) -> float:
 E4M3_MAX = 448.0
 E4M3_MAX_CODE = 0x7E
 E4M3_NAN_CODE = 0x7F  # canonical NaN byte after satfinite (sign dropped), spec §1.5
+# RNE rounds [448, 464] to 448 (464 is the tie with 480, whose mantissa is odd); above it only
+# the saturation keeps a value at 448. An NVFP4 block scale past it has clipped its block.
+E4M3_SATURATION_EDGE = 464.0
 E4M3_EMAX = 8  # exponent of the largest power of two <= 448 (OCP FLOOR rule, spec §2.2)
 
 # --- FP4 E2M1, spec §1.2 ---------------------------------------------------------------------
@@ -60,6 +63,15 @@ F32_EXP_MASK = 0xFF
 F32_MANTISSA_MASK = 0x7FFFFF
 F32_HALF_SUBNORMAL = 0x400000  # the E == 0 rule of ceil_e8m0 (spec §2.2)
 F32_2_POW_M127_BITS = 0x00400000  # 2^-127 as an fp32 subnormal
+
+# --- finite in, finite out (docs/formats.md, "The top of the fp32 range") -----------------------
+# A power-of-two scale 2^(c-127) whose 448 x scale overflows fp32 (c >= 247, i.e. 2^120 and up)
+# caps its elements at the largest E4M3 value whose product with it is finite. Every finite
+# input gets c <= 247 (MXFP8 RCEIL: ceil_e8m0(FLT_MAX * fl(1/448)) = 247; block FP8 ue8m0 the
+# same), and at 2^120 that value is 240 (0x77): 256 * 2^120 = 2^128 is +Inf, 240 * 2^120 =
+# 3.19e38. Below code 247 the cap is 448, which `e4m3_encode` saturates to anyway.
+E8M0_OVERFLOW_CODE = 247  # smallest c with 448 * 2^(c-127) > FLT_MAX
+E4M3_MAX_AT_OVERFLOW_CODE = 240.0  # largest E4M3 v with v * 2^120 <= FLT_MAX
 
 # --- FP32 constants the kernels use (spec §2.2, §3.3) -----------------------------------------
 FLT_MAX = f32_from_bits(0x7F7FFFFF)

@@ -10,6 +10,9 @@ Stored scale = sf (the *decode* scale, DeepSeek's `weight_scale_inv`); x_hat = f
 Non-finite inputs: amax is over the block's finite elements (`block_amax`), and a NaN or ±Inf
 element is stored as the E4M3 NaN byte 0x7F (`codecs.e4m3_encode`): it dequantizes to NaN, the
 scale and the other elements are those of the block with that element 0 (docs/formats.md).
+Finite inputs dequantize to finite values: with ue8m0 scales a block with amax above ~2.98e38
+gets 2^120, where elements saturate to ±240 instead of rounding to ±256 (= ±Inf once scaled), as
+MXFP8 (`codecs.e4m3_limit`); fp32 scales need no cap (448 x fl(amax / 448) never overflows).
 """
 
 from __future__ import annotations
@@ -57,10 +60,12 @@ def quantize_fp8_block(
     blocks_x, pad = _blocked(x.to(torch.float32), block)
     amax = torch.clamp(block_amax(blocks_x), min=C.FP8_BLOCK_AMAX_FLOOR)
     sf = codecs.fdiv(amax, C.E4M3_MAX)
+    limit = None  # fp32 scales: 448 x sf is finite for every finite amax (docs/formats.md)
     if scale_mode == "ue8m0":
         code = torch.clamp(codecs.ceil_e8m0(sf), 1, C.E8M0_MAX_CODE)
         sf = codecs.e8m0_to_f32(code)
-    qdata = codecs.e4m3_encode(blocks_x * codecs.fdiv(1.0, sf).unsqueeze(-1))
+        limit = codecs.e4m3_limit(code).unsqueeze(-1)  # 240 at 2^120, as MXFP8
+    qdata = codecs.e4m3_encode(blocks_x * codecs.fdiv(1.0, sf).unsqueeze(-1), limit)
     return QTensor(
         qdata=_unblocked(qdata, block, shape, pad).contiguous(),
         scale=sf.contiguous(),

@@ -6,6 +6,9 @@ copy; dim 0 of a 2-D tensor for the column-wise copy, which keeps x's layout as 
 Non-finite inputs: the scale comes from the block's finite elements (`block_amax`), and a NaN or
 ±Inf element is stored as the E4M3 NaN byte 0x7F (`codecs.e4m3_encode`), so it dequantizes to
 NaN and its block's other elements keep their bytes.
+Finite inputs dequantize to finite values: a block with amax above ~2.98e38 gets the top scale
+2^120 (code 247), where an element that would round to ±256 (±2^128 = ±Inf once scaled) is
+stored as ±240 instead (`codecs.e4m3_limit`; docs/formats.md, "The top of the fp32 range").
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def quantize_mxfp8(x: torch.Tensor, axis: int = -1, scale_mode: str = "rceil") -
         code = codecs.ceil_e8m0(amax * C.RCP_448)
     else:
         code = codecs.floor_e8m0(amax, C.E4M3_EMAX)
-    # §2.3: multiply by the exact power-of-two reciprocal, then RNE + saturate to E4M3.
+    # §2.3: multiply by the exact power-of-two reciprocal, then RNE + saturate to E4M3 -- to
+    # 240 instead of 448 at the top scale 2^120, where 256 x 2^120 would be +Inf (`e4m3_limit`).
     scaled = blocks_x * codecs.e8m0_reciprocal(code).unsqueeze(-1)
-    qdata = codecs.e4m3_encode(scaled).reshape(moved.shape)
+    limit = codecs.e4m3_limit(code).unsqueeze(-1)
+    qdata = codecs.e4m3_encode(scaled, limit).reshape(moved.shape)
     if axis != -1:
         qdata = qdata.movedim(-1, axis)
         code = code.movedim(-1, axis)

@@ -22,6 +22,8 @@ elements as if the bad one were 0); other blocks and the global scale are untouc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mxrl.formats import codecs
@@ -44,12 +46,21 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _caller_amax(
-    global_amax, shape: torch.Size, device: torch.device, check: bool = True
+    global_amax,
+    shape: torch.Size,
+    device: torch.device,
+    check: bool = True,
+    data_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A scalar (one scale for the tensor) or a tensor of x's rank whose last dim is 1 and which
-    broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...). check: refuse
-    NaN/Inf/negative values (a read back to the host: on a GPU, a sync); False when the caller
-    computed the amax finite itself (`check_amax=False` of `quantize`)."""
+    broadcasts over x's leading dims (one scale per row, per expert [E, 1, 1], ...).
+
+    check: refuse a value that is NaN, Inf or negative, and, given `data_amax` (x's finite
+    magnitudes, or its block amaxes: any tensor of x's rank whose max over a scale's group is
+    that group's amax), one below its data: 0 for data that is not all zero, or so far below
+    that the E4M3 block scales would saturate, clipping the data (docs/formats.md). One read
+    back to the host for both (on a GPU, a sync); check=False (`check_amax=False` of
+    `quantize`) is for an amax the caller computed itself (`weight_amax`), and skips both."""
     g = torch.as_tensor(global_amax, dtype=torch.float32, device=device)
     fits = g.dim() == 0 or (
         g.dim() == len(shape)
@@ -61,18 +72,63 @@ def _caller_amax(
             f"nvfp4: global_amax of shape {tuple(g.shape)} does not fit x of shape {tuple(shape)}; "
             "pass a scalar, or a tensor of x's rank with last dim 1 (e.g. [rows, 1] or [E, 1, 1])"
         )
-    if not check:
-        return g
+    if check:
+        _check_caller_amax(g, data_amax)
+    return g
+
+
+def _check_caller_amax(g: torch.Tensor, data_amax: torch.Tensor | None) -> None:
     bad = ~torch.isfinite(g) | (g < 0)
-    if bool(bad.any()):
-        first = tuple(int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], g.shape))
+    if data_amax is None:
+        group_amax = torch.full_like(g, math.inf)  # unknown: a 0 amax is refused
+        clipped = ~bad & (g == 0)
+    else:  # TE order: the largest block scale of each group is that of its amax (§3.3)
+        group_amax = _group_max(data_amax, g)
+        t = group_amax * (global_encode_scale(g) * C.RCP_6)
+        # 0 is the amax of an all-zero group (S_enc = 1, §3.2); for any other data it is a
+        # missing amax, which would quantize it without a scale (tiny values to 0)
+        below = (g == 0) & (group_amax > 0)
+        clipped = ~bad & ((t > C.E4M3_SATURATION_EDGE) | below)
+    flags = int((bad.any().to(torch.int32) + 2 * clipped.any().to(torch.int32)).item())
+    if flags & 1:  # (one read back for both checks)
+        first = _first_index(bad, g.shape)
         raise ValueError(
             f"nvfp4: global_amax must be finite and non-negative; it holds {g[first].item()} at "
             f"index {first}. A NaN/Inf amax means the tensor it came from holds NaN/Inf: take "
             "the amax over its finite elements, or find what produced them (check_finite=True "
             "on that tensor names the first one)"
         )
-    return g
+    if flags & 2:
+        first = _first_index(clipped, g.shape)  # group_amax and clipped have g's shape
+        value, amax = f"{g[first].item():.6g}", f"{group_amax[first].item():.6g}"
+        harm = (
+            "a 0 amax stands for all-zero data (S_enc = 1), so this data would be quantized "
+            "without its scale (small values to 0, large ones clipped)"
+            if g[first].item() == 0
+            else f"the E4M3 block scales would saturate and clip the data to about ±{value}"
+        )
+        raise ValueError(
+            f"nvfp4: global_amax {value} at index {first} is below the amax of the data it "
+            f"scales, {amax}: {harm}. Pass the max |x| over every tensor sharing the scale "
+            "(gate and up: the max of both), or global_amax=None to use x's own"
+        )
+
+
+def _group_max(data_amax: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """data_amax (x's rank) reduced to g's groups: over every dim where g has 1 (all of them
+    for a scalar g)."""
+    if g.dim() == 0:
+        return data_amax.amax()
+    dims = tuple(i for i in range(g.dim()) if g.shape[i] == 1)
+    return data_amax.amax(dim=dims, keepdim=True)
+
+
+def _first_index(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """The index of mask's first True (() for a 0-d mask)."""
+    if mask.dim() == 0:
+        return ()
+    flat = mask.reshape(-1).nonzero()[0]
+    return tuple(int(i) for i in torch.unravel_index(flat, shape))
 
 
 def quantize_nvfp4(
@@ -98,7 +154,7 @@ def quantize_nvfp4(
     if per_token:
         g_amax = b_amax.amax(dim=-1, keepdim=True)  # [..., 1]
     elif global_amax is not None:
-        g_amax = _caller_amax(global_amax, shape, x.device, check=check_amax)
+        g_amax = _caller_amax(global_amax, shape, x.device, check=check_amax, data_amax=b_amax)
     else:
         g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
     s_enc = global_encode_scale(g_amax)

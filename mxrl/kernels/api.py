@@ -82,11 +82,12 @@ def quantize(
                 "nvfp4: per_token=True computes one amax per row; global_amax cannot be "
                 "combined with it (pass one or the other)"
             )
-        g = (
-            None
-            if global_amax is None
-            else _caller_amax(global_amax, x.shape, x.device, check=check_amax)
-        )
+        g = None
+        if global_amax is not None:
+            # checked, also against x's own amax: one more read of x, and the host read of
+            # the check (check_amax=False, the hot paths' choice, skips both)
+            data = _finite_magnitude(x) if check_amax else None
+            g = _caller_amax(global_amax, x.shape, x.device, check=check_amax, data_amax=data)
         q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token)
         return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
     br, bk = block or C.FP8_BLOCK_WEIGHT
@@ -97,6 +98,12 @@ def quantize(
         )
     q, sf = _kernel("quantize_fp8_block")(x, br, bk, mode == "ue8m0")
     return QTensor(q, sf, fmt, x.shape)
+
+
+def _finite_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaN and ±Inf as 0 (what every amax is taken over), fp32."""
+    mag = x.detach().abs().to(torch.float32)
+    return torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag))
 
 
 def quantize_mxfp8_both(

@@ -16,6 +16,9 @@ for sm_90; where the two differ the kernels take a constexpr `HW` (True on CUDA)
 - E2M1: RNE by exact fp32 arithmetic (one power-of-two multiply and one 2^23 add), checked in
   the interpreter tests against the reference's threshold table on every bf16 value, random
   fp32 bit patterns and every rounding edge ±1 ulp; NaN -> +6 (0x7), sign of zero kept.
+- Finite in, finite out: at the E8M0 scale 2^120 (code 247, the top one a finite amax gives)
+  MXFP8 and ue8m0 block-FP8 elements saturate to ±240, not ±448 (`e4m3_limit`,
+  `e4m3_encode_limited`): 256 x 2^120 would dequantize to +Inf. The reference's clamp.
 - NaN, Inf and min/max: every amax is over the finite elements only (the reference's
   `block_amax`): `finite_abs` maps NaN and ±Inf to 0 with one compare + select per element
   before the max, so no max ever sees a NaN (the GPU's max.f32 would return the non-NaN operand
@@ -52,6 +55,8 @@ F32_2_POW_M127_BITS: tl.constexpr = tl.constexpr(C.F32_2_POW_M127_BITS)
 F32_HALF_SUBNORMAL: tl.constexpr = tl.constexpr(C.F32_HALF_SUBNORMAL)
 E4M3_NAN_CODE: tl.constexpr = tl.constexpr(C.E4M3_NAN_CODE)
 E4M3_MAX_BITS: tl.constexpr = tl.constexpr(0x43E00000)  # 448.0
+E8M0_OVERFLOW_CODE: tl.constexpr = tl.constexpr(C.E8M0_OVERFLOW_CODE)
+E4M3_MAX_AT_OVERFLOW_CODE: tl.constexpr = tl.constexpr(C.E4M3_MAX_AT_OVERFLOW_CODE)
 E4M3_MIN_NORMAL_BITS: tl.constexpr = tl.constexpr(0x3C800000)  # 2^-6
 # Subnormal E4M3 step is 2^-9: adding 2^14 (ulp 2^-9) rounds |v| < 2^-6 to a multiple of it.
 E4M3_SUBNORMAL_MAGIC: tl.constexpr = tl.constexpr(16384.0)
@@ -163,14 +168,41 @@ def e4m3_encode_masked(v, finite, HW: tl.constexpr):
 
 
 @triton.jit
+def e4m3_limit(code):
+    """The E4M3 cap of elements under E8M0 scale `code` (int32), as the reference's
+    `codecs.e4m3_limit`: 448, or 240 from code 247 (2^120) up, where 256 x 2^120 is +Inf."""
+    return tl.where(code >= E8M0_OVERFLOW_CODE, E4M3_MAX_AT_OVERFLOW_CODE, E4M3_MAX)
+
+
+@triton.jit
+def e4m3_encode_limited(v, limit, finite, HW: tl.constexpr):
+    """`e4m3_encode_masked(v, finite, HW)` with finite values saturating to ±limit (an E4M3
+    value <= 448, v's shape) instead of ±448: the reference's `e4m3_encode(x, limit)`. HW: one
+    min and one max before the cvt (a NaN there is replaced by the select on `finite`)."""
+    if HW:
+        clamped = tl.minimum(tl.maximum(v, -limit), limit)
+        code = clamped.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        return tl.where(finite, code, E4M3_NAN_CODE).to(tl.uint8)
+    else:
+        return _e4m3_encode_exact(v, limit.to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def e4m3_encode_exact(v):
     """Integer E4M3 encoder: round to nearest even on the fp32 bit pattern, finite overflow
     saturating; NaN and ±Inf -> 0x7F."""
+    return _e4m3_encode_exact(v, E4M3_MAX_BITS)
+
+
+@triton.jit
+def _e4m3_encode_exact(v, limit_bits):
+    """`e4m3_encode_exact`, finite magnitudes saturating at the fp32 bit pattern `limit_bits`
+    (of an E4M3 value: the rounding below leaves it as it is)."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = bits & 0x7FFFFFFF
     non_finite = mag >= F32_INF_BITS
-    mag = tl.minimum(mag, E4M3_MAX_BITS)  # saturate finite overflow to 448
+    mag = tl.minimum(mag, limit_bits)  # saturate finite overflow to the limit (448)
     # Normal E4M3 (|v| >= 2^-6): drop 20 mantissa bits with RNE; a carry moves the exponent.
     rounded = mag + 0x7FFFF + ((mag >> 20) & 1)
     normal = (rounded >> 20) - E4M3_REBIAS

@@ -2,6 +2,7 @@
 blocks. Matches `mxrl.formats.fp8_block.quantize_fp8_block` byte for byte (DeepGEMM, spec §5.2):
   a = max(amax, 1e-4);  sf = fl(a / 448)   [ue8m0: sf = 2^clamp(ceil_e8m0(sf), 1, 254) - 127]
   q = E4M3_satfinite(fl(x * fl(1 / sf)));  stored scale = sf (fp32 decode scale)
+  [ue8m0: q saturates to ±240 instead of ±448 at sf = 2^120, so that q x sf is finite]
 
 Legend: x_MK [M, K] (1 x bk: per row); x_BRK [B, R, K] (bk x bk over the last two dims of each
 of B matrices; a partial last row-block takes its amax over the rows that exist, which equals
@@ -21,7 +22,9 @@ from mxrl.kernels.triton_codecs import (
     E4M3_MAX,
     E8M0_MAX_CODE,
     ceil_e8m0,
+    e4m3_encode_limited,
     e4m3_encode_masked,
+    e4m3_limit,
     e8m0_to_f32,
     finite_amax,
     is_finite,
@@ -39,12 +42,15 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 @triton.jit
 def _decode_scale(amax, UE8M0: tl.constexpr):
-    """Block amax (finite, NaN/Inf already dropped) -> fp32 decode scale sf."""
+    """Block amax (finite, NaN/Inf already dropped) -> (fp32 decode scale sf, the elements'
+    E4M3 cap: 448, or with ue8m0 240 at sf = 2^120, `e4m3_limit`)."""
     sf = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
+    limit = tl.full(amax.shape, E4M3_MAX, tl.float32)
     if UE8M0:
-        code = tl.maximum(ceil_e8m0(sf), 1)  # ceil_e8m0 already caps at 254
-        sf = e8m0_to_f32(tl.minimum(code, E8M0_MAX_CODE))
-    return sf
+        code = tl.minimum(tl.maximum(ceil_e8m0(sf), 1), E8M0_MAX_CODE)  # (ceil caps at 254)
+        sf = e8m0_to_f32(code)
+        limit = e4m3_limit(code)
+    return sf, limit
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -71,9 +77,14 @@ def _fp8_block_1d_kernel(
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
     NUM_B: tl.constexpr = BLOCK_K // BK
     blocks = tl.reshape(x, [ROWS, NUM_B, BK])
-    sf = _decode_scale(finite_amax(blocks, 2), UE8M0)
+    sf, limit = _decode_scale(finite_amax(blocks, 2), UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
-    q = e4m3_encode_masked(tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K]), is_finite(x), HW)
+    v = tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K])
+    if UE8M0:
+        lim = tl.reshape(tl.broadcast_to(limit[:, :, None], [ROWS, NUM_B, BK]), [ROWS, BLOCK_K])
+        q = e4m3_encode_limited(v, lim, is_finite(x), HW)
+    else:  # fp32 scales: 448 x sf is finite, no cap below 448 (the reference's limit=None)
+        q = e4m3_encode_masked(v, is_finite(x), HW)
     store_tile(q_ptr + offs, q, mask, EVEN)
     kb = tl.program_id(1) * NUM_B + tl.arange(0, NUM_B)
     s_mask = (rows < M)[:, None] & (kb < K // BK)[None, :]
@@ -107,9 +118,13 @@ def _fp8_block_2d_kernel(
     offs = (base + rows)[:, None] * K + cols[None, :]
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
     amax = tl.max(finite_amax(x, 1), axis=0)
-    sf = _decode_scale(amax, UE8M0)
+    sf, limit = _decode_scale(amax, UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
-    store_tile(q_ptr + offs, e4m3_encode_masked(x * rcp, is_finite(x), HW), mask, EVEN)
+    if UE8M0:
+        q = e4m3_encode_limited(x * rcp, limit, is_finite(x), HW)  # one block, one cap
+    else:
+        q = e4m3_encode_masked(x * rcp, is_finite(x), HW)
+    store_tile(q_ptr + offs, q, mask, EVEN)
     tl.store(s_ptr + pid_r * (K // BK) + pid_k, sf)
 
 

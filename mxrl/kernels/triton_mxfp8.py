@@ -2,6 +2,8 @@
 
 Matches `mxrl.formats.mxfp8.quantize_mxfp8` with scale_mode="rceil" byte for byte:
   code = ceil_e8m0(amax * fl(1/448));  q = E4M3_satfinite(x * 2^(127 - code))   (spec §2.2-§2.3)
+with q saturating to ±240 instead of ±448 at code 247 (2^120), so that q x 2^120 is finite
+(`e4m3_limit`; docs/formats.md, "The top of the fp32 range").
 row-wise: 1x32 blocks along K, scales [M, K/32]; column-wise: 32x1 blocks along M, scales
 [M/32, K]; both data tensors keep x's [M, K] layout (TE, spec §2.1).
 Non-finite inputs as the reference: amax over the finite elements (`finite_amax`), NaN/±Inf
@@ -23,7 +25,8 @@ from mxrl.kernels.triton_codecs import (
     RCP_448,
     ceil_e8m0,
     e4m3_decode,
-    e4m3_encode_masked,
+    e4m3_encode_limited,
+    e4m3_limit,
     e8m0_reciprocal,
     e8m0_to_f32,
     finite_amax,
@@ -73,7 +76,13 @@ def _mxfp8_kernel(
         amax = finite_amax(tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]), 2)
         code = ceil_e8m0(amax * RCP_448)
         scaled = tl.reshape(x, [BLOCK_M, NUM_KB, MX_BLOCK]) * e8m0_reciprocal(code)[:, :, None]
-        q = e4m3_encode_masked(tl.reshape(scaled, [BLOCK_M, BLOCK_K]), finite, HW)
+        limit = tl.broadcast_to(e4m3_limit(code)[:, :, None], [BLOCK_M, NUM_KB, MX_BLOCK])
+        q = e4m3_encode_limited(
+            tl.reshape(scaled, [BLOCK_M, BLOCK_K]),
+            tl.reshape(limit, [BLOCK_M, BLOCK_K]),
+            finite,
+            HW,
+        )
         if QDQ:  # the dequantized values in bf16 (exact), no codes or scales
             deq = tl.reshape(e4m3_decode(q.to(tl.int32)), [BLOCK_M, NUM_KB, MX_BLOCK])
             deq = deq * e8m0_to_f32(code)[:, :, None]
@@ -90,7 +99,13 @@ def _mxfp8_kernel(
         amax_c = finite_amax(tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]), 1)
         code_c = ceil_e8m0(amax_c * RCP_448)
         scaled_c = tl.reshape(x, [NUM_MB, MX_BLOCK, BLOCK_K]) * e8m0_reciprocal(code_c)[:, None, :]
-        q_c = e4m3_encode_masked(tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]), finite, HW)
+        limit_c = tl.broadcast_to(e4m3_limit(code_c)[:, None, :], [NUM_MB, MX_BLOCK, BLOCK_K])
+        q_c = e4m3_encode_limited(
+            tl.reshape(scaled_c, [BLOCK_M, BLOCK_K]),
+            tl.reshape(limit_c, [BLOCK_M, BLOCK_K]),
+            finite,
+            HW,
+        )
         if QDQ:
             deq_c = tl.reshape(e4m3_decode(q_c.to(tl.int32)), [NUM_MB, MX_BLOCK, BLOCK_K])
             deq_c = deq_c * e8m0_to_f32(code_c)[:, None, :]

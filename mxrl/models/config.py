@@ -95,6 +95,34 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
 
+    @property
+    def max_positions(self) -> int | None:
+        """`max_position_embeddings` of the HF config: the positions the model was trained for,
+        which a prompt and its completion must fit in (RoPE runs past them silently, on angles
+        the model never saw); None when the config does not say."""
+        value = self.hf_config.get("max_position_embeddings")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return None
+        return value
+
+    def check_positions(self, prompt_len: int, new_len: int, what: str, new_name: str) -> None:
+        """ValueError when a sequence of prompt_len + new_len tokens runs past `max_positions`;
+        `what` names the sequence ("request 3"), `new_name` its new tokens ("max_new_tokens")."""
+        limit = self.max_positions
+        if limit is None or prompt_len + new_len <= limit:
+            return
+        room = limit - prompt_len
+        fix = (
+            f"lower {new_name} to at most {room} or shorten the prompt"
+            if room > 0
+            else f"shorten the prompt to fewer than {limit} tokens"
+        )
+        raise ValueError(
+            f"{what}: the prompt's {prompt_len} tokens + {new_name} {new_len} = "
+            f"{prompt_len + new_len} tokens exceed the model's max_position_embeddings {limit} "
+            f"(config.json); positions past it were never trained. {fix[0].upper()}{fix[1:]}"
+        )
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | Path) -> ModelConfig:
         """Read an HF config (dict, config.json, or its directory).

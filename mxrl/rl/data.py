@@ -15,11 +15,13 @@ message contents with newlines (CharTokenizer and bare tokenizers have no templa
 
 Malformed rows (bad JSON line, missing key, wrong type, empty prompt) are skipped, each one
 recorded in `dataset.skipped` with its row and reason and summarised in one warning; a file
-with no usable row is an error naming the file. Blank JSONL lines are not rows.
+with no usable row is an error naming the file. Blank JSONL lines are not rows; a UTF-8 byte order
+mark at the start of the file is not part of the first one.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import random
@@ -286,6 +288,9 @@ def encode_prompt(
 
 def _json_rows(path: Path) -> Iterator[tuple[int, Any]]:
     data = path.read_bytes()
+    # A UTF-8 byte order mark (Windows editors, Excel exports) is not part of the first row: left
+    # in, it made line 1 bad JSON (and hid a JSON array from the check below).
+    data = data.removeprefix(codecs.BOM_UTF8)
     if path.suffix.lower() == ".json" and data.lstrip()[:1] == b"[":
         try:
             rows = json.loads(data)

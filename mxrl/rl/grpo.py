@@ -55,7 +55,12 @@ def group_advantages(
     bad = ~torch.isfinite(r)
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise ValueError(f"reward {i} is {r[i].item()}; a reward function must return a finite")
+        raise ValueError(
+            f"{int(bad.sum())} of {r.numel()} rewards are not finite; the first is reward {i} "
+            f"(prompt {i // group_size}, sample {i % group_size}) = {r[i].item()}. A reward "
+            "function must return a finite number for every sample: return 0.0 (or another "
+            "finite penalty) for an answer it cannot parse or score, not NaN or Inf."
+        )
     g = r.view(-1, group_size)
     if group_size == 1:
         mean, std = torch.zeros_like(g), torch.ones_like(g)

@@ -33,6 +33,7 @@ def completion_logprobs(
     sequence at a time (no padding in any reduction). temperature, top_k and top_p as the
     sampler applied them (temperature 0 means unscaled); `replay_routing[i]` ([num_moe, len-1,
     k], from the engine) forces the rollout's experts."""
+    _check_positions(model, prompts, completions)
     if replay_routing is None:
         batched = sequence_logprobs(model, prompts, completions, temperature, top_k, top_p)
         return [batched[i, : len(c)].cpu() for i, c in enumerate(completions)]
@@ -64,6 +65,14 @@ def _processed_logprobs(
     return torch.log_softmax(logits, dim=-1)
 
 
+def _check_positions(model: CausalLM, prompts, completions) -> None:
+    """Each prompt + completion within the model's max_position_embeddings (lengths only: no
+    read from the device). The engine refuses such requests already; this is for completions
+    from elsewhere."""
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        model.config.check_positions(len(p), len(c), f"sequence {i}", "its completion's length")
+
+
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -79,6 +88,7 @@ def sequence_logprobs(
     """log p(completion token | prefix) for a batch, [B, T_max] (0 past each completion), in one
     right-padded forward pass (the trainer needs no batch invariance); temperature, top_k and
     top_p as the sampler applied them."""
+    _check_positions(model, prompts, completions)
     device = next(model.parameters()).device
     seqs = [
         torch.tensor([*p, *c], dtype=torch.int64) for p, c in zip(prompts, completions, strict=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mxrl.runs import health
 from mxrl.runs.env import utc_now
 from mxrl.runs.record import SPIKE, RunRecord
 from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, _spikes, _syncs, fmt, summarize
@@ -39,7 +40,9 @@ _DPI = 110
 @dataclass(frozen=True)
 class Comparison:
     """What `compare` wrote. figures: name -> PNG path, for the figures that had data;
-    skipped: names of figures without data; problems: what the readers skipped, per run."""
+    skipped: names of figures without data; problems: what the readers skipped (and missing
+    files), per run; unreadable: the runs left out because a file of theirs cannot be read or
+    parsed (`health.unreadable`), per run."""
 
     out_dir: Path
     markdown: Path
@@ -47,6 +50,7 @@ class Comparison:
     figures: dict[str, Path] = field(default_factory=dict)
     skipped: tuple[str, ...] = ()
     problems: dict[str, list[str]] = field(default_factory=dict)
+    unreadable: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,12 +84,15 @@ def _labels(records: Sequence[RunRecord]) -> list[str]:
 def compare(
     runs: Sequence[str | os.PathLike[str] | RunRecord], out_dir: str | os.PathLike[str]
 ) -> Comparison:
-    """Write the figures and comparison.md for `runs` (run folders or RunRecords) into out_dir."""
+    """Write the figures and comparison.md for `runs` (run folders or RunRecords) into out_dir.
+    A run that cannot be read is left out with a warning (`Comparison.unreadable`, and a
+    section of comparison.md); ValueError, before anything is written, when none is left."""
     from matplotlib import colormaps
 
     if not runs:
         raise ValueError("compare: give at least one run")
     records = [r if isinstance(r, RunRecord) else RunRecord.open(r) for r in runs]
+    records, unreadable = health.split_readable(records, "compare")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     palette = colormaps["tab10"]
@@ -104,11 +111,11 @@ def compare(
         fig.savefig(path, dpi=_DPI)
         figures[name] = path
     table = comparison_table([r.summary for r in loaded], [r.label for r in loaded])
-    problems = {r.summary.run_id: r.summary.record.problems for r in loaded}
+    problems = {r.summary.run_id: health.problems(r.summary.record) for r in loaded}
     problems = {k: v for k, v in problems.items() if v}
     markdown = out / COMPARISON_FILE
-    markdown.write_text(_markdown(loaded, table, figures, skipped, problems))
-    return Comparison(out, markdown, table, figures, tuple(skipped), problems)
+    markdown.write_text(_markdown(loaded, table, figures, skipped, problems, unreadable))
+    return Comparison(out, markdown, table, figures, tuple(skipped), problems, unreadable)
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -172,6 +179,7 @@ def _markdown(
     figures: dict[str, Path],
     skipped: Sequence[str],
     problems: dict[str, list[str]],
+    unreadable: dict[str, list[str]],
 ) -> str:
     lines = [
         "# Run comparison",
@@ -204,6 +212,10 @@ def _markdown(
     if problems:
         lines += ["", "## Problems reading the records", ""]
         for run_id, items in problems.items():
+            lines += [f"- `{run_id}`: {p}" for p in items]
+    if unreadable:
+        lines += ["", "## Runs left out (cannot be read)", ""]
+        for run_id, items in unreadable.items():
             lines += [f"- `{run_id}`: {p}" for p in items]
     return "\n".join(lines) + "\n"
 

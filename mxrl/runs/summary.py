@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mxrl.runs import health
 from mxrl.runs.record import (
     CONFIG_FILE,
     END,
@@ -31,7 +32,6 @@ from mxrl.runs.record import (
     SPIKE,
     SYNC_VERIFIED,
     RunRecord,
-    is_run_dir,
 )
 
 # The metric keys the loop logs every step (docs/runs.md has their meaning).
@@ -96,14 +96,24 @@ def _num(value: Any) -> float | None:
         return None
 
 
+def is_step_row(row: dict[str, Any]) -> bool:
+    """A metrics row of a training step: one holding more than `eval/` keys. The loop logs the
+    starting policy's held-out accuracy as a row of its own at step 0 (`eval_every`), which is
+    not a step: a 140-step run has 141 rows and 140 steps."""
+    return any(k != "step" and not k.startswith("eval/") for k in row)
+
+
 def summarize(record: RunRecord) -> RunSummary:
+    """The numbers of a readable run (`health.refuse_unreadable` first for one that may not
+    be)."""
     rows = record.metrics()
     events = record.events()
+    steps = [r["step"] for r in rows if is_step_row(r)]
     s = RunSummary(
         record=record,
         recipe=record.recipe,
-        num_steps=len(rows),
-        last_step=max((r["step"] for r in rows), default=None),
+        num_steps=len(steps),
+        last_step=max(steps, default=None),
         start_time=record.env.get("start_time"),
         status=_status(record, events),
     )
@@ -191,20 +201,16 @@ def _process_alive(record: RunRecord, events: Sequence[dict[str, Any]]) -> bool 
 
 
 def find_runs(root: str | os.PathLike[str]) -> list[RunRecord]:
-    """The runs under root, newest first (by start time in env.json, else folder time)."""
+    """The runs under root, newest first (by start time in env.json, else folder time). A run
+    folder that cannot be read is listed too (`format_list` marks it)."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"no runs folder {str(root)!r}; pass --root DIR (where the runs are)")
-    records = [RunRecord(p) for p in root.iterdir() if is_run_dir(p)]
-
-    def key(r: RunRecord) -> str:
-        start = r.env.get("start_time")
-        if isinstance(start, str):
-            return start
-        mtime = dt.datetime.fromtimestamp(r.path.stat().st_mtime, dt.UTC)
-        return mtime.strftime("%Y-%m-%dT%H:%M:%S.000Z")
-
-    return sorted(records, key=lambda r: (key(r), r.run_id), reverse=True)
+    try:
+        records = [RunRecord(p) for p in root.iterdir() if health.looks_like_run(p)]
+    except OSError as e:
+        raise ValueError(f"cannot list the runs folder {str(root)!r}: {e.strerror}") from None
+    return sorted(records, key=lambda r: (health.start_key(r), r.run_id), reverse=True)
 
 
 def resolve_run(ref: str | os.PathLike[str], root: str | os.PathLike[str] = "runs") -> RunRecord:
@@ -213,12 +219,14 @@ def resolve_run(ref: str | os.PathLike[str], root: str | os.PathLike[str] = "run
     if isinstance(ref, RunRecord):
         return ref
     path = Path(ref)
-    if is_run_dir(path):
+    if health.looks_like_run(path):
         return RunRecord(path)
     root = Path(root)
-    if is_run_dir(root / path):
+    if health.looks_like_run(root / path):
         return RunRecord(root / path)
-    ids = sorted(p.name for p in root.iterdir() if is_run_dir(p)) if root.is_dir() else []
+    ids = (
+        sorted(p.name for p in root.iterdir() if health.looks_like_run(p)) if root.is_dir() else []
+    )
     text = os.fspath(ref)
     matches = [i for i in ids if i.startswith(text)] or [i for i in ids if text in i]
     if len(matches) == 1:
@@ -261,9 +269,19 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def format_list(records: Sequence[RunRecord]) -> str:
+    """The table of `mxrl runs list`; a run that cannot be read is a row marked `unreadable`,
+    and every run with problems (that, missing files, skipped lines) is named below it."""
     header = ("id", "recipe", "steps", "last reward", "status", "started (UTC)")
-    rows = []
+    rows, notes = [], []
     for r in records:
+        problems = health.problems(r)
+        if problems:
+            notes.append(f"  {r.run_id}: {'; '.join(problems)}")
+        if health.unreadable(r):
+            rows.append(
+                (r.run_id, DASH, DASH, DASH, "unreadable", _date(health.start_key(r) or None))
+            )
+            continue
         s = summarize(r)
         rows.append(
             (
@@ -275,7 +293,8 @@ def format_list(records: Sequence[RunRecord]) -> str:
                 _date(s.start_time),
             )
         )
-    return format_table(header, rows)
+    table = format_table(header, rows)
+    return table if not notes else "\n".join([table, "", "problems reading runs:", *notes])
 
 
 def _flatten(data: Any, prefix: str = "") -> list[tuple[str, str]]:
@@ -307,6 +326,8 @@ def _env_lines(env: dict[str, Any]) -> list[str]:
 
 
 def format_show(record: RunRecord, max_config_lines: int = 40) -> str:
+    """The text of `mxrl runs show`; ValueError (one line) for a run that cannot be read."""
+    health.refuse_unreadable(record)
     s = summarize(record)
     steps = DASH if s.last_step is None else f"last step {s.last_step}"
     lines = [
@@ -342,8 +363,9 @@ def format_show(record: RunRecord, max_config_lines: int = 40) -> str:
     while body and not body[0].strip():
         body.pop(0)
     lines += ["", "notes:", *(f"  {ln}".rstrip() for ln in body)] if body else ["", "notes: none"]
-    if record.problems:
-        lines += ["", "problems reading the record:", *(f"  {p}" for p in record.problems)]
+    problems = health.problems(record)
+    if problems:
+        lines += ["", "problems reading the record:", *(f"  {p}" for p in problems)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from mxrl.formats import codecs, dequantize, quantize
 from tests import cases
-from tests.numerics import assert_bytes_equal, sqnr_db
+from tests.numerics import assert_bytes_equal, assert_e4m3_equal_but_top, sqnr_db
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
 
@@ -30,10 +30,13 @@ SUITE = list(cases.suite(cases.SHAPES_MXFP8)) + [
 
 @pytest.mark.parametrize(("label", "x"), SUITE, ids=[s[0] for s in SUITE])
 def test_rceil_matches_torchao_rceil(label, x):
+    """Byte for byte, except where torchao's element times its scale 2^120 overflows to Inf
+    (the all-max inputs): there mxrl stores 240, not 256 (tests/formats/test_finite_range.py)."""
     q = quantize(x, "mxfp8")
     scale, data = torchao_mxfp8(x, Mode.RCEIL)
     assert_bytes_equal(q.scale.view(torch.uint8), scale, f"{label} scale")
-    assert_bytes_equal(q.qdata, data, f"{label} data")
+    top = (scale.reshape(*x.shape[:-1], -1) == 247).repeat_interleave(32, dim=-1)
+    assert_e4m3_equal_but_top(q.qdata, data, top, f"{label} data")
 
 
 EDGES = [(f"pow2-edges-{d}", cases.mxfp8_pow2_edges(d)) for d in cases.DTYPES]

@@ -258,3 +258,46 @@ def test_check_amax_false_reads_nothing_back_and_keeps_the_bytes(amax_shape):
     assert_qtensor_bytes_equal(q_trusted, q, "check_amax=False")
     with pytest.raises(ValueError, match="global_amax must be finite"):
         quantize(x, "nvfp4", global_amax=torch.tensor(float("nan")))
+
+
+def test_a_caller_amax_below_the_data_is_refused_where_it_would_clip():
+    """A global_amax g scales its blocks by S_enc = fl(2688 / g); a block's E4M3 scale is
+    t = amax_b * fl(S_enc * fl(1/6)). For g = 1 that factor is exactly 448 (by hand: fl(1/6)
+    = 0x3E2AAAAB, 2688 * it = 448.0000134, within half an ulp of 448), so t = 448 * amax_b.
+    RNE keeps t <= 464 at 448 (the tie 464 goes to 448's even mantissa); above 464 only the
+    saturation does, and the data is clipped: refused, naming global_amax and both values."""
+    x = torch.zeros(2, 32)
+    x[0, 5] = 1.035  # t = 463.68: rounds to 448 like any value, no saturation
+    quantize(x, "nvfp4", global_amax=1.0)
+    x[1, 20] = -1.037  # t = 464.58: saturated
+    with pytest.raises(ValueError, match=r"global_amax 1 at index \(\) is below .* 1.037"):
+        quantize(x, "nvfp4", global_amax=1.0)
+    with pytest.raises(ValueError, match=r"global_amax 1 at index \(1, 0\) is below"):
+        quantize(x, "nvfp4", global_amax=torch.tensor([[2.0], [1.0]]))
+    quantize(x, "nvfp4", global_amax=torch.tensor([[1.0], [1.04]]))  # per row: each fits
+    quantize(x, "nvfp4", global_amax=1.0, check_amax=False)  # the caller's word: not checked
+
+
+def test_per_expert_amax_below_one_expert_names_it():
+    w = torch.ones(3, 4, 32)
+    w[1, 2, 7] = 8.0  # expert 1's amax
+    amax = torch.tensor([1.0, 4.0, 1.0]).reshape(3, 1, 1)
+    with pytest.raises(ValueError, match=r"global_amax 4 at index \(1, 0, 0\) .* scales, 8:"):
+        quantize(w, "nvfp4", global_amax=amax)
+    quantize(w, "nvfp4", global_amax=amax * 2)
+
+
+def test_a_zero_caller_amax_is_refused_unless_its_data_is_all_zero():
+    """0 is the amax of all-zero data (S_enc = 1, spec §3.2's rule): a padding row, an expert
+    that got no update. For other data it is a missing amax: with S_enc = 1 a block of amax
+    1e-3 would get the E4M3 scale 1e-3 / 6, below E4M3's smallest 2^-9, and become 0."""
+    x = torch.zeros(3, 16)
+    x[1, 4] = 1e-3
+    amax = torch.tensor([[0.0], [0.0], [0.0]])
+    with pytest.raises(ValueError, match=r"global_amax 0 at index \(1, 0\) is below .* 0.001: a 0"):
+        quantize(x, "nvfp4", global_amax=amax)
+    amax[1, 0] = 1e-3
+    q = quantize(x, "nvfp4", global_amax=amax)  # rows 0 and 2 are all zero: their 0 is right
+    assert q.global_scale.reshape(-1)[[0, 2]].tolist() == [1.0, 1.0]
+    q = quantize(x, "nvfp4", global_amax=0.0, check_amax=False)  # the caller's word: taken
+    assert q.scale.view(torch.uint8)[1, 0] == 0 and dequantize(q)[1, 4] == 0  # 1e-3 is lost

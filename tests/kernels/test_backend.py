@@ -140,6 +140,9 @@ def test_triton_backend_validates_like_the_reference(monkeypatch):
     with pytest.raises(ValueError, match=r"finite and non-negative.*inf"):
         amax = torch.tensor(float("inf"))
         kernels.quantize(torch.ones(4, 32), "nvfp4", global_amax=amax, backend="triton")
+    with pytest.raises(ValueError, match=r"global_amax 1 at index \(\) is below the amax"):
+        x = torch.full((4, 32), 2.0)  # checked against x before any kernel runs
+        kernels.quantize(x, "nvfp4", global_amax=1.0, backend="triton")
 
 
 def test_importing_kernels_does_not_import_triton():

@@ -16,6 +16,7 @@ from mxrl.formats import constants as C
 from mxrl.formats.mxfp8 import block_amax
 from mxrl.formats.nvfp4 import global_encode_scale
 from tests import cases
+from tests.formats import test_finite_range as FR
 from tests.formats import test_non_finite as NF
 from tests.kernels import conftest
 from tests.kernels import variants as V
@@ -63,6 +64,27 @@ def test_non_finite_table(config):
             got = NF.check_policy(on_triton, config, x)
             want = reference_quantize(x, config[1], **NF.call_kwargs(config, x))
             assert_qtensor_bytes_equal(got, want, f"{config[0]} {label} at {index}")
+
+
+@pytest.mark.parametrize("config", FR.POW2, ids=[c[0] for c in FR.POW2])
+def test_top_of_the_range_table(config):
+    """tests/formats/test_finite_range.py's table on the kernels: at the scale 2^120 elements
+    saturate to 240, finite inputs dequantize to finite values, the reference's bytes."""
+    from mxrl.formats import quantize as reference_quantize
+    from mxrl.kernels import quantize
+
+    def on_triton(x, fmt, **kwargs):
+        return quantize(x, fmt, backend="triton", **kwargs)
+
+    for edge in FR.EDGES:
+        FR.check_table(on_triton, config, edge)
+        x = FR.edge_input(edge[1], edge[2])
+        x = x.t().contiguous() if config[2].get("axis") == 0 else x
+        got, want = (
+            on_triton(x, config[1], **config[2]),
+            reference_quantize(x, config[1], **config[2]),
+        )
+        assert_qtensor_bytes_equal(got, want, f"{config[0]} {edge[0]}")
 
 
 # --- element codecs, element-wise over many fp32 values ------------------------------------------

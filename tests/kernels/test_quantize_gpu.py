@@ -16,6 +16,7 @@ import torch
 from mxrl.formats import codecs
 from mxrl.formats import quantize as reference_quantize
 from tests import cases
+from tests.formats import test_finite_range as FR
 from tests.kernels import variants as V
 from tests.numerics import assert_bytes_equal, assert_qtensor_bytes_equal
 
@@ -40,6 +41,19 @@ def test_large_bytes_equal_reference(variant, dtype):
     if variant.amax == "lead":
         x = x.view(8, 512, 8192)
     V.assert_same_bytes(variant, V.run_kernel(variant, x), V.run_reference(variant, x), "large")
+
+
+@pytest.mark.parametrize("config", FR.POW2, ids=[c[0] for c in FR.POW2])
+def test_top_of_the_range_table(config):
+    """tests/formats/test_finite_range.py's table on the compiled kernels (the hardware cvt
+    after the min/max that caps elements at 240 under the scale 2^120)."""
+    from mxrl.kernels import quantize
+
+    def on_gpu(x, fmt, **kwargs):
+        return quantize(x.cuda(), fmt, backend="triton", **kwargs)
+
+    for edge in FR.EDGES:
+        FR.check_table(on_gpu, config, edge)
 
 
 def test_large_non_finite():

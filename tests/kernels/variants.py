@@ -14,6 +14,7 @@ from mxrl.formats import quantize as reference_quantize
 from mxrl.formats.constants import FLT_MAX
 from mxrl.kernels import quantize, quantize_mxfp8_both
 from tests import cases
+from tests.formats import test_finite_range as FR
 from tests.numerics import assert_qtensor_bytes_equal
 
 
@@ -108,6 +109,8 @@ def inputs(variant: Variant) -> Iterator[tuple[str, torch.Tensor]]:
         if variant.fmt == "nvfp4":
             yield f"underflow-{d}", cases.nvfp4_underflow(d)
         yield f"nonfinite-{d}", with_non_finite(cases.randn((64, 256), d, seed=9, scale=4.0))
+        # the top of the fp32 range: elements at 2^120 saturate to 240 (test_finite_range.py)
+        yield f"top-{d}", FR.edge_input(d, FR.TOP if d == torch.float32 else FR.BF16_MAX)
     yield "fp16", cases.randn((64, 128), torch.float16, seed=11, scale=8.0)
     yield "non-contiguous", cases.randn((128, 96), torch.bfloat16, seed=12).t()
 

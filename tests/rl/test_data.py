@@ -97,6 +97,20 @@ def test_an_all_bad_file_is_an_error_naming_it(tmp_path):
         PromptDataset.from_file(tmp_path / "broken.parquet")
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_byte_order_mark_keeps_the_first_row(tmp_path, suffix):
+    """Windows editors write EF BB BF first: it is not part of row 0."""
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    lines = tmp_path / f"lines{suffix}"
+    lines.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode() + b"\n")
+    ds = PromptDataset.from_file(lines, shuffle=False)
+    assert [(e.index, e.prompt) for e in ds] == [(0, "1+1="), (1, "2+2=")] and not ds.skipped
+    if suffix == ".json":  # one JSON array after the mark
+        array = tmp_path / "array.json"
+        array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+        assert [e.label for e in PromptDataset.from_file(array, shuffle=False)] == ["2", "4"]
+
+
 def test_json_array_and_limit(tmp_path):
     path = tmp_path / "d.json"
     path.write_text(json.dumps([{"prompt": f"p{i}", "label": str(i)} for i in range(10)]))

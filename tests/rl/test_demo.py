@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from mxrl.models import build_model
 from mxrl.recipe import builtin_config
 from mxrl.rl import demo as demo_mod
+from mxrl.rl import progress as progress_mod
 from mxrl.rl.demo import RecipeResult, band_verdict, mean_and_stderr
 from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.sources import TaskSource
@@ -52,7 +54,7 @@ def test_demo_writes_the_report(tmp_path, monkeypatch):
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
 
 
-def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch):
+def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(demo_mod, "WARMUP_STEPS", 5)
     small = replace(demo_mod.demo_config("cpu"), prompts_per_step=2, samples_per_prompt=2,
                     eval_every=1)  # fmt: skip
@@ -60,7 +62,17 @@ def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch):
     metrics = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        demo_mod.run_demo(out, recipes=("bf16", "mxfp8"), seeds=1, steps=2, workers=workers)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+            demo_mod.run_demo(out, recipes=("bf16", "mxfp8"), seeds=1, steps=2, workers=workers)
+        # the runs' steps reach the parent's progress lines (from the workers, by a queue):
+        # PROGRESS_EVERY (20) > 2 steps, so one line per run, at its last step
+        lines = [r.getMessage() for r in caplog.records if "  step " in r.getMessage()]
+        assert sorted(ln.split("  step ")[0] for ln in lines) == [
+            "demo: bf16 seed 0",
+            "demo: mxfp8 seed 0",
+        ], lines
+        assert all("step 2/2  reward " in ln and "held-out " in ln for ln in lines), lines
         runs = sorted((out / "runs").iterdir())
         assert [r.name.split("-seed")[0] for r in runs] == ["bf16", "mxfp8"]
         metrics[workers] = [
@@ -69,6 +81,56 @@ def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch):
             for run in runs
         ]  # fmt: skip
     assert metrics[1] == metrics[2]
+
+
+def test_demo_reports_each_runs_steps_as_they_go(tmp_path, monkeypatch, caplog):
+    """A progress line per run every PROGRESS_EVERY steps and at its last: step, the mean
+    reward since the previous line, the latest held-out accuracy, and the whole demo's steps."""
+    monkeypatch.setattr(demo_mod, "WARMUP_STEPS", 5)
+    monkeypatch.setattr(demo_mod, "PROGRESS_EVERY", 2)
+    small = replace(demo_mod.demo_config("cpu"), prompts_per_step=2, samples_per_prompt=2,
+                    eval_every=2)  # fmt: skip
+    monkeypatch.setattr(demo_mod, "demo_config", lambda device: small)
+    with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+        demo_mod.run_demo(tmp_path / "demo", recipes=("bf16",), seeds=2, steps=3, workers=1)
+    lines = [r.getMessage() for r in caplog.records if "  step " in r.getMessage()]
+    heads = [ln.split("  reward ")[0] for ln in lines]
+    assert heads == [
+        "demo: bf16 seed 0  step 2/3",
+        "demo: bf16 seed 0  step 3/3",
+        "demo: bf16 seed 1  step 2/3",
+        "demo: bf16 seed 1  step 3/3",
+    ], lines
+    assert [ln.split("| ")[1].split(",")[0] for ln in lines] == [
+        "all runs 2/6 steps",
+        "all runs 3/6 steps",
+        "all runs 5/6 steps",
+        "all runs 6/6 steps",
+    ]
+    assert "held-out" in lines[0] and "(step 2)" in lines[0] and "(step 3)" in lines[1]
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]  # nothing left at the end
+    runs = sorted((tmp_path / "demo" / "runs").iterdir())
+    rewards = [r["reward/mean"] for r in RunRecord.open(runs[0]).metrics() if "reward/mean" in r]
+    assert f"reward {sum(rewards[:2]) / 2:.2f}" in lines[0]  # the mean of steps 1-2
+    assert f"reward {rewards[2]:.2f}" in lines[1]
+
+
+def test_progress_eta_weighs_the_remaining_steps_by_recipe_cost(caplog):
+    clock = iter([0.0, 10.0])
+    p = progress_mod.Progress(
+        steps={("bf16", 0): 4, ("mxfp8", 0): 4},
+        cost={("bf16", 0): 1.0, ("mxfp8", 0): 2.0},
+        every=2,
+        clock=lambda: next(clock),
+    )
+    with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+        p.update("bf16", 0, 0, None, 0.25)  # the step-0 evaluation: no line, not a step
+        p.update("bf16", 0, 1, 0.5, None)  # no line: not a multiple of 2
+        p.update("bf16", 0, 2, 0.7, None)  # at 10 s: 2 of 12 cost units done -> 50 s left
+    assert [r.getMessage() for r in caplog.records] == [
+        "demo: bf16 seed 0  step 2/4  reward 0.60  held-out 0.25 (step 0)  "
+        "| all runs 2/8 steps, 10s, ETA 50s"
+    ]
 
 
 def test_the_default_demo_runs_three_seeds_and_holds_out_what_it_never_trains_on():

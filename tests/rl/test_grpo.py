@@ -35,8 +35,13 @@ def test_group_of_one_follows_verl():
 def test_group_advantages_errors():
     with pytest.raises(ValueError, match="does not divide"):
         group_advantages(torch.zeros(6), 4)
-    with pytest.raises(ValueError, match="reward 1 is nan"):
-        group_advantages(torch.tensor([0.0, float("nan")]), 2)
+    with pytest.raises(ValueError) as err:
+        group_advantages(torch.tensor([0.0, 1.0, 1.0, float("nan"), float("inf"), 0.0]), 2)
+    assert str(err.value) == (
+        "2 of 6 rewards are not finite; the first is reward 3 (prompt 1, sample 1) = nan. "
+        "A reward function must return a finite number for every sample: return 0.0 (or "
+        "another finite penalty) for an answer it cannot parse or score, not NaN or Inf."
+    )
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(torch.zeros(2, 2), 2)
 
