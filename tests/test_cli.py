@@ -49,8 +49,9 @@ def test_recipe_list(capsys):
 
 def test_recipe_show_on_qwen3_30b_a3b(capsys, qwen3_30b_dir):
     code, out, err = run(
-        capsys, "recipe", "show", "nvfp4-dequantized", "--model", str(qwen3_30b_dir)
-    )
+        capsys, "recipe", "show", "nvfp4-dequantized", "--model", str(qwen3_30b_dir),
+        "--expert-layout", "per_expert",
+    )  # fmt: skip
     assert code == 0, err
     assert _lines(out, "model.layers.0.mlp.experts", "nvfp4")
     assert len(_lines(out, "model.layers.0.mlp.experts.*.", "[x128]", "nvfp4")) == 3
@@ -110,8 +111,8 @@ def test_demo_plan_only(capsys):
     code, out, _ = run(capsys, "demo", "--plan-only")
     assert code == 0
     assert "nvfp4-dequantized" in out
-    assert _lines(out, "model.layers.0.mlp.experts.*.gate_proj.weight [x8]", "nvfp4")
-    assert "plan hash:" in out
+    assert _lines(out, "model.layers.0.mlp.experts.gate_up_proj", "nvfp4")
+    assert "plan hash:" in out and "wrote" not in out
 
 
 def test_demo_refuses_bad_seeds(capsys):
@@ -127,12 +128,14 @@ def test_demo_refuses_bad_workers(capsys):
 def test_demo_refuses_an_unwritable_out_before_any_work(capsys, tmp_path):
     code, _, err = run(capsys, "demo", "--out", "/dev/null/x")
     assert code == 2
-    assert err.startswith("mxrl: error: --out '/dev/null/x' is not a writable directory")
+    assert err.startswith("mxrl: error: --out: '/dev/null/x' lies under '/dev/null', a file")
     assert "Traceback" not in err
     blocker = tmp_path / "file"
     blocker.write_text("")
     code, _, err = run(capsys, "demo", "--out", str(blocker / "sub"))
-    assert code == 2 and "not a writable directory" in err
+    assert code == 2 and "a file, not a folder" in err
+    code, _, err = run(capsys, "demo", "--out", "/proc/mxrl-demo")  # no folder can be made there
+    assert code == 2 and "'/proc/mxrl-demo' cannot be written" in err
 
 
 @pytest.mark.parametrize(

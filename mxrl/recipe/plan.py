@@ -166,15 +166,16 @@ class Plan(Mapping[str, TensorSpec]):
         that quantizes nothing in this model (`problems`, found by `resolve`)."""
         if not self.problems:
             return
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        message = f"recipe {self.recipe_name!r} does not do what it says on this model:\n{lines}"
+        # one line: the CLI prints a refusal as one `mxrl: error:` line
+        listed = "; ".join(self.problems)
+        message = f"recipe {self.recipe_name!r} does not do what it says on this model: {listed}"
         if strict:
             raise ValueError(
-                f"{message}\nFix the recipe's rules (`mxrl recipe show RECIPE --model DIR` prints "
+                f"{message}. Fix the recipe's rules (`mxrl recipe show RECIPE --model DIR` prints "
                 "the plan), or allow it explicitly (--allow-unmatched; `strict: false` in a "
-                "train config)."
+                "train config)"
             )
-        logger.warning("%s\n(allowed: not strict)", message)
+        logger.warning("%s (allowed: not strict)", message)
 
     def summary(self) -> str:
         """The audit's per-format summary (what `convert` and `train` print first)."""

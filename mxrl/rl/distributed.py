@@ -43,14 +43,15 @@ from mxrl.parallel import checkpoint as dcp_checkpoint
 from mxrl.parallel.parallelize import attach_cache_reset, clear_quantized_caches, full, local
 from mxrl.parallel.rollout import gather_in_order, gather_objects, share
 from mxrl.recipe import Plan, resolve
+from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.loop import (
     CHECKPOINT_DIR,
-    GRPOConfig,
+    Progress,
     _seed,
+    apply_optimizer_settings,
     engine_digest,
-    log_step,
     step_metrics,
 )
 from mxrl.rl.mismatch import mismatch_metrics
@@ -281,12 +282,13 @@ class DistributedGRPOTrainer:
             while self.step < self.cfg.steps:
                 self.train_step()
             return history
+        progress = Progress(self.step, self.cfg.steps)
         with self.record.guard(lambda: self.step):
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 assert m is not None
                 history.append(m)
-                log_step(self.step, self.cfg.steps, m)
+                progress.log(self.step, m)
             self.record.finish(self.step, status=FINISHED)
         return history
 
@@ -338,6 +340,7 @@ class DistributedGRPOTrainer:
         if self.layout.trains:
             assert self.model is not None and self.opt is not None
             rng = dcp_checkpoint.load(path, self.model, self.opt, self.layout.train_group)
+            apply_optimizer_settings(self.opt, self.cfg)  # this config's lr, as GRPOTrainer
             clear_quantized_caches(self.model)
             self._set_rng_state(rng)
         self.source.load_state_dict(state["source"])
@@ -366,7 +369,7 @@ class DistributedGRPOTrainer:
     def _set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"].cpu())
         random.setstate(state["python"])
-        if "cuda" in state:
+        if "cuda" in state and self.layout.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"].cpu(), self.layout.device)
 
 

@@ -70,7 +70,7 @@ def load_yaml(source: str | Path, name: str | None = None) -> Any:
             text = source.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            raise ValueError(f"cannot read {name!r}: {reason}") from None
+            raise ValueError(f"{name}: cannot read it: {reason}") from None
     else:
         text = source
     try:
