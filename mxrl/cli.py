@@ -176,9 +176,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _demo_plan_only(out: Path | None) -> int:
     """The demo's plan of the tiny model, printed; with `out`, plan.json and audit.txt there."""
-    plan, _ = _resolve_on(DEMO_PRESET, None, "fused")
     if out is not None:
-        _writable_dir(out, "--out")
+        _writable_dir(out, "--out")  # before the recipe room (and torch) is imported
+    plan, _ = _resolve_on(DEMO_PRESET, None, "fused")
     print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model\n")
     audit = f"{plan.table()}\nplan hash: {plan.hash()}\n"
     print(audit, end="")
@@ -191,12 +191,14 @@ def _demo_plan_only(out: Path | None) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from mxrl.rl.config import TrainConfig
-
-    config = TrainConfig.load(args.config)  # schema errors before torch is imported
-    from mxrl.rl.train import run_train
+    from mxrl.rl.preflight import preflight
 
     _progress_logging()
-    record = run_train(config)
+    config = TrainConfig.load(args.config)  # the schema: before torch is imported
+    checked = preflight(config)  # paths, device, plan, resume: before the trainer's imports
+    from mxrl.rl.train import run_train
+
+    record = run_train(config, checked)
     if record is not None:  # under torchrun, rank 0 holds the run record
         print(f"mxrl train: run record at {record.path}")
     return 0
@@ -228,6 +230,9 @@ def _progress_logging() -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import json
 
+    from mxrl.runs.record import check_writable
+
+    check_writable(args.out, "--out")  # a file in the path, an unwritable folder: before work
     from mxrl.weights import MANIFEST_NAME, convert_checkpoint
 
     def announce(plan) -> None:
@@ -237,9 +242,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(plan.summary(), flush=True)
         _warn_problems(plan)
 
-    from mxrl.runs.record import check_writable
-
-    check_writable(args.out, "--out")  # a file in the path, an unwritable folder: before work
     out = convert_checkpoint(
         args.model,
         args.recipe,

@@ -181,3 +181,53 @@ def test_console_entry_point_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "rules[0]" in proc.stderr and "activations" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_plan_only_writes_plan_json_and_audit_txt(capsys, tmp_path):
+    out_dir = tmp_path / "plan"
+    code, out, _ = run(capsys, "demo", "--plan-only", "--out", str(out_dir))
+    assert code == 0
+    plan = Plan.from_json((out_dir / "plan.json").read_text())
+    assert plan.recipe_name == "nvfp4-dequantized"
+    audit = (out_dir / "audit.txt").read_text()
+    assert audit.endswith(f"plan hash: {plan.hash()}\n") and audit in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["audit.txt", "plan.json"]
+
+
+def test_recipe_show_convert_and_train_agree_on_the_plan_hash(capsys, tmp_path, monkeypatch):
+    """`recipe show` without --model resolves the built-in model under the expert layout its
+    parameters have, so its hash is the one `convert` writes for that model's checkpoint and
+    `train` records for a run of it."""
+    import torch
+    import yaml
+
+    from mxrl.models import build_model, save_pretrained
+    from mxrl.recipe import builtin_config
+
+    recipe = "nvfp4-dequantized"
+    code, out, _ = run(capsys, "recipe", "show", recipe)
+    assert code == 0
+    (shown,) = [ln.split()[-1] for ln in _lines(out, "plan hash:")]
+
+    hf = save_pretrained(build_model(builtin_config("tiny-moe"), seed=0), tmp_path / "hf",
+                         progress=False)  # fmt: skip
+    code, _, err = run(capsys, "convert", "--recipe", recipe, "--model", str(hf), "--out",
+                       str(tmp_path / "q"))  # fmt: skip
+    assert code == 0, err
+    converted = json.loads((tmp_path / "q" / "manifest.json").read_text())["plan_hash"]
+
+    config = {"model": "builtin:tiny-moe", "data": {"warmup_steps": 1},
+              "out": str(tmp_path / "runs"), "run_id": "t",
+              "rl": {"recipe": recipe, "steps": 1, "prompts_per_step": 2,
+                     "samples_per_prompt": 2, "max_new_tokens": 2, "engine_tile": 16}}  # fmt: skip
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("MXRL_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code, _, err = run(capsys, "train", "--config", str(tmp_path / "train.yaml"))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    trained = json.loads((tmp_path / "runs" / "t" / "plan.json").read_text())["hash"]
+    assert shown == converted == trained

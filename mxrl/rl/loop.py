@@ -31,6 +31,7 @@ from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.mismatch import mismatch_metrics
+from mxrl.rl.resume import CHECKPOINT_DIR, latest_checkpoint  # noqa: F401 - re-exported
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -38,8 +39,6 @@ from mxrl.sync import InProcessTransport
 from mxrl.weights import export
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_DIR = "checkpoints"
 
 
 class GRPOTrainer:
@@ -295,11 +294,6 @@ def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
     for name, content in sorted(hashes):
         h.update(f"{name}\0{content}\n".encode())
     return h.hexdigest()
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
-    return found[-1] if found else None
 
 
 def _seed(seed: int, step: int, index: int) -> int:

@@ -24,14 +24,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mxrl.parallel import checkpoint as dcp_checkpoint
 from mxrl.rl.config import LAUNCH, REFUSE, GRPOConfig, OnResume, TrainConfig
-from mxrl.rl.loop import CHECKPOINT_DIR, latest_checkpoint
 from mxrl.runs import RunRecord, is_run_dir
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"  # under the run folder: step_NNNNNN.pt, or DCP step_NNNNNN/
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest single-process checkpoint of a run (None: it has none)."""
+    found = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
+    return found[-1] if found else None
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,12 @@ class ResumePoint:
 
 
 def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> ResumePoint:
-    """Check that `cfg` (with `resume:` set) can continue its run; ValueError naming what
-    cannot, before anything is written. `plan_hash`: the plan this config resolves."""
+    """Check that `cfg` (with `resume:` set, its paths checked: `mxrl.rl.preflight`) can
+    continue its run; ValueError naming what cannot, before anything is written. `plan_hash`:
+    the plan this config resolves."""
     assert cfg.resume is not None
     run_dir = Path(cfg.resume)
-    if not is_run_dir(run_dir):
-        raise ValueError(
-            f"resume: {str(run_dir)!r} is not a run folder (no config.yaml or env.json); pass "
-            "a run's folder, e.g. runs/<run id>"
-        )
+    assert is_run_dir(run_dir), "mxrl.rl.preflight.check_paths refuses a folder that is no run"
     ckpt, state = _load_latest(run_dir, distributed)
     step = int(state["step"])
     old = _recorded_config(run_dir, state)
@@ -93,17 +94,24 @@ def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> Re
 def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint of the launch's kind and its state; ValueError if there is none
     or it does not load."""
-    pt, dcp = latest_checkpoint(run_dir), dcp_checkpoint.latest(run_dir, CHECKPOINT_DIR)
-    ckpt = dcp if distributed else pt
+    import torch
+
+    pt = latest_checkpoint(run_dir)
+    if distributed:  # torch.distributed.checkpoint: imported only for a torchrun launch
+        from mxrl.parallel import checkpoint as dcp_checkpoint
+
+        ckpt, other = dcp_checkpoint.latest(run_dir, CHECKPOINT_DIR), pt
+    else:
+        folders = [p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if p.is_dir()]
+        ckpt, other = pt, max(folders, default=None)
+    if ckpt is None and other is not None:
+        kind = "a single-process" if distributed else "a distributed (DCP)"
+        fix = "drop placement:" if distributed else "add the run's placement: section"
+        raise ValueError(
+            f"resume: {run_dir} holds {kind} checkpoint ({other}), which this launch cannot "
+            f"load; resume it as it ran ({fix})"
+        )
     if ckpt is None:
-        other = pt if distributed else dcp
-        if other is not None:
-            kind = "a single-process" if distributed else "a distributed (DCP)"
-            fix = "drop placement:" if distributed else "add the run's placement: section"
-            raise ValueError(
-                f"resume: {run_dir} holds {kind} checkpoint ({other}), which this launch "
-                f"cannot load; resume it as it ran ({fix})"
-            )
         raise ValueError(
             f"resume: {run_dir} has no checkpoint to resume from (checkpoints are written "
             f"under {run_dir / CHECKPOINT_DIR} every rl.checkpoint_every steps); start a new "

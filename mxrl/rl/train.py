@@ -38,7 +38,6 @@ that can refuse it (`mxrl.rl.resume`): all before a warm-up, a model load or a f
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -46,78 +45,21 @@ import torch
 
 from mxrl.kernels import select_backend
 from mxrl.models import from_pretrained, load_tokenizer
-from mxrl.recipe import Plan, builtin_config, load_hf_config, resolve, tensors_from_hf_config
+from mxrl.recipe import Plan, builtin_config, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset
 from mxrl.rl.loop import GRPOTrainer
-from mxrl.rl.resume import ResumePoint, prepare_resume
+from mxrl.rl.preflight import Checked, preflight
+from mxrl.rl.resume import ResumePoint
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource, TaskSource
 from mxrl.rl.task import ArithmeticTask
 from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord
-from mxrl.runs.record import check_writable
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def check_environment(cfg: TrainConfig) -> None:
-    """What the schema cannot know: the device exists, the files and folders named exist or can
-    be written, the reward imports. ValueError naming the field, before any work."""
-    device = torch.device(cfg.rl.device)
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise ValueError(
-                f"rl.device: {cfg.rl.device} but this torch ({torch.__version__}) sees {count} "
-                "CUDA device(s); set rl.device: cpu, or run where the GPU is"
-            )
-    try:
-        select_backend(cfg.rl.backend, device)
-    except ValueError as e:
-        raise ValueError(f"rl.backend: {e}") from None
-    if cfg.model != BUILTIN_MODEL:
-        model = Path(cfg.model)
-        if not (model / "config.json").is_file():
-            raise ValueError(
-                f"model: {cfg.model!r} is not an HF checkpoint folder (no config.json in it); "
-                f"pass one, or {BUILTIN_MODEL}"
-            )
-        if not (model / "tokenizer.json").is_file():
-            raise ValueError(f"model: {cfg.model!r} has no tokenizer.json; a train run needs one")
-    if cfg.data.source != BUILTIN_SOURCE:
-        if not Path(cfg.data.source).is_file():
-            raise ValueError(f"data.source: {cfg.data.source!r}: no such file")
-        try:
-            load_reward(cfg.data.reward)
-        except ValueError as e:
-            raise ValueError(f"data.reward: {e}") from None
-    if cfg.resume is not None:
-        check_writable(cfg.resume, "resume")
-        return
-    check_writable(cfg.out_dir, "out")
-    if cfg.run_id is not None and (cfg.out_dir / cfg.run_id).exists():
-        raise ValueError(
-            f"run_id: {str(cfg.out_dir / cfg.run_id)!r} already exists; choose another run_id, "
-            "or resume: it"
-        )
-
-
-def config_plan(cfg: TrainConfig) -> Plan:
-    """The recipe resolved on the model's config — its parameters' names and shapes, in the
-    fused expert layout mxrl's models hold, which is what the trainer resolves on — and
-    checked (`strict`), before the model is built."""
-    config = builtin_config("tiny-moe") if cfg.model == BUILTIN_MODEL else cfg.model
-    try:
-        plan = resolve(cfg.rl.recipe, tensors_from_hf_config(load_hf_config(config), "fused"))
-        logger.info("mxrl train: recipe %s, plan %s\n%s", plan.recipe_name, plan.hash()[:12],
-                    plan.summary())  # fmt: skip
-        plan.check(strict=cfg.strict)  # before any run directory is written
-    except ValueError as e:
-        raise ValueError(f"rl.recipe: {e}") from None
-    return plan
 
 
 def build(cfg: TrainConfig, device: str | torch.device) -> tuple[Any, Any]:
@@ -149,20 +91,15 @@ def _check_built(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> None:
         )
 
 
-def run_train(config: str | Path | TrainConfig) -> RunRecord | None:
-    """One `mxrl train` run (a config file, or its TrainConfig); with a `placement` section,
-    this process's part of a torchrun job (the RunRecord on rank 0, None on the others)."""
+def run_train(config: str | Path | TrainConfig, checked: Checked | None = None) -> RunRecord | None:
+    """One `mxrl train` run (a config file, or its TrainConfig; `checked`: its `preflight`, if
+    the caller made it); with a `placement` section, this process's part of a torchrun job (the
+    RunRecord on rank 0, None on the other ranks)."""
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
+    checked = checked if checked is not None else preflight(cfg)
     if cfg.placement is not None:
-        return _run_distributed(cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            f"placement: launched by torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']} but "
-            "the config has no placement section; add one (docs/scale.md) or run one process"
-        )
-    check_environment(cfg)
-    plan = config_plan(cfg)
-    point = prepare_resume(cfg, plan.hash(), distributed=False) if cfg.resume else None
+        return _run_distributed(cfg, checked)
+    plan, point = checked.plan, checked.resume
     model, source = build(cfg, cfg.rl.device)
     _check_built(cfg, model, plan)
     backend = str(select_backend(cfg.rl.backend, cfg.rl.device))
@@ -194,16 +131,14 @@ def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:
     )  # fmt: skip
 
 
-def _run_distributed(cfg: TrainConfig) -> RunRecord | None:
+def _run_distributed(cfg: TrainConfig, checked: Checked) -> RunRecord | None:
     """This rank's part of a torchrun job (mxrl/rl/distributed.py, docs/scale.md). Every rank
-    makes the same checks on the same files, so a refusal stops every rank before the process
-    group exists."""
+    made the same checks on the same files (`preflight`), so a refusal stopped every rank
+    before the process group exists."""
     from mxrl.parallel import Layout
     from mxrl.rl.distributed import DistributedGRPOTrainer
 
-    check_environment(cfg)
-    plan = config_plan(cfg)
-    point = prepare_resume(cfg, plan.hash(), distributed=True) if cfg.resume else None
+    plan, point = checked.plan, checked.resume
     layout = Layout.init(cfg.placement, device=cfg.rl.device)
     try:
         # rank 0 builds first (a builtin model's SFT warm-up writes its cache once); the others

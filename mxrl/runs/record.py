@@ -32,8 +32,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mxrl.runs.env import capture_env, utc_now
 from mxrl.runs.jsonl import (
     ReadResult,
@@ -45,7 +43,7 @@ from mxrl.runs.jsonl import (
     to_float,
     to_jsonable,
 )
-from mxrl.runs.yamlio import load_yaml
+from mxrl.runs.yamlio import dump_yaml, load_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -183,9 +181,7 @@ class RunRecord:
                 f"run directory {str(path)!r} already exists; choose another run_id, or "
                 "RunRecord.open() it to resume"
             ) from None
-        (path / CONFIG_FILE).write_text(
-            yaml.safe_dump(config_data, sort_keys=False, allow_unicode=True)
-        )
+        (path / CONFIG_FILE).write_text(dump_yaml(config_data))
         if plan_text is not None:
             (path / PLAN_FILE).write_text(plan_text.rstrip("\n") + "\n")
         env = capture_env(backend)
@@ -232,7 +228,7 @@ class RunRecord:
             if not isinstance(data, dict):
                 raise TypeError(f"config must be a mapping or a dataclass, got {type(config)}")
             tmp = self.path / (CONFIG_FILE + ".tmp")
-            tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+            tmp.write_text(dump_yaml(data))
             tmp.replace(self.path / CONFIG_FILE)
         event = self.log_event(
             RESUME,

@@ -11,6 +11,8 @@ it says without a word:
   follows YAML 1.1, whose floats need a dot and a signed exponent (`1.0e-4`), and reads `5e-4`
   as the *string* "5e-4" — a learning rate that would fail deep inside the optimizer.
 
+`dump_yaml` writes what `load_yaml` reads back unchanged (it quotes a string such as "5e-4").
+
 Errors are ValueError on one line: the file, the line, what is wrong.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["load_yaml"]
+__all__ = ["dump_yaml", "load_yaml"]
 
 # YAML 1.2 core-schema floats that YAML 1.1 misses: an exponent without a dot or without a sign
 # (the 1.1 forms, `1.0e-4`, are already floats and are left to PyYAML's own resolver)
@@ -58,7 +60,12 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_StrictLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that knows `load_yaml`'s floats, so it quotes the *string* "5e-4"."""
+
+
+for _cls in (_StrictLoader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
 
 
 def load_yaml(source: str | Path, name: str | None = None) -> Any:
@@ -77,6 +84,11 @@ def load_yaml(source: str | Path, name: str | None = None) -> Any:
         return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no object tags
     except yaml.YAMLError as e:
         raise ValueError(f"{name or '<yaml>'}: {_one_line(e)}") from None
+
+
+def dump_yaml(data: Any) -> str:
+    """YAML text that `load_yaml` reads back as `data` (plain types), keys in their order."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
 
 
 def _one_line(e: yaml.YAMLError) -> str:

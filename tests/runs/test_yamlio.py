@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mxrl.recipe import load_recipe
-from mxrl.runs.yamlio import load_yaml
+from mxrl.runs.yamlio import dump_yaml, load_yaml
 
 
 def test_exponent_floats_without_a_dot_or_a_sign_are_floats():
@@ -52,3 +52,10 @@ def test_a_recipe_with_a_duplicate_key_is_refused(tmp_path):
     path.write_text("name: dup\ndefault: bf16\nrules: []\ndefault: mxfp8\n")
     with pytest.raises(ValueError, match=r"dup.yaml'?: line 4: duplicate key 'default'"):
         load_recipe(path)
+
+
+def test_dump_quotes_what_would_read_back_as_a_float():
+    data = {"s": "5e-4", "t": "1e3", "f": 5e-4, "i": 3, "n": None, "l": ["x", 1.5]}
+    text = dump_yaml(data)
+    assert "s: '5e-4'" in text and "t: '1e3'" in text
+    assert load_yaml(text) == data
