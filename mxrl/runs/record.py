@@ -217,12 +217,18 @@ class RunRecord:
 
         Drops the metrics and events of later steps (`truncate_after`: the resumed run logs
         each of them once), rewrites config.yaml to `config` (the config the run continues
-        with) when given, writes a `resume` event (checkpoint path, the new process's
-        environment) at `step`, then one `config_change` event per entry of `changes`
+        with) when given, moves the `end` event of the process that stopped at `step` into
+        the `resume` event it writes at `step` (`previous_end`, with the checkpoint path and
+        the new process's environment), then one `config_change` event per entry of `changes`
         (`field`, `old`, `new`) at step + 1, the first step that uses the new value. Returns
         the resume event."""
         step = _check_step(step, "resume")
         self.truncate_after(step)
+        # the end of the process that stopped at `step` (finished, failed at it): kept in the
+        # resume event, so `runs list` sees the run going on, not its old end
+        ended = self.events(END)
+        if ended:
+            self._drop(EVENTS_FILE, lambda r: r.get("type") == END)
         if config is not None:
             data = to_jsonable(config, "config")
             if not isinstance(data, dict):
@@ -236,6 +242,7 @@ class RunRecord:
             from_step=step,
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
             env=capture_env(backend),
+            previous_end={k: v for k, v in ended[-1].items() if k != "type"} if ended else None,
         )
         for change in changes:
             self.log_event(
@@ -441,16 +448,10 @@ class RunRecord:
         so the resumed run logs each later step exactly once). Events without a step are kept.
         Returns (metric lines dropped, event lines dropped)."""
         _check_step(step, "truncate_after")
-        dropped = []
-        for name in (METRICS_FILE, EVENTS_FILE):
-            records = self._read(name).records
-            keep = [r for r in records if not _after(r.get("step"), step)]
-            dropped.append(len(records) - len(keep))
-            path = self.path / name
-            if path.exists():
-                rewrite(path, keep)  # also drops a truncated last line and unreadable lines
-            self._repaired.add(name)
-            self._cache.pop(name, None)
+        dropped = [
+            self._drop(name, lambda r: _after(r.get("step"), step))
+            for name in (METRICS_FILE, EVENTS_FILE)
+        ]
         if any(dropped):
             logger.info(
                 "%s: dropped %d metric and %d event lines after step %d",
@@ -460,6 +461,17 @@ class RunRecord:
                 step,
             )
         return dropped[0], dropped[1]
+
+    def _drop(self, name: str, drop: Callable[[dict[str, Any]], bool]) -> int:
+        """Rewrite one JSON-lines file without the records `drop` selects; returns how many."""
+        records = self._read(name).records
+        keep = [r for r in records if not drop(r)]
+        path = self.path / name
+        if path.exists():
+            rewrite(path, keep)  # also drops a truncated last line and unreadable lines
+        self._repaired.add(name)
+        self._cache.pop(name, None)
+        return len(records) - len(keep)
 
     # -- reading --------------------------------------------------------------------------------
 

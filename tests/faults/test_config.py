@@ -270,11 +270,13 @@ def test_a_resume_applies_a_changed_lr_and_records_it(tmp_path, finished, caplog
     assert changes == {"rl.lr": (3, 1e-3, 1e-2), "rl.steps": (3, 2, 3)}
     (resume,) = record.events("resume")
     assert resume["step"] == 2 and resume["checkpoint"].endswith("step_000002.pt")
+    assert resume["previous_end"]["status"] == "finished"  # the first process's end, kept
     shown = yaml.safe_load((run / "config.yaml").read_text())
     assert shown["rl"]["lr"] == 1e-2 and shown["rl"]["steps"] == 3
     lines_after = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
     assert lines_after[:2] == lines_before and len(lines_after) == 3
-    assert record.events("end")[-1]["status"] == "finished"
+    (end,) = record.events("end")
+    assert end["status"] == "finished" and end["step"] == 3
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 3/3")]
     assert len(progress) == 1 and "reward" in progress[0] and "ETA 0s" in progress[0]
 
