@@ -233,6 +233,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from mxrl.runs.record import check_writable
 
     check_writable(args.out, "--out")  # a file in the path, an unwritable folder: before work
+    if not args.overwrite and args.out.is_dir() and any(args.out.iterdir()):
+        raise UserError(
+            f"--out {str(args.out)!r} is a folder with files in it; pass --overwrite to replace "
+            "it, or a new folder"
+        )
     from mxrl.weights import MANIFEST_NAME, convert_checkpoint
 
     def announce(plan) -> None:

@@ -149,6 +149,9 @@ CASES = [
     # other commands
     Case("convert-out-under-a-file", "--out",
          args=("convert", "--recipe", "bf16", "--model", "hf", "--out", "afile/x")),
+    Case("convert-out-not-empty", "--overwrite",
+         args=("convert", "--recipe", "bf16", "--model", "hf", "--out", "afolder"),
+         setup=lambda d: (d / "afolder" / "mine.txt").write_text("mine\n")),
     Case("demo-plan-out-under-a-file", "--out", args=("demo", "--plan-only", "--out", "afile/x")),
     Case("recipe-show-typo", "'fromat'", args=("recipe", "show", "bad.yaml"),
          files={"bad.yaml": "name: bad\nrules:\n  - match: {kind: router}\n    fromat: bf16\n"}),
