@@ -33,8 +33,8 @@ from mxrl.runs.yamlio import load_yaml
 
 BUILTIN_MODEL = "builtin:tiny-moe"
 BUILTIN_SOURCE = "builtin:arithmetic"
-# the built-in model's character vocabulary answers an arithmetic problem in at most 7 tokens
-# and an EOS: more would only sample past the answer
+# the built-in task's answers are a few characters and an EOS: `mxrl train` used to cap the
+# setting at 8 without a word (the record said one value, the run used another); now it refuses
 BUILTIN_MAX_NEW_TOKENS = 8
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = (None, "reference", "triton")  # mxrl.kernels.Backend's values; None: by device
@@ -298,9 +298,9 @@ class TrainConfig:
             )
         if builtin and self.rl.max_new_tokens > BUILTIN_MAX_NEW_TOKENS:
             raise ValueError(
-                f"rl.max_new_tokens: {self.model} answers in at most {BUILTIN_MAX_NEW_TOKENS} "
-                f"tokens (the answer and its EOS), got {self.rl.max_new_tokens}; set "
-                f"rl.max_new_tokens <= {BUILTIN_MAX_NEW_TOKENS}"
+                f"rl.max_new_tokens: {self.model} generates at most {BUILTIN_MAX_NEW_TOKENS} "
+                f"tokens (an answer of a few characters and an EOS), got "
+                f"{self.rl.max_new_tokens}; set rl.max_new_tokens <= {BUILTIN_MAX_NEW_TOKENS}"
             )
         if self.rl.eval_every and self.data.source != BUILTIN_SOURCE:
             raise ValueError(
@@ -364,7 +364,8 @@ def _check_resume_location(cfg: TrainConfig) -> None:
     if cfg.run_id is not None and cfg.run_id != folder.name:
         raise ValueError(
             f"run_id: {cfg.run_id!r} but resume continues the run {str(cfg.resume)!r} in its "
-            "folder; drop run_id (or resume: nothing, to start a new run)"
+            "folder; drop run_id (a resumed run keeps its folder), or drop resume: to start a "
+            "new run"
         )
     if cfg.out is not None and Path(cfg.out).absolute() != folder.parent:
         raise ValueError(

@@ -68,9 +68,9 @@ def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> Re
     if refused:
         listed = ", ".join(c.describe() for c in refused)
         raise ValueError(
-            f"resume: {listed}: what the run is (model, recipe, dtype, seed, batch shape, data, "
-            f"placement) cannot change in a resumed run; set the run's values back (its "
-            f"{run_dir / 'config.yaml'}), or start a new run (drop resume:)"
+            f"resume: {listed} cannot change in a resumed run (the model, recipe, dtype, seed, "
+            "batch shape, data and placement are what the run is); set back the run's value "
+            f"(see {run_dir / 'config.yaml'}), or start a new run (drop resume:)"
         )
     if state["plan_hash"] != plan_hash:
         raise ValueError(

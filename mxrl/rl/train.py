@@ -108,6 +108,7 @@ def run_train(config: str | Path | TrainConfig, checked: Checked | None = None) 
         record = RunRecord.open(point.run_dir)
         trainer = GRPOTrainer(cfg.rl, model, source, record)
         trainer.load_checkpoint(point.checkpoint, point.state)
+        point.state.clear()  # its tensors: the trainer holds its own copies now
         _resume_record(record, point, backend)
     else:
         record = RunRecord.create(

@@ -75,7 +75,7 @@ def test_defaults_are_valid_and_ints_are_accepted_for_floats():
         ({"tis_cap": 0.5}, "rl.tis_cap: must be a finite number >= 1"),
         ({"device": "gpu"}, "rl.device: expected cpu, cuda or cuda:N, got 'gpu'"),
         ({"lr": "5e-4"}, "rl.lr: expected a number > 0, got '5e-4' (a string); write it without"),
-        ({"max_new_tokens": 9}, "rl.max_new_tokens: builtin:tiny-moe answers in at most 8"),
+        ({"max_new_tokens": 9}, "rl.max_new_tokens: builtin:tiny-moe generates at most 8"),
         ({"recipe": ""}, "rl.recipe: expected a non-empty string"),
     ],
 )
