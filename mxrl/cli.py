@@ -1,14 +1,16 @@
 """The `mxrl` command.
 
     mxrl recipe list
-    mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout fused] [--json]
+    mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout per_expert]
+                     [--json]
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
     mxrl train --config FILE
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
                  [--allow-unmatched]
     mxrl --version
 
-User errors (a bad recipe, a bad config) print one line on stderr and exit with code 2.
+User errors (a bad recipe, a bad config, a bad path) print one `mxrl: error:` line on stderr
+and exit with code 2, before anything is written; a bug still shows its traceback.
 """
 
 from __future__ import annotations
@@ -52,17 +54,19 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument(
         "--expert-layout",
-        choices=("per_expert", "fused"),
-        default="per_expert",
-        help="routed expert tensor names: per expert (checkpoints) or fused 3-D (transformers 5)",
+        choices=("fused", "per_expert"),
+        default="fused",
+        help="routed expert tensor names: fused 3-D (default: what mxrl's models hold, so the "
+        "plan hash is the one convert and train use) or per expert (published checkpoints)",
     )
     show.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     demo = commands.add_parser(
         "demo", help="GRPO on the embedded task under bf16, mxfp8 and nvfp4; writes a report"
     )
-    demo.add_argument("--out", metavar="DIR", type=Path, default=Path("demo"),
-                      help="where runs/ and report.md go (default: ./demo)")  # fmt: skip
+    demo.add_argument("--out", metavar="DIR", type=Path, default=None,
+                      help="where runs/ and report.md go (default: ./demo); with --plan-only, "
+                           "where plan.json and audit.txt go (default: nowhere)")  # fmt: skip
     demo.add_argument("--all", action="store_true", help="the six article presets")
     demo.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
     demo.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 140)")
@@ -73,7 +77,8 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="runs trained at once, one process each (default: one per CPU core; "
                            "on a GPU they share it)")  # fmt: skip
     demo.add_argument("--plan-only", action="store_true",
-                      help="only print the nvfp4-dequantized plan of the tiny model")  # fmt: skip
+                      help="only print the nvfp4-dequantized plan of the tiny model (and write "
+                           "it to --out)")  # fmt: skip
 
     train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/rl/train.py)")
     train.add_argument("--config", required=True, type=Path, metavar="FILE")
@@ -144,22 +149,21 @@ def _warn_problems(plan) -> None:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.plan_only:
-        plan, _ = _resolve_on(DEMO_PRESET, None, "per_expert")
-        print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model\n")
-        print(plan.table())
-        print(f"plan hash: {plan.hash()}")
-        return 0
+        return _demo_plan_only(args.out)
     from mxrl.rl.demo import ARTICLE_RECIPES, DEMO_RECIPES, run_demo
 
     if args.seeds < 1:
-        raise UserError("--seeds must be >= 1")
+        raise UserError(f"--seeds must be >= 1, got {args.seeds}")
     if args.workers is not None and args.workers < 1:
-        raise UserError("--workers must be >= 1")
-    _writable_dir(args.out, "--out")
+        raise UserError(f"--workers must be >= 1, got {args.workers}")
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be >= 1, got {args.steps}")
+    out = args.out if args.out is not None else Path("demo")
+    _writable_dir(out, "--out")
     _progress_logging()
     recipes = ARTICLE_RECIPES if args.all else DEMO_RECIPES
     report = run_demo(
-        args.out,
+        out,
         recipes=recipes,
         seeds=args.seeds,
         steps=args.steps,
@@ -170,11 +174,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_plan_only(out: Path | None) -> int:
+    """The demo's plan of the tiny model, printed; with `out`, plan.json and audit.txt there."""
+    if out is not None:
+        _writable_dir(out, "--out")  # before the recipe room (and torch) is imported
+    plan, _ = _resolve_on(DEMO_PRESET, None, "fused")
+    print(f"mxrl demo: the {DEMO_PRESET} plan of the built-in tiny-moe model\n")
+    audit = f"{plan.table()}\nplan hash: {plan.hash()}\n"
+    print(audit, end="")
+    if out is not None:
+        (out / "plan.json").write_text(plan.to_json(indent=2) + "\n")
+        (out / "audit.txt").write_text(audit)
+        print(f"wrote {out / 'plan.json'} and {out / 'audit.txt'}")
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
-    from mxrl.rl.train import run_train
+    from mxrl.rl.config import TrainConfig
+    from mxrl.rl.preflight import preflight
 
     _progress_logging()
-    record = run_train(args.config)
+    config = TrainConfig.load(args.config)  # the schema: before torch is imported
+    checked = preflight(config)  # paths, device, plan, resume: before the trainer's imports
+    from mxrl.rl.train import run_train
+
+    record = run_train(config, checked)
     if record is not None:  # under torchrun, rank 0 holds the run record
         print(f"mxrl train: run record at {record.path}")
     return 0
@@ -182,6 +206,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _writable_dir(path: Path, flag: str) -> None:
     """Create `path` (and parents) and prove it writable, before any work is done."""
+    from mxrl.runs.record import check_writable
+
+    check_writable(path, flag)  # refuses a file in the path before creating anything
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".mxrl-write-test"
@@ -203,6 +230,14 @@ def _progress_logging() -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     import json
 
+    from mxrl.runs.record import check_writable
+
+    check_writable(args.out, "--out")  # a file in the path, an unwritable folder: before work
+    if not args.overwrite and args.out.is_dir() and any(args.out.iterdir()):
+        raise UserError(
+            f"--out {str(args.out)!r} is a folder with files in it; pass --overwrite to replace "
+            "it, or a new folder"
+        )
     from mxrl.weights import MANIFEST_NAME, convert_checkpoint
 
     def announce(plan) -> None:
@@ -312,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "runs":
             return _cmd_runs(args)
     except (ValueError, UserError) as e:
-        print(f"mxrl: error: {e}", file=sys.stderr)
+        print(f"mxrl: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `mxrl recipe show ... | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's flush quiet
@@ -328,6 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mxrl: {e}; the run record says so", file=sys.stderr)
         return 128 + 15  # SIGTERM
     raise AssertionError(f"unhandled command {args}")
+
+
+def _one_line(error: Exception) -> str:
+    """The message on one line (an error may list several problems, one per line)."""
+    lines = (line.strip().removeprefix("- ") for line in str(error).splitlines())
+    return "; ".join(line for line in lines if line)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ def test_recipe_list(capsys):
 
 def test_recipe_show_on_qwen3_30b_a3b(capsys, qwen3_30b_dir):
     code, out, err = run(
-        capsys, "recipe", "show", "nvfp4-dequantized", "--model", str(qwen3_30b_dir)
-    )
+        capsys, "recipe", "show", "nvfp4-dequantized", "--model", str(qwen3_30b_dir),
+        "--expert-layout", "per_expert",
+    )  # fmt: skip
     assert code == 0, err
     assert _lines(out, "model.layers.0.mlp.experts", "nvfp4")
     assert len(_lines(out, "model.layers.0.mlp.experts.*.", "[x128]", "nvfp4")) == 3
@@ -110,8 +111,8 @@ def test_demo_plan_only(capsys):
     code, out, _ = run(capsys, "demo", "--plan-only")
     assert code == 0
     assert "nvfp4-dequantized" in out
-    assert _lines(out, "model.layers.0.mlp.experts.*.gate_proj.weight [x8]", "nvfp4")
-    assert "plan hash:" in out
+    assert _lines(out, "model.layers.0.mlp.experts.gate_up_proj", "nvfp4")
+    assert "plan hash:" in out and "wrote" not in out
 
 
 def test_demo_refuses_bad_seeds(capsys):
@@ -127,12 +128,14 @@ def test_demo_refuses_bad_workers(capsys):
 def test_demo_refuses_an_unwritable_out_before_any_work(capsys, tmp_path):
     code, _, err = run(capsys, "demo", "--out", "/dev/null/x")
     assert code == 2
-    assert err.startswith("mxrl: error: --out '/dev/null/x' is not a writable directory")
+    assert err.startswith("mxrl: error: --out: '/dev/null/x' lies under '/dev/null', a file")
     assert "Traceback" not in err
     blocker = tmp_path / "file"
     blocker.write_text("")
     code, _, err = run(capsys, "demo", "--out", str(blocker / "sub"))
-    assert code == 2 and "not a writable directory" in err
+    assert code == 2 and "a file, not a folder" in err
+    code, _, err = run(capsys, "demo", "--out", "/proc/mxrl-demo")  # no folder can be made there
+    assert code == 2 and "'/proc/mxrl-demo' cannot be written" in err
 
 
 @pytest.mark.parametrize(
@@ -178,3 +181,53 @@ def test_console_entry_point_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "rules[0]" in proc.stderr and "activations" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_demo_plan_only_writes_plan_json_and_audit_txt(capsys, tmp_path):
+    out_dir = tmp_path / "plan"
+    code, out, _ = run(capsys, "demo", "--plan-only", "--out", str(out_dir))
+    assert code == 0
+    plan = Plan.from_json((out_dir / "plan.json").read_text())
+    assert plan.recipe_name == "nvfp4-dequantized"
+    audit = (out_dir / "audit.txt").read_text()
+    assert audit.endswith(f"plan hash: {plan.hash()}\n") and audit in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["audit.txt", "plan.json"]
+
+
+def test_recipe_show_convert_and_train_agree_on_the_plan_hash(capsys, tmp_path, monkeypatch):
+    """`recipe show` without --model resolves the built-in model under the expert layout its
+    parameters have, so its hash is the one `convert` writes for that model's checkpoint and
+    `train` records for a run of it."""
+    import torch
+    import yaml
+
+    from mxrl.models import build_model, save_pretrained
+    from mxrl.recipe import builtin_config
+
+    recipe = "nvfp4-dequantized"
+    code, out, _ = run(capsys, "recipe", "show", recipe)
+    assert code == 0
+    (shown,) = [ln.split()[-1] for ln in _lines(out, "plan hash:")]
+
+    hf = save_pretrained(build_model(builtin_config("tiny-moe"), seed=0), tmp_path / "hf",
+                         progress=False)  # fmt: skip
+    code, _, err = run(capsys, "convert", "--recipe", recipe, "--model", str(hf), "--out",
+                       str(tmp_path / "q"))  # fmt: skip
+    assert code == 0, err
+    converted = json.loads((tmp_path / "q" / "manifest.json").read_text())["plan_hash"]
+
+    config = {"model": "builtin:tiny-moe", "data": {"warmup_steps": 1},
+              "out": str(tmp_path / "runs"), "run_id": "t",
+              "rl": {"recipe": recipe, "steps": 1, "prompts_per_step": 2,
+                     "samples_per_prompt": 2, "max_new_tokens": 2, "engine_tile": 16}}  # fmt: skip
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("MXRL_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code, _, err = run(capsys, "train", "--config", str(tmp_path / "train.yaml"))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, err
+    trained = json.loads((tmp_path / "runs" / "t" / "plan.json").read_text())["hash"]
+    assert shown == converted == trained

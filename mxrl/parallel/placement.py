@@ -57,8 +57,13 @@ class Placement:
                 raise ValueError(f"placement.{name} must be >= 1, got {value}")
         if self.mode == "split" and (self.train_ranks is None or self.rollout_ranks is None):
             raise ValueError("placement.mode split needs train_ranks and rollout_ranks")
-        if self.timeout_s <= 0:
-            raise ValueError(f"placement.timeout_s must be > 0, got {self.timeout_s}")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            timeout = None
+        if timeout is None or not 0 < timeout < float("inf"):
+            raise ValueError(
+                f"placement.timeout_s must be a finite number > 0, got {self.timeout_s!r}"
+            )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, where: str = "placement") -> Placement:

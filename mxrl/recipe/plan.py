@@ -166,15 +166,16 @@ class Plan(Mapping[str, TensorSpec]):
         that quantizes nothing in this model (`problems`, found by `resolve`)."""
         if not self.problems:
             return
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        message = f"recipe {self.recipe_name!r} does not do what it says on this model:\n{lines}"
+        # one line: the CLI prints a refusal as one `mxrl: error:` line
+        listed = "; ".join(self.problems)
+        message = f"recipe {self.recipe_name!r} does not do what it says on this model: {listed}"
         if strict:
             raise ValueError(
-                f"{message}\nFix the recipe's rules (`mxrl recipe show RECIPE --model DIR` prints "
+                f"{message}. Fix the recipe's rules (`mxrl recipe show RECIPE --model DIR` prints "
                 "the plan), or allow it explicitly (--allow-unmatched; `strict: false` in a "
-                "train config)."
+                "train config)"
             )
-        logger.warning("%s\n(allowed: not strict)", message)
+        logger.warning("%s (allowed: not strict)", message)
 
     def summary(self) -> str:
         """The audit's per-format summary (what `convert` and `train` print first)."""
@@ -254,13 +255,19 @@ def resolve(
     provenances = [r.describe(i) for i, r in enumerate(recipe.rules)]
     num_rules = len(recipe.rules)
     selected, assigned = [0] * num_rules, [0] * num_rules  # tensors each rule matches / takes
+    globbed: list[set[str]] = [set() for _ in recipe.rules]  # each rule's globs that matched
     specs = []
     for name, shape in shapes.items():
         info = infos[name]
         if not is_matmul_weight(name, info, shape):
             specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL))
             continue
-        hits = [r.match.matches(name, info, rule_layers[i]) for i, r in enumerate(recipe.rules)]
+        hits = []
+        for i, r in enumerate(recipe.rules):
+            selects = r.match.selects(info, rule_layers[i])
+            globs = r.match.globs_matching(name) if selects else ()
+            globbed[i].update(globs)
+            hits.append(selects and (r.match.name is None or bool(globs)))
         for i, hit in enumerate(hits):
             selected[i] += hit
         first = next((i for i, hit in enumerate(hits) if hit), None)
@@ -279,7 +286,7 @@ def resolve(
         _check_block(name, shape, fmt, block, provenance)
         specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
     _check_fuse_groups(specs)
-    problems = _problems(recipe, provenances, selected, assigned, specs)
+    problems = _problems(recipe, provenances, selected, assigned, globbed, specs)
     plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs), problems)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
@@ -291,11 +298,13 @@ def _problems(
     provenances: list[str],
     selected: list[int],
     assigned: list[int],
+    globbed: list[set[str]],
     specs: list[TensorSpec],
 ) -> tuple[str, ...]:
     """What the recipe says but the plan does not do (`Plan.check`). A bf16 rule selecting a
     kind or layers that this model lacks is fine (presets serve many families); a name glob
-    that matches nothing is probably a typo whatever its format, and a low-precision rule that
+    that matches nothing is probably a typo whatever its format — each glob of a list on its
+    own, since one good glob would hide a typo in the next — and a low-precision rule that
     takes no tensor quantizes nothing it was written for."""
     out = []
     for i, rule in enumerate(recipe.rules):
@@ -303,7 +312,14 @@ def _problems(
         if selected[i] == 0 and (rule.match.name is not None or rule.format is not Format.BF16):
             hint = " (a typo in the glob?)" if rule.match.name is not None else ""
             out.append(f"{where} -> {rule.format} matches no tensor of this model{hint}")
-        elif assigned[i] == 0 and rule.format is not Format.BF16:
+            continue
+        for glob in rule.match.name or ():
+            if glob not in globbed[i]:
+                out.append(
+                    f"{where} -> {rule.format}: its glob {glob!r} matches no tensor of this "
+                    "model that the rule's other selectors allow (a typo in the glob?)"
+                )
+        if selected[i] and not assigned[i] and rule.format is not Format.BF16:
             out.append(
                 f"{where} -> {rule.format}: every tensor it matches ({selected[i]}) is taken by "
                 "an earlier rule"

@@ -29,11 +29,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.recipe.layers import LayerSelector, parse_layers
 from mxrl.recipe.names import Kind, TensorInfo
+from mxrl.runs.yamlio import load_yaml
 
 
 class Backward(StrEnum):
@@ -93,13 +92,23 @@ class Match:
 
     def matches(self, name: str, info: TensorInfo, layers: frozenset[int] | None) -> bool:
         """`layers` is this rule's `self.layers.indices(num_layers)`, computed once per plan."""
+        if not self.selects(info, layers):
+            return False
+        return self.name is None or any(fnmatch.fnmatchcase(name, g) for g in self.name)
+
+    def selects(self, info: TensorInfo, layers: frozenset[int] | None) -> bool:
+        """The `kind` and `layers` selectors alone (`name` aside)."""
         if self.kind is not None and info.kind not in self.kind:
             return False
         if self.layers is not None:
             assert layers is not None
             if info.layer is None or info.layer not in layers:
                 return False
-        return self.name is None or any(fnmatch.fnmatchcase(name, g) for g in self.name)
+        return True
+
+    def globs_matching(self, name: str) -> tuple[str, ...]:
+        """The `name` globs that match `name` (a strict plan wants every glob to match one)."""
+        return tuple(g for g in self.name or () if fnmatch.fnmatchcase(name, g))
 
     def describe(self) -> str:
         """`{kind: routed_expert, layers: last 15%}`, for audit tables and error messages."""
@@ -293,11 +302,7 @@ def load_recipe(recipe: Recipe | str | Path | Mapping[str, Any]) -> Recipe:
                 f"recipe {str(recipe)!r}: no such preset or file; presets are "
                 f"{', '.join(list_presets())}"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        detail = " ".join(str(e).split())  # one line for the CLI
-        raise ValueError(f"recipe file {str(path)!r} is not valid YAML: {detail}") from None
+    data = load_yaml(path, f"recipe file {str(path)!r}")  # one line; duplicate keys refused
     if data is None:
         raise ValueError(f"recipe file {str(path)!r} is empty")
     return recipe_from_dict(data, default_name=path.stem)

@@ -1,45 +1,42 @@
 """RL building blocks: GRPO advantages and the clipped policy loss with TIS/MIS, mismatch and
 stability metrics, prompt datasets, rewards, the embedded arithmetic task, trainer-side
-logprobs and the trainer-vs-rollout probe (docs/rl.md, docs/mismatch.md)."""
+logprobs and the trainer-vs-rollout probe (docs/rl.md, docs/mismatch.md).
 
-from mxrl.rl.data import PromptDataset, PromptExample, SkippedRow, encode_prompt, render_prompt
-from mxrl.rl.grpo import group_advantages, policy_loss, zero_std_groups
-from mxrl.rl.logprobs import completion_logprobs
-from mxrl.rl.mismatch import MismatchMetrics, mismatch_metrics
-from mxrl.rl.probe import measure_mismatch
-from mxrl.rl.rewards import (
-    exact_match_reward,
-    integer_reward,
-    last_boxed,
-    load_reward,
-    math_reward,
-)
-from mxrl.rl.stability import GradSpikeDetector, SpikeDecision, layer_grad_norms, top_growth
-from mxrl.rl.task import ArithmeticTask, Problem, SupervisedExample
+The names below are imported on first use (PEP 562), so that `mxrl.rl.config` — the train
+config's schema, checked before any work — loads without torch and a config error is reported
+at once."""
 
-__all__ = [
-    "ArithmeticTask",
-    "GradSpikeDetector",
-    "MismatchMetrics",
-    "Problem",
-    "PromptDataset",
-    "PromptExample",
-    "SkippedRow",
-    "SpikeDecision",
-    "SupervisedExample",
-    "completion_logprobs",
-    "encode_prompt",
-    "exact_match_reward",
-    "group_advantages",
-    "integer_reward",
-    "last_boxed",
-    "layer_grad_norms",
-    "load_reward",
-    "math_reward",
-    "measure_mismatch",
-    "mismatch_metrics",
-    "policy_loss",
-    "render_prompt",
-    "top_growth",
-    "zero_std_groups",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "mxrl.rl.data": ("PromptDataset", "PromptExample", "SkippedRow", "encode_prompt",
+                     "render_prompt"),
+    "mxrl.rl.grpo": ("group_advantages", "policy_loss", "zero_std_groups"),
+    "mxrl.rl.logprobs": ("completion_logprobs",),
+    "mxrl.rl.mismatch": ("MismatchMetrics", "mismatch_metrics"),
+    "mxrl.rl.probe": ("measure_mismatch",),
+    "mxrl.rl.rewards": ("exact_match_reward", "integer_reward", "last_boxed", "load_reward",
+                        "math_reward"),
+    "mxrl.rl.stability": ("GradSpikeDetector", "SpikeDecision", "layer_grad_norms",
+                          "top_growth"),
+    "mxrl.rl.task": ("ArithmeticTask", "Problem", "SupervisedExample"),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mxrl.rl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access skips this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

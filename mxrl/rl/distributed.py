@@ -44,14 +44,15 @@ from mxrl.parallel import checkpoint as dcp_checkpoint
 from mxrl.parallel.parallelize import attach_cache_reset, clear_quantized_caches, full, local
 from mxrl.parallel.rollout import gather_in_order, gather_objects, share
 from mxrl.recipe import Plan, resolve
+from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.loop import (
     CHECKPOINT_DIR,
-    GRPOConfig,
+    Progress,
     _seed,
+    apply_optimizer_settings,
     engine_digest,
-    log_step,
     step_metrics,
 )
 from mxrl.rl.mismatch import mismatch_metrics
@@ -137,6 +138,7 @@ class DistributedGRPOTrainer:
                 SamplingParams(
                     temperature=cfg.temperature,
                     top_p=cfg.top_p,
+                    top_k=cfg.top_k,
                     max_new_tokens=cfg.max_new_tokens,
                     stop_token_ids=self.source.stop_token_ids,
                     seed=_seed(cfg.seed, step, i),
@@ -206,7 +208,7 @@ class DistributedGRPOTrainer:
         self.model.train()
         logp = sequence_logprobs(
             self.model, [prompts[i] for i in idx], [outs[i].tokens for i in idx], cfg.temperature,
-            top_p=cfg.top_p,
+            top_k=cfg.top_k, top_p=cfg.top_p,
         )  # fmt: skip
         m = pad_sequence([torch.ones(len(outs[i].tokens)) for i in idx], batch_first=True)
         rollout = pad_sequence([outs[i].logprobs for i in idx], batch_first=True).to(logp.device)
@@ -284,12 +286,13 @@ class DistributedGRPOTrainer:
             while self.step < self.cfg.steps:
                 self.train_step()
             return history
+        progress = Progress(self.step, self.cfg.steps)
         with self.record.guard(lambda: self.step):
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 assert m is not None
                 history.append(m)
-                log_step(self.step, self.cfg.steps, m)
+                progress.log(self.step, m)
             self.record.finish(self.step, status=FINISHED)
         return history
 
@@ -341,6 +344,7 @@ class DistributedGRPOTrainer:
         if self.layout.trains:
             assert self.model is not None and self.opt is not None
             rng = dcp_checkpoint.load(path, self.model, self.opt, self.layout.train_group)
+            apply_optimizer_settings(self.opt, self.cfg)  # this config's lr, as GRPOTrainer
             clear_quantized_caches(self.model)
             self._set_rng_state(rng)
         self.source.load_state_dict(state["source"])
@@ -369,7 +373,7 @@ class DistributedGRPOTrainer:
     def _set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"].cpu())
         random.setstate(state["python"])
-        if "cuda" in state:
+        if "cuda" in state and self.layout.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"].cpu(), self.layout.device)
 
 

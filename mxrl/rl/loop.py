@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,12 @@ from mxrl.engine import Completion, Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
+from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.optim import adamw
+from mxrl.rl.resume import CHECKPOINT_DIR, latest_checkpoint  # noqa: F401 - re-exported
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -38,72 +40,6 @@ from mxrl.sync import InProcessTransport
 from mxrl.weights import export
 
 logger = logging.getLogger(__name__)
-
-CHECKPOINT_DIR = "checkpoints"
-
-
-@dataclass
-class GRPOConfig:
-    """The RL settings (defaults: docs/design.md §8)."""
-
-    recipe: str = "bf16"
-    steps: int = 20
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    std_normalize: bool = True
-    correction: str | None = None  # None | "tis" | "mis"
-    tis_cap: float = 2.0
-    spike_window: int = 50
-    spike_z: float = 6.0
-    spike_action: str = "log"  # log | skip
-    seed: int = 0
-    device: str = "cpu"
-    backend: str | None = None
-    checkpoint_every: int = 0  # 0: never
-    verify_every: int = 10  # the deep sync check (re-export, re-hash, compare); 0: never
-    eval_every: int = 0  # held-out greedy accuracy (eval/accuracy) every k steps; 0: never
-    engine_tile: int = 32
-    # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
-    # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
-    compute_dtype: str = "auto"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.samples_per_prompt < 2:
-            raise ValueError("samples_per_prompt must be >= 2: GRPO normalises within groups")
-        if self.correction not in (None, "tis", "mis"):
-            raise ValueError(f"correction must be none, tis or mis, got {self.correction!r}")
-        if self.spike_action not in ("log", "skip"):
-            raise ValueError(f"spike_action must be log or skip, got {self.spike_action!r}")
-        if self.verify_every < 0:
-            raise ValueError(f"verify_every must be >= 0 (0: never), got {self.verify_every}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval_every must be >= 0 (0: never), got {self.eval_every}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
-                f"compute_dtype must be one of {sorted(COMPUTE_DTYPES)}, got {self.compute_dtype!r}"
-            )
-        for name in ("steps", "prompts_per_step", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    def torch_compute_dtype(self) -> torch.dtype:
-        """The compute dtype on this config's device (`compute_dtype`, auto resolved)."""
-        if self.compute_dtype != "auto":
-            return COMPUTE_DTYPES[self.compute_dtype]
-        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-
-
-COMPUTE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class GRPOTrainer:
@@ -157,6 +93,7 @@ class GRPOTrainer:
             SamplingParams(
                 temperature=cfg.temperature,
                 top_p=cfg.top_p,
+                top_k=cfg.top_k,
                 max_new_tokens=cfg.max_new_tokens,
                 stop_token_ids=self.source.stop_token_ids,
                 seed=_seed(cfg.seed, step, i),
@@ -174,8 +111,9 @@ class GRPOTrainer:
         adv = group_advantages(rewards, n, std_normalize=cfg.std_normalize)
         self.model.train()
         logp = sequence_logprobs(
-            self.model, prompts, [o.tokens for o in outs], cfg.temperature, top_p=cfg.top_p
-        )
+            self.model, prompts, [o.tokens for o in outs], cfg.temperature,
+            top_k=cfg.top_k, top_p=cfg.top_p,
+        )  # fmt: skip
         mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)
         rollout = pad_sequence([o.logprobs for o in outs], batch_first=True).to(logp.device)
         old = logp.detach()  # one update per batch: pi_old is the trainer's current policy
@@ -251,13 +189,14 @@ class GRPOTrainer:
         """Train to `cfg.steps`; the record ends finished, failed (the exception, then raised
         again) or interrupted (Ctrl-C, SIGTERM): `RunRecord.guard`."""
         history = []
+        progress = Progress(self.step, self.cfg.steps)
         with self.record.guard(lambda: self.step):
             if self.cfg.eval_every and self.step == 0:  # the starting policy, as step 0
                 self.record.log_metrics(0, {"eval/accuracy": self.evaluate()})
             while self.step < self.cfg.steps:
                 m = self.train_step()
                 history.append(m)
-                log_step(self.step, self.cfg.steps, m)
+                progress.log(self.step, m)
             self.record.finish(self.step, status=FINISHED)
         return history
 
@@ -288,19 +227,24 @@ class GRPOTrainer:
         tmp.rename(path)
         return path
 
-    def load_checkpoint(self, path: str | Path) -> int:
+    def load_checkpoint(self, path: str | Path, state: dict[str, Any] | None = None) -> int:
         """Continue from a checkpoint: restores everything `save_checkpoint` wrote and re-sends
-        the weights to the engine, which ends at the checkpoint's weights version. A checkpoint
-        from before the RNG and engine keys loads too (RNGs as seeded at construction, version
-        step + 1: the loop's numbering), with a warning that it may not continue bitwise."""
-        state = torch.load(path, map_location=self.cfg.device, weights_only=False)
+        the weights to the engine, which ends at the checkpoint's weights version. `state`: the
+        checkpoint already loaded (`mxrl.rl.resume` loads it to check it before anything is
+        written). The optimizer takes this config's lr, betas and weight decay, not the saved
+        ones (a resume applies a changed setting). A checkpoint from before the RNG and engine
+        keys loads too (RNGs as seeded at construction, version step + 1: the loop's
+        numbering), with a warning that it may not continue bitwise."""
+        if state is None:
+            state = torch.load(path, map_location=self.cfg.device, weights_only=False)
         if state["plan_hash"] != self.plan.hash():
             raise ValueError(
                 f"checkpoint {path} was trained under plan {state['plan_hash'][:12]}, this run "
                 f"resolves {self.plan.hash()[:12]}: resume with the same recipe and model"
             )
         self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
+        self.opt.load_state_dict(state["opt"])  # moves the moments to the parameters' device
+        apply_optimizer_settings(self.opt, self.cfg)
         self.source.load_state_dict(state["source"])
         self.spikes.load_state_dict(state["spikes"])
         self.prev_layer_norms = state["prev_layer_norms"]
@@ -335,8 +279,16 @@ class GRPOTrainer:
     def _set_rng_state(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"].cpu())  # torch.load mapped it to cfg.device
         random.setstate(state["python"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"].cpu(), torch.device(self.cfg.device))
+        device = torch.device(self.cfg.device)
+        if "cuda" in state and device.type == "cuda":  # a CUDA run resumed on the CPU has none
+            torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def apply_optimizer_settings(opt: Any, cfg: GRPOConfig) -> None:
+    """lr, betas and weight decay of `cfg` into every param group of an AdamW: after
+    `load_state_dict`, which restores the checkpoint's, so a resume trains with the config's."""
+    for group in opt.param_groups:
+        group["lr"], group["betas"], group["weight_decay"] = cfg.lr, cfg.betas, cfg.weight_decay
 
 
 def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
@@ -347,11 +299,6 @@ def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
     for name, content in sorted(hashes):
         h.update(f"{name}\0{content}\n".encode())
     return h.hexdigest()
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = sorted((Path(run_dir) / CHECKPOINT_DIR).glob("step_*.pt"))
-    return found[-1] if found else None
 
 
 def _seed(seed: int, step: int, index: int) -> int:
@@ -395,10 +342,31 @@ def step_metrics(
     return metrics
 
 
-def log_step(step: int, steps: int, m: dict[str, float]) -> None:
-    """One line per GRPO step (the single-process and the distributed trainer alike)."""
-    logger.info(
-        "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs)",
-        step, steps, m["reward/mean"], m["accuracy"], m["mismatch/k3"], m["grad/norm"],
-        m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
-    )  # fmt: skip
+class Progress:
+    """One line per GRPO step on the `mxrl.rl.loop` logger (the single-process and the
+    distributed trainer alike): step/total, reward, accuracy, mismatch, gradient norm, the
+    step's time and an ETA from the mean step time of this process so far."""
+
+    def __init__(self, start_step: int, steps: int) -> None:
+        self.start_step, self.steps = start_step, steps
+        self.t0 = time.perf_counter()
+
+    def log(self, step: int, m: dict[str, float]) -> None:
+        done = step - self.start_step
+        mean = (time.perf_counter() - self.t0) / max(done, 1)
+        logger.info(
+            "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs) ETA %s",
+            step, self.steps, m["reward/mean"], m["accuracy"], m["mismatch/k3"], m["grad/norm"],
+            m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
+            format_eta(mean * (self.steps - step)),
+        )  # fmt: skip
+
+
+def format_eta(seconds: float) -> str:
+    """`45s`, `3m05s`, `2h07m`: the time left, rounded to whole seconds (minutes past 1 h)."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

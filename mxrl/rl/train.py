@@ -9,10 +9,10 @@ the demo.
       label_key: reward_model.ground_truth
       reward: math                   # math | exact_match | integer | package.module:function
       warmup_steps: 300              # builtin:arithmetic only (cached SFT warm-up)
-    out: runs                        # run records are written under it
+    out: runs                        # run records are written under it (the default)
     resume: null                     # a run directory: continue from its last checkpoint
     strict: true                     # refuse a recipe that does not do what it says here
-    rl:                              # GRPOConfig fields (mxrl/rl/loop.py)
+    rl:                              # GRPOConfig fields (mxrl/rl/config.py)
       recipe: nvfp4-dequantized
       steps: 200
       prompts_per_step: 32
@@ -28,25 +28,29 @@ the demo.
 With a placement the run is launched by torchrun, `torchrun --nproc-per-node 2 $(which mxrl)
 train --config FILE`; every rank reads the same file, rank 0 writes the run record, and
 `resume` takes a distributed checkpoint (a `checkpoints/step_NNNNNN/` folder).
+
+The file is checked against one schema (`mxrl.rl.config.TrainConfig`: every value typed and
+range-checked, unknown and duplicate keys refused) before anything else; then the environment
+(device, files, folders), the recipe's plan on the model's config and, for a resume, everything
+that can refuse it (`mxrl.rl.resume`): all before a warm-up, a model load or a file write.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from mxrl.kernels import select_backend
-from mxrl.models import CharTokenizer, from_pretrained, load_tokenizer
-from mxrl.parallel.placement import Placement
-from mxrl.recipe import builtin_config, resolve
+from mxrl.models import from_pretrained, load_tokenizer
+from mxrl.recipe import Plan, builtin_config, resolve
+from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset
-from mxrl.rl.loop import CHECKPOINT_DIR, GRPOConfig, GRPOTrainer, latest_checkpoint
+from mxrl.rl.loop import GRPOTrainer
+from mxrl.rl.preflight import Checked, preflight
+from mxrl.rl.resume import ResumePoint
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource, TaskSource
 from mxrl.rl.task import ArithmeticTask
@@ -55,115 +59,63 @@ from mxrl.runs import RunRecord
 
 logger = logging.getLogger(__name__)
 
-TOP_KEYS = {"model", "dtype", "data", "out", "resume", "rl", "run_id", "strict", "placement"}
-DATA_KEYS = {"source", "prompt_key", "label_key", "reward", "warmup_steps", "seed"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
-    """The YAML file, checked: unknown keys and bad values name themselves and the fix."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"cannot read train config {path}: {err}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level")
-    _check_keys(raw, TOP_KEYS, str(path))
-    data = raw.get("data") or {}
-    _check_keys(data, DATA_KEYS, f"{path}: data")
-    rl = raw.get("rl") or {}
-    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    _check_keys(rl, fields, f"{path}: rl")
-    if "model" not in raw:
-        raise ValueError(f"{path}: `model` is required (an HF directory or builtin:tiny-moe)")
-    if raw.get("dtype", "float32") not in DTYPES:
-        raise ValueError(f"{path}: dtype must be one of {sorted(DTYPES)}")
-    if "betas" in rl:
-        rl["betas"] = tuple(rl["betas"])
-    if "placement" in raw:
-        Placement.from_dict(raw["placement"], f"{path}: placement")  # checked before any launch
-    return raw
+def build(cfg: TrainConfig, device: str | torch.device) -> tuple[Any, Any]:
+    """(model on `device` in the config's dtype, prompt source); the built-in model's SFT
+    warm-up runs here (or loads from its cache)."""
+    data, dtype = cfg.data, DTYPES[cfg.dtype]
+    if cfg.model == BUILTIN_MODEL:
+        task = ArithmeticTask(seed=data.seed)
+        model, _ = warmed_up_model(builtin_config("tiny-moe"), task, data.warmup_steps)
+        return model.to(device=device, dtype=dtype), TaskSource(ArithmeticTask(seed=data.seed + 1))
+    model = from_pretrained(cfg.model, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(cfg.model)
+    assert tokenizer is not None  # check_environment saw its tokenizer.json
+    if data.source == BUILTIN_SOURCE:
+        return model, TaskSource(ArithmeticTask(tokenizer=tokenizer))
+    dataset = PromptDataset.from_file(data.source, data.prompt_key, data.label_key,
+                                      seed=cfg.rl.seed)  # fmt: skip
+    return model, DatasetSource(dataset, tokenizer, load_reward(data.reward))
 
 
-def _check_keys(section: dict, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(section) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-
-
-def _build(raw: dict[str, Any], cfg: GRPOConfig) -> tuple[Any, Any, GRPOConfig]:
-    """(model on cfg.device in the config's dtype, prompt source, cfg) from the YAML."""
-    data = raw.get("data") or {}
-    dtype = DTYPES[raw.get("dtype", "float32")]
-    source_name = data.get("source", "builtin:arithmetic")
-    if raw["model"] == "builtin:tiny-moe":
-        task = ArithmeticTask(seed=int(data.get("seed", 0)))
-        if source_name != "builtin:arithmetic":
-            raise ValueError("builtin:tiny-moe has a character vocabulary: use builtin:arithmetic")
-        model, _ = warmed_up_model(
-            builtin_config("tiny-moe"), task, int(data.get("warmup_steps", 300))
+def _check_built(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> None:
+    """The plan checked before the build is the one the trainer resolves on the parameters."""
+    built = resolve(cfg.rl.recipe, {n: p.shape for n, p in model.named_parameters()})
+    if built.hash() != plan.hash():
+        raise RuntimeError(
+            f"the plan resolved on the model's config ({plan.hash()[:12]}) is not the one on "
+            f"its parameters ({built.hash()[:12]}): tensors_from_hf_config does not describe "
+            "this model's parameters (a bug)"
         )
-        model = model.to(device=cfg.device, dtype=dtype)
-        source = TaskSource(ArithmeticTask(seed=int(data.get("seed", 0)) + 1))
-    else:
-        model = from_pretrained(raw["model"], dtype=dtype, device=cfg.device)
-        tokenizer = load_tokenizer(raw["model"])
-        if tokenizer is None:
-            raise ValueError(f"{raw['model']} has no tokenizer.json: a dataset run needs one")
-        if source_name == "builtin:arithmetic":
-            source = TaskSource(ArithmeticTask(tokenizer=tokenizer))
-        else:
-            dataset = PromptDataset.from_file(
-                source_name, data.get("prompt_key", "prompt"), data.get("label_key", "label"),
-                seed=cfg.seed,
-            )  # fmt: skip
-            source = DatasetSource(dataset, tokenizer, load_reward(data.get("reward", "math")))
-    if isinstance(getattr(source, "task", None), ArithmeticTask) and isinstance(
-        source.task.tokenizer, CharTokenizer
-    ):
-        cfg = dataclasses.replace(cfg, max_new_tokens=min(cfg.max_new_tokens, 8))
-    return model, source, cfg
 
 
-def run_train(path: str | Path) -> RunRecord | None:
-    """One `mxrl train` run; with a `placement` section, this process's part of a torchrun
-    job (the RunRecord on rank 0, None on the other ranks)."""
-    raw = load_config(path)
-    if "placement" in raw:
-        return _run_distributed(raw, path)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            f"{path}: launched by torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']} but the "
-            "config has no placement section; add one (docs/scale.md) or run one process"
-        )
-    cfg = GRPOConfig(**(raw.get("rl") or {}))
-    model, source, cfg = _build(raw, cfg)
-    plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-    logger.info("mxrl train: recipe %s, plan %s\n%s", plan.recipe_name, plan.hash()[:12],
-                plan.summary())  # fmt: skip
-    strict = raw.get("strict", True)
-    if not isinstance(strict, bool):
-        raise ValueError(f"{path}: strict must be true or false, got {strict!r}")
-    plan.check(strict=strict)  # before any run directory is written
-    resume = raw.get("resume")
-    if resume:
-        ckpt = latest_checkpoint(resume)
-        if ckpt is None:
-            raise ValueError(f"resume: no checkpoint under {resume}/checkpoints")
-        step = int(torch.load(ckpt, map_location="cpu", weights_only=False)["step"])
-        backend = str(select_backend(cfg.backend, cfg.device))
-        record = RunRecord.open(resume, resume_from=step, checkpoint=ckpt, backend=backend)
-        with record.guard(lambda: step):
-            trainer = GRPOTrainer(cfg, model, source, record)
-            trainer.load_checkpoint(ckpt)
+def run_train(config: str | Path | TrainConfig, checked: Checked | None = None) -> RunRecord | None:
+    """One `mxrl train` run (a config file, or its TrainConfig; `checked`: its `preflight`, if
+    the caller made it); with a `placement` section, this process's part of a torchrun job (the
+    RunRecord on rank 0, None on the other ranks)."""
+    cfg = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
+    checked = checked if checked is not None else preflight(cfg)
+    if cfg.placement is not None:
+        return _run_distributed(cfg, checked)
+    plan, point = checked.plan, checked.resume
+    model, source = build(cfg, cfg.rl.device)
+    _check_built(cfg, model, plan)
+    backend = str(select_backend(cfg.rl.backend, cfg.rl.device))
+    if point is not None:
+        # nothing is written to the old run until the trainer holds its checkpoint
+        record = RunRecord.open(point.run_dir)
+        trainer = GRPOTrainer(cfg.rl, model, source, record)
+        trainer.load_checkpoint(point.checkpoint, point.state)
+        point.state.clear()  # its tensors: the trainer holds its own copies now
+        _resume_record(record, point, backend)
     else:
         record = RunRecord.create(
-            raw.get("out", "runs"), raw.get("run_id"), config=raw, plan_json=plan,
-            backend=str(select_backend(cfg.backend, cfg.device)),
-        )  # fmt: skip
+            cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan, backend=backend
+        )
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-            trainer = GRPOTrainer(cfg, model, source, record)
+            trainer = GRPOTrainer(cfg.rl, model, source, record)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
             record.log_skipped_rows(
@@ -173,53 +125,48 @@ def run_train(path: str | Path) -> RunRecord | None:
     return record
 
 
-def _run_distributed(raw: dict[str, Any], path: str | Path) -> RunRecord | None:
-    """This rank's part of a torchrun job (mxrl/rl/distributed.py, docs/scale.md)."""
+def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:
+    record.resume(
+        point.step, checkpoint=point.checkpoint, backend=backend,
+        config=point.config.to_dict(), changes=point.change_events(),
+    )  # fmt: skip
+
+
+def _run_distributed(cfg: TrainConfig, checked: Checked) -> RunRecord | None:
+    """This rank's part of a torchrun job (mxrl/rl/distributed.py, docs/scale.md). Every rank
+    made the same checks on the same files (`preflight`), so a refusal stopped every rank
+    before the process group exists."""
     from mxrl.parallel import Layout
-    from mxrl.parallel import checkpoint as dcp_checkpoint
     from mxrl.rl.distributed import DistributedGRPOTrainer
 
-    placement = Placement.from_dict(raw["placement"], f"{path}: placement")
-    cfg = GRPOConfig(**(raw.get("rl") or {}))
-    layout = Layout.init(placement, device=cfg.device)
+    plan, point = checked.plan, checked.resume
+    layout = Layout.init(cfg.placement, device=cfg.rl.device)
     try:
-        cfg = dataclasses.replace(cfg, device=str(layout.device))
         # rank 0 builds first (a builtin model's SFT warm-up writes its cache once); the others
         # then read the cache instead of training the same warm-up concurrently
         if layout.rank != 0:
             torch.distributed.barrier()
-        model, source, cfg = _build(raw, cfg)
+        model, source = build(cfg, layout.device)
         if layout.rank == 0:
             torch.distributed.barrier()
-        plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-        strict = raw.get("strict", True)
-        if not isinstance(strict, bool):
-            raise ValueError(f"{path}: strict must be true or false, got {strict!r}")
-        plan.check(strict=strict)
-        backend = str(select_backend(cfg.backend, cfg.device))
-        resume = raw.get("resume")
+        _check_built(cfg, model, plan)
+        backend = str(select_backend(cfg.rl.backend, layout.device))
         record = None
-        if resume:
-            ckpt = dcp_checkpoint.latest(resume, CHECKPOINT_DIR)
-            if ckpt is None:
-                raise ValueError(
-                    f"resume: no distributed checkpoint (step_NNNNNN/ folder) under "
-                    f"{resume}/{CHECKPOINT_DIR}"
-                )
-            step = int(dcp_checkpoint.trainer_state(ckpt)["step"])
+        if point is not None:
             if layout.is_writer:
-                record = RunRecord.open(resume, resume_from=step, checkpoint=ckpt, backend=backend)
-            trainer = DistributedGRPOTrainer(cfg, model, source, record, layout)
-            trainer.load_checkpoint(ckpt)
+                record = RunRecord.open(point.run_dir)
+            trainer = DistributedGRPOTrainer(cfg.rl, model, source, record, layout)
+            trainer.load_checkpoint(point.checkpoint)
+            if record is not None:
+                _resume_record(record, point, backend)
         else:
             if layout.is_writer:
-                logger.info("mxrl train: recipe %s, plan %s, %d ranks (%s)", plan.recipe_name,
-                            plan.hash()[:12], layout.world_size, placement.mode)  # fmt: skip
+                logger.info("mxrl train: %d ranks (%s)", layout.world_size, cfg.placement.mode)
                 record = RunRecord.create(
-                    raw.get("out", "runs"), raw.get("run_id"), config=raw, plan_json=plan,
+                    cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan,
                     backend=backend,
                 )  # fmt: skip
-            trainer = DistributedGRPOTrainer(cfg, model, source, record, layout)
+            trainer = DistributedGRPOTrainer(cfg.rl, model, source, record, layout)
         trainer.run()
         torch.distributed.barrier()
         return record

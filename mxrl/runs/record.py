@@ -7,9 +7,10 @@
     rec.note("lr warmup looks too short")
     rec.finish(step)
 
-    rec = RunRecord.open("runs/20250601-120304-a1b2", resume_from=ckpt_step, checkpoint=path)
+    rec = RunRecord.open("runs/20250601-120304-a1b2")   # reading never modifies it
+    rec.resume(ckpt_step, checkpoint=path, config=cfg, changes=[{"field": "rl.lr", ...}])
 
-Layout of runs/<id>/: config.yaml (written once), plan.json, env.json, metrics.jsonl (one object
+Layout of runs/<id>/: config.yaml (the config the run uses; rewritten by a resume), plan.json, env.json, metrics.jsonl (one object
 per step), events.jsonl (typed events), notes.md. Every write appends and flushes; readers skip a
 line truncated by a killed writer and report it once (logging), and the next append drops it.
 """
@@ -24,13 +25,12 @@ import math
 import os
 import secrets
 import signal
+import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from mxrl.runs.env import capture_env, utc_now
 from mxrl.runs.jsonl import (
@@ -43,6 +43,7 @@ from mxrl.runs.jsonl import (
     to_float,
     to_jsonable,
 )
+from mxrl.runs.yamlio import dump_yaml, load_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ RUN_FILES = (CONFIG_FILE, PLAN_FILE, ENV_FILE, METRICS_FILE, EVENTS_FILE, NOTES_
 QUANTIZATION = "quantization"
 SPIKE = "spike"
 RESUME = "resume"
+CONFIG_CHANGE = "config_change"
 SKIPPED_ROWS = "skipped_rows"
 SYNC_VERIFIED = "sync_verified"
 NOTE = "note"
@@ -101,6 +103,26 @@ def _check_step(step: Any, what: str) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{what}: step must be an int >= 0, got {step!r}")
     return step
+
+
+def check_writable(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse (ValueError naming `what`) a folder that cannot be created or written to, before
+    any work, creating nothing: the nearest existing ancestor must be a folder in which a
+    folder can be made (a probe, removed at once)."""
+    path = Path(path)
+    anchor = path
+    while not anchor.exists() and anchor.parent != anchor:
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        where = "is a file" if anchor == path else f"lies under {str(anchor)!r}, a file"
+        raise ValueError(f"{what}: {str(path)!r} {where}, not a folder; pass a folder path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mxrl-probe-", dir=anchor))
+    except OSError as e:
+        raise ValueError(
+            f"{what}: {str(path)!r} cannot be written (in {str(anchor)!r}: "
+            f"{e.strerror or e}); pass a folder you can write to"
+        ) from None
 
 
 def is_run_dir(path: Path) -> bool:
@@ -159,9 +181,7 @@ class RunRecord:
                 f"run directory {str(path)!r} already exists; choose another run_id, or "
                 "RunRecord.open() it to resume"
             ) from None
-        (path / CONFIG_FILE).write_text(
-            yaml.safe_dump(config_data, sort_keys=False, allow_unicode=True)
-        )
+        (path / CONFIG_FILE).write_text(dump_yaml(config_data))
         if plan_text is not None:
             (path / PLAN_FILE).write_text(plan_text.rstrip("\n") + "\n")
         env = capture_env(backend)
@@ -173,37 +193,66 @@ class RunRecord:
         return cls(path)
 
     @classmethod
-    def open(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        resume_from: int | None = None,
-        checkpoint: str | os.PathLike[str] | None = None,
-        backend: str | None = None,
-    ) -> RunRecord:
-        """An existing run. Reading never modifies it; writes append.
-
-        resume_from: the step of the checkpoint the run resumes from. Given, metrics and events
-        of later steps are dropped (`truncate_after`) and a `resume` event is written with the
-        checkpoint path and the new process's environment (its commit, host, backend may differ).
-        """
+    def open(cls, path: str | os.PathLike[str]) -> RunRecord:
+        """An existing run. Opening and reading never modify it; writes append (a resume:
+        `resume`, once every check of the resume has passed)."""
         path = Path(path)
         if not is_run_dir(path):
             raise ValueError(
                 f"{str(path)!r} is not a run directory (no {CONFIG_FILE} or {ENV_FILE})"
             )
-        record = cls(path)
-        if resume_from is not None:
-            step = _check_step(resume_from, "resume_from")
-            record.truncate_after(step)
-            record.log_event(
-                RESUME,
-                step,
-                from_step=step,
-                checkpoint=None if checkpoint is None else os.fspath(checkpoint),
-                env=capture_env(backend),
+        return cls(path)
+
+    def resume(
+        self,
+        step: int,
+        *,
+        checkpoint: str | os.PathLike[str] | None = None,
+        backend: str | None = None,
+        config: Mapping[str, Any] | Any | None = None,
+        changes: Sequence[Mapping[str, Any]] = (),
+    ) -> dict[str, Any]:
+        """Continue the run from its checkpoint of `step`; call it only once everything that
+        can refuse the resume has passed (nothing here checks the run can continue).
+
+        Drops the metrics and events of later steps (`truncate_after`: the resumed run logs
+        each of them once), rewrites config.yaml to `config` (the config the run continues
+        with) when given, moves the `end` event of the process that stopped at `step` into
+        the `resume` event it writes at `step` (`previous_end`, with the checkpoint path and
+        the new process's environment), then one `config_change` event per entry of `changes`
+        (`field`, `old`, `new`) at step + 1, the first step that uses the new value. Returns
+        the resume event."""
+        step = _check_step(step, "resume")
+        self.truncate_after(step)
+        # the end of the process that stopped at `step` (finished, failed at it): kept in the
+        # resume event, so `runs list` sees the run going on, not its old end
+        ended = self.events(END)
+        if ended:
+            self._drop(EVENTS_FILE, lambda r: r.get("type") == END)
+        if config is not None:
+            data = to_jsonable(config, "config")
+            if not isinstance(data, dict):
+                raise TypeError(f"config must be a mapping or a dataclass, got {type(config)}")
+            tmp = self.path / (CONFIG_FILE + ".tmp")
+            tmp.write_text(dump_yaml(data))
+            tmp.replace(self.path / CONFIG_FILE)
+        event = self.log_event(
+            RESUME,
+            step,
+            from_step=step,
+            checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+            env=capture_env(backend),
+            previous_end={k: v for k, v in ended[-1].items() if k != "type"} if ended else None,
+        )
+        for change in changes:
+            self.log_event(
+                CONFIG_CHANGE,
+                step + 1,
+                field=str(change["field"]),
+                old=to_jsonable(change["old"], "old"),
+                new=to_jsonable(change["new"], "new"),
             )
-        return record
+        return event
 
     # -- what was written once -----------------------------------------------------------------
 
@@ -213,9 +262,11 @@ class RunRecord:
 
     @property
     def config(self) -> dict[str, Any]:
+        """config.yaml; {} when it is missing, unreadable or not a mapping (reading a record
+        never fails on a hand-edited file)."""
         try:
-            data = yaml.safe_load((self.path / CONFIG_FILE).read_text())
-        except FileNotFoundError:
+            data = load_yaml(self.path / CONFIG_FILE)
+        except ValueError:
             return {}
         return data if isinstance(data, dict) else {}
 
@@ -397,16 +448,10 @@ class RunRecord:
         so the resumed run logs each later step exactly once). Events without a step are kept.
         Returns (metric lines dropped, event lines dropped)."""
         _check_step(step, "truncate_after")
-        dropped = []
-        for name in (METRICS_FILE, EVENTS_FILE):
-            records = self._read(name).records
-            keep = [r for r in records if not _after(r.get("step"), step)]
-            dropped.append(len(records) - len(keep))
-            path = self.path / name
-            if path.exists():
-                rewrite(path, keep)  # also drops a truncated last line and unreadable lines
-            self._repaired.add(name)
-            self._cache.pop(name, None)
+        dropped = [
+            self._drop(name, lambda r: _after(r.get("step"), step))
+            for name in (METRICS_FILE, EVENTS_FILE)
+        ]
         if any(dropped):
             logger.info(
                 "%s: dropped %d metric and %d event lines after step %d",
@@ -416,6 +461,17 @@ class RunRecord:
                 step,
             )
         return dropped[0], dropped[1]
+
+    def _drop(self, name: str, drop: Callable[[dict[str, Any]], bool]) -> int:
+        """Rewrite one JSON-lines file without the records `drop` selects; returns how many."""
+        records = self._read(name).records
+        keep = [r for r in records if not drop(r)]
+        path = self.path / name
+        if path.exists():
+            rewrite(path, keep)  # also drops a truncated last line and unreadable lines
+        self._repaired.add(name)
+        self._cache.pop(name, None)
+        return len(records) - len(keep)
 
     # -- reading --------------------------------------------------------------------------------
 

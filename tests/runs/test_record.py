@@ -222,7 +222,11 @@ def test_truncate_after_and_resume(tmp_path):
         f.write('{"step": 10, "rew')  # killed while logging step 10
 
     # the process dies; the last checkpoint was taken at step 6
-    resumed = RunRecord.open(rec.path, resume_from=6, checkpoint=tmp_path / "ckpt-6", backend="x")
+    before = {p.name: p.read_bytes() for p in rec.path.iterdir()}
+    resumed = RunRecord.open(rec.path)  # opening and reading modify nothing
+    assert len(resumed.metrics()) == 10 and resumed.events()
+    assert {p.name: p.read_bytes() for p in rec.path.iterdir()} == before
+    resumed.resume(6, checkpoint=tmp_path / "ckpt-6", backend="x")
     assert [r["step"] for r in resumed.metrics()] == list(range(7))
     (resume,) = resumed.events("resume")
     assert resume["step"] == 6 and resume["from_step"] == 6
@@ -357,3 +361,27 @@ def test_a_run_without_an_end_is_running_while_its_process_lives(tmp_path):
     assert _status(rec) == "unfinished"
     rec.finish(4)
     assert _status(rec) == "finished"
+
+
+def test_resume_rewrites_the_config_and_records_each_change(tmp_path):
+    rec = RunRecord.create(tmp_path, "r", config={"rl": {"lr": 1e-4, "steps": 4}})
+    for s in range(1, 5):
+        rec.log_metrics(s, {"a": float(s)})
+    rec.finish(4)  # a finished run, resumed from its last checkpoint to train longer
+    changes = [
+        {"field": "rl.lr", "old": 1e-4, "new": 1e-2},
+        {"field": "rl.steps", "old": 4, "new": 6},
+    ]
+    rec.resume(4, checkpoint="ckpt-4", config={"rl": {"lr": 1e-2, "steps": 6}}, changes=changes)
+    assert yaml.safe_load((rec.path / "config.yaml").read_text()) == {
+        "rl": {"lr": 0.01, "steps": 6}
+    }
+    got = [(e["step"], e["field"], e["old"], e["new"]) for e in rec.events("config_change")]
+    assert got == [(5, "rl.lr", 1e-4, 1e-2), (5, "rl.steps", 4, 6)]  # from step 5 on
+    # the old end moved into the resume event: the run is going on again
+    assert [e["type"] for e in rec.events()] == ["resume", "config_change", "config_change"]
+    assert rec.events("resume")[0]["previous_end"]["status"] == "finished"
+    assert len(rec.metrics()) == 4
+    # resumed again from the same checkpoint: the changes of the first resume (from step 5) go
+    rec.resume(4, checkpoint="ckpt-4")
+    assert rec.events("config_change") == [] and len(rec.events("resume")) == 2
