@@ -6,6 +6,7 @@ when new buffers were installed."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 import torch
@@ -55,6 +56,32 @@ def forward_tensors(engine: Engine) -> dict[str, tuple[int, tuple[int, ...]]]:
         for i, t in enumerate(_tensors_in(value)):
             out[f"weights:{name}.{i}"] = (t.data_ptr(), tuple(t.shape))
     return out
+
+
+def forward_bytes(engine: Engine) -> str:
+    """sha256 over the bytes of every tensor `forward_tensors` lists (the held values and every
+    operand derived from them), in a fixed order."""
+    h = hashlib.sha256()
+    for prefix, module in engine.net.named_modules():
+        for key, value in sorted(vars(module).items()):
+            if key in ("_parameters", "_buffers"):
+                tensors = [t for _, t in sorted(value.items()) if t is not None]
+            elif key.startswith("_"):
+                continue
+            else:
+                tensors = list(_tensors_in(value))
+            for t in tensors:
+                h.update(f"{prefix}.{key}".encode())
+                h.update(_bytes(t))
+    for name in sorted(engine.weights):
+        for t in _tensors_in(engine.weights[name]):
+            h.update(name.encode())
+            h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _engine(preset, device, compute_dtype, monkeypatch, calls):

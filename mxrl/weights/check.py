@@ -1,0 +1,143 @@
+"""A record checked against the plan before anything trusts its bytes.
+
+A checksum says the bytes are those the sender checksummed under that name; it does not say they
+are what the plan makes of that name. `check_record` compares every field of a record with its
+`TensorSpec` (metadata only: no tensor is read): a QTensor exactly when the plan quantizes the
+tensor, its format, logical shape and row-wise layout (axis -1: the engine holds no column-wise
+copy), and each stored field's dtype and shape as `mxrl.recipe.quantize.weight_layout` derives
+them from the spec (per-tensor, per-expert or per-half NVFP4 global scale; block FP8's block);
+a plain tensor's shape and dtype. `check_global_scales` then reads the NVFP4 global scales of an
+update, all at once (one host read per device): each must be finite and positive (an encode
+scale 2688/amax is, whatever the weights), and the two tensors of a gate/up fuse group must hold
+the same one. The engine (`load_weights`, for every transport), the checkpoint writer and reader
+call these; each raises ValueError naming the tensor, what the plan expects and what came.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mxrl.formats import QTensor
+from mxrl.formats.constants import Format
+from mxrl.recipe import Plan, TensorSpec
+from mxrl.recipe.quantize import weight_global_scale, weight_layout
+from mxrl.weights.export import fuse_partners
+from mxrl.weights.record import WeightRecord
+
+
+def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {tuple(shape)}"
+
+
+def _what(spec: TensorSpec) -> str:
+    """The spec in words, for messages."""
+    if spec.format is Format.BF16:
+        return f"a plain {spec.shape} tensor"
+    extra = ""
+    if spec.format is Format.NVFP4:
+        extra = f", {weight_global_scale(spec)}-wise global scale"
+    elif spec.format is Format.FP8_BLOCK:
+        extra = f", {spec.block} blocks"
+    return f"{spec.format} {spec.shape} row-wise{extra}"
+
+
+def check_record(
+    record: WeightRecord, spec: TensorSpec, plain_dtype: torch.dtype | None = None
+) -> None:
+    """Refuse (ValueError) a record whose value is not what `spec` stores: the kind of value,
+    format, shape, axis, and every field's dtype and shape. plain_dtype: the dtype of the
+    tensors the plan keeps unquantized (the engine's weight dtype); None: any floating dtype.
+    Reads no tensor data."""
+    name, value = record.name, record.value
+    assert name == spec.name, (name, spec.name)
+    quantized = spec.format is not Format.BF16
+    if isinstance(value, QTensor) != quantized or (
+        quantized and (value.fmt != spec.format or tuple(value.shape) != spec.shape)
+    ):
+        got = (
+            f"a {value.fmt} QTensor of shape {tuple(value.shape)}"
+            if isinstance(value, QTensor)
+            else f"a plain {_describe(value.dtype, tuple(value.shape))} tensor"
+        )
+        raise ValueError(f"{name}: the plan stores {_what(spec)}, got {got}")
+    if not quantized:
+        assert isinstance(value, torch.Tensor)
+        want = plain_dtype
+        if tuple(value.shape) != spec.shape or (
+            (value.dtype != want) if want is not None else not value.is_floating_point()
+        ):
+            raise ValueError(
+                f"{name}: the plan stores a plain {spec.shape} tensor"
+                + (f" of {want} (export with bf16_dtype={want})" if want is not None else "")
+                + f", got {_describe(value.dtype, tuple(value.shape))}"
+            )
+        return
+    assert isinstance(value, QTensor)
+    if value.axis != -1:
+        raise ValueError(
+            f"{name}: the plan stores {_what(spec)}, got a column-wise copy (blocks along dim "
+            f"{value.axis}); send the row-wise quantization"
+        )
+    want_fields = weight_layout(spec)
+    got_fields = value.layout()
+    for key in sorted(set(want_fields) | set(got_fields), key=list(want_fields).index):
+        want, got = want_fields.get(key), got_fields.get(key)
+        if want != got:
+            raise ValueError(
+                f"{name}: {key} must be "
+                + (_describe(*want) if want is not None else "absent")
+                + f" for {_what(spec)}, got "
+                + (_describe(*got) if got is not None else "none")
+            )
+
+
+def check_global_scales(records: Iterable[WeightRecord], plan: Plan) -> None:
+    """Refuse (ValueError) an update whose NVFP4 global scales are not usable: a value that is
+    NaN, ±Inf, zero or negative, or gate and up tensors of one fuse group holding different
+    scales. One flag per record, stacked per device and read to the host once per device (no
+    host sync per record); the values of the first bad record are read only to name them."""
+    quantized = {
+        r.name: r.value.global_scale
+        for r in records
+        if isinstance(r.value, QTensor) and r.value.global_scale is not None
+    }
+    if not quantized:
+        return
+    partners = fuse_partners(plan)
+    checks: list[tuple[str, str | None, torch.Tensor]] = []  # (name, partner, flag)
+    for name, gs in quantized.items():
+        checks.append((name, None, (torch.isfinite(gs) & (gs > 0)).all()))
+        other = partners.get(name)
+        if other is not None and other in quantized and name < other:
+            pair = quantized[other].to(gs.device)
+            if gs.shape == pair.shape:
+                checks.append((name, other, (gs == pair).all()))
+            else:  # check_record refuses this first; kept for a caller that did not call it
+                checks.append((name, other, torch.zeros((), dtype=torch.bool, device=gs.device)))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, flag) in enumerate(checks):
+        by_device.setdefault(flag.device, []).append(i)
+    ok = [True] * len(checks)
+    for idx in by_device.values():  # one host read per device
+        for i, v in zip(idx, torch.stack([checks[i][2] for i in idx]).tolist(), strict=True):
+            ok[i] = bool(v)
+    for (name, other, _), good in zip(checks, ok, strict=True):
+        if good:
+            continue
+        gs = quantized[name].detach().cpu()
+        if other is None:
+            bad = ~(torch.isfinite(gs) & (gs > 0))
+            flat = int(bad.reshape(-1).nonzero()[0])
+            first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gs.shape))
+            raise ValueError(
+                f"{name}: global_scale must be finite and positive (an NVFP4 encode scale "
+                f"2688/amax) for {_what(plan[name])}, got {float(gs.reshape(-1)[flat])} at index "
+                f"{first}"
+            )
+        raise ValueError(
+            f"{name} and {other}: gate and up share one NVFP4 global scale (fuse group "
+            f"{plan[name].fuse_group}), got {float(gs.reshape(-1)[0])} and "
+            f"{float(quantized[other].detach().cpu().reshape(-1)[0])}"
+        )
