@@ -11,16 +11,21 @@ update, all at once (one host read per device): each must be finite and positive
 scale 2688/amax is, whatever the weights), and the two tensors of a gate/up fuse group must hold
 the same one. The engine (`load_weights`, for every transport), the checkpoint writer and reader
 call these; each raises ValueError naming the tensor, what the plan expects and what came.
+`check_config` checks a quantized checkpoint's config.json against its plan the same way: the
+model it describes must hold exactly the plan's tensors, of the plan's shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
+from mxrl.models import CausalLM, ModelConfig
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_global_scale, weight_layout
 from mxrl.weights.export import fuse_partners
@@ -141,3 +146,76 @@ def check_global_scales(records: Iterable[WeightRecord], plan: Plan) -> None:
             f"{plan[name].fuse_group}), got {float(gs.reshape(-1)[0])} and "
             f"{float(quantized[other].detach().cpu().reshape(-1)[0])}"
         )
+
+
+def check_config(file: Path, config: dict[str, Any], plan: Plan) -> None:
+    """Refuse (ValueError naming `file` and the field) a config that does not describe the model
+    `plan` was resolved for (an edited field, another model's config): its layer count, and the
+    names and shapes of the tensors of the model it builds (on the meta device: nothing is
+    allocated), must be the plan's. The field is found by trying the config's fields at the
+    values that would fit (only on the way to an error)."""
+    shapes = _model_shapes(config, file)
+    fix = f"copy the checkpoint's {file.name} again, or re-run mxrl convert"
+    layers = ModelConfig.from_hf(config).num_hidden_layers
+    if layers != plan.num_layers:
+        raise ValueError(
+            f"{file}: num_hidden_layers is {layers}, but the plan was resolved for a model of "
+            f"{plan.num_layers} layers; {fix}"
+        )
+    if set(shapes) != set(plan):
+        fields = _culprits(config, lambda got: set(got) == set(plan))
+        extra, missing = sorted(set(shapes) - set(plan)), sorted(set(plan) - set(shapes))
+        raise ValueError(
+            f"{file}: {_fields(fields)} describes a model "
+            + (f"with tensor(s) {extra[:3]} the plan lacks" if extra else "")
+            + (" and " if extra and missing else "")
+            + (f"without the plan's {missing[:3]}" if missing else "")
+            + f"; {fix}"
+        )
+    wrong = next(((n, s.shape) for n, s in plan.items() if shapes[n] != s.shape), None)
+    if wrong is not None:
+        name, want = wrong
+        fields = _culprits(config, lambda got: got.get(name) == want, shapes[name], want)
+        raise ValueError(
+            f"{file}: {_fields(fields)} gives {name} the shape {shapes[name]}, but the plan "
+            f"holds it as {want}; {fix}"
+        )
+
+
+def _model_shapes(config: dict[str, Any], file: Path | None = None) -> dict[str, tuple[int, ...]]:
+    try:
+        with torch.device("meta"):  # shapes only
+            model = CausalLM(ModelConfig.from_hf(config))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{file}: {e}") from None
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _culprits(
+    config: dict[str, Any],
+    fits: Callable[[dict[str, tuple[int, ...]]], bool],
+    got: tuple[int, ...] = (),
+    want: tuple[int, ...] = (),
+) -> list[str]:
+    """The fields which, set to a value that would fit (a flag flipped; a number scaled by the
+    ratio of a dim the plan has to the one the config gives), make `fits` true."""
+    tries: dict[tuple[str, Any], None] = {}
+    for key, v in config.items():
+        if type(v) is bool:
+            tries[(key, not v)] = None
+        elif type(v) is int and v > 0:
+            for g, w in zip(got, want, strict=False):
+                if g != w and g and (v * w) % g == 0:
+                    tries[(key, v * w // g)] = None
+    found = []
+    for key, v in tries:
+        try:
+            if fits(_model_shapes({**config, key: v})) and key not in found:
+                found.append(key)
+        except ValueError:
+            continue
+    return found
+
+
+def _fields(fields: list[str]) -> str:
+    return "field " + " or ".join(fields) if fields else "a field"

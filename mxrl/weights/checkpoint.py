@@ -45,11 +45,11 @@ from tqdm.auto import tqdm
 from mxrl import __version__
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
-from mxrl.models import CausalLM, ModelConfig, parse_size
+from mxrl.models import parse_size
 from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place, open_safetensors
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
-from mxrl.weights.check import check_record
+from mxrl.weights.check import check_config, check_record
 from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord
 
@@ -275,41 +275,6 @@ def read_quantized_checkpoint(
                 "truncated or corrupt; copy it again or re-run mxrl convert"
             )
     return plan, config, _records(path, manifest, plan)
-
-
-def check_config(file: Path, config: dict[str, Any], plan: Plan) -> None:
-    """Refuse a config.json that does not describe the model `plan` was resolved for (an edited
-    field, another model's config): the model it builds must have the plan's layers and exactly
-    the plan's tensors, of the plan's shapes. Raises ValueError naming the file and the field
-    (a guess from the dims that differ, when a field holds one of them)."""
-    try:
-        model_config = ModelConfig.from_hf(config)
-        with torch.device("meta"):  # shapes only: nothing is allocated
-            model = CausalLM(model_config)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"{file}: {e}") from None
-    fix = f"copy the checkpoint's {CONFIG_NAME} again, or re-run mxrl convert"
-    if model_config.num_hidden_layers != plan.num_layers:
-        raise ValueError(
-            f"{file}: num_hidden_layers is {model_config.num_hidden_layers}, but {PLAN_NAME} was "
-            f"resolved for a model of {plan.num_layers} layers; {fix}"
-        )
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    extra, missing = sorted(set(shapes) - set(plan)), sorted(set(plan) - set(shapes))
-    if extra or missing:
-        raise ValueError(
-            f"{file}: the model it describes has tensor(s) {extra[:3]} that {PLAN_NAME} lacks, "
-            f"and lacks {missing[:3]} (an edited field, or another model's config); {fix}"
-        )
-    for name, spec in plan.items():
-        if shapes[name] != spec.shape:
-            dims = set(shapes[name]) - set(spec.shape)
-            fields = sorted(k for k, v in config.items() if type(v) is int and v in dims)
-            field = f"field {', '.join(fields)}" if fields else "a field"
-            raise ValueError(
-                f"{file}: {field} gives {name} the shape {shapes[name]}, but {PLAN_NAME} holds it "
-                f"as {spec.shape}; {fix}"
-            )
 
 
 def _records(path: Path, manifest: dict[str, Any], plan: Plan) -> Iterator[WeightRecord]:
