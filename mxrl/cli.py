@@ -312,7 +312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "runs":
             return _cmd_runs(args)
     except (ValueError, UserError) as e:
-        print(f"mxrl: error: {e}", file=sys.stderr)
+        # one line, whatever the message: a list of problems is joined (scripts read one line)
+        message = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
+        print(f"mxrl: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `mxrl recipe show ... | head`
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's flush quiet
