@@ -101,39 +101,35 @@ def check_record(
 def check_global_scales(records: Iterable[WeightRecord], plan: Plan) -> None:
     """Refuse (ValueError) an update whose NVFP4 global scales are not usable: a value that is
     NaN, ±Inf, zero or negative, or gate and up tensors of one fuse group holding different
-    scales. One flag per record, stacked per device and read to the host once per device (no
-    host sync per record); the values of the first bad record are read only to name them."""
-    quantized = {
+    scales. Per device, every global scale is checked in one concatenated tensor and every pair
+    in one comparison, and both flags are read to the host at once (no host sync per record);
+    the records are searched on the host only on the way to an error, to name the first bad
+    one. Run `check_record` first (it guarantees the shapes this compares)."""
+    scales = {
         r.name: r.value.global_scale
         for r in records
         if isinstance(r.value, QTensor) and r.value.global_scale is not None
     }
-    if not quantized:
-        return
     partners = fuse_partners(plan)
-    checks: list[tuple[str, str | None, torch.Tensor]] = []  # (name, partner, flag)
-    for name, gs in quantized.items():
-        checks.append((name, None, (torch.isfinite(gs) & (gs > 0)).all()))
-        other = partners.get(name)
-        if other is not None and other in quantized and name < other:
-            pair = quantized[other].to(gs.device)
-            if gs.shape == pair.shape:
-                checks.append((name, other, (gs == pair).all()))
-            else:  # check_record refuses this first; kept for a caller that did not call it
-                checks.append((name, other, torch.zeros((), dtype=torch.bool, device=gs.device)))
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, _, flag) in enumerate(checks):
-        by_device.setdefault(flag.device, []).append(i)
-    ok = [True] * len(checks)
-    for idx in by_device.values():  # one host read per device
-        for i, v in zip(idx, torch.stack([checks[i][2] for i in idx]).tolist(), strict=True):
-            ok[i] = bool(v)
-    for (name, other, _), good in zip(checks, ok, strict=True):
-        if good:
-            continue
-        gs = quantized[name].detach().cpu()
-        if other is None:
-            bad = ~(torch.isfinite(gs) & (gs > 0))
+    pairs = [(a, b) for a, b in partners.items() if a < b and a in scales and b in scales]
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for gs in scales.values():
+        by_device.setdefault(gs.device, ([], []))[0].append(gs.reshape(-1))
+    for a, b in pairs:  # 2-D fuse pairs: one value each
+        by_device.setdefault(scales[a].device, ([], []))[1].append(
+            (scales[a].reshape(-1) == scales[b].reshape(-1).to(scales[a].device)).all()
+        )
+    flags = []
+    for values, same in by_device.values():
+        flat = torch.cat(values) if values else torch.ones(1)
+        usable = (torch.isfinite(flat) & (flat > 0)).all()
+        flags.append(torch.stack([usable, *same]) if same else usable.reshape(1))
+    if all(all(f.tolist()) for f in flags):  # one host read per device
+        return
+    for name, gs in scales.items():
+        gs = gs.detach().cpu()
+        bad = ~(torch.isfinite(gs) & (gs > 0))
+        if bad.any():
             flat = int(bad.reshape(-1).nonzero()[0])
             first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gs.shape))
             raise ValueError(
@@ -141,11 +137,14 @@ def check_global_scales(records: Iterable[WeightRecord], plan: Plan) -> None:
                 f"2688/amax) for {_what(plan[name])}, got {float(gs.reshape(-1)[flat])} at index "
                 f"{first}"
             )
-        raise ValueError(
-            f"{name} and {other}: gate and up share one NVFP4 global scale (fuse group "
-            f"{plan[name].fuse_group}), got {float(gs.reshape(-1)[0])} and "
-            f"{float(quantized[other].detach().cpu().reshape(-1)[0])}"
-        )
+    for a, b in pairs:
+        va, vb = float(scales[a].reshape(-1)[0]), float(scales[b].reshape(-1)[0])
+        if va != vb:
+            raise ValueError(
+                f"{a} and {b}: gate and up share one NVFP4 global scale (fuse group "
+                f"{plan[a].fuse_group}), got {va} and {vb}"
+            )
+    raise AssertionError("a global-scale flag failed, but no record explains it")
 
 
 def check_config(file: Path, config: dict[str, Any], plan: Plan) -> None:
