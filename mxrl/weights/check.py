@@ -31,6 +31,8 @@ from mxrl.recipe.quantize import weight_global_scale, weight_layout
 from mxrl.weights.export import fuse_partners
 from mxrl.weights.record import WeightRecord
 
+_PER = {"tensor": "per tensor", "matrix": "per expert", "row": "per row (one per gate/up half)"}
+
 
 def _describe(dtype: torch.dtype, shape: tuple[int, ...]) -> str:
     return f"{str(dtype).removeprefix('torch.')} {tuple(shape)}"
@@ -42,7 +44,7 @@ def _what(spec: TensorSpec) -> str:
         return f"a plain {spec.shape} tensor"
     extra = ""
     if spec.format is Format.NVFP4:
-        extra = f", {weight_global_scale(spec)}-wise global scale"
+        extra = ", one global scale " + _PER[weight_global_scale(spec)]
     elif spec.format is Format.FP8_BLOCK:
         extra = f", {spec.block} blocks"
     return f"{spec.format} {spec.shape} row-wise{extra}"
@@ -87,7 +89,7 @@ def check_record(
         )
     want_fields = weight_layout(spec)
     got_fields = value.layout()
-    for key in sorted(set(want_fields) | set(got_fields), key=list(want_fields).index):
+    for key in [*want_fields, *(k for k in got_fields if k not in want_fields)]:
         want, got = want_fields.get(key), got_fields.get(key)
         if want != got:
             raise ValueError(

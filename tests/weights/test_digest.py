@@ -1,8 +1,7 @@
 """The device-side checksum: the record's name and every stored byte (every field of every
-format), its position, dtype and shape count; the GEMM and
-the elementwise path give the same integers; CPU and CUDA (the Triton kernel, and the reference
-there) give the same checksum. The kernel under Triton's interpreter is tested in
-tests/kernels/test_digest_kernel.py."""
+format), its position, dtype and shape count; the GEMM and the elementwise path give the same
+integers; CPU and CUDA (the Triton kernel, and the reference there) give the same checksum. The
+kernel under Triton's interpreter is tested in tests/kernels/test_digest_kernel.py."""
 
 import dataclasses
 import importlib
