@@ -156,8 +156,9 @@ def breakdown(model, engine: Engine, device, repeats: int) -> dict:
 
     t_quantize = timed(quantize, device, repeats)
     values = holder["values"]
-    t_checksum = timed(lambda: checksums([v for _, v in values]), device, repeats)
-    sums = checksums([v for _, v in values])
+    names, tensors = [n for n, _ in values], [v for _, v in values]
+    t_checksum = timed(lambda: checksums(names, tensors), device, repeats)
+    sums = checksums(names, tensors)
     records = [WeightRecord(n, v, s) for (n, v), s in zip(values, sums, strict=True)]
     verified = verified_records(records, sums)  # what the distributed receiver hands over
     t_load = timed(lambda: engine.load_weights(verified, plan.hash()), device, repeats)

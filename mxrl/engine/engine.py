@@ -216,6 +216,7 @@ class Engine(WeightLoading):
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.hashes: dict[str, str] = {}  # content hash of each tensor, verified when it loaded
         self.weights_version = 0
+        self.weights_step: int | None = None  # the step of the last update loaded (loading.py)
         # the Triton paged attention on the triton backend, where the cache's shape allows it
         c = config
         self._attention_kernel = (

@@ -1,7 +1,18 @@
-"""Verified weight loading for the engine: every record checked against the plan and its
-checksum before any live byte changes, then copied into the buffers the engine already holds
-(same shapes, dtypes and storage, so captured CUDA graphs stay valid); new buffers only on a
-first load or a changed layout. `Engine` takes these methods from `WeightLoading`.
+"""Verified weight loading for the engine: every record checked against the plan (each field's
+dtype, shape and layout; the NVFP4 global scales' values) and its checksum before any live byte
+changes, then copied into the buffers the engine already holds (same shapes, dtypes and storage,
+so captured CUDA graphs stay valid); new buffers only on a first load or a changed layout.
+`Engine` takes these methods from `WeightLoading`.
+
+Steps: every update a transport applies carries the training step it was exported at, and the
+engine takes only a step greater than the last one it loaded (`weights_step`; None until the
+first update: an engine built from master weights or a checkpoint takes any step). So a stale
+update (an older export arriving after a newer one) or a replayed one is refused. A resume
+re-sends the checkpoint's weights at the checkpoint's step to an engine built for the resumed
+run, which has no step yet, so it is accepted and the run goes on from there; an engine that has
+served later steps refuses it (roll back by building a fresh engine). Loads that are no update
+(`step=None`: construction, a quantized checkpoint, a caller's own records) are not part of the
+sequence and leave `weights_step` alone.
 """
 
 from __future__ import annotations
@@ -15,8 +26,15 @@ from torch import nn
 
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
-from mxrl.formats.constants import Format
-from mxrl.weights import VerifiedRecord, WeightRecord, WeightValue, checksums, verified_records
+from mxrl.weights import (
+    VerifiedRecord,
+    WeightRecord,
+    WeightValue,
+    check_global_scales,
+    check_record,
+    checksums,
+    verified_records,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -25,32 +43,34 @@ TIED_EMBEDDING = "model.embed_tokens.weight"
 
 class WeightLoading:
     """The weights half of `Engine` (it provides net, plan, config, device, compute_dtype,
-    weight_dtype, weights, hashes, weights_version, _blocks and _invalidate_graphs)."""
+    weight_dtype, weights, hashes, weights_version, weights_step, _blocks and
+    _invalidate_graphs)."""
 
     def _target(self, name: str) -> tuple[nn.Module, str]:
         owner, _, attr = name.rpartition(".")
         return self.net.get_submodule(owner), attr
 
     def _check(self, record: WeightRecord) -> None:
-        """A record's name, format, shape and dtype against the plan (raises ValueError)."""
+        """A record against the plan: a known name, then every field (kind, format, shape,
+        axis, each field's dtype and shape: `mxrl.weights.check_record`); raises ValueError."""
         spec = self.plan.get(record.name)
         if spec is None:
             raise ValueError(f"{record.name!r} is not in the engine's plan: unknown tensor")
-        value = record.value
-        quantized = spec.format is not Format.BF16
-        if isinstance(value, QTensor) != quantized or (
-            quantized and (value.fmt != spec.format or tuple(value.shape) != spec.shape)
-        ):
-            got = (
-                f"QTensor {value.fmt} {tuple(value.shape)}"
-                if isinstance(value, QTensor)
-                else (f"tensor {value.dtype} {tuple(value.shape)}")
-            )
-            raise ValueError(f"{record.name}: the plan says {spec.format} {spec.shape}, got {got}")
-        if not quantized and (tuple(value.shape) != spec.shape or value.dtype != self.weight_dtype):
+        check_record(record, spec, self.weight_dtype)
+
+    def _check_step(self, step: int | None) -> None:
+        """An update's step must pass the last one this engine loaded (stale or replayed
+        updates are refused); None: a load outside the update sequence (module docstring)."""
+        if step is None:
+            return
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {step!r}")
+        if self.weights_step is not None and step <= self.weights_step:
+            what = "replayed" if step == self.weights_step else "stale"
             raise ValueError(
-                f"{record.name}: {value.dtype} {tuple(value.shape)}, the engine holds "
-                f"{self.weight_dtype} {spec.shape} (export with bf16_dtype={self.weight_dtype})"
+                f"weight update of step {step} refused: the engine holds the weights of step "
+                f"{self.weights_step} and takes only a later step (a {what} update); it keeps "
+                "its previous weights"
             )
 
     def _stage(self, name: str, value: WeightValue) -> tuple:
@@ -95,35 +115,19 @@ class WeightLoading:
                 self.net.lm_head.weight = held
         self.weights[name] = value
 
-    def load_weights(
-        self,
-        records: Iterable[WeightRecord],
-        plan_hash: str,
-        *,
-        partial: bool = False,
-        before_write: Callable[[], None] | None = None,
-    ) -> int:
-        """Verify, then load, a set of exported weights; returns the new weights_version.
-
-        All or nothing: the plan hash, every record (known name, format and shape per the
-        plan, its checksum recomputed on the device holding it, once; a `VerifiedRecord` was
-        checksummed in this process already and is not computed again) and, unless `partial`,
-        the presence of every tensor of the plan are checked before any byte of the live
-        weights is written; any failure raises ValueError and the previous weights keep
-        serving. Then each tensor is copied into the buffers the engine already holds (same
-        shapes, dtypes and storage: captured CUDA graphs stay valid); only a first load, or a
-        layout that changed, installs new buffers (and drops the captured graphs).
-
-        before_write: called once everything is checked and staged, right before the first live
-        byte is written; if it raises, nothing is written (a distributed receiver agrees there
-        with the other engine ranks that every one of them can load).
-        """
+    def _verify(
+        self, records: Iterable[WeightRecord], plan_hash: str, step: int | None, partial: bool
+    ) -> dict[str, WeightRecord]:
+        """Phase 1 of `load_weights`, nothing written: the records by name once the plan hash,
+        the step, every record against the plan, the update's completeness, the checksums and
+        the global scales have been checked (raises ValueError otherwise)."""
         if plan_hash != self.plan.hash():
             raise ValueError(
                 f"plan hash mismatch: the weights were exported under plan {plan_hash[:16]}, the "
                 f"engine runs plan {self.plan.hash()[:16]} ({self.plan.recipe_name}); trainer and "
                 "engine must resolve the same recipe for the same model. Nothing was loaded."
             )
+        self._check_step(step)
         received: dict[str, WeightRecord] = {}
         for record in records:
             if record.name in received:
@@ -140,7 +144,41 @@ class WeightLoading:
         # each checksum once: records verified in this process already (VerifiedRecord, e.g.
         # by DistributedReceiver as their bucket arrived) are not computed again
         todo = [r for r in received.values() if not isinstance(r, VerifiedRecord)]
-        verified_records(todo, checksums([r.value for r in todo]))  # one host read per device
+        sums = checksums([r.name for r in todo], [r.value for r in todo])  # a host read/device
+        verified_records(todo, sums)
+        check_global_scales(received.values(), self.plan)  # one host read per device
+        return received
+
+    def load_weights(
+        self,
+        records: Iterable[WeightRecord],
+        plan_hash: str,
+        *,
+        step: int | None = None,
+        partial: bool = False,
+        before_write: Callable[[], None] | None = None,
+    ) -> int:
+        """Verify, then load, a set of exported weights; returns the new weights_version.
+
+        All or nothing: the plan hash; the step (an update's `step` must be greater than the
+        last one loaded, `weights_step`: a stale or replayed update is refused; None loads
+        outside that sequence and leaves `weights_step` as it is); every record (a known name,
+        each field's dtype, shape and layout as the plan says, its checksum over its name and
+        bytes recomputed on the device holding it, once: a `VerifiedRecord` was checksummed in
+        this process already and is not computed again); the NVFP4 global scales (finite,
+        positive, one per gate/up fuse pair; one host read); and, unless `partial`, the
+        presence of every tensor of the plan are checked before any byte of the live weights is
+        written; any failure raises ValueError naming the tensor, and the previous weights,
+        hashes, `weights_version` and `weights_step` stay. Then each tensor is copied into the
+        buffers the engine already holds (same shapes, dtypes and storage: captured CUDA graphs
+        stay valid); only a first load, or a layout that changed, installs new buffers (and
+        drops the captured graphs).
+
+        before_write: called once everything is checked and staged, right before the first live
+        byte is written; if it raises, nothing is written (a distributed receiver agrees there
+        with the other engine ranks that every one of them can load).
+        """
+        received = self._verify(records, plan_hash, step, partial)
         # staged before any live byte is written: what cannot be loaded in place
         replaced: dict[str, tuple] = {}
         for name, record in received.items():
@@ -171,6 +209,8 @@ class WeightLoading:
             self._invalidate_graphs()
         self.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
         self.weights_version += 1
+        if step is not None:
+            self.weights_step = step
         logger.info(
             "engine: loaded %d tensors (%d in place, version %d)",
             len(received), len(received) - len(replaced), self.weights_version,
@@ -182,7 +222,7 @@ class WeightLoading:
         the live tensors, which the next load overwrites in place."""
         names = list(self.weights)
         values = [self.weights[n] for n in names]
-        for name, value, sum_ in zip(names, values, checksums(values), strict=True):
+        for name, value, sum_ in zip(names, values, checksums(names, values), strict=True):
             yield WeightRecord(name, value, sum_)
 
 

@@ -11,15 +11,17 @@ from mxrl.formats.api import decode_global_scale, dequantize, quantize
 from mxrl.formats.constants import Format
 from mxrl.formats.layout import swizzle_scales, unswizzle_scales
 from mxrl.formats.numerics import sqnr_db, tensor_hash
-from mxrl.formats.qtensor import QTensor
+from mxrl.formats.qtensor import GLOBAL_SCALES, QTensor, stored_layout
 
 __all__ = [
+    "GLOBAL_SCALES",
     "Format",
     "QTensor",
     "decode_global_scale",
     "dequantize",
     "quantize",
     "sqnr_db",
+    "stored_layout",
     "swizzle_scales",
     "tensor_hash",
     "unswizzle_scales",

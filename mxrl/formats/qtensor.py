@@ -14,6 +14,9 @@ is produced only for native GEMMs, by `swizzle_scales`).
 
 Every field is a tensor or derivable from the tensors' shapes and dtypes, so a QTensor round-trips
 through any safetensors file as three (or two) plain tensors: `to_state_dict` / `from_state_dict`.
+`stored_layout` gives the dtype and shape of every field from the format, the logical shape, the
+block and the NVFP4 global-scale granularity alone: what a receiver checks a QTensor against
+before it trusts it (`QTensor.layout()` is the same for a QTensor in hand).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrl.formats.constants import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from mxrl.formats.constants import FP8_BLOCK_WEIGHT, MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 _SCALE_DTYPE = {
     Format.MXFP8: torch.float8_e8m0fnu,
@@ -31,6 +34,11 @@ _SCALE_DTYPE = {
 }
 _FORMAT_OF_SCALE_DTYPE = {dtype: fmt for fmt, dtype in _SCALE_DTYPE.items()}
 FIELDS = ("qdata", "scale", "global_scale")
+# NVFP4 global scale granularity -> its shape for a logical shape [..., R, K]: one per tensor [],
+# one per matrix of a stack ([E, 1, 1]: per expert), one per row ([..., R, 1]: per token, or a
+# fused gate_up's two halves each repeated over its rows)
+GLOBAL_SCALES = ("tensor", "matrix", "row")
+FieldLayout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +120,10 @@ class QTensor:
             self.qdata.to(device), self.scale.to(device), self.fmt, self.shape, self.axis, gs
         )
 
+    def layout(self) -> FieldLayout:
+        """Every stored field's (dtype, shape), by name: what `stored_layout` predicts."""
+        return {k: (t.dtype, tuple(t.shape)) for k, t in self.tensors().items()}
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored fields by name (qdata, scale and, for nvfp4, global_scale)."""
         out = {"qdata": self.qdata, "scale": self.scale}
@@ -146,6 +158,60 @@ class QTensor:
             shape = qdata.shape
         axis = _infer_axis(qdata.shape, scale.shape) if fmt is Format.MXFP8 else -1
         return cls(qdata, scale, fmt, shape, axis, global_scale)
+
+
+def stored_layout(
+    fmt: Format | str,
+    shape: tuple[int, ...],
+    *,
+    axis: int = -1,
+    block: tuple[int, int] | None = None,
+    global_scale: str = "tensor",
+) -> FieldLayout:
+    """(dtype, shape) of every field a QTensor of `fmt` and logical `shape` stores (the module
+    docstring's table), in `tensors()` order: the one derivation of a quantized tensor's layout.
+
+    axis: MXFP8's blocked dim (-1 row-wise; another dim for a column-wise copy). block: block
+    FP8's (rows, cols), (128, 128) when None. global_scale: NVFP4's granularity, one of
+    GLOBAL_SCALES. Raises ValueError for a shape the format cannot block."""
+    fmt = Format(fmt)
+    shape = tuple(int(d) for d in shape)
+    if fmt is Format.BF16 or not shape:
+        raise ValueError(f"stored_layout: {fmt} of shape {shape} is not a quantized tensor")
+    k = shape[-1]
+    if fmt is Format.MXFP8:
+        dim = axis % len(shape)
+        if shape[dim] % MXFP8_BLOCK:
+            raise ValueError(f"mxfp8: dim {dim} of {shape} is not a multiple of {MXFP8_BLOCK}")
+        scale = tuple(n // MXFP8_BLOCK if d == dim else n for d, n in enumerate(shape))
+        return {"qdata": (torch.uint8, shape), "scale": (torch.float8_e8m0fnu, scale)}
+    if axis != -1:
+        raise ValueError(f"axis={axis}: only mxfp8 has column-wise copies")
+    if fmt is Format.NVFP4:
+        if k % NVFP4_BLOCK:
+            raise ValueError(f"nvfp4: K={k} of {shape} is not a multiple of {NVFP4_BLOCK}")
+        if global_scale not in GLOBAL_SCALES:
+            raise ValueError(f"global_scale must be one of {GLOBAL_SCALES}, got {global_scale!r}")
+        if global_scale == "matrix" and len(shape) < 2:
+            raise ValueError(f"nvfp4: a 'matrix' global scale needs a 2-D or larger shape {shape}")
+        gs = {
+            "tensor": (),
+            "matrix": (*shape[:-2], 1, 1),
+            "row": (*shape[:-1], 1),
+        }[global_scale]
+        return {
+            "qdata": (torch.uint8, (*shape[:-1], k // 2)),
+            "scale": (torch.float8_e4m3fn, (*shape[:-1], k // NVFP4_BLOCK)),
+            "global_scale": (torch.float32, gs),
+        }
+    br, bk = block if block is not None else FP8_BLOCK_WEIGHT
+    if k % bk or (br > 1 and len(shape) < 2):
+        raise ValueError(f"fp8_block: block {(br, bk)} does not tile {shape}")
+    if br == 1:
+        scale = (*shape[:-1], k // bk)
+    else:
+        scale = (*shape[:-2], -(-shape[-2] // br), k // bk)
+    return {"qdata": (torch.uint8, shape), "scale": (torch.float32, scale)}
 
 
 def _packed_shape(fmt: Format, shape: torch.Size) -> tuple[int, ...]:

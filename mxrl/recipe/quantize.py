@@ -9,13 +9,15 @@ NVFP4 weight global scales (the second-level FP32 scale):
 - 3-D expert weight [E, N, K]: one per expert ([E, 1, 1]). A fused `gate_up_proj` whose spec has
   no fuse group gets one per half ([E, 2I, 1], each row holding its half's amax), which is what
   the per-expert layout would give.
+`weight_global_scale` names that granularity and `weight_layout` the fields a weight's QTensor
+stores under its spec (`mxrl.formats.stored_layout`): what every receiver checks a record against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mxrl.formats import QTensor, quantize
+from mxrl.formats import QTensor, quantize, stored_layout
 from mxrl.formats.constants import Format
 from mxrl.recipe.plan import TensorSpec
 
@@ -25,8 +27,31 @@ __all__ = [
     "quantize_activation",
     "quantize_weight",
     "weight_amax",
+    "weight_global_scale",
+    "weight_layout",
     "weight_quantizer_kwargs",
 ]
+
+
+def weight_global_scale(spec: TensorSpec) -> str:
+    """The granularity of an NVFP4 weight's global scale (module docstring), as
+    `mxrl.formats.GLOBAL_SCALES` names it: "tensor" for a 2-D weight (a fuse pair shares one
+    value), "row" for a fused 3-D gate_up without a fuse group (one per half, repeated over
+    its rows), "matrix" (one per expert) for other 3-D weights. `own_weight_amax` computes
+    exactly these shapes."""
+    if len(spec.shape) != 3:
+        return "tensor"
+    return "row" if spec.role == "gate_up" and spec.fuse_group is None else "matrix"
+
+
+def weight_layout(spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of every field the weight's QTensor stores under its spec (row-wise: the
+    layout the export writes, checkpoints hold and the engine keeps)."""
+    if spec.format is Format.BF16:
+        raise ValueError(f"{spec.name} is bf16 in the plan: it is stored as a plain tensor")
+    return stored_layout(
+        spec.format, spec.shape, block=spec.block, global_scale=weight_global_scale(spec)
+    )
 
 
 def weight_amax(

@@ -10,7 +10,7 @@ the export and the packing run on a side stream and the payload broadcast is asy
 at most two payloads alive (the one in transfer, the one being built); on gloo / CPU the steps
 run one after the other.
 
-An update opens with one all-gather of (wire version, layout id) (wire version 4). The layout is
+An update opens with one all-gather of (wire version, layout id) (wire version 5). The layout is
 where every field of an update lies in its payloads: the bucket headers without the checksums,
 the step and the event (`Layout`). It follows from the plan, the bucket size and the dtype of
 the bf16 tensors, so every update of a run after the first has the one layout both ends learnt
@@ -357,17 +357,18 @@ class DistributedReceiver:
         return flags, header, digest, payload_len
 
     def _check(
-        self, values: list, payload: torch.Tensor, side: torch.cuda.Stream | None
+        self, records: list, payload: torch.Tensor, side: torch.cuda.Stream | None
     ) -> PendingChecksums:
-        """Start the checksums of a bucket's values (views of `payload`): on CUDA queued on
-        `side` behind the payload's receive, no host wait; on the CPU computed now."""
+        """Start the checksums of a bucket's records (their values views of `payload`): on
+        CUDA queued on `side` behind the payload's receive, no host wait; on the CPU now."""
+        names, values = [r.name for r in records], [r.value for r in records]
         if side is None:
-            return PendingChecksums(values)
+            return PendingChecksums(names, values)
         side.wait_stream(torch.cuda.current_stream(self.device))  # behind the payload
         if payload.numel():
             payload.record_stream(side)  # alive until the checksums have read it
         with torch.cuda.stream(side):
-            return PendingChecksums(values)
+            return PendingChecksums(names, values)
 
     def receive(self) -> SyncReport:
         """Block until one whole update has arrived, verified and loaded. Raises ValueError
@@ -411,9 +412,9 @@ class DistributedReceiver:
                 self.timings["arrived"] = time.perf_counter() - t0
                 buckets = _verified(arrived)
                 self.timings["verified"] = time.perf_counter() - t0
-                plan_hash = buckets[0].plan_hash
+                plan_hash, step = buckets[0].plan_hash, buckets[0].step
                 report = apply_update(
-                    self.engine, buckets, plan_hash, started=t0, before_write=agree
+                    self.engine, buckets, plan_hash, step, started=t0, before_write=agree
                 )
                 self.timings["loaded"] = time.perf_counter() - t0
             except Exception as e:  # every failure must reach the status all-gather
@@ -444,8 +445,7 @@ class DistributedReceiver:
                         raise ValueError("bucket header corrupted in transit (sha256 mismatch)")
                     bucket = unpack_bucket(header, payload)
                     headers.append(json.loads(header))
-                    values = [r.value for r in bucket.records]
-                    arrived.append((bucket, self._check(values, payload, side)))
+                    arrived.append((bucket, self._check(list(bucket.records), payload, side)))
                 except Exception as e:  # keep receiving: the collectives stay in step
                     error = e
             if flags & FLAG_LAST:
@@ -467,8 +467,7 @@ class DistributedReceiver:
                     records = [
                         wire.record_views({**r, "hash": ""}, payload) for r in lay["records"]
                     ]
-                    values = [r.value for r in records]
-                    staged.append((records, self._check(values, payload, side)))
+                    staged.append((records, self._check(records, payload, side)))
                 except Exception as e:  # keep receiving: the collectives stay in step
                     error = e
         flags, trailer, digest, _ = self._receive_meta()  # after the last payload: in step

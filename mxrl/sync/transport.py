@@ -2,13 +2,15 @@
 
 Both transports (in-process here, torch.distributed in `sync/distributed.py`) end in
 `apply_update`, so they accept and refuse the same updates. `Engine.load_weights` verifies the
-plan hash, each record's name, format, shape and checksum (once, on the device holding it; the
+plan hash, the update's step (greater than the last one the engine loaded: a stale or replayed
+update is refused), each record's name and fields against the plan (dtype, shape, layout of
+every field), its checksum over its name and bytes (once, on the device holding it; the
 distributed receiver checks each bucket's checksums as it arrives and hands `VerifiedRecord`s,
-which are not checksummed again), and that every tensor of the plan is present, before it
-writes any byte of its weights (in place);
-the bucket checks below (same plan hash and step, indices 0..n-1, a last bucket) run inside the
-stream it reads. A failure anywhere therefore raises before anything is written: the engine
-keeps its previous weights, whole.
+which are not checksummed again), the NVFP4 global scales' values, and that every tensor of the
+plan is present, before it writes any byte of its weights (in place); the bucket checks below
+(same plan hash and step, indices 0..n-1, a last bucket) run inside the stream it reads. A
+failure anywhere therefore raises before anything is written: the engine keeps its previous
+weights, whole.
 """
 
 from __future__ import annotations
@@ -46,13 +48,12 @@ class _Tally:
 
 
 def checked_records(
-    buckets: Iterable[Bucket], plan_hash: str, tally: _Tally | None = None
+    buckets: Iterable[Bucket], plan_hash: str, step: int, tally: _Tally | None = None
 ) -> Iterator[WeightRecord]:
-    """The records of one update's buckets, checking that they form one whole update under
-    `plan_hash`; raises ValueError (inside the consumer, e.g. load_weights) otherwise."""
+    """The records of one update's buckets, checking that they form one whole update of `step`
+    under `plan_hash`; raises ValueError (inside the consumer, e.g. load_weights) otherwise."""
     expected = 0
     done = False
-    step = None
     for bucket in buckets:
         if done:
             raise ValueError(
@@ -64,12 +65,11 @@ def checked_records(
                 f"bucket {bucket.index} was exported under plan {bucket.plan_hash[:16]}, the "
                 f"update under {plan_hash[:16]}; the engine keeps its previous weights"
             )
-        if step is not None and bucket.step != step:
+        if bucket.step != step:
             raise ValueError(
                 f"bucket {bucket.index} comes from the export of step {bucket.step}, the update "
                 f"from step {step} (a stale bucket); the engine keeps its previous weights"
             )
-        step = bucket.step
         if bucket.index != expected:
             raise ValueError(
                 f"bucket {bucket.index} arrived where bucket {expected} was due (lost or "
@@ -100,16 +100,18 @@ def apply_update(
     engine: Engine,
     buckets: Iterable[Bucket],
     plan_hash: str,
+    step: int,
     *,
     started: float | None = None,
     before_write: Callable[[], None] | None = None,
 ) -> SyncReport:
-    """Load one update's buckets into `engine` with one verified, atomic `load_weights` call
-    (`before_write`: its hook, called once the update is checked, before any byte is written)."""
+    """Load one update's buckets, the export of training step `step`, into `engine` with one
+    verified, atomic `load_weights` call (`before_write`: its hook, called once the update is
+    checked, before any byte is written)."""
     t0 = time.perf_counter() if started is None else started
     tally = _Tally()
-    records = checked_records(buckets, plan_hash, tally)
-    version = engine.load_weights(records, plan_hash, before_write=before_write)
+    records = checked_records(buckets, plan_hash, step, tally)
+    version = engine.load_weights(records, plan_hash, step=step, before_write=before_write)
     report = SyncReport(
         version=version,
         num_tensors=tally.num_tensors,
@@ -139,19 +141,20 @@ class InProcessTransport:
 
     def send(self, update: Export | Iterable[Bucket]) -> SyncReport:
         """Apply one export (or its buckets) to the engine. Raises ValueError, with the engine's
-        weights unchanged, for a plan-hash mismatch, a tampered record or an incomplete update."""
+        weights unchanged, for a plan-hash mismatch, a stale or replayed step, a record that is
+        not what the plan says, a tampered record or an incomplete update."""
         t0 = time.perf_counter()
         if isinstance(update, Export):
-            plan_hash = update.plan_hash
+            plan_hash, step = update.plan_hash, update.step
             buckets: Iterator[Bucket] = iter(update)
         else:
             buckets = iter(update)
             first = next(buckets, None)
             if first is None:
                 raise ValueError("an update without buckets: the engine keeps its weights")
-            plan_hash = first.plan_hash
+            plan_hash, step = first.plan_hash, first.step
             buckets = _prepend(first, buckets)
-        return apply_update(self.engine, buckets, plan_hash, started=t0)
+        return apply_update(self.engine, buckets, plan_hash, step, started=t0)
 
 
 def _prepend(first: Bucket, rest: Iterator[Bucket]) -> Iterator[Bucket]:

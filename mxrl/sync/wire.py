@@ -1,4 +1,4 @@
-"""The sync wire format (version 4): what `mxrl.sync.distributed` broadcasts, as bytes.
+"""The sync wire format (version 5): what `mxrl.sync.distributed` broadcasts, as bytes.
 
 Bucket by bucket, two broadcasts per bucket from `src`:
 
@@ -24,8 +24,9 @@ a receiver's host. The sender checks each packed bucket against the layout; an e
 laid out otherwise, ends early or fails mid-way still sends every payload the receivers queued
 (zeros), then aborts: every rank keeps its weights, and the sender forgets the layout.
 
-(Wire 3 had only the per-bucket mode; 2 sent the meta as int64[8], the header always on its
-own; 1 carried sha256 content hashes.) `Layout` is what both ends remember of an update sent
+(Wire 4 carried checksums of the bytes alone, without the record's name; 3 had only the
+per-bucket mode; 2 sent the meta as int64[8], the header always on its own; 1 carried sha256
+content hashes.) `Layout` is what both ends remember of an update sent
 bucket by bucket.
 """
 
@@ -43,9 +44,10 @@ import torch
 from mxrl.formats import QTensor
 from mxrl.weights import Bucket, QuantizationEvent, WeightRecord
 
-# 4: the layout agreement and the scheduled mode; 3: the header inline in a fixed 64 KiB meta;
-# 2: records carry mxrl.weights checksums (meta int64[8], header on its own); 1: sha256 hashes
-WIRE_VERSION = 4
+# 5: the records' checksums cover their names (mxrl-checksum-v2); 4: the layout agreement and
+# the scheduled mode; 3: the header inline in a fixed 64 KiB meta; 2: records carry mxrl.weights
+# checksums (meta int64[8], header on its own); 1: sha256 hashes
+WIRE_VERSION = 5
 FLAG_LAST = 1
 FLAG_ABORT = 2
 META_BYTES = 64 * 1024  # the meta broadcast: HEAD_BYTES, then the header if it fits
@@ -161,7 +163,14 @@ def record_views(r: dict[str, Any], payload: torch.Tensor) -> WeightRecord:
         tensors[f"{name}.{f['key']}" if f["key"] else name] = (
             payload[off : off + nbytes].view(dtype).reshape(shape)
         )
-    value = QTensor.from_state_dict(tensors, name) if r["qtensor"] else tensors[name]
+    if not r["qtensor"]:
+        return WeightRecord(name, tensors[name], str(r["hash"]))
+    try:
+        value = QTensor.from_state_dict(tensors, name)
+    except (KeyError, TypeError, ValueError) as e:  # fields no format stores this way
+        raise ValueError(
+            f"{name}: its fields are not a QTensor ({e}); the update is refused"
+        ) from None
     return WeightRecord(name, value, str(r["hash"]))
 
 

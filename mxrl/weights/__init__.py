@@ -3,15 +3,17 @@
     from mxrl.weights import export, checksum
     for bucket in export(model, plan, step=step):   # quantized on the master's device
         for record in bucket.records:               # WeightRecord(name, value, hash)
-            assert checksum(record.value) == record.hash
+            assert checksum(record.name, record.value) == record.hash
 
-record.py (WeightRecord), digest.py (the device-side checksum and its collision argument),
+record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes, and
+its collision argument), check.py (a record's fields and global scales against the plan),
 export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
 export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
 sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
 """
 
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export
+from mxrl.weights.check import check_global_scales, check_record
 from mxrl.weights.checkpoint import (
     MANIFEST_NAME,
     PLAN_NAME,
@@ -36,6 +38,8 @@ __all__ = [
     "WeightRecord",
     "WeightValue",
     "check_finite",
+    "check_global_scales",
+    "check_record",
     "checksum",
     "checksums",
     "convert_checkpoint",

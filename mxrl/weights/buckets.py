@@ -120,7 +120,7 @@ class Export:
 
     @staticmethod
     def _records(pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
-        sums = checksums([v for _, v in pending])  # on the device, one host read
+        sums = checksums([n for n, _ in pending], [v for _, v in pending])  # one host read
         return tuple(WeightRecord(n, v, h) for (n, v), h in zip(pending, sums, strict=True))
 
     def _buckets(self) -> Iterator[Bucket]:
@@ -187,6 +187,8 @@ def export(
     """Export the master weights of `model` (a module, or name -> tensor) under `plan`, on
     their device (`backend`: the quantizer, default Triton on CUDA; the same bytes anywhere).
 
+    step: the training step the weights come from; every bucket carries it, and an engine takes
+    an update only at a step greater than the last one it loaded (mxrl/engine/loading.py).
     Raises ValueError, before returning and so before any bucket exists, for a master weight
     holding NaN/Inf (naming it) and for weights that do not match the plan. sqnr=False skips the
     per-layer SQNR (one dequantization per quantized tensor). on_event is called with the
@@ -194,6 +196,11 @@ def export(
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(
+            f"step must be a training step (an int >= 0), got {step!r}: engines take an update "
+            "only at a step greater than the last one they loaded"
+        )
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a resolved mxrl.recipe.Plan, got {type(plan).__name__}")
     if len(plan) == 0:

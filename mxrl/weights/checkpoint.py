@@ -16,10 +16,12 @@ pass `shard_bytes` (a bigger tensor gets its own shard), written one by one, and
 built in a temporary sibling that is renamed into place at the end: a failed conversion leaves
 nothing half-written.
 
-`read_quantized_checkpoint` checks file sizes up front and each shard's sha256 (a cryptographic
-digest: files can be edited by anyone) before using its tensors, and yields records carrying the
-manifest's checksums, which `Engine.load_weights` recomputes; an error names the file and, when
-the file still parses, the tensor.
+`read_quantized_checkpoint` checks that config.json describes the model plan.json was resolved
+for (its tensors' names and shapes), file sizes up front and each shard's sha256 (a cryptographic
+digest: files can be edited by anyone) before using its tensors, and every tensor's fields
+against the plan (`mxrl.weights.check_record`); it yields records carrying the manifest's
+checksums, which `Engine.load_weights` recomputes; an error names the file and, when the file
+still parses, the tensor or the config field.
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ from mxrl.models import parse_size
 from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place, open_safetensors
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
+from mxrl.weights.check import check_config, check_record
 from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "mxrl-quantized"
-CHECKPOINT_VERSION = 2  # 2: per-tensor checksums (mxrl.weights.checksum); 1 had sha256 hashes
+# 3: checksums over each tensor's name and bytes (mxrl-checksum-v2); 2: over its bytes alone;
+# 1: sha256 content hashes
+CHECKPOINT_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 PLAN_NAME = "plan.json"
 DEFAULT_SHARD_BYTES = 2 * 10**9
@@ -79,7 +84,8 @@ def write_quantized_checkpoint(
     overwrite: replace an existing non-empty directory once the new one is complete.
     copy_files_from: an HF directory whose tokenizer / generation files are copied.
     progress: tqdm bar (None: when stderr is a terminal). Raises ValueError for records that do
-    not match the plan (unknown, duplicated, missing tensors; checksum mismatch).
+    not match the plan (unknown, duplicated, missing tensors; fields that are not what the plan
+    stores; checksum mismatch).
     """
     out = Path(out_dir)
     limit = parse_size(shard_bytes)
@@ -167,7 +173,8 @@ def _write_shards(
                 raise ValueError(f"{record.name!r} is not a tensor of the plan")
             if record.name in tensors:
                 raise ValueError(f"{record.name} appears twice in the records")
-            if checksum(record.value) != record.hash:
+            check_record(record, spec)
+            if checksum(record.name, record.value) != record.hash:
                 raise ValueError(f"{record.name}: checksum mismatch; re-export it")
             if names and size + record.nbytes > limit:
                 flush()
@@ -236,8 +243,9 @@ def read_quantized_checkpoint(
     if manifest.get("format") != CHECKPOINT_FORMAT or manifest.get("version") != CHECKPOINT_VERSION:
         raise ValueError(
             f"{path / MANIFEST_NAME} is not a {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION} manifest "
-            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r}); a v1 "
-            "checkpoint carries sha256 content hashes where v2 has checksums: re-run mxrl convert"
+            f"(format {manifest.get('format')!r}, version {manifest.get('version')!r}); older "
+            "checkpoints carry checksums this version does not compute (v1: sha256 content "
+            "hashes, v2: checksums without the tensor's name): re-run mxrl convert"
         )
     try:
         plan = Plan.from_json((path / PLAN_NAME).read_text())
@@ -251,6 +259,7 @@ def read_quantized_checkpoint(
             f"{manifest['plan_hash'][:16]}: the files come from different conversions"
         )
     config = _read_json(path / CONFIG_NAME)
+    check_config(path / CONFIG_NAME, config, plan)
     tensors: dict[str, dict[str, Any]] = manifest["tensors"]
     if set(tensors) != set(plan):
         odd = sorted(set(tensors) ^ set(plan))
@@ -265,10 +274,10 @@ def read_quantized_checkpoint(
                 f"shard {file} has {size} bytes, the manifest says {info['bytes']}: the file is "
                 "truncated or corrupt; copy it again or re-run mxrl convert"
             )
-    return plan, config, _records(path, manifest)
+    return plan, config, _records(path, manifest, plan)
 
 
-def _records(path: Path, manifest: dict[str, Any]) -> Iterator[WeightRecord]:
+def _records(path: Path, manifest: dict[str, Any], plan: Plan) -> Iterator[WeightRecord]:
     by_shard: dict[str, list[str]] = {}
     for name, info in manifest["tensors"].items():
         by_shard.setdefault(info["shard"], []).append(name)
@@ -280,7 +289,12 @@ def _records(path: Path, manifest: dict[str, Any]) -> Iterator[WeightRecord]:
         with open_safetensors(file) as f:
             for name in names:
                 info = manifest["tensors"][name]
-                yield WeightRecord(name, _value(f, name, info, file), info["hash"])
+                record = WeightRecord(name, _value(f, name, info, file), info["hash"])
+                try:
+                    check_record(record, plan[name])
+                except ValueError as e:
+                    raise ValueError(f"{file}: {e}") from None
+                yield record
 
 
 def _value(f: Any, name: str, info: dict[str, Any], file: Path) -> QTensor | torch.Tensor:
@@ -290,7 +304,10 @@ def _value(f: Any, name: str, info: dict[str, Any], file: Path) -> QTensor | tor
         raise ValueError(f"{file}: cannot read {name} ({e})") from None
     if info["format"] == Format.BF16:
         return state[name]
-    return QTensor.from_state_dict(state, name)
+    try:
+        return QTensor.from_state_dict(state, name)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{file}: {name} is not a QTensor ({e})") from None
 
 
 def _corruption_report(file: Path, names: list[str], tensors: dict[str, dict[str, Any]]) -> str:
@@ -300,7 +317,7 @@ def _corruption_report(file: Path, names: list[str], tensors: dict[str, dict[str
         with safe_open(str(file), framework="pt") as f:
             for name in names:
                 value = _value(f, name, tensors[name], file)
-                if checksum(value) != tensors[name]["hash"]:
+                if checksum(name, value) != tensors[name]["hash"]:
                     bad.append(name)
     except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError):
         bad = []

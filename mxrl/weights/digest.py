@@ -1,20 +1,23 @@
 """The checksum of a weight record, computed on the device that holds it.
 
 Every stored byte counts: each QTensor field (qdata, scale with any padding blocks, the NVFP4
-global scale) or the plain tensor, plus a header naming the format, shape, axis and each field's
-dtype and shape. The bytes never leave the device; 64 bytes per field come back to the host.
+global scale, 0-d or not) or the plain tensor, plus a header naming the record (its plan name),
+the format, shape, axis and each field's dtype and shape. A checksum therefore belongs to one
+name: a record sent under another tensor's name, with its own checksum, does not verify. The
+bytes never leave the device; 64 bytes per field come back to the host.
 
 Algorithm (one field of n bytes):
 
     level 0 input: the bytes read as int8 (a bijection of 0..255), in rows of ROW_BYTES = 2048,
                    the last row zero-padded                                  X  [m, 2048] int8
     one level:     Y = X @ C_l with C_l [2048, LANES = 16] int8 coefficients  Y  [m, 16]  int32
-                   (SHAKE-128 of "mxrl-checksum-v1 level l", a fresh matrix per level); the
+                   (SHAKE-128 of "mxrl-checksum-v2 level l", a fresh matrix per level); the
                    64 * m bytes of Y (little-endian int32) are the next level's input
     the field's digest: Y once a level leaves one row (64 bytes); 2048 -> 64 bytes per row, so
                    a 1 GiB field takes 5 levels, each reading 1/32 of the previous one's bytes
 
-    checksum = sha256(header ‖ the fields' digests), 64 hex characters
+    checksum = sha256(header ‖ 0x00 ‖ the fields' digests), 64 hex characters; the header is
+               VERSION, the name (JSON-quoted), then one line for the value and one per field
 
 Why it is the same on every device: every product is at most 128 * 128 = 2^14 in magnitude
 and a row sums 2048 of them, so |Y| <= 2^25 < 2^31: int32 arithmetic that never overflows is
@@ -32,9 +35,12 @@ bytes differ and the next level, with an independent matrix, starts over: the ch
 different fields get one digest is <= levels * 2^-128 (levels <= 8). The probability is over
 the choice of the coefficients, so it covers every corruption that does not know them: bit
 flips, truncation (another length is another header; a shortened payload is zero-filled or
-refused), reordered rows, records or fields (positions meet different coefficients), stale
-buffers holding an older update. It is not a defence against someone who reads this file and
-forges bytes: on-disk checkpoints and their manifests keep sha256 for that.
+refused), reordered rows or fields (positions meet different coefficients), records swapped or
+renamed (the name is in the header, so a record's checksum is another name's only by a sha256
+collision), stale buffers holding an older update. It is not a defence against someone who reads
+this file and forges bytes: anyone who can run this code computes a matching checksum for any
+bytes and name (on-disk checkpoints keep sha256 per shard; receivers also check every record's
+fields against the plan and the NVFP4 global scales' values, `mxrl.weights.check`).
 
 Cost. On CUDA with triton (the default backend there; `backend=` as in
 `mxrl.kernels.select_backend`), `mxrl/kernels/triton_digest.py` reads each byte once, whole rows
@@ -54,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 
@@ -65,7 +72,7 @@ from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, store
 
 logger = logging.getLogger(__name__)
 
-VERSION = "mxrl-checksum-v1"
+VERSION = "mxrl-checksum-v2"  # v2: the record's name is in the header (v1: bytes only)
 ROW_BYTES = 2048
 LANES = 16
 DIGEST_BYTES = 4 * LANES
@@ -186,28 +193,41 @@ def field_digests(
     return torch.cat([field_digest_reference(t) for t in fields])
 
 
-def header(value: WeightValue) -> bytes:
-    """What the checksum binds besides the bytes: format, shape, axis, each field's dtype and
-    shape (so the length and meaning of every byte)."""
+def header(name: str, value: WeightValue) -> bytes:
+    """What the checksum binds besides the bytes: the record's name, its format, shape, axis,
+    each field's dtype and shape (so whose bytes they are, and the length and meaning of every
+    byte). The name is JSON-quoted: no name can forge the lines after it."""
+    if not isinstance(name, str):
+        raise TypeError(f"checksum: a record's name must be a str, got {type(name).__name__}")
     if isinstance(value, QTensor):
         lines = [f"qtensor|{value.fmt}|{tuple(value.shape)}|{value.axis}"]
     else:
         lines = [f"tensor|{value.dtype}|{tuple(value.shape)}"]
     for key, t in stored_tensors(value).items():
         lines.append(f"{key}|{t.dtype}|{tuple(t.shape)}")
-    return "\n".join([VERSION, *lines]).encode()
+    return "\n".join([VERSION, f"name|{json.dumps(name)}", *lines]).encode()
 
 
 class PendingChecksums:
-    """`checksums(values)` started without waiting for it: every field's digest is queued on its
-    device (on CUDA: on the current stream, then copied into pinned host memory behind an
-    event), so the host goes on at once. `wait()` reads the 64 bytes per field once they are
-    there and returns the checksums. The values' tensors must not be written before `wait()`
-    returns (a CUDA caller whose values were allocated on another stream records them on this
-    one: `Tensor.record_stream`)."""
+    """`checksums(names, values)` started without waiting for it: every field's digest is
+    queued on its device (on CUDA: on the current stream, then copied into pinned host memory
+    behind an event), so the host goes on at once. `wait()` reads the 64 bytes per field once
+    they are there and returns the checksums. The values' tensors must not be written before
+    `wait()` returns (a CUDA caller whose values were allocated on another stream records them
+    on this one: `Tensor.record_stream`)."""
 
-    def __init__(self, values: Sequence[WeightValue], backend: Backend | str | None = None):
-        self._headers = [header(v) for v in values]
+    def __init__(
+        self,
+        names: Sequence[str],
+        values: Sequence[WeightValue],
+        backend: Backend | str | None = None,
+    ):
+        if isinstance(names, str) or len(names) != len(values):
+            raise TypeError(
+                "checksums(names, values): one record name per value, got "
+                f"{'a str' if isinstance(names, str) else len(names)} for {len(values)} value(s)"
+            )
+        self._headers = [header(n, v) for n, v in zip(names, values, strict=True)]
         by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
         self._num_fields: list[int] = []
         for i, v in enumerate(values):
@@ -244,28 +264,34 @@ class PendingChecksums:
         ]
 
 
-def checksums(values: Sequence[WeightValue], backend: Backend | str | None = None) -> list[str]:
-    """The checksum of each value, computed on its device: per device, every field of every
-    value in one batch (a few kernel launches on CUDA) and one host read."""
-    return PendingChecksums(values, backend).wait()
+def checksums(
+    names: Sequence[str], values: Sequence[WeightValue], backend: Backend | str | None = None
+) -> list[str]:
+    """The checksum of each (name, value) record, computed on the value's device: per device,
+    every field of every value in one batch (a few kernel launches on CUDA) and one host read."""
+    return PendingChecksums(names, values, backend).wait()
 
 
 def verified_records(
     records: Sequence[WeightRecord], sums: Sequence[str]
 ) -> tuple[VerifiedRecord, ...]:
     """`records` as `VerifiedRecord`s, given `sums`: their checksums, computed in this process
-    from the bytes of their values (`checksums`, `PendingChecksums`). Raises ValueError naming
-    the records whose checksum is not their `hash`."""
-    bad = [r.name for r, s in zip(records, sums, strict=True) if s != r.hash]
+    from their names and the bytes of their values (`checksums`, `PendingChecksums`). Raises
+    ValueError naming the records whose checksum is not their `hash`."""
+    bad = [(r, s) for r, s in zip(records, sums, strict=True) if s != r.hash]
     if bad:
+        (first, got), more = bad[0], len(bad) - 1
         raise ValueError(
-            f"{bad[0]}: checksum mismatch (corrupted in transit or on disk)"
-            + (f", and {len(bad) - 1} more" if len(bad) > 1 else "")
+            f"{first.name}: checksum mismatch: it carries {first.hash[:16]}, its bytes under this "
+            f"name give {got[:16]} (corrupted in transit or on disk, truncated, stale, or another "
+            "tensor's record sent under this name)"
+            + (f", and {more} more" if more else "")
             + "; the engine keeps its previous weights"
         )
     return tuple(VerifiedRecord(r.name, r.value, r.hash) for r in records)
 
 
-def checksum(value: WeightValue, backend: Backend | str | None = None) -> str:
-    """The checksum of one value (module docstring): 64 hex characters."""
-    return checksums([value], backend)[0]
+def checksum(name: str, value: WeightValue, backend: Backend | str | None = None) -> str:
+    """The checksum of one record, its name and its value (module docstring): 64 hex
+    characters."""
+    return checksums([name], [value], backend)[0]

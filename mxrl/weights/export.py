@@ -22,7 +22,7 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
 from mxrl.models.adapter import hf_location
 from mxrl.recipe import Plan, TensorSpec
-from mxrl.recipe.quantize import own_weight_amax, weight_quantizer_kwargs
+from mxrl.recipe.quantize import own_weight_amax, weight_layout, weight_quantizer_kwargs
 from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord, WeightValue
 
@@ -124,6 +124,8 @@ def quantized_values(
             amax = _global_amax(name, w, partner, amaxes)
             partner_w = params[partner].detach() if partner is not None else None
             value = _quantize(w, spec, partner_w, amax, chosen[w.device])
+            # the layout every receiver checks records against (mxrl.weights.check)
+            assert value.layout() == weight_layout(spec), (name, value.layout())
         yield name, value
 
 
@@ -137,7 +139,7 @@ def export_weights(
     """Quantize every tensor of the plan from the master weights, in plan order, each record
     with its checksum (`quantized_values` says what is checked first)."""
     for name, value in quantized_values(named_params, plan, bf16_dtype=bf16_dtype, backend=backend):
-        yield WeightRecord(name, value, checksum(value))
+        yield WeightRecord(name, value, checksum(name, value))
 
 
 def _global_amax(name, w, partner, amaxes) -> torch.Tensor | None:

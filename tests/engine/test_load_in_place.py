@@ -6,6 +6,7 @@ when new buffers were installed."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import pytest
 import torch
@@ -55,6 +56,32 @@ def forward_tensors(engine: Engine) -> dict[str, tuple[int, tuple[int, ...]]]:
         for i, t in enumerate(_tensors_in(value)):
             out[f"weights:{name}.{i}"] = (t.data_ptr(), tuple(t.shape))
     return out
+
+
+def forward_bytes(engine: Engine) -> str:
+    """sha256 over the bytes of every tensor `forward_tensors` lists (the held values and every
+    operand derived from them), in a fixed order."""
+    h = hashlib.sha256()
+    for prefix, module in engine.net.named_modules():
+        for key, value in sorted(vars(module).items()):
+            if key in ("_parameters", "_buffers"):
+                tensors = [t for _, t in sorted(value.items()) if t is not None]
+            elif key.startswith("_"):
+                continue
+            else:
+                tensors = list(_tensors_in(value))
+            for t in tensors:
+                h.update(f"{prefix}.{key}".encode())
+                h.update(_bytes(t))
+    for name in sorted(engine.weights):
+        for t in _tensors_in(engine.weights[name]):
+            h.update(name.encode())
+            h.update(_bytes(t))
+    return h.hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _engine(preset, device, compute_dtype, monkeypatch, calls):
@@ -132,3 +159,34 @@ def test_a_reload_forgets_the_cached_prefixes():
     assert got.tokens == want.tokens
     assert torch.equal(got.logprobs, want.logprobs)
     assert torch.equal(got.routed_experts, want.routed_experts)
+
+
+REFUSED = ["swap_nvfp4_experts", "truncated_scale_fp8_block", "column_wise_mxfp8",
+           "nan_global_scale", "global_scale_dtype"]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_refused_load_writes_nothing_the_forward_reads(device):
+    """load_weights itself (no transport): forged records (tests/sync/attacks.py) and a stale
+    step are refused before any write, so every tensor the forward reads, derived operands
+    included, keeps its storage and its bytes, and the hashes, version and step stay."""
+    from tests.sync.attacks import ATTACK_IDS, ATTACKS, engine_state
+    from tests.sync.helpers import MIXED
+    from tests.sync.helpers import tiny as sync_tiny
+
+    engine = Engine(sync_tiny(seed=0).to(device), MIXED, device=device)
+    plan_hash = engine.plan.hash()
+    honest = list(export(sync_tiny(seed=1).to(device), engine.plan, bucket_bytes=30_000, step=1))
+    engine.load_weights([r for b in honest for r in b.records], plan_hash, step=4)
+    held = engine_state(engine), forward_tensors(engine), forward_bytes(engine)
+    for attack in REFUSED:
+        _, forge, name, match = ATTACKS[ATTACK_IDS.index(attack)]
+        records = [r for b in forge(honest) for r in b.records]
+        with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*" + match):
+            engine.load_weights(records, plan_hash, step=5)
+        assert (engine_state(engine), forward_tensors(engine), forward_bytes(engine)) == held
+    records = [r for b in honest for r in b.records]
+    with pytest.raises(ValueError, match="step 3 refused: the engine holds the weights of step 4"):
+        engine.load_weights(records, plan_hash, step=3)
+    assert (engine_state(engine), forward_tensors(engine), forward_bytes(engine)) == held
+    assert engine.load_weights(records, plan_hash, step=5) == engine.weights_version == 3

@@ -140,9 +140,10 @@ def test_every_stored_dtype():
 def test_checksums_on_the_triton_backend_equal_the_reference():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
     values = [quantize(x, "nvfp4"), x.to(torch.bfloat16), quantize(x, "mxfp8"), random_bytes(9)]
-    got = digest.checksums(values, backend="triton")
-    assert got == digest.checksums(values, backend="reference")
-    assert digest.checksums([], backend="triton") == []
+    names = [f"t{i}" for i in range(len(values))]
+    got = digest.checksums(names, values, backend="triton")
+    assert got == digest.checksums(names, values, backend="reference")
+    assert digest.checksums([], [], backend="triton") == []
 
 
 @pytest.mark.triton

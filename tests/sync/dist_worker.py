@@ -8,7 +8,13 @@ the first update goes bucket by bucket, the next ones scheduled once both ends k
 The engine ranks count the checksum work of the first two receives (every call of
 `field_digests`, which every checksum goes through). The last two cases run with a small meta on
 every rank (`SMALL_META`), so that some headers (and the scheduled trailer) travel inline and the
-others as a broadcast of their own."""
+others as a broadcast of their own.
+
+Then, with two ranks, the forged updates of tests/sync/attacks.py reach a second engine holding
+every stored layout (helpers.MIXED), through a sender of its own (`MIXED_CASES`): each attack
+bucket by bucket (the forge does not say its plan) and, where the layout is unchanged, also
+scheduled; a stale and a replayed step. The engine rank records whether its bytes, hashes,
+version and step stayed (`attacks.engine_state`)."""
 
 import faulthandler
 import json
@@ -22,11 +28,13 @@ from mxrl.engine import Engine
 from mxrl.recipe import resolve
 from mxrl.sync import DistributedReceiver, DistributedSender, wire
 from mxrl.weights import digest, export, export_weights, stored_tensors
-from tests.sync.helpers import hashes, tiny
+from tests.sync.attacks import ATTACKS, engine_state
+from tests.sync.helpers import MIXED, hashes, tiny
 
 PRESET = "nvfp4-dequantized"
 BUCKET_BYTES = 48 * 1024
 SMALL_META = 1536  # headers of 1.4-2.7 KB: some inline, some on their own
+DEFAULT_META = wire.META_BYTES
 # (case, the seed of the weights an engine holds after it: None for a refused update)
 CASES = [
     ("good", 1),  # the first update: bucket by bucket
@@ -155,6 +163,76 @@ def sender_cases(trained, trained_more, shapes) -> dict:
     }, used
 
 
+# (case, the step it sends, accepted?) of the MIXED phase: the forges go bucket by bucket
+# ("attack:ID"), those that keep every field's shape also scheduled ("scheduled:ID")
+SAME_LAYOUT = ("swap_nvfp4_experts", "swap_bf16", "nan_global_scale", "unshared_gate_up")
+MIXED_CASES = [
+    ("mixed_good", 1, True),  # bucket by bucket: the sender learns the layout
+    ("mixed_scheduled", 2, True),
+    ("stale", 1, False),  # an older step's export after a newer one
+    ("replayed", 2, False),
+    *((f"attack:{a[0]}", 3, False) for a in ATTACKS),
+    *((f"scheduled:{a}", 3, False) for a in SAME_LAYOUT),
+    ("mixed_after", 3, True),  # the step the refused ones carried: not consumed
+]
+
+
+class Forged:
+    """An export whose buckets pass through an attack; `keyed`: it says its plan, bucket size
+    and bf16 dtype (so it goes scheduled when the layout is agreed)."""
+
+    def __init__(self, update, forge, keyed: bool) -> None:
+        self.update, self.forge, self.step = update, forge, update.step
+        if keyed:
+            self.plan_hash, self.bucket_bytes = update.plan_hash, update.bucket_bytes
+            self.bf16_dtype = update.bf16_dtype
+
+    def __iter__(self):
+        return iter(self.forge(list(self.update)))
+
+
+def mixed_sender(trained, trained_more, shapes) -> dict:
+    """rank 0's action per MIXED case: what it sent and how it went."""
+    plan = resolve(MIXED, shapes)
+    sender = DistributedSender(src=0)
+    forges = {a[0]: a[1] for a in ATTACKS}
+
+    def update(case, step):
+        model = trained_more if case in ("mixed_scheduled", "replayed") else trained
+        honest = export(model, plan, bucket_bytes=BUCKET_BYTES, step=step)
+        kind, _, attack = case.partition(":")
+        if kind in ("attack", "scheduled"):
+            return Forged(honest, forges[attack], keyed=kind == "scheduled")
+        return honest
+
+    def act(case, step):
+        try:
+            report = sender.send(update(case, step))
+            return {"version": report.version, "mode": sender.last_mode}
+        except ValueError as e:
+            return {"refused": str(e), "mode": sender.last_mode}
+
+    return {case: (lambda c=case, s=step: act(c, s)) for case, step, _ in MIXED_CASES}
+
+
+def mixed_engine_cases(device) -> dict:
+    """The engine rank's side of the MIXED phase: per case, what it saw."""
+    engine = Engine(tiny(seed=0), MIXED, device=device)
+    receiver = DistributedReceiver(engine, src=0)
+    seen = {}
+    for case, _, _ in MIXED_CASES:
+        before = engine_state(engine)
+        try:
+            receiver.receive()
+            got = {"accepted": True}
+        except ValueError as e:
+            got = {"refused": str(e)}
+        got.update(mode=receiver.last_mode, unchanged=engine_state(engine) == before,
+                   version=engine.weights_version, step=engine.weights_step)  # fmt: skip
+        seen[case] = got
+    return seen
+
+
 def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int = 2) -> None:
     faulthandler.enable(all_threads=True)  # a native abort shows every thread's Python stack
     torch.set_num_threads(1)
@@ -223,6 +301,13 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
                 got.update(fields=fields, num_buckets=num_buckets)
             got["device"] = str(next(iter(engine.weights.values())).device)
             seen[case] = got
+    if world_size == 2:
+        wire.META_BYTES = DEFAULT_META
+        if rank == 0:
+            for case, act in mixed_sender(trained, trained_more, shapes).items():
+                seen[case] = act()
+        else:
+            seen.update(mixed_engine_cases(device))
     dist.barrier()
     dist.destroy_process_group()
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(seen))

@@ -35,6 +35,24 @@ FP8_BLOCK_32 = {
     ],
 }  # fmt: skip
 
+# every stored layout in one plan: MXFP8 q/k/v, block FP8 (32x32) o_proj, the shared expert NVFP4
+# with a per-tensor global scale (gate and up sharing one), the routed experts NVFP4 per expert
+# (layers 0-1, gate_up fused) and per half (layers 2-3: gate_up without a fuse group); bf16
+# routers, norms and embeddings
+MIXED = {
+    "name": "mixed",
+    "backward": "dequantized",
+    "default": "bf16",
+    "rules": [
+        {"match": {"kind": "router"}, "format": "bf16"},
+        {"match": {"name": "*.self_attn.o_proj.weight"}, "format": "fp8_block", "block": [32, 32]},
+        {"match": {"kind": "attention"}, "format": "mxfp8"},
+        {"match": {"kind": "shared_expert"}, **_NVFP4, "fuse": ["gate", "up"]},
+        {"match": {"kind": "routed_expert", "layers": "0-1"}, **_NVFP4, "fuse": ["gate", "up"]},
+        {"match": {"kind": "routed_expert"}, **_NVFP4},
+    ],
+}
+
 
 def tiny(seed: int = 0, dtype: torch.dtype = torch.float32):
     return build_model(builtin_config("tiny-moe"), dtype=dtype, seed=seed)

@@ -14,6 +14,7 @@ from mxrl.recipe import resolve
 from mxrl.sync import pack_bucket, unpack_bucket
 from mxrl.weights import export
 from tests.sync import dist_worker
+from tests.sync.attacks import ATTACKS, names_the_tensor
 from tests.sync.helpers import hashes, tiny
 
 
@@ -29,7 +30,7 @@ def test_pack_unpack_round_trips_every_record_bit_for_bit(preset):
         from mxrl.weights import checksum
 
         assert hashes(back.records) == hashes(bucket.records)
-        assert {r.name: checksum(r.value) for r in back.records} == hashes(bucket.records)
+        assert {r.name: checksum(r.name, r.value) for r in back.records} == hashes(bucket.records)
 
 
 def test_unpack_refuses_a_header_that_does_not_fit_the_payload():
@@ -181,6 +182,36 @@ def test_refused_updates_keep_the_weights_and_say_why_on_both_ends(gloo_run):
     """A payload corrupted in transit, a plan hash mismatch, an export failing mid-way and an
     export whose layout is not the agreed one: refused in both modes, the weights kept."""
     check_refused_cases(*gloo_run)
+
+
+def test_forged_updates_are_refused_by_the_receiver_with_the_engine_unchanged(gloo_run):
+    """tests/sync/attacks.py over the wire: records swapped with their checksums, fields that
+    are not what the plan stores, unusable global scales (bucket by bucket, and scheduled where
+    the layout is unchanged), a stale and a replayed step: each refused on the engine rank,
+    naming the tensor (or the step), with its bytes, hashes, version and step unchanged, and on
+    the sender; the honest update of the refused ones' step then loads."""
+    trainer, engine = gloo_run
+    named = {a[0]: a[2] for a in ATTACKS}
+    for case, step, accepted in dist_worker.MIXED_CASES:
+        got, sent = engine[case], trainer[case]
+        if accepted:
+            assert got.get("accepted") and got["step"] == step, (case, got)
+            assert "refused" not in sent, (case, sent)
+            continue
+        assert got["unchanged"] and "accepted" not in got, (case, got)
+        assert "engine rank(s) [1] refused" in sent["refused"], (case, sent)
+        kind, _, attack = case.partition(":")
+        if attack:
+            assert names_the_tensor(got["refused"], named[attack]), (case, got["refused"])
+        want = "scheduled" if kind in ("scheduled", "stale", "replayed") else "per-bucket"
+        assert got["mode"] == sent["mode"] == want, (case, got["mode"], sent["mode"])
+    assert "update of step 1 refused" in engine["stale"]["refused"]
+    assert "step 2 refused" in engine["replayed"]["refused"]
+    assert "replayed" in engine["replayed"]["refused"]
+    for attack in dist_worker.SAME_LAYOUT:
+        message = engine[f"scheduled:{attack}"]["refused"]
+        assert message == engine[f"attack:{attack}"]["refused"], attack  # the same check
+    assert engine["mixed_after"]["version"] == 4  # built, two updates, then the last
 
 
 def test_two_engine_ranks_receive_broadcasts_and_refuse_together(tmp_path):

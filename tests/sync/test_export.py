@@ -124,7 +124,7 @@ def test_bucket_records_never_alias_bf16_master_weights():
             p.add_(1.0)
     from mxrl.weights import checksum
 
-    assert {r.name: checksum(r.value) for r in records} == before
+    assert {r.name: checksum(r.name, r.value) for r in records} == before
 
 
 def test_bad_arguments():

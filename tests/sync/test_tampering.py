@@ -1,9 +1,13 @@
 """Tampered updates are refused and the engine keeps serving its previous weights, untouched
-(same bytes, same buffers, same logits): a flipped byte, a truncated bucket or payload, a wrong
-plan, a stale record or bucket, reordered records or buckets. On the CPU, and the same on CUDA
-(records exported and checksummed on the GPU)."""
+(same bytes, same hashes, version and step, same buffers, same logits): a flipped byte in any
+field of any format, a truncated bucket or payload, a wrong plan, a stale record or bucket,
+reordered records or buckets, records swapped with their checksums, fields that are not what
+the plan stores (tests/sync/attacks.py, checksums recomputed), unusable NVFP4 global scales, a
+stale or replayed step. On the CPU, and the same on CUDA (records exported and checksummed on
+the GPU)."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -12,9 +16,10 @@ from mxrl.engine import Engine
 from mxrl.formats import QTensor
 from mxrl.recipe import resolve
 from mxrl.sync import InProcessTransport, pack_bucket, unpack_bucket
-from mxrl.weights import WeightRecord, export
-from tests.engine.test_load_in_place import forward_tensors
-from tests.sync.helpers import engine_logits, hashes, tiny
+from mxrl.weights import WeightRecord, export, stored_tensors
+from tests.engine.test_load_in_place import forward_bytes, forward_tensors
+from tests.sync.attacks import ATTACK_IDS, ATTACKS, engine_state
+from tests.sync.helpers import MIXED, engine_logits, hashes, tiny
 
 PRESET = "nvfp4-dequantized"
 BUCKET_BYTES = 30_000
@@ -36,19 +41,32 @@ def buckets_of(device, seed=1, step=1, plan=None, engine=None):
     return list(export(model, plan or engine.plan, bucket_bytes=BUCKET_BYTES, step=step))
 
 
+@pytest.fixture
+def mixed(device):
+    """An engine holding every stored layout (helpers.MIXED)."""
+    return Engine(tiny(seed=0).to(device), MIXED, device=device)
+
+
 def refused(engine, buckets, match):
     held = hashes(engine.records())
-    version, logits, storage = (
-        engine.weights_version,
-        engine_logits(engine),
-        forward_tensors(engine),
-    )
+    state, logits, storage = engine_state(engine), engine_logits(engine), forward_tensors(engine)
     with pytest.raises(ValueError, match=match):
         InProcessTransport(engine).send(buckets)
-    assert engine.weights_version == version
+    assert engine_state(engine) == state  # bytes, verified hashes, version and step
     assert hashes(engine.records()) == held
     assert forward_tensors(engine) == storage
     assert torch.equal(engine_logits(engine), logits)
+
+
+def refused_unchanged(engine, buckets, match):
+    """Refused, and every byte the forward reads, every buffer, the hashes, version and step
+    as they were (cheaper than `refused`'s logits, and stricter: derived operands included)."""
+    state, storage, held = engine_state(engine), forward_tensors(engine), forward_bytes(engine)
+    with pytest.raises(ValueError, match=match):
+        InProcessTransport(engine).send(buckets)
+    assert engine_state(engine) == state  # bytes, verified hashes, version and step
+    assert forward_tensors(engine) == storage
+    assert forward_bytes(engine) == held
 
 
 def replace_record(buckets, name, how):
@@ -125,3 +143,86 @@ def test_reordered_records_or_buckets(engine, device):
     )
     refused(engine, swapped, "checksum mismatch")
     refused(engine, [buckets[1], buckets[0], *buckets[2:]], "where bucket 0 was due")
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def held(request):
+    """(an engine holding every stored layout, the honest buckets of step 1) shared by the
+    attack tests of a device: each refusal must leave the engine as it was, which each test
+    asserts."""
+    engine = Engine(tiny(seed=0).to(request.param), MIXED, device=request.param)
+    return engine, buckets_of(request.param, engine=engine)
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=ATTACK_IDS)
+def test_a_record_that_is_not_what_the_plan_says_is_refused(held, attack):
+    """Each forged update (tests/sync/attacks.py) is refused naming the tensor, what the plan
+    says and what came, the engine unchanged."""
+    engine, honest = held
+    _, forge, name, match = attack
+    refused_unchanged(engine, forge(honest), re.escape(name) + ".*" + match)
+
+
+def test_a_refused_update_leaves_its_step_to_the_honest_one(mixed, device):
+    """A refusal does not consume the update's step: the honest export of that step loads."""
+    honest = buckets_of(device, engine=mixed)
+    _, forge, name, match = ATTACKS[ATTACK_IDS.index("nan_global_scale")]
+    refused_unchanged(mixed, forge(honest), re.escape(name) + ".*" + match)
+    InProcessTransport(mixed).send(honest)
+    assert mixed.weights_step == 1
+    assert hashes(mixed.records()) == hashes(r for b in honest for r in b.records)
+
+
+FIELDS = {  # one tensor of each stored layout of the MIXED plan, and its fields
+    "model.layers.0.self_attn.q_proj.weight": ("qdata", "scale"),  # mxfp8
+    "model.layers.0.self_attn.o_proj.weight": ("qdata", "scale"),  # fp8_block 32x32
+    "model.layers.0.mlp.shared_expert.down_proj.weight": ("qdata", "scale", "global_scale"),  # []
+    "model.layers.0.mlp.experts.gate_up_proj": ("qdata", "scale", "global_scale"),  # per expert
+    "model.layers.2.mlp.experts.gate_up_proj": ("qdata", "scale", "global_scale"),  # per row
+    "model.layers.0.mlp.gate.weight": ("",),  # a plain bf16 tensor
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "field"), [(n, f) for n, fields in FIELDS.items() for f in fields]
+)
+def test_a_flipped_byte_in_any_field_of_any_format_is_refused(held, name, field):
+    """The last byte of every field (the 0-d per-tensor global scale included), carrying the
+    record's honest checksum: refused as a checksum mismatch naming the tensor."""
+    engine, buckets = held
+
+    def flip(r):
+        fields = {k: t.clone() for k, t in stored_tensors(r.value).items()}
+        fields[field].reshape(-1).view(torch.uint8)[-1] ^= 0x01
+        if not isinstance(r.value, QTensor):
+            return WeightRecord(r.name, fields[""], r.hash)
+        return WeightRecord(r.name, dataclasses.replace(r.value, **fields), r.hash)
+
+    refused_unchanged(
+        engine, replace_record(buckets, name, flip), re.escape(name) + ": checksum mismatch"
+    )
+
+
+def test_a_stale_or_replayed_step_is_refused(mixed, device):
+    """An older step's export sent after a newer one, and the same step sent twice, are
+    refused; a later step loads."""
+    older, newer = buckets_of(device, seed=2, step=1, engine=mixed), buckets_of(device, step=2,
+                                                                                engine=mixed)  # fmt: skip
+    InProcessTransport(mixed).send(newer)
+    assert mixed.weights_step == 2
+    refused_unchanged(mixed, older, "update of step 1 refused: the engine holds the weights of "
+                      "step 2.*stale")  # fmt: skip
+    replay = buckets_of(device, seed=2, step=2, engine=mixed)
+    refused_unchanged(mixed, replay, "step 2 refused.*replayed")
+    InProcessTransport(mixed).send(buckets_of(device, seed=2, step=3, engine=mixed))
+    assert mixed.weights_step == 3
+
+
+def test_a_resume_sends_its_checkpoint_step_to_a_fresh_engine(mixed, device):
+    """An engine built for a resumed run has loaded no update yet: the checkpoint's step (here
+    7) is its first, any later one follows, the same one again is a replay."""
+    assert mixed.weights_step is None
+    InProcessTransport(mixed).send(buckets_of(device, step=7, engine=mixed))
+    refused_unchanged(mixed, buckets_of(device, seed=2, step=7, engine=mixed), "replayed")
+    InProcessTransport(mixed).send(buckets_of(device, seed=2, step=8, engine=mixed))
+    assert (mixed.weights_step, mixed.weights_version) == (8, 3)

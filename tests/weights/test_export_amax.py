@@ -78,13 +78,13 @@ def test_export_bytes_and_checksums_are_the_reference_quantizers(recipe, dtype):
         spec = plan[record.name]
         if not isinstance(record.value, QTensor):
             assert_bytes_equal(record.value, params[record.name].detach().to(torch.bfloat16))
-            assert record.hash == checksum(record.value)
+            assert record.hash == checksum(record.name, record.value)
             continue
         num_nvfp4 += 1
         partner = params[partners[record.name]] if record.name in partners else None
         want = quantize_weight(params[record.name], spec, partner)
         assert_qtensor_bytes_equal(record.value, want, record.name)
-        assert record.hash == checksum(want), record.name
+        assert record.hash == checksum(record.name, want), record.name
     assert num_nvfp4 == sum(1 for s in plan.values() if s.format.value == "nvfp4") > 20
 
 
