@@ -131,8 +131,8 @@ class SamplingBatch:
 
 def processed_logprobs_batch(logits_RV: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """log-probabilities [R, V] of the distributions sampled from: logits / temperature, then
-    top-k, then top-p (nucleus over the sorted probabilities, the token crossing p kept),
-    renormalised. Filtered tokens get -inf. Greedy rows use the unscaled distribution. Ties in
+    top-k (every token reaching the k-th largest logit: ties at the boundary kept), then top-p
+    (nucleus over the sorted probabilities, the token crossing p kept), renormalised. Filtered tokens get -inf. Greedy rows use the unscaled distribution. Ties in
     the sort are broken by vocabulary index (stable), so the filters are deterministic."""
     logits = logits_RV.float() / b.temperature[:, None]
     vocab = logits.shape[-1]
