@@ -8,7 +8,7 @@ survivor is either killed by a new test or argued equivalent in docs/mutation/eq
 (matched by file and by the changed lines, so an argument follows its code, not mutmut's
 numbering).
 
-    python tools/mutate.py MODULE [--max-children N] [--report-only]
+    python tools/mutate.py MODULE [--max-children N] [--report-only] [--mutant NAME ...]
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ do_not_mutate_patterns = {_toml_list(DO_NOT_MUTATE)}
     (work / "pyproject.toml").write_text(text)
 
 
-def _run_mutmut(work: Path, max_children: int) -> None:
+def _run_mutmut(work: Path, max_children: int, names: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)]
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *names]
     print("tools/mutate.py:", " ".join(cmd), f"(in {work})", flush=True)
     subprocess.run(cmd, cwd=work, env=env, check=False)
 
@@ -253,9 +253,13 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     other = len(mutants) - killed - timeout - equivalent - survived
     scored = len(mutants) - equivalent - count.get("no tests", 0)
     rate = (killed + timeout) / scored if scored else 1.0
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    if git("status", "--porcelain", "--untracked-files=no").strip():
+        commit += " with uncommitted changes"
     lines = [
         f"# Mutation report: `{module_name}`",
         "",
@@ -264,10 +268,11 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
         f"tests: {', '.join(f'`{t}`' for t in module.tests)}. How to read and refresh this: "
         "[README.md](README.md).",
         "",
-        "| killed | timeout | survived | equivalent | no tests | other | total | kill rate |",
+        "| killed (on the GPU tier) | timeout | survived | equivalent | no tests | other | total "
+        "| kill rate |",
         "|---|---|---|---|---|---|---|---|",
-        f"| {killed} | {timeout} | {survived} | {equivalent} | {count.get('no tests', 0)} "
-        f"| {other} | {len(mutants)} | {rate:.1%} |",
+        f"| {killed} ({count.get('gpu', 0)}) | {timeout} | {survived} | {equivalent} "
+        f"| {count.get('no tests', 0)} | {other} | {len(mutants)} | {rate:.1%} |",
         "",
         "Kill rate: (killed + timeout) / (total - equivalent - no tests); a timeout is a mutant "
         "the tests stopped (it made them hang or loop); killed counts the mutants only a GPU-tier "
@@ -304,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the module names")
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--report-only", action="store_true", help="rewrite the report only")
+    parser.add_argument(
+        "--mutant", action="append", default=[], metavar="NAME",
+        help="test these mutants again (mutmut names or globs, e.g. after adding a test)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.list or args.module is None:
         print(" ".join(sorted(MODULES)))
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         _sync(work)
         _configure(work, module)
-        _run_mutmut(work, args.max_children)
+        _run_mutmut(work, args.max_children, args.mutant)
     mutants = _collect(work, module)
     if not mutants:
         print(f"tools/mutate.py: no results in {work}/mutants; run without --report-only")

@@ -105,11 +105,12 @@ def test_loss_dtype_is_logps_at_least_fp32():
     denominator past 2^24, which is no float32, stays exact)."""
     m = torch.ones(2, 3)
     bf16 = torch.full((2, 3), -1.0, dtype=torch.bfloat16)
-    loss, _ = policy_loss(bf16, bf16.float(), torch.ones(2), m)
+    loss, _ = policy_loss(bf16, bf16, torch.ones(2, dtype=torch.bfloat16), m)
     assert loss.dtype == torch.float32 and loss.item() == -1.0
     f32 = torch.full((2, 3), -1.0)
     kw = {"rollout_logp": f32.double() - 0.25, "correction": "tis"}
-    for extra in ({"denominator": 7}, kw):
+    seq = {"denominator": 7, "aggregation": "seq-mean-token-mean"}
+    for extra in ({"denominator": 7}, seq, kw):
         loss, _ = policy_loss(f32, f32, torch.ones(2, dtype=torch.float64), m, **extra)
         assert loss.dtype == torch.float32, extra
     f64 = torch.full((2, 3), -1.0, dtype=torch.float64)
