@@ -12,7 +12,7 @@ TRITON_SPEC ?= triton==3.6.0
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.mxrl-installed
 
-.PHONY: install test test-main test-capabilities test-triton lint format demo test-gpu clean
+.PHONY: install test test-main test-capabilities test-triton lint format demo test-gpu mutate clean
 
 install: $(STAMP)
 
@@ -63,6 +63,12 @@ test-triton: $(STAMP)
 # On a CUDA machine: the GPU tier (kernels, device invariance of the reference).
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# Mutation testing of one module (not part of `make test`: every mutant reruns the module's
+# tests): `make mutate MODULE=engine` writes docs/mutation/engine.md (docs/mutation/README.md).
+mutate: $(STAMP)
+	@test -n "$(MODULE)" || { echo "usage: make mutate MODULE=<$$($(PY) tools/mutate.py --list)>"; exit 2; }
+	$(PY) tools/mutate.py $(MODULE) $(if $(JOBS),--max-children $(JOBS))
 
 demo: $(STAMP)
 	$(VENV)/bin/mxrl demo

@@ -42,7 +42,9 @@ META = 3  # columns before the block table: token id, position, slot
 
 def buckets(max_batch: int) -> list[int]:
     """Batch sizes a graph is captured for: 1, 2, 4, 8, then every multiple of 8 up to 32,
-    then of 16 up to 128, then of 32 — at most 1/8 of a step's rows are padding past 8."""
+    then of 16 up to 128, then of 32, and `max_batch` itself last (every size up to it has a
+    bucket). A step pads fewer rows than its bucket's step: under half the bucket up to 8,
+    under 8 rows up to 32, 16 up to 128, 32 beyond (at most 1/5 of the rows past 128)."""
     out, b = [1, 2, 4, 8], 8
     while b < max_batch:
         b += 8 if b < 32 else 16 if b < 128 else 32

@@ -147,9 +147,10 @@ def filter_logits(
     keep_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Temperature-scaled logits [N, V] with the tokens top-k and then top-p drop set to -inf:
-    top-k keeps the k largest (k = 0 or >= V: off), top-p the nucleus over the sorted
-    probabilities, the token crossing p kept (p = 1: off). Ties in the sort are broken by
-    vocabulary index (stable), so the filters are deterministic. The engine's sampler and the
+    top-k keeps every token reaching the k-th largest logit (ties at the boundary kept; k = 0 or
+    >= V: off), top-p the nucleus over the sorted probabilities, the token crossing p kept
+    (p = 1: off). Ties in the sort are broken by vocabulary index (stable), so the filters are
+    deterministic. The engine's sampler and the
     trainer's logprobs (`mxrl.rl.logprobs`) both call this, so both see one distribution.
 
     keep_N: int64 [N] token ids never dropped (the trainer's sampled tokens: where precision

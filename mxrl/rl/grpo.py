@@ -26,6 +26,7 @@ Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 LOG_RATIO_CLAMP = 20.0
 # verl's k3 KL penalty clamps each token's value to +-10 (rl_frameworks.md §2.5).
 KL_CLAMP = 10.0
+F64 = torch.float64
 
 
 def group_advantages(
@@ -235,15 +236,16 @@ def _log_ratio(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> torch.T
 def _aggregate(
     x: torch.Tensor, mf: torch.Tensor, aggregation: str, denominator: float | None
 ) -> torch.Tensor:
+    # a global denominator in float64: a token count past 2^24 is no float32 (it was rounded)
     if aggregation == "token-mean":
-        count = mf.sum() if denominator is None else torch.tensor(float(denominator))
+        count = mf.sum() if denominator is None else torch.tensor(float(denominator), dtype=F64)
         return (x * mf).sum() / count.to(x).clamp(min=1.0)
     per_seq_tokens = mf.sum(-1)
     seq_mean = (x * mf).sum(-1) / per_seq_tokens.clamp(min=1.0)
     if denominator is None:
         count = (per_seq_tokens > 0).sum()
     else:
-        count = torch.tensor(float(denominator))
+        count = torch.tensor(float(denominator), dtype=F64)
     return seq_mean.sum() / count.to(x).clamp(min=1.0)
 
 

@@ -4,11 +4,14 @@ their argmax, and a row's result independent of its batch."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 
 from mxrl.engine import SamplingParams
 from mxrl.engine.sampler import SamplingBatch, sample_batch
 from mxrl.kernels.sampling import sample_rows
+from tests.engine import sampling_spec as spec
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
@@ -49,9 +52,11 @@ def test_kernel_rows_do_not_depend_on_the_batch():
 
 @interpreter
 def test_fused_sample_batch_keeps_a_rows_path_in_a_mixed_batch():
-    """sample_batch(fused=True) over rows with and without top-k / top-p: a row alone gives its
-    bytes in the mixed batch (its path is fixed by its own parameters: the fused kernel for
-    plain rows, the torch pass for filtered ones), and filtered rows get the torch sampler's."""
+    """sample_batch(fused=True) over rows with and without top-k / top-p: every row's token is
+    the spec's (a NumPy transcription of the filters and of the noise hash, the race in
+    float64; greedy rows the argmax) and its logprob the spec's processed one, whichever path
+    it took; a row alone gives its bytes in the mixed batch (its path is fixed by its own
+    parameters: the fused kernel for plain rows, the torch pass for filtered ones)."""
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(8, 1200, generator=g) * 3
     kinds = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=0.0),
@@ -60,10 +65,15 @@ def test_fused_sample_batch_keeps_a_rows_path_in_a_mixed_batch():
     seeds, counters = [p.seed for p in params], [3 * i for i in range(8)]
     b = SamplingBatch.build(params, seeds, counters, "cpu")
     tokens, logps = sample_batch(logits, b, fused=True)
-    want_t, want_lp = sample_batch(logits, b)  # the torch sampler, row by row
-    for r in (1, 3):  # filtered rows: the torch pass
-        assert tokens[r].item() == want_t[r].item()
-        assert_bytes_equal(logps[r : r + 1], want_lp[r : r + 1], f"filtered row {r}")
+    for r in range(8):
+        kw = kinds[r % 4]
+        probs = spec.processed_probs(logits[r].tolist(), **kw)
+        if kw["temperature"] == 0.0:
+            want = int(np.argmax(probs))
+        else:
+            want = spec.race(probs, seeds[r], counters[r])
+        assert tokens[r].item() == want, f"row {r} {kw}"
+        assert logps[r].item() == pytest.approx(np.log(probs[want]), abs=2e-6), f"row {r}"
     for r in range(8):
         alone = SamplingBatch.build(params[r : r + 1], seeds[r : r + 1], counters[r : r + 1], "cpu")
         t, lp = sample_batch(logits[r : r + 1], alone, fused=True)

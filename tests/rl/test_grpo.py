@@ -137,6 +137,26 @@ def test_tis_truncates_the_weight():
     assert stats["tis/rho_max"] == pytest.approx(4.0)
 
 
+def test_tis_leaves_ratios_below_one_over_the_cap_alone():
+    """TIS truncates from above only: rho = pi_old / mu of 0.01, 0.1, 0.3 (all far below
+    1 / C = 0.5) weigh the loss by themselves; 3 is cut to C = 2. Ratio pi / pi_old = 1 and
+    A = 1, so each token's loss is -w and its gradient -w."""
+    rho = [0.01, 0.1, 0.3, 3.0]
+    logp = torch.zeros(4, 1, dtype=torch.float64, requires_grad=True)
+    rollout = -torch.log(torch.tensor(rho, dtype=torch.float64))[:, None]  # old_logp = 0
+    loss, stats = policy_loss(
+        logp, torch.zeros(4, 1, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+        torch.ones(4, 1), rollout_logp=rollout, correction="tis",
+    )  # fmt: skip
+    loss.backward()
+    w = [0.01, 0.1, 0.3, 2.0]
+    assert loss.item() == pytest.approx(-sum(w) / 4, rel=1e-12)
+    assert logp.grad[:, 0].tolist() == pytest.approx([-x / 4 for x in w], rel=1e-12)
+    assert stats["tis/mean_weight"] == pytest.approx(sum(w) / 4, rel=1e-12)
+    assert stats["tis/clipped_frac"] == 0.25 and stats["tis/rho_max"] == pytest.approx(3.0)
+    assert stats["tis/rho_mean"] == pytest.approx(sum(rho) / 4, rel=1e-12)
+
+
 def test_mis_drops_tokens_over_the_cap_and_keeps_the_denominator():
     old = torch.zeros(2, 1)
     rollout = torch.log(torch.tensor([[0.25], [2.0]]))  # rho = 4 (dropped), 0.5 (kept)
