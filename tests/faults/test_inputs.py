@@ -9,6 +9,7 @@ vocabulary and a word-level tokenizer.json), so the dataset is read the way a us
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -50,7 +51,12 @@ DATASETS = [
     ("no-usable-row", "bad.jsonl", b'{oops\n{"question": "1+1="}\n', "bad.jsonl: no usable rows"),
     ("wrong-suffix", "data.csv", b"prompt,label\n1+1=,2\n", "unknown dataset format '.csv'"),
     ("not-parquet", "data.parquet", b"PAR1 this is not parquet", "not a readable Parquet file"),
-    ("missing-file", "absent.jsonl", None, "absent.jsonl does not exist"),
+    (
+        "missing-file",
+        "absent.jsonl",
+        None,
+        re.compile(r"data\.source: .*absent\.jsonl.*no such file"),
+    ),
 ]
 
 

@@ -25,9 +25,9 @@ LAYOUTS = [
      {"qdata": (U8, (64, 48)), "scale": (E4M3, (64, 6)), "global_scale": (F32, ())}),
     ("nvfp4", (64, 96), {"global_scale": "row"}, {"per_token": True},
      {"qdata": (U8, (64, 48)), "scale": (E4M3, (64, 6)), "global_scale": (F32, (64, 1))}),
-    ("nvfp4", (4, 32, 64), {"global_scale": "matrix"}, {"global_amax": torch.ones(4, 1, 1)},
+    ("nvfp4", (4, 32, 64), {"global_scale": "matrix"}, {"global_amax": torch.full((4, 1, 1), 8.0)},
      {"qdata": (U8, (4, 32, 32)), "scale": (E4M3, (4, 32, 4)), "global_scale": (F32, (4, 1, 1))}),
-    ("nvfp4", (4, 32, 64), {"global_scale": "row"}, {"global_amax": torch.ones(4, 32, 1)},
+    ("nvfp4", (4, 32, 64), {"global_scale": "row"}, {"global_amax": torch.full((4, 32, 1), 8.0)},
      {"qdata": (U8, (4, 32, 32)), "scale": (E4M3, (4, 32, 4)), "global_scale": (F32, (4, 32, 1))}),
     ("fp8_block", (256, 384), {}, {}, {"qdata": (U8, (256, 384)), "scale": (F32, (2, 3))}),
     ("fp8_block", (100, 64), {"block": (32, 32)}, {"block": (32, 32)},  # a partial row block
