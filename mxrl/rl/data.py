@@ -26,7 +26,7 @@ import json
 import logging
 import random
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,25 @@ class PromptDataset:
             out += [self.examples[i] for i in self._order[self.position : self.position + take]]
             self.position += take
         return out
+
+    def keeping(self, reason: Callable[[PromptExample], str | None]) -> PromptDataset:
+        """A dataset of the examples for which `reason(example)` is None; the others are added
+        to `skipped` with their reason (e.g. a prompt too long for the model). The sampling order
+        is drawn over what is kept, so the stream is a function of the file and the filter."""
+        kept, skipped = [], list(self.skipped)
+        for example in self.examples:
+            why = reason(example)
+            if why is None:
+                kept.append(example)
+            else:
+                skipped.append(SkippedRow(example.index, why))
+        if len(skipped) > len(self.skipped):
+            logger.warning(
+                "%s: skipped %d more rows (%s)", self.source, len(skipped) - len(self.skipped),
+                _first_reasons(skipped[len(self.skipped) :]),
+            )  # fmt: skip
+        return PromptDataset(kept, source=self.source, skipped=skipped, seed=self.seed,
+                             shuffle=self.shuffle)  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -119,11 +119,25 @@ def config_plan(cfg: TrainConfig) -> Any:
     from mxrl.recipe import builtin_config, load_hf_config, resolve, tensors_from_hf_config
 
     config = builtin_config("tiny-moe") if cfg.model == BUILTIN_MODEL else cfg.model
+    hf_config = load_hf_config(config)
+    check_positions(hf_config, cfg.rl.max_new_tokens)
     try:
-        plan = resolve(cfg.rl.recipe, tensors_from_hf_config(load_hf_config(config), "fused"))
+        plan = resolve(cfg.rl.recipe, tensors_from_hf_config(hf_config, "fused"))
         logger.info("mxrl train: recipe %s, plan %s\n%s", plan.recipe_name, plan.hash()[:12],
                     plan.summary())  # fmt: skip
         plan.check(strict=cfg.strict)
     except ValueError as e:
         raise ValueError(f"rl.recipe: {e}") from None
     return plan
+
+
+def check_positions(hf_config: dict, max_new_tokens: int) -> None:
+    """No prompt fits when max_new_tokens alone fills the model's max_position_embeddings (the
+    positions it was trained for); longer prompts than the rest are skipped as the dataset is
+    read (`rl.train.build`)."""
+    limit = hf_config.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_new_tokens >= limit:
+        raise ValueError(
+            f"rl.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+            f"max_position_embeddings {limit} (config.json); set it below {limit}"
+        )

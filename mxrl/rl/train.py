@@ -47,7 +47,7 @@ from mxrl.kernels import select_backend
 from mxrl.models import from_pretrained, load_tokenizer
 from mxrl.recipe import Plan, builtin_config, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
-from mxrl.rl.data import PromptDataset
+from mxrl.rl.data import PromptDataset, encode_prompt
 from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.preflight import Checked, preflight
 from mxrl.rl.resume import ResumePoint
@@ -77,6 +77,18 @@ def build(cfg: TrainConfig, device: str | torch.device) -> tuple[Any, Any]:
         return model, TaskSource(ArithmeticTask(tokenizer=tokenizer))
     dataset = PromptDataset.from_file(data.source, data.prompt_key, data.label_key,
                                       seed=cfg.rl.seed)  # fmt: skip
+    limit = model.config.max_positions
+    if limit is not None:  # verl's filter_overlong_prompts: a prompt that cannot fit is skipped
+        budget = limit - cfg.rl.max_new_tokens
+
+        def too_long(example) -> str | None:
+            n = len(encode_prompt(example.prompt, tokenizer))
+            if n <= budget:
+                return None
+            return (f"prompt too long: {n} tokens + rl.max_new_tokens {cfg.rl.max_new_tokens} "
+                    f"> max_position_embeddings {limit}")  # fmt: skip
+
+        dataset = dataset.keeping(too_long)
     return model, DatasetSource(dataset, tokenizer, load_reward(data.reward))
 
 

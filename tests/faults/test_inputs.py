@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -51,6 +52,13 @@ DATASETS = [
     ("no-usable-row", "bad.jsonl", b'{oops\n{"question": "1+1="}\n', "bad.jsonl: no usable rows"),
     ("wrong-suffix", "data.csv", b"prompt,label\n1+1=,2\n", "unknown dataset format '.csv'"),
     ("not-parquet", "data.parquet", b"PAR1 this is not parquet", "not a readable Parquet file"),
+    # every prompt 200 tokens: none fits the model's 128 positions with rl.max_new_tokens 8
+    (
+        "only-overlong-prompts",
+        "long.jsonl",
+        (json.dumps({"prompt": " ".join(["1"] * 200), "label": "1"}) + "\n").encode(),
+        re.compile(r"long\.jsonl: no usable rows.*prompt too long: 200 tokens"),
+    ),
     (
         "missing-file",
         "absent.jsonl",
@@ -70,6 +78,17 @@ def test_train_refuses_a_bad_dataset(tmp_path, hf_model, case):
     before = snapshot(tmp_path)
     result = run_mxrl(["train", "--config", cfg], cwd=tmp_path)
     assert_refused(result, culprit, before, snapshot(tmp_path))
+
+
+def test_train_refuses_max_new_tokens_that_fill_the_positions(tmp_path, hf_model):
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text(json.dumps({"prompt": "1 + 1 =", "label": "2"}) + "\n")
+    cfg = yaml.safe_load(Path(_train_config(tmp_path, hf_model, dataset)).read_text())
+    cfg["rl"]["max_new_tokens"] = 128  # the checkpoint's max_position_embeddings
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(cfg))
+    before = snapshot(tmp_path)
+    result = run_mxrl(["train", "--config", str(tmp_path / "train.yaml")], cwd=tmp_path)
+    assert_refused(result, "rl.max_new_tokens: 128 leaves no room", before, snapshot(tmp_path))
 
 
 def _runs(tmp_path):

@@ -199,3 +199,16 @@ def test_render_with_a_real_transformers_chat_template():
     ids = encode_prompt(msgs, tok)
     assert 0 not in ids and ids == tok(text, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(text)  # one token per character, no specials added twice
+
+
+def test_keeping_skips_what_its_reason_names_and_keeps_the_rest_in_stream_order():
+    rows = [{"prompt": "x" * n, "label": str(n)} for n in (3, 9, 4, 12, 5)]
+    ds = PromptDataset.from_rows(rows, seed=7)
+    kept = ds.keeping(lambda e: f"too long: {len(e.prompt)}" if len(e.prompt) > 8 else None)
+    assert [e.index for e in kept] == [0, 2, 4]
+    assert [(s.row, s.reason) for s in kept.skipped] == [(1, "too long: 9"), (3, "too long: 12")]
+    # the stream over the kept rows is the one a file holding only them would give
+    alone = PromptDataset.from_rows([rows[i] for i in (0, 2, 4)], seed=7)
+    assert [e.label for e in kept.next_batch(7)] == [e.label for e in alone.next_batch(7)]
+    with pytest.raises(ValueError, match=r"no usable rows.*too long: 3"):
+        ds.keeping(lambda e: f"too long: {len(e.prompt)}")
