@@ -27,32 +27,58 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Checked:
-    """A config that passed every check: its plan (a `mxrl.recipe.Plan`) and, for a resume,
-    where and how the run continues."""
+    """A config that passed every check: its plan (a `mxrl.recipe.Plan`), for a resume where
+    and how the run continues, and the prompt dataset it names (read and validated; None for
+    the built-in task)."""
 
     plan: Any
     resume: ResumePoint | None
+    dataset: Any = None
 
 
 def preflight(cfg: TrainConfig) -> Checked:
-    """Every check, in order: the environment, the plan, the resume."""
+    """Every check, in order: the launch and the paths, the dataset (neither imports torch),
+    the device and the reward, the plan, the resume."""
+    check_launch(cfg)
+    check_paths(cfg)
+    dataset = read_dataset(cfg)
     check_environment(cfg)
     plan = config_plan(cfg)
     resume = None
     if cfg.resume is not None:
         resume = prepare_resume(cfg, plan.hash(), distributed=cfg.placement is not None)
-    return Checked(plan, resume)
+    return Checked(plan, resume, dataset)
 
 
-def check_environment(cfg: TrainConfig) -> None:
-    """The launch, the paths, the device, the reward; ValueError naming the field, its value
-    and the fix."""
+def read_dataset(cfg: TrainConfig) -> Any:
+    """The prompt dataset, read and its rows validated (`mxrl.rl.data.PromptDataset`) before
+    torch is imported: a file with no usable row is refused in a second, not after a model's
+    load. None for the built-in task."""
+    if cfg.data.source == BUILTIN_SOURCE:
+        return None
+    from mxrl.rl.data import PromptDataset
+
+    data = cfg.data
+    try:
+        return PromptDataset.from_file(
+            data.source, data.prompt_key, data.label_key, seed=cfg.rl.seed
+        )
+    except ValueError as e:
+        raise ValueError(f"data.source: {e}") from None
+
+
+def check_launch(cfg: TrainConfig) -> None:
+    """A torchrun launch needs a placement section."""
     if cfg.placement is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             f"placement: launched by torchrun with WORLD_SIZE {os.environ['WORLD_SIZE']} but "
             "the config has no placement section; add one (docs/scale.md) or run one process"
         )
-    check_paths(cfg)
+
+
+def check_environment(cfg: TrainConfig) -> None:
+    """The device and the reward function; ValueError naming the field, its value and the
+    fix."""
     check_device(cfg)
     if cfg.data.source != BUILTIN_SOURCE:
         from mxrl.rl.rewards import load_reward

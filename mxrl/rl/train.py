@@ -44,12 +44,12 @@ from typing import Any
 import torch
 
 from mxrl.kernels import select_backend
-from mxrl.models import from_pretrained, load_tokenizer
+from mxrl.models import ModelConfig, from_pretrained, load_tokenizer
 from mxrl.recipe import Plan, builtin_config, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset, encode_prompt
 from mxrl.rl.loop import GRPOTrainer
-from mxrl.rl.preflight import Checked, preflight
+from mxrl.rl.preflight import Checked, preflight, read_dataset
 from mxrl.rl.resume import ResumePoint
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource, TaskSource
@@ -62,34 +62,45 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build(cfg: TrainConfig, device: str | torch.device) -> tuple[Any, Any]:
+def build(
+    cfg: TrainConfig, device: str | torch.device, dataset: PromptDataset | None = None
+) -> tuple[Any, Any]:
     """(model on `device` in the config's dtype, prompt source); the built-in model's SFT
-    warm-up runs here (or loads from its cache)."""
+    warm-up runs here (or loads from its cache). `dataset`: the one `preflight` read (else
+    read here); either way before the model is loaded."""
     data, dtype = cfg.data, DTYPES[cfg.dtype]
     if cfg.model == BUILTIN_MODEL:
         task = ArithmeticTask(seed=data.seed)
         model, _ = warmed_up_model(builtin_config("tiny-moe"), task, data.warmup_steps)
         return model.to(device=device, dtype=dtype), TaskSource(ArithmeticTask(seed=data.seed + 1))
-    model = from_pretrained(cfg.model, dtype=dtype, device=device)
+    if dataset is None and data.source != BUILTIN_SOURCE:
+        dataset = read_dataset(cfg)
     tokenizer = load_tokenizer(cfg.model)
-    assert tokenizer is not None  # check_environment saw its tokenizer.json
-    if data.source == BUILTIN_SOURCE:
+    assert tokenizer is not None  # check_paths saw its tokenizer.json
+    if dataset is not None:
+        dataset = _without_overlong(dataset, tokenizer, cfg)
+    model = from_pretrained(cfg.model, dtype=dtype, device=device)
+    if dataset is None:
         return model, TaskSource(ArithmeticTask(tokenizer=tokenizer))
-    dataset = PromptDataset.from_file(data.source, data.prompt_key, data.label_key,
-                                      seed=cfg.rl.seed)  # fmt: skip
-    limit = model.config.max_positions
-    if limit is not None:  # verl's filter_overlong_prompts: a prompt that cannot fit is skipped
-        budget = limit - cfg.rl.max_new_tokens
-
-        def too_long(example) -> str | None:
-            n = len(encode_prompt(example.prompt, tokenizer))
-            if n <= budget:
-                return None
-            return (f"prompt too long: {n} tokens + rl.max_new_tokens {cfg.rl.max_new_tokens} "
-                    f"> max_position_embeddings {limit}")  # fmt: skip
-
-        dataset = dataset.keeping(too_long)
     return model, DatasetSource(dataset, tokenizer, load_reward(data.reward))
+
+
+def _without_overlong(dataset: PromptDataset, tokenizer: Any, cfg: TrainConfig) -> PromptDataset:
+    """verl's filter_overlong_prompts: a prompt whose tokens and rl.max_new_tokens exceed the
+    model's max_position_embeddings (config.json) is skipped, as a malformed row is."""
+    limit = ModelConfig.from_hf(cfg.model).max_positions
+    if limit is None:
+        return dataset
+    budget = limit - cfg.rl.max_new_tokens
+
+    def too_long(example) -> str | None:
+        n = len(encode_prompt(example.prompt, tokenizer))
+        if n <= budget:
+            return None
+        return (f"prompt too long: {n} tokens + rl.max_new_tokens {cfg.rl.max_new_tokens} > "
+                f"max_position_embeddings {limit}")  # fmt: skip
+
+    return dataset.keeping(too_long)
 
 
 def _check_built(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> None:
@@ -112,7 +123,7 @@ def run_train(config: str | Path | TrainConfig, checked: Checked | None = None) 
     if cfg.placement is not None:
         return _run_distributed(cfg, checked)
     plan, point = checked.plan, checked.resume
-    model, source = build(cfg, cfg.rl.device)
+    model, source = build(cfg, cfg.rl.device, checked.dataset)
     _check_built(cfg, model, plan)
     backend = str(select_backend(cfg.rl.backend, cfg.rl.device))
     if point is not None:
@@ -158,7 +169,7 @@ def _run_distributed(cfg: TrainConfig, checked: Checked) -> RunRecord | None:
         # then read the cache instead of training the same warm-up concurrently
         if layout.rank != 0:
             torch.distributed.barrier()
-        model, source = build(cfg, layout.device)
+        model, source = build(cfg, layout.device, checked.dataset)
         if layout.rank == 0:
             torch.distributed.barrier()
         _check_built(cfg, model, plan)
