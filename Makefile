@@ -9,6 +9,9 @@ PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
+# pytest-xdist workers for each part of `make test`: most tests hold one core (small tensors, Python,
+# the Triton interpreter), so the parts run on two (the CI machine's cores); XDIST=-n0: one process
+XDIST      ?= -n 2
 PY         := $(VENV)/bin/python
 STAMP      := $(VENV)/.mxrl-installed
 
@@ -43,15 +46,15 @@ format: $(STAMP)
 test: lint test-main test-capabilities test-triton
 
 test-main: $(STAMP)
-	$(PY) -m pytest -q -m "not triton"
+	$(PY) -m pytest -q $(XDIST) --dist loadfile -m "not triton"
 
 # The tests marked `capability` again under every other CPU capability this processor supports
 # (ATen kernels and MKL code path of an AVX2-only / baseline x86-64 machine; tests/numeric_env.py).
 test-capabilities: $(STAMP)
 	@caps="$$($(PY) -m tests.numeric_env)" || exit 1; \
 	for cap in $$caps; do \
-		$(PY) -m tests.numeric_env $$cap -m pytest -q -p no:cacheprovider \
-			-m "capability and not triton" || exit 1; \
+		$(PY) -m tests.numeric_env $$cap -m pytest -q -p no:cacheprovider $(XDIST) \
+			--dist loadfile -m "capability and not triton" || exit 1; \
 	done
 
 # Triton's kernels under its CPU interpreter, byte for byte against the reference, and the sm_90
@@ -62,7 +65,7 @@ test-capabilities: $(STAMP)
 # and passed on AVX-512 ones. OPENBLAS_CORETYPE=Prescott: one SSE3 kernel on every x86-64 CPU.
 test-triton: $(STAMP)
 	OPENBLAS_CORETYPE=Prescott TRITON_INTERPRET=1 MXRL_REQUIRE_TRITON=1 \
-		$(PY) -m pytest -q -p no:cacheprovider -m triton
+		$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --dist worksteal -m triton
 
 # On a CUDA machine: the GPU tier (kernels, device invariance of the reference).
 test-gpu: $(STAMP)

@@ -5,6 +5,10 @@ tests again under every other CPU capability, and the `triton` tier in its own p
 TRITON_INTERPRET=1 set before anything imports triton. That process also sets
 MXRL_REQUIRE_TRITON=1, under which a `triton` test that skips on a machine without CUDA is a
 failure: the tier proves the kernels' byte-exactness in CI, so it may not silently not run.
+
+Each part runs on pytest-xdist workers (`make test XDIST=-n0` runs one process); a worker takes
+its share of the cores for torch's intra-op threads, so two workers on two cores do not wait on
+each other's threads.
 """
 
 import os
@@ -14,6 +18,10 @@ import torch
 from hypothesis import settings
 
 REQUIRE_TRITON = os.environ.get("MXRL_REQUIRE_TRITON", "0") == "1"
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER is not None:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _workers))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,8 +44,6 @@ def _tier_must_run(item) -> bool:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.passed and report.when == "call" and _tier_must_run(item):
-        _TIER_PASSED.append(item.nodeid)
     if report.skipped and "gpu" not in item.keywords and _tier_must_run(item):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
@@ -45,6 +51,13 @@ def pytest_runtest_makereport(item, call):
             f"MXRL_REQUIRE_TRITON=1: this Triton-tier test skipped ({reason}); the tier must run "
             "here: install triton (make does) and set TRITON_INTERPRET=1 before triton is imported"
         )
+
+
+def pytest_runtest_logreport(report):
+    # on the controller under xdist (the workers send their reports there), and in one process
+    tier = REQUIRE_TRITON and "triton" in report.keywords and not torch.cuda.is_available()
+    if report.passed and report.when == "call" and tier:
+        _TIER_PASSED.append(report.nodeid)
 
 
 def pytest_collectreport(report):
@@ -55,6 +68,8 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if XDIST_WORKER is not None:  # the controller counts every worker's tests
+        return
     if REQUIRE_TRITON and not torch.cuda.is_available() and not _TIER_PASSED:
         print("\nMXRL_REQUIRE_TRITON=1 but no Triton-tier test ran: select them with -m triton")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
