@@ -40,7 +40,6 @@ MAX_FUNCTION_LINES = 80
 
 # (importer, imported module): imports of a later room.
 UPWARD_BASELINE = {
-    ("mxrl.kernels.rowwise", "mxrl.models.layers"),
     ("mxrl.kernels.triton_digest", "mxrl.weights.digest"),
 }
 
