@@ -50,10 +50,10 @@ PRIVATE_BASELINE = {
     ("mxrl.kernels.api", "mxrl.formats.api", "_parse_format"),
     ("mxrl.kernels.api", "mxrl.formats.api", "_raise_if_not_finite"),
     ("mxrl.kernels.api", "mxrl.formats.nvfp4", "_caller_amax"),
+    # rl/loop.py and rl/distributed.py are being rewritten into one trainer (plan commits 19-21),
+    # which renames these
     ("mxrl.rl.distributed", "mxrl.rl.loop", "_seed"),
     ("mxrl.rl.distributed", "mxrl.rl.stability", "_group_of"),
-    ("mxrl.runs.report", "mxrl.runs.summary", "_spikes"),
-    ("mxrl.runs.report", "mxrl.runs.summary", "_syncs"),
 }
 
 # Files over MAX_FILE_LINES, relative to mxrl/ (by path, not by length: a listed file may change).
