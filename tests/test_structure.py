@@ -46,10 +46,6 @@ CIRCLE_BASELINE: set[tuple[str, ...]] = set()
 
 # (importer, module, name): private names imported from another module of mxrl.
 PRIVATE_BASELINE = {
-    ("mxrl.kernels.api", "mxrl.formats.api", "_check_input"),
-    ("mxrl.kernels.api", "mxrl.formats.api", "_parse_format"),
-    ("mxrl.kernels.api", "mxrl.formats.api", "_raise_if_not_finite"),
-    ("mxrl.kernels.api", "mxrl.formats.nvfp4", "_caller_amax"),
     # rl/loop.py and rl/distributed.py are being rewritten into one trainer (plan commits 19-21),
     # which renames these
     ("mxrl.rl.distributed", "mxrl.rl.loop", "_seed"),
