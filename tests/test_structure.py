@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mxrl"
 ROOMS = [
     "formats",
     "runs",
+    "arch",
     "recipe",
     "kernels",
     "nn",

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxrl.arch.config import ModelConfig
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
-from mxrl.models.config import ModelConfig
 from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
 

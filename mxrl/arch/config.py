@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mxrl.recipe import load_hf_config
+from mxrl.arch.hf import load_hf_config
 
 MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2_moe")
 ARCHITECTURES = {
@@ -234,7 +234,7 @@ def _head_dim(cfg: Mapping[str, Any], hidden: int, heads: int) -> int:
     if cfg.get("head_dim"):
         return int(cfg["head_dim"])
     if cfg["model_type"] == "qwen3":
-        # transformers' Qwen3Config defaults head_dim to 128, mxrl.recipe (and the MoE configs)
+        # transformers' Qwen3Config defaults head_dim to 128, mxrl.arch.hf (and the MoE configs)
         # to hidden_size // num_attention_heads: refuse to guess between them.
         raise ValueError(
             "config.json of model_type 'qwen3' lacks 'head_dim' (transformers would assume 128, "

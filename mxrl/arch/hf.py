@@ -32,10 +32,10 @@ TensorList = list[tuple[str, tuple[int, ...]]]
 
 
 def builtin_config(name: str = "tiny-moe") -> dict[str, Any]:
-    """A built-in HF-style config.json (`mxrl/recipe/configs/{name}.json`) as a dict."""
+    """A built-in HF-style config.json (`mxrl/arch/configs/{name}.json`) as a dict."""
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"no built-in config {name!r}; built-in configs: {BUILTIN_CONFIGS}")
-    text = (resources.files("mxrl.recipe") / "configs" / f"{name}.json").read_text()
+    text = (resources.files("mxrl.arch") / "configs" / f"{name}.json").read_text()
     return json.loads(text)
 
 

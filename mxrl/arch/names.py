@@ -7,7 +7,7 @@ safetensors checkpoints):
 - qwen3_moe: router `mlp.gate.weight`; routed experts either per expert
   (`mlp.experts.{i}.{gate,up,down}_proj.weight`, as in the published Qwen3-30B-A3B checkpoint) or
   fused 3-D (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, as transformers >= 5 writes them;
-  layout in `mxrl.recipe.hf_config`).
+  layout in `mxrl.arch.hf`).
 - qwen2_moe: as qwen3_moe plus `mlp.shared_expert.*` and the 1xH `mlp.shared_expert_gate.weight`.
 - deepseek_v3: MLA attention (`q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`, `o_proj`,
   or `q_proj` when q_lora_rank is null), router weight + `e_score_correction_bias`,
