@@ -54,9 +54,10 @@ from engine_decode import (
 
 ensure_repo_on_path()
 
+from mxrl.arch import ModelConfig  # noqa: E402
 from mxrl.engine import Engine  # noqa: E402
 from mxrl.formats.constants import Format  # noqa: E402
-from mxrl.models import CausalLM, ModelConfig, build_model  # noqa: E402
+from mxrl.models import CausalLM, build_model  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 from mxrl.sync import InProcessTransport  # noqa: E402
 from mxrl.weights import (  # noqa: E402

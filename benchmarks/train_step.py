@@ -43,7 +43,8 @@ from engine_decode import (
 
 ensure_repo_on_path()
 
-from mxrl.models import ModelConfig, build_model, empty_model, save_pretrained  # noqa: E402
+from mxrl.arch import ModelConfig  # noqa: E402
+from mxrl.models import build_model, empty_model, save_pretrained  # noqa: E402
 from mxrl.nn import apply_plan, select_gemm, set_gemm, weights_changed  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 

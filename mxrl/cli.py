@@ -115,7 +115,8 @@ def _cmd_recipe_list() -> int:
 
 
 def _resolve_on(recipe: str, model: str | None, expert_layout: str):
-    from mxrl.recipe import builtin_config, resolve, tensors_from_hf_config
+    from mxrl.arch import builtin_config, tensors_from_hf_config
+    from mxrl.recipe import resolve
 
     if model is None:
         config, label = builtin_config("tiny-moe"), "built-in tiny-moe (pass --model for another)"

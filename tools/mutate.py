@@ -43,8 +43,8 @@ MODULES = {
     "formats": Module(("mxrl/formats/*.py",), ("tests/formats",)),
     "recipe": Module(
         ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
-         "mxrl/recipe/names.py", "mxrl/recipe/quantize.py", "mxrl/recipe/hf_config.py"),
-        ("tests/recipe", "tests/test_cli.py"),
+         "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),
+        ("tests/recipe", "tests/arch", "tests/test_cli.py"),
     ),
     "nn": Module(
         ("mxrl/nn/qlinear.py", "mxrl/nn/qmatmul.py", "mxrl/nn/gemm.py", "mxrl/nn/grouped.py",

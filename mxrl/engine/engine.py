@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
@@ -43,7 +44,7 @@ from mxrl.engine.sequence import Status
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend, select_backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
-from mxrl.models import CausalLM, ModelConfig
+from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve

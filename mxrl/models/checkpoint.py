@@ -2,7 +2,7 @@
 
 A checkpoint directory holds `config.json` and either one `model.safetensors` or shards
 `model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json`. Routed experts may
-be stored per expert or fused (`mxrl.models.adapter`); loading takes both, saving writes either.
+be stored per expert or fused (`mxrl.arch.experts`); loading takes both, saving writes either.
 
 Loading checks every header before reading any data (unknown, missing, duplicated keys, wrong
 shapes), then copies tensor by tensor into the parameters of a model allocated once on the target
@@ -31,8 +31,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from mxrl.models.adapter import Target, hf_tensors, target_of, units_of
-from mxrl.models.config import ModelConfig
+from mxrl.arch.config import ModelConfig
+from mxrl.arch.experts import Target, hf_tensors, target_of, units_of
 from mxrl.models.model import CausalLM, empty_model
 
 logger = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from mxrl.rl.loop import GRPOConfig, GRPOTrainer
 from mxrl.rl.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.rl.sources import TaskSource

@@ -142,7 +142,8 @@ def config_plan(cfg: TrainConfig) -> Any:
     """The recipe resolved on the model's config — its parameters' names and shapes in the
     fused expert layout mxrl's models hold, which is what the trainer resolves on — and checked
     (`strict`), before the model is built."""
-    from mxrl.recipe import builtin_config, load_hf_config, resolve, tensors_from_hf_config
+    from mxrl.arch import builtin_config, load_hf_config, tensors_from_hf_config
+    from mxrl.recipe import resolve
 
     config = builtin_config("tiny-moe") if cfg.model == BUILTIN_MODEL else cfg.model
     hf_config = load_hf_config(config)

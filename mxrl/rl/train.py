@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
+from mxrl.arch import ModelConfig, builtin_config
 from mxrl.kernels import select_backend
-from mxrl.models import ModelConfig, from_pretrained, load_tokenizer
-from mxrl.recipe import Plan, builtin_config, resolve
+from mxrl.models import from_pretrained, load_tokenizer
+from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset, encode_prompt
 from mxrl.rl.loop import GRPOTrainer

@@ -28,7 +28,7 @@ from typing import Any
 from mxrl.runs import health
 from mxrl.runs.env import utc_now
 from mxrl.runs.record import SPIKE, RunRecord
-from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, _spikes, _syncs, fmt, summarize
+from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, fmt, spikes_line, summarize, syncs_line
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +139,8 @@ _ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("loss/clip_frac, mean", lambda s: fmt(s.mean.get("loss/clip_frac"))),
     ("grad/norm, mean", lambda s: fmt(s.mean.get("grad/norm"))),
     ("grad/norm, max", lambda s: fmt(s.max.get("grad/norm"))),
-    ("gradient spikes", _spikes),
-    ("weight syncs verified", lambda s: _syncs(s, markdown=True)),
+    ("gradient spikes", spikes_line),
+    ("weight syncs verified", lambda s: syncs_line(s, markdown=True)),
     ("quantization events", lambda s: str(s.num_quantization) if s.num_quantization else DASH),
     ("min layer SQNR at last export (dB)", lambda s: fmt(s.last_min_sqnr_db)),
     ("skipped dataset rows", lambda s: str(s.num_skipped_rows)),

@@ -5,8 +5,8 @@
         for record in bucket.records:               # WeightRecord(name, value, hash)
             assert checksum(record.name, record.value) == record.hash
 
-record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes, and
-its collision argument), check.py (a record's fields and global scales against the plan),
+record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes; a field's
+levels and their collision argument are mxrl/kernels/digest.py), check.py (a record's fields and global scales against the plan),
 export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
 export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
 sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.

@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from mxrl.arch.experts import hf_location
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.kernels import Backend, select_backend
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
-from mxrl.models.adapter import hf_location
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import own_weight_amax, weight_layout, weight_quantizer_kwargs
 from mxrl.weights.digest import checksum

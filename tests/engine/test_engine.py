@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.engine.sampler import processed_logprobs
 from mxrl.formats import QTensor
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.weights import WeightRecord, export_weights
 from tests.engine import sampling_spec as spec
 from tests.numerics import assert_bytes_equal

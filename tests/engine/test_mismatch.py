@@ -12,10 +12,11 @@ import random
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
 from mxrl.nn import apply_plan
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from mxrl.rl import completion_logprobs, measure_mismatch
 from mxrl.weights import export_weights
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.rl import completion_logprobs
 from mxrl.rl.logprobs import sequence_logprobs
 from tests.models.configs import CONFIGS

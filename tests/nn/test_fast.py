@@ -16,13 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.formats import dequantize, quantize
 from mxrl.kernels import Backend
 from mxrl.models import build_model
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
 from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
 from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
 from tests.numerics import HostReads, assert_bytes_equal
 

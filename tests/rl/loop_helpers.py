@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.rl.loop import GRPOConfig, GRPOTrainer
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask

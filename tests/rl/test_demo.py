@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.rl import demo as demo_mod
 from mxrl.rl import progress as progress_mod
 from mxrl.rl.demo import RecipeResult, band_verdict, mean_and_stderr

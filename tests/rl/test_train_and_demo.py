@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mxrl.arch import builtin_config
 from mxrl.cli import main
 from mxrl.models import CharTokenizer, build_model
-from mxrl.recipe import builtin_config
 from mxrl.rl.data import PromptDataset
 from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.rewards import load_reward

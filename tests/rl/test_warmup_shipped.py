@@ -11,7 +11,7 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
-from mxrl.recipe import builtin_config
+from mxrl.arch import builtin_config
 from mxrl.rl import demo
 from mxrl.rl.warmup import SHIPPED_DIR, warmed_up_model, warmup_key
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mxrl.recipe import tensors_from_hf_config
+from mxrl.arch import tensors_from_hf_config
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 

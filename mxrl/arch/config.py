@@ -1,7 +1,8 @@
 """ModelConfig: the architecture of a Qwen3 / Qwen3-MoE / Qwen2-MoE model, read from config.json.
 
 One dataclass for the three families; the family only decides a few switches (q/k RMSNorm, which
-projections carry a bias, whether MoE layers have a shared expert). The HF dict the config was
+projections carry a bias, which layers are MoE, whether they have a shared expert): its file's
+`config_fields` and `hf_fields` (`mxrl.arch.qwen3`, `qwen3_moe`, `qwen2_moe`). The HF dict the config was
 read from is kept verbatim in `hf_config`, so `save_pretrained` writes back what it was given.
 """
 
@@ -11,16 +12,12 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mxrl.recipe import load_hf_config
+from mxrl.arch.hf import load_hf_config, required
 
-MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2_moe")
-ARCHITECTURES = {
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-}
+if TYPE_CHECKING:
+    from mxrl.arch.family import Family
 # transformers' default when neither rope_theta nor rope_parameters is given.
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -54,10 +51,11 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
+        built = _built_families()
+        if self.model_type not in built:
             raise ValueError(
                 f"model_type: {self.model_type!r} is not supported by mxrl.models; supported: "
-                f"{', '.join(MODEL_TYPES)}"
+                f"{', '.join(built)}"
             )
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             _positive(name, getattr(self, name))
@@ -133,18 +131,19 @@ class ModelConfig:
         """
         cfg = load_hf_config(config)
         model_type = cfg.get("model_type")
-        if model_type not in MODEL_TYPES:
+        built = _built_families()
+        if model_type not in built:
             raise ValueError(
                 f"model_type: {model_type!r} is not supported by mxrl.models; supported: "
-                f"{', '.join(MODEL_TYPES)} (set model_type in config.json)"
+                f"{', '.join(built)} (set model_type in config.json)"
             )
         _check_unsupported(cfg)
-        hidden = int(_req(cfg, "hidden_size"))
-        heads = int(_req(cfg, "num_attention_heads"))
-        num_layers = int(_req(cfg, "num_hidden_layers"))
+        hidden = int(required(cfg, "hidden_size"))
+        heads = int(required(cfg, "num_attention_heads"))
+        num_layers = int(required(cfg, "num_hidden_layers"))
         kw: dict[str, Any] = {
             "model_type": model_type,
-            "vocab_size": int(_req(cfg, "vocab_size")),
+            "vocab_size": int(required(cfg, "vocab_size")),
             "hidden_size": hidden,
             "num_hidden_layers": num_layers,
             "num_attention_heads": heads,
@@ -156,43 +155,16 @@ class ModelConfig:
             "initializer_range": float(cfg.get("initializer_range", 0.02)),
             "hf_config": dict(cfg),
         }
-        if model_type == "qwen2_moe":
-            kw.update(qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False, qk_norm=False)
-        else:
-            bias = bool(cfg.get("attention_bias", False))
-            kw.update(qkv_bias=bias, o_bias=bias, qk_norm=True)
-        moe_layers: tuple[int, ...] = ()
-        if model_type != "qwen3":
-            num_experts = int(_req(cfg, "num_experts", alias="num_local_experts"))
-            step = int(cfg.get("decoder_sparse_step") or 1)
-            dense = set(cfg.get("mlp_only_layers") or [])
-            # transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer rule.
-            moe_layers = tuple(
-                i
-                for i in range(num_layers)
-                if i not in dense and num_experts > 0 and (i + 1) % step == 0
-            )
-            if moe_layers:
-                kw.update(
-                    num_experts=num_experts,
-                    num_experts_per_tok=int(_req(cfg, "num_experts_per_tok")),
-                    moe_intermediate_size=int(_req(cfg, "moe_intermediate_size")),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                )
-                if model_type == "qwen2_moe":
-                    shared = int(_req(cfg, "shared_expert_intermediate_size"))
-                else:  # a qwen3_moe config may add one (the built-in tiny model does)
-                    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-                kw["shared_expert_intermediate_size"] = shared
-        kw["moe_layers"] = moe_layers
+        kw.update(built[model_type].config_fields(cfg, num_layers))
+        moe_layers = kw.setdefault("moe_layers", ())
         if len(moe_layers) < num_layers:
-            kw["intermediate_size"] = int(_req(cfg, "intermediate_size"))
+            kw["intermediate_size"] = int(required(cfg, "intermediate_size"))
         return cls(**kw)
 
     def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
         """The HF config dict to write next to the weights (`dtype` sets torch_dtype/dtype)."""
         out = dict(self.hf_config) if self.hf_config else self._synthesize_hf()
-        out.setdefault("architectures", [ARCHITECTURES[self.model_type]])
+        out.setdefault("architectures", [_built_families()[self.model_type].architecture])
         if dtype is not None:
             # transformers < 5 reads torch_dtype, >= 5 writes and reads dtype.
             out["torch_dtype"] = out["dtype"] = dtype
@@ -203,15 +175,15 @@ class ModelConfig:
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
         }
-        if self.model_type == "qwen2_moe":
-            out["qkv_bias"] = self.qkv_bias
-        else:
-            out["attention_bias"] = self.qkv_bias
-        if self.model_type != "qwen3":
-            out["mlp_only_layers"] = [
-                i for i in range(self.num_hidden_layers) if i not in self.moe_layers
-            ]
+        out.update(_built_families()[self.model_type].hf_fields(self))
         return out
+
+
+def _built_families() -> dict[str, Family]:
+    """The registered families `mxrl.models` builds (an HF architecture), by model_type."""
+    from mxrl.arch import FAMILIES  # the registry imports the family files, which import this one
+
+    return {f.model_type: f for f in FAMILIES if f.architecture is not None}
 
 
 def _positive(name: str, value: int, why: str = "") -> None:
@@ -219,22 +191,11 @@ def _positive(name: str, value: int, why: str = "") -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r} {why}".rstrip())
 
 
-def _req(cfg: Mapping[str, Any], key: str, alias: str | None = None) -> Any:
-    if cfg.get(key) is not None:
-        return cfg[key]
-    if alias is not None and cfg.get(alias) is not None:
-        return cfg[alias]
-    raise ValueError(
-        f"config.json of model_type {cfg.get('model_type')!r} lacks {key!r}; add it (copy it "
-        "from the model's published config.json)"
-    )
-
-
 def _head_dim(cfg: Mapping[str, Any], hidden: int, heads: int) -> int:
     if cfg.get("head_dim"):
         return int(cfg["head_dim"])
     if cfg["model_type"] == "qwen3":
-        # transformers' Qwen3Config defaults head_dim to 128, mxrl.recipe (and the MoE configs)
+        # transformers' Qwen3Config defaults head_dim to 128, mxrl.arch.hf (and the MoE configs)
         # to hidden_size // num_attention_heads: refuse to guess between them.
         raise ValueError(
             "config.json of model_type 'qwen3' lacks 'head_dim' (transformers would assume 128, "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mxrl.recipe import EXPERT_LAYOUTS
+from mxrl.arch.hf import EXPERT_LAYOUTS
 
 _PER_EXPERT_RE = re.compile(
     r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight"

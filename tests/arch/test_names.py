@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mxrl.recipe import Kind, classify, classify_tensors, is_matmul_weight
-from mxrl.recipe.names import gate_up_group
+from mxrl.arch import Kind, classify, classify_tensors, is_matmul_weight
+from mxrl.arch.names import gate_up_group
 
 L = "model.layers.7."
 

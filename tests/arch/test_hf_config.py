@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mxrl.recipe import builtin_config, classify_tensors, tensors_from_hf_config
-from tests.recipe.hf_configs import DEEPSEEK_V3_SMALL, QWEN2_MOE_A2_7B, QWEN3_0_6B, QWEN3_30B_A3B
+from mxrl.arch import builtin_config, classify_tensors, tensors_from_hf_config
+from tests.arch.hf_configs import DEEPSEEK_V3_SMALL, QWEN2_MOE_A2_7B, QWEN3_0_6B, QWEN3_30B_A3B
 
 
 def _shapes(config, layout="per_expert"):
@@ -164,7 +164,7 @@ def test_config_errors(tmp_path):
 
 def test_transformers_5_spelling_num_local_experts():
     """transformers >= 5 writes `num_local_experts` where published configs say `num_experts`."""
-    from mxrl.recipe import builtin_config
+    from mxrl.arch import builtin_config
 
     cfg = builtin_config("tiny-moe")
     renamed = {**{k: v for k, v in cfg.items() if k != "num_experts"}, "num_local_experts": 8}
