@@ -26,7 +26,8 @@ import torch
 from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
 from mxrl.recipe import builtin_config, resolve
-from mxrl.rl.loop import GRPOConfig, GRPOTrainer
+from mxrl.rl.config import GRPOConfig
+from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask

@@ -47,16 +47,11 @@ from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.loop import (
-    CHECKPOINT_DIR,
-    Progress,
-    _seed,
-    apply_optimizer_settings,
-    engine_digest,
-    step_metrics,
-)
+from mxrl.rl.loop import _seed
+from mxrl.rl.metrics import Progress, engine_digest, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.optim import adamw
+from mxrl.rl.resume import CHECKPOINT_DIR, apply_optimizer_settings
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, _group_of, top_growth
 from mxrl.runs import FINISHED, RunRecord

@@ -11,11 +11,9 @@ weights, optimizer, data stream, spike detector, the global RNGs and the engine'
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -23,16 +21,17 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import Completion, Engine, SamplingParams
+from mxrl.engine import Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
+from mxrl.rl.metrics import Progress, engine_digest, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.optim import adamw
-from mxrl.rl.resume import CHECKPOINT_DIR, latest_checkpoint  # noqa: F401 - re-exported
+from mxrl.rl.resume import CHECKPOINT_DIR, apply_optimizer_settings
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -284,89 +283,6 @@ class GRPOTrainer:
             torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-def apply_optimizer_settings(opt: Any, cfg: GRPOConfig) -> None:
-    """lr, betas and weight decay of `cfg` into every param group of an AdamW: after
-    `load_state_dict`, which restores the checkpoint's, so a resume trains with the config's."""
-    for group in opt.param_groups:
-        group["lr"], group["betas"], group["weight_decay"] = cfg.lr, cfg.betas, cfg.weight_decay
-
-
-def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
-    """sha256 over the (name, content hash) pairs of the weights an engine holds (its verified
-    `Engine.hashes`), in name order: two engines serve the same bytes exactly when their digests
-    are equal (`sync_verified` events carry it, so two runs can be compared step by step)."""
-    h = hashlib.sha256()
-    for name, content in sorted(hashes):
-        h.update(f"{name}\0{content}\n".encode())
-    return h.hexdigest()
-
-
 def _seed(seed: int, step: int, index: int) -> int:
     """A per-request sampling seed that depends only on (run seed, step, request index)."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
-
-
-def step_metrics(
-    outs: Sequence[Completion],
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    mismatch: dict[str, float],
-    stats: dict[str, float],
-    grad_norm: float,
-    decision: dict[str, float],
-    times: tuple[float, float, float],
-    elapsed: float,
-    version: int,
-) -> dict[str, float]:
-    """The metrics of one GRPO step (docs/runs.md), the single-process and the distributed
-    trainer alike. times: (rollout, train, sync) seconds; elapsed: the whole step's."""
-    metrics = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "accuracy": float((rewards > 0.5).float().mean()),
-        "response_len/mean": float(mask.sum(-1).mean()),
-        **mismatch,
-        "loss/clip_frac": stats["loss/clip_frac"],
-        "loss/pg": stats["loss/pg"],
-        "grad/norm": grad_norm,
-        **decision,
-        "time/rollout_s": times[0],
-        "time/train_s": times[1],
-        "time/sync_s": times[2],
-        "throughput/tokens_per_s": sum(len(o.tokens) + len(o.prompt) for o in outs) / elapsed,
-        "sync/version": float(version),
-    }
-    for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
-        if key in stats:
-            metrics[key] = stats[key]
-    return metrics
-
-
-class Progress:
-    """One line per GRPO step on the `mxrl.rl.loop` logger (the single-process and the
-    distributed trainer alike): step/total, reward, accuracy, mismatch, gradient norm, the
-    step's time and an ETA from the mean step time of this process so far."""
-
-    def __init__(self, start_step: int, steps: int) -> None:
-        self.start_step, self.steps = start_step, steps
-        self.t0 = time.perf_counter()
-
-    def log(self, step: int, m: dict[str, float]) -> None:
-        done = step - self.start_step
-        mean = (time.perf_counter() - self.t0) / max(done, 1)
-        logger.info(
-            "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs) ETA %s",
-            step, self.steps, m["reward/mean"], m["accuracy"], m["mismatch/k3"], m["grad/norm"],
-            m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
-            format_eta(mean * (self.steps - step)),
-        )  # fmt: skip
-
-
-def format_eta(seconds: float) -> str:
-    """`45s`, `3m05s`, `2h07m`: the time left, rounded to whole seconds (minutes past 1 h)."""
-    s = max(0, round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from mxrl.models import build_model
 from mxrl.recipe import builtin_config
-from mxrl.rl.loop import GRPOConfig, GRPOTrainer
+from mxrl.rl.config import GRPOConfig
+from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask
 from mxrl.runs import RunRecord
