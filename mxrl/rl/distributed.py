@@ -1,4 +1,4 @@
-"""The GRPO loop of `mxrl.rl.loop`, on several processes (docs/scale.md): `torchrun ... mxrl train`
+"""The GRPO loop of `mxrl.rl.trainer`, on several processes (docs/scale.md): `torchrun ... mxrl train`
 with a `placement` section.
 
 One step, every rank in lockstep:
@@ -47,13 +47,13 @@ from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.loop import _seed
 from mxrl.rl.metrics import Progress, engine_digest, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.optim import adamw
 from mxrl.rl.resume import CHECKPOINT_DIR, apply_optimizer_settings
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, _group_of, top_growth
+from mxrl.rl.trainer import _seed
 from mxrl.runs import FINISHED, RunRecord
 from mxrl.sync import DistributedReceiver, DistributedSender, InProcessTransport
 

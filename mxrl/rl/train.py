@@ -48,12 +48,12 @@ from mxrl.models import ModelConfig, from_pretrained, load_tokenizer
 from mxrl.recipe import Plan, builtin_config, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset, encode_prompt
-from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.preflight import Checked, preflight, read_dataset
 from mxrl.rl.resume import ResumePoint
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource, TaskSource
 from mxrl.rl.task import ArithmeticTask
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord
 
