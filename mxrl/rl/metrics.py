@@ -62,8 +62,8 @@ def step_metrics(
 
 
 class Progress:
-    """One line per GRPO step on the `mxrl.rl.metrics` logger (the single-process and the
-    distributed trainer alike): step/total, reward, accuracy, mismatch, gradient norm, the
+    """One line per GRPO step on the `mxrl.rl.metrics` logger (on every placement,
+    by the rank that writes the record): step/total, reward, accuracy, mismatch, gradient norm, the
     step's time and an ETA from the mean step time of this process so far."""
 
     def __init__(self, start_step: int, steps: int) -> None:

@@ -145,7 +145,7 @@ def layer_grad_norms(model: torch.nn.Module, ranks: Any = None) -> dict[str, flo
         # a DTensor (FSDP2) gives this rank's shard; duck-typed, so that one process does not
         # import torch.distributed.tensor (seconds at start-up)
         g = g.to_local() if hasattr(g, "to_local") else g
-        groups.setdefault(_group_of(name), []).append(g.float().pow(2).sum())
+        groups.setdefault(layer_group(name), []).append(g.float().pow(2).sum())
     if not groups:
         return {}
     names = list(groups)  # parameter order: the same on every rank (FSDP2 grads all or none)
@@ -157,7 +157,8 @@ def layer_grad_norms(model: torch.nn.Module, ranks: Any = None) -> dict[str, flo
     return {n: math.sqrt(v) for n, v in zip(names, sq.tolist(), strict=True)}
 
 
-def _group_of(name: str) -> str:
+def layer_group(name: str) -> str:
+    """The group of `layer_grad_norms` a parameter name falls in."""
     hit = _LAYER.search(name)
     if hit:
         return f"layer.{int(hit.group(1))}"

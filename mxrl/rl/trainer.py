@@ -8,7 +8,13 @@ One trainer for every placement. What differs sits behind two seams: the actor
 rollout (`mxrl.rl.rollout`: where rollouts run, how weights reach them). The step is written
 once, in its distributed form; on one process every collective of `OneRank` is an identity, so
 it computes the values of the single-process loop to the bit (tests/rl/test_loop.py's golden
-run).
+run). On a placement (`torchrun ... mxrl train` with a `placement` section, docs/scale.md) every
+rank runs the same step in lockstep: each rollout rank generates its share of the prompt groups,
+each train rank computes the loss of its share on its FSDP2 shard (with more than one, the
+batch's token count is the denominator and the loss is scaled by the number of train ranks, so
+FSDP2's averaged gradient is the whole batch's: DAPO token-mean), the norms are global, and
+rank 0 writes the record: the step's times the slowest rank's, plus each rank's own
+(`time/rank{r}/...`), the sync events with the engine digest every serving rank agreed on.
 
 Every step appends one line of metrics to the run record and its events (quantization, sync
 with the engine's digest, spikes); checkpoints hold everything a resumed run, in a fresh process,
@@ -24,7 +30,7 @@ import random
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -32,33 +38,46 @@ from torch.nn.utils.rnn import pad_sequence
 from mxrl.engine import Completion, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan, resolve
-from mxrl.rl.actor import Actor, LocalActor
+from mxrl.rl.actor import Actor, LocalActor, ShardedActor, TrainRanks
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.metrics import Progress, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resume import CHECKPOINT_DIR
-from mxrl.rl.rollout import LocalRollout, Rollout
+from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout
 from mxrl.rl.sources import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
+
+if TYPE_CHECKING:
+    from mxrl.parallel import Layout
+
+# mxrl.parallel is imported where a placement uses it (rl/actor.py says why)
 
 logger = logging.getLogger(__name__)
 
 
 class GRPOTrainer:
     """The GRPO loop over an actor and a rollout. `record`: the run record (None on a rank that
-    does not write it). Attributes callers read: `model`, `opt` (None on a rank that does not
-    train), `engine` (None on a rank that does not serve), `spikes`, `record`, `plan`, `step`."""
+    does not write it); `layout`: this process's place in a placement (None: one process).
+    Attributes callers read: `model`, `opt` (None on a rank that does not train), `engine`
+    (None on a rank that does not serve), `spikes`, `record`, `plan`, `step`."""
 
     def __init__(
-        self, cfg: GRPOConfig, model: CausalLM, source: PromptSource, record: RunRecord | None
+        self,
+        cfg: GRPOConfig,
+        model: CausalLM,
+        source: PromptSource,
+        record: RunRecord | None,
+        *,
+        layout: Layout | None = None,
     ) -> None:
-        self.cfg, self.source, self.record = cfg, source, record
+        self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
+        if layout is not None:
+            _check_layout(cfg, layout)
         self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-        self.actor: Actor | None = LocalActor(cfg, model, self.plan)
-        self.rollout: Rollout = LocalRollout(cfg, model, self.plan)
+        self.actor, self.rollout = _seams(cfg, model, self.plan, layout)
         self.model = self.actor.model if self.actor is not None else None
         self.opt = self.actor.optimizer if self.actor is not None else None
         self.engine = self.rollout.engine
@@ -92,7 +111,7 @@ class GRPOTrainer:
         prompts = [p for p in batch.prompts for _ in range(n)]
         labels = [lab for lab in batch.labels for _ in range(n)]
         params = [self._sampling(step, i) for i in range(len(prompts))]
-        outs = self.rollout.generate(prompts, params)
+        outs = self.rollout.generate(prompts, params, n)
         t_rollout = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -137,7 +156,7 @@ class GRPOTrainer:
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=self.source.stop_token_ids,
-            seed=_seed(cfg.seed, step, index),
+            seed=request_seed(cfg.seed, step, index),
         )
 
     def _train(
@@ -173,7 +192,11 @@ class GRPOTrainer:
             logp, old, adv[idx].to(logp.device), m.to(logp.device),
             eps_low=cfg.eps_low, eps_high=cfg.eps_high, rollout_logp=rollout,
             correction=cfg.correction, tis_cap=cfg.tis_cap,
+            denominator=None if ranks.size == 1 else float(mask.sum()),
         )  # fmt: skip
+        if ranks.size > 1:  # FSDP2 averages the ranks' gradients: undone, the batch's sum
+            loss = loss * ranks.size
+            stats = _token_weighted(stats, float(m.sum()), ranks)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(actor.model.parameters(), cfg.grad_clip)
         grad_norm = float(ranks.full(norm))
@@ -202,13 +225,19 @@ class GRPOTrainer:
             for r, (tr, tt, ts) in enumerate(times):
                 metrics |= {f"time/rank{r}/rollout_s": tr, f"time/rank{r}/train_s": tt,
                             f"time/rank{r}/sync_s": ts}  # fmt: skip
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        # held-out evaluation runs on one process (a placement ignores eval_every for now)
+        evaluating = cfg.eval_every and self.layout is None
+        if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             metrics["eval/accuracy"] = self.evaluate()
         return metrics
 
     def _everyone(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, by rank (this one's alone on one process)."""
-        return [obj]
+        if self.layout is None:
+            return [obj]
+        from mxrl.parallel.rollout import gather_objects
+
+        return gather_objects(obj)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -219,7 +248,7 @@ class GRPOTrainer:
             temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
             stop_token_ids=self.source.stop_token_ids,
         )  # fmt: skip
-        outs = self.rollout.generate(batch.prompts, params)
+        outs = self.rollout.generate(batch.prompts, [params] * len(batch.prompts))
         hits = [
             self.source.reward(o.tokens, lab) for o, lab in zip(outs, batch.labels, strict=True)
         ]
@@ -244,7 +273,8 @@ class GRPOTrainer:
             return history
         progress = Progress(self.step, self.cfg.steps)
         with self.record.guard(lambda: self.step):
-            if self.cfg.eval_every and self.step == 0:  # the starting policy, as step 0
+            starting = self.cfg.eval_every and self.step == 0 and self.layout is None
+            if starting:  # the starting policy, as step 0
                 self.record.log_metrics(0, {"eval/accuracy": self.evaluate()})
             while self.step < self.cfg.steps:
                 m = self.train_step()
@@ -317,9 +347,45 @@ class GRPOTrainer:
         return self.step
 
     def _read_state(self, path: Path) -> dict[str, Any]:
+        """The trainer state of a checkpoint: a `.pt` file on one process; a DCP folder's rank-0
+        state under a placement (every rank reads it: a shared file system)."""
+        if self.layout is not None:
+            from mxrl.parallel import checkpoint as dcp_checkpoint
+
+            return dcp_checkpoint.trainer_state(path)
         return torch.load(path, map_location=self.cfg.device, weights_only=False)
 
 
-def _seed(seed: int, step: int, index: int) -> int:
+def _check_layout(cfg: GRPOConfig, layout: Layout) -> None:
+    ranks = max(len(layout.train_ranks), len(layout.rollout_ranks))
+    if cfg.prompts_per_step < ranks:
+        raise ValueError(
+            f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
+            f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
+            "every rank needs at least one prompt group"
+        )
+
+
+def _seams(
+    cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout | None
+) -> tuple[Actor | None, Rollout]:
+    """The actor (None on a rank that does not train) and the rollout of this process."""
+    if layout is None:
+        actor = LocalActor(cfg, model, plan)  # the engine is built from the model it prepared
+        return actor, LocalRollout(cfg, model, plan)
+    rollout = RankRollout(cfg, model, plan, layout)  # from the whole master, before sharding
+    return (ShardedActor(cfg, model, plan, layout) if layout.trains else None), rollout
+
+
+def _token_weighted(stats: dict[str, float], tokens: float, ranks: TrainRanks) -> dict[str, float]:
+    """Each train rank's stats, averaged over the ranks weighted by its tokens (the batch's)."""
+    keys = sorted(k for k, v in stats.items() if isinstance(v, float))
+    t = torch.tensor([stats[k] * tokens for k in keys] + [tokens], dtype=torch.float64)
+    t = ranks.sum(t)
+    total = float(t[-1]) or 1.0
+    return {**stats, **{k: float(v) / total for k, v in zip(keys, t[:-1].tolist(), strict=True)}}
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
     """A per-request sampling seed that depends only on (run seed, step, request index)."""
     return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)
