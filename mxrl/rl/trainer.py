@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,8 +75,6 @@ class GRPOTrainer:
         layout: Layout | None = None,
     ) -> None:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
-        if layout is not None:
-            _check_layout(cfg, layout)
         self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
         self.actor, self.rollout = _seams(cfg, model, self.plan, layout)
         self.model = self.actor.model if self.actor is not None else None
@@ -130,6 +129,7 @@ class GRPOTrainer:
         served, agreed = self.rollout.digest()
         t_sync = time.perf_counter() - t2
         times = self._everyone((t_rollout, t_train, t_sync))
+        held_out = self._held_out(step)
         metrics = None
         if self.record is not None:
             assert train is not None and report is not None
@@ -139,7 +139,9 @@ class GRPOTrainer:
                 step, report.version, self.plan.hash(), ok and agreed,
                 engine_digest=served, deep=deep,
             )  # fmt: skip
-            metrics = self._metrics(step, outs, rewards, mask, train, times, t0, report.version)
+            metrics = self._metrics(outs, rewards, mask, train, times, t0, report.version)
+            if held_out is not None:
+                metrics["eval/accuracy"] = held_out
             self.record.log_metrics(step, metrics)
         self.step = step
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -212,10 +214,9 @@ class GRPOTrainer:
         return {"mismatch": mm, "stats": stats, "grad_norm": grad_norm,
                 "decision": decision.as_dict()}  # fmt: skip
 
-    def _metrics(self, step, outs, rewards, mask, train, times, t0, version) -> dict[str, float]:
+    def _metrics(self, outs, rewards, mask, train, times, t0, version) -> dict[str, float]:
         """The step's metrics: its times the slowest rank's (the step waits for it), and each
-        rank's own when there is more than one; held-out accuracy on its steps."""
-        cfg = self.cfg
+        rank's own when there is more than one."""
         slowest = tuple(max(t[i] for t in times) for i in range(3))
         metrics = step_metrics(
             outs, rewards, mask, train["mismatch"], train["stats"], train["grad_norm"],
@@ -225,11 +226,15 @@ class GRPOTrainer:
             for r, (tr, tt, ts) in enumerate(times):
                 metrics |= {f"time/rank{r}/rollout_s": tr, f"time/rank{r}/train_s": tt,
                             f"time/rank{r}/sync_s": ts}  # fmt: skip
-        # held-out evaluation runs on one process (a placement ignores eval_every for now)
-        evaluating = cfg.eval_every and self.layout is None
-        if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
-            metrics["eval/accuracy"] = self.evaluate()
         return metrics
+
+    def _held_out(self, step: int) -> float | None:
+        """Held-out accuracy after every `eval_every`-th step and after the last (every rank:
+        the serving ranks share the eval set)."""
+        every = self.cfg.eval_every
+        if every and (step % every == 0 or step == self.cfg.steps):
+            return self.evaluate()
+        return None
 
     def _everyone(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, by rank (this one's alone on one process)."""
@@ -241,8 +246,9 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Held-out accuracy of the policy the engine serves now: greedy decoding of the
-        source's fixed eval set (never trained on), mean reward."""
+        """Held-out accuracy of the policy the engines serve now: greedy decoding of the
+        source's fixed eval set (never trained on), mean reward. Every rank: each serving rank
+        decodes its share of the set, and every rank gets every completion."""
         batch = self.source.eval_batch()
         params = SamplingParams(
             temperature=0.0, max_new_tokens=self.cfg.max_new_tokens,
@@ -264,24 +270,23 @@ class GRPOTrainer:
         return self.rollout.holds(fresh)
 
     def run(self) -> list[dict[str, float]]:
-        """Train to `cfg.steps`; the record ends finished, failed (the exception, then raised
-        again) or interrupted (Ctrl-C, SIGTERM): `RunRecord.guard`."""
+        """Train to `cfg.steps` (every rank); the metrics where the record is written. The record
+        ends finished, failed (the exception, then raised again) or interrupted (Ctrl-C,
+        SIGTERM): `RunRecord.guard`."""
         history: list[dict[str, float]] = []
-        if self.record is None:  # a rank that does not write: its part of every step
-            while self.step < self.cfg.steps:
-                self.train_step()
-            return history
         progress = Progress(self.step, self.cfg.steps)
-        with self.record.guard(lambda: self.step):
-            starting = self.cfg.eval_every and self.step == 0 and self.layout is None
-            if starting:  # the starting policy, as step 0
-                self.record.log_metrics(0, {"eval/accuracy": self.evaluate()})
+        with self.record.guard(lambda: self.step) if self.record is not None else nullcontext():
+            if self.cfg.eval_every and self.step == 0:  # the starting policy, as step 0
+                accuracy = self.evaluate()
+                if self.record is not None:
+                    self.record.log_metrics(0, {"eval/accuracy": accuracy})
             while self.step < self.cfg.steps:
                 m = self.train_step()
-                assert m is not None
-                history.append(m)
-                progress.log(self.step, m)
-            self.record.finish(self.step, status=FINISHED)
+                if m is not None:
+                    history.append(m)
+                    progress.log(self.step, m)
+            if self.record is not None:
+                self.record.finish(self.step, status=FINISHED)
         return history
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -356,16 +361,6 @@ class GRPOTrainer:
         return torch.load(path, map_location=self.cfg.device, weights_only=False)
 
 
-def _check_layout(cfg: GRPOConfig, layout: Layout) -> None:
-    ranks = max(len(layout.train_ranks), len(layout.rollout_ranks))
-    if cfg.prompts_per_step < ranks:
-        raise ValueError(
-            f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
-            f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
-            "every rank needs at least one prompt group"
-        )
-
-
 def _seams(
     cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout | None
 ) -> tuple[Actor | None, Rollout]:
@@ -373,6 +368,12 @@ def _seams(
     if layout is None:
         actor = LocalActor(cfg, model, plan)  # the engine is built from the model it prepared
         return actor, LocalRollout(cfg, model, plan)
+    if cfg.prompts_per_step < max(len(layout.train_ranks), len(layout.rollout_ranks)):
+        raise ValueError(
+            f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
+            f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
+            "every rank needs at least one prompt group"
+        )
     rollout = RankRollout(cfg, model, plan, layout)  # from the whole master, before sharding
     return (ShardedActor(cfg, model, plan, layout) if layout.trains else None), rollout
 
