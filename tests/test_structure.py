@@ -46,12 +46,7 @@ UPWARD_BASELINE: set[tuple[str, str]] = set()
 CIRCLE_BASELINE: set[tuple[str, ...]] = set()
 
 # (importer, module, name): private names imported from another module of mxrl.
-PRIVATE_BASELINE = {
-    # rl/loop.py and rl/distributed.py are being rewritten into one trainer (plan commits 19-21),
-    # which renames these
-    ("mxrl.rl.distributed", "mxrl.rl.loop", "_seed"),
-    ("mxrl.rl.distributed", "mxrl.rl.stability", "_group_of"),
-}
+PRIVATE_BASELINE: set[tuple[str, str, str]] = set()
 
 # Files over MAX_FILE_LINES, relative to mxrl/ (by path, not by length: a listed file may change).
 LONG_FILE_BASELINE = {
@@ -60,7 +55,6 @@ LONG_FILE_BASELINE = {
     "models/checkpoint.py",
     "recipe/plan.py",
     "rl/demo.py",
-    "rl/distributed.py",
     "runs/record.py",
     "runs/report.py",
     "runs/summary.py",

@@ -8,7 +8,7 @@
       rng_rank{r}.pt                 each train rank's RNG states
 
 Written into `step_NNNNNN.tmp/` and renamed by rank 0 once every train rank has finished, so a
-run killed at any moment leaves only whole checkpoints (as `mxrl.rl.loop` does for one file).
+run killed at any moment leaves only whole checkpoints (as `mxrl.rl.actor.LocalActor` does for one file).
 Loading reads the shards into the model and optimizer as they are sharded now (DCP reshards if
 the number of train ranks changed; the optimizer's moments follow their parameters).
 """

@@ -27,10 +27,11 @@ from mxrl.arch import builtin_config
 from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
 from mxrl.recipe import resolve
-from mxrl.rl.loop import GRPOConfig, GRPOTrainer
+from mxrl.rl.config import GRPOConfig
 from mxrl.rl.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord, compare, summarize
 

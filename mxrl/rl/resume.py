@@ -192,3 +192,10 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
     return list(value) if isinstance(value, tuple) else value
+
+
+def apply_optimizer_settings(opt: Any, cfg: GRPOConfig) -> None:
+    """lr, betas and weight decay of `cfg` into every param group of an AdamW: after
+    `load_state_dict`, which restores the checkpoint's, so a resume trains with the config's."""
+    for group in opt.param_groups:
+        group["lr"], group["betas"], group["weight_decay"] = cfg.lr, cfg.betas, cfg.weight_decay

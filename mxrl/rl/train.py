@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,14 +49,17 @@ from mxrl.models import from_pretrained, load_tokenizer
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.data import PromptDataset, encode_prompt
-from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.preflight import Checked, preflight, read_dataset
 from mxrl.rl.resume import ResumePoint
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource, TaskSource
 from mxrl.rl.task import ArithmeticTask
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord
+
+if TYPE_CHECKING:
+    from mxrl.parallel import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -118,35 +121,71 @@ def _check_built(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> None:
 def run_train(config: str | Path | TrainConfig, checked: Checked | None = None) -> RunRecord | None:
     """One `mxrl train` run (a config file, or its TrainConfig; `checked`: its `preflight`, if
     the caller made it); with a `placement` section, this process's part of a torchrun job (the
-    RunRecord on rank 0, None on the other ranks)."""
+    RunRecord on rank 0, None on the other ranks). Every rank made the same checks on the same
+    files (`preflight`), so a refusal stopped every rank before the process group exists."""
     cfg = config if isinstance(config, TrainConfig) else TrainConfig.load(config)
     checked = checked if checked is not None else preflight(cfg)
-    if cfg.placement is not None:
-        return _run_distributed(cfg, checked)
+    if cfg.placement is None:
+        return _run(cfg, checked, None)
+    from mxrl.parallel import Layout  # torch.distributed: imported only for a torchrun launch
+
+    layout = Layout.init(cfg.placement, device=cfg.rl.device)
+    try:
+        record = _run(cfg, checked, layout)
+        torch.distributed.barrier()
+        return record
+    finally:
+        layout.close()
+
+
+def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord | None:
+    """This process's run: one process (`layout` None) or a rank of a placement."""
     plan, point = checked.plan, checked.resume
-    model, source = build(cfg, cfg.rl.device, checked.dataset)
+    device = cfg.rl.device if layout is None else layout.device
+    writer = layout is None or layout.is_writer
+    model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
-    backend = str(select_backend(cfg.rl.backend, cfg.rl.device))
+    backend = str(select_backend(cfg.rl.backend, device))
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
-        record = RunRecord.open(point.run_dir)
-        trainer = GRPOTrainer(cfg.rl, model, source, record)
+        record = RunRecord.open(point.run_dir) if writer else None
+        trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
-        _resume_record(record, point, backend)
+        if record is not None:
+            _resume_record(record, point, backend)
+    elif not writer:
+        trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout)
     else:
+        if layout is not None:
+            logger.info("mxrl train: %d ranks (%s)", layout.world_size, layout.placement.mode)
         record = RunRecord.create(
             cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan, backend=backend
         )
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-            trainer = GRPOTrainer(cfg.rl, model, source, record)
+            trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
             record.log_skipped_rows(
                 0, len(skipped), [f"row {s.row}: {s.reason}" for s in skipped[:5]]
             )
     trainer.run()
-    return record
+    return trainer.record
+
+
+def _build_in_turn(
+    cfg: TrainConfig, device: str | torch.device, dataset: Any, layout: Layout | None
+) -> tuple[Any, Any]:
+    """`build`; under a placement rank 0 first (a builtin model's SFT warm-up writes its cache
+    once), the others then read the cache instead of training the same warm-up concurrently."""
+    if layout is None:
+        return build(cfg, device, dataset)
+    if layout.rank != 0:
+        torch.distributed.barrier()
+    built = build(cfg, device, dataset)
+    if layout.rank == 0:
+        torch.distributed.barrier()
+    return built
 
 
 def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:
@@ -154,45 +193,3 @@ def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:
         point.step, checkpoint=point.checkpoint, backend=backend,
         config=point.config.to_dict(), changes=point.change_events(),
     )  # fmt: skip
-
-
-def _run_distributed(cfg: TrainConfig, checked: Checked) -> RunRecord | None:
-    """This rank's part of a torchrun job (mxrl/rl/distributed.py, docs/scale.md). Every rank
-    made the same checks on the same files (`preflight`), so a refusal stopped every rank
-    before the process group exists."""
-    from mxrl.parallel import Layout
-    from mxrl.rl.distributed import DistributedGRPOTrainer
-
-    plan, point = checked.plan, checked.resume
-    layout = Layout.init(cfg.placement, device=cfg.rl.device)
-    try:
-        # rank 0 builds first (a builtin model's SFT warm-up writes its cache once); the others
-        # then read the cache instead of training the same warm-up concurrently
-        if layout.rank != 0:
-            torch.distributed.barrier()
-        model, source = build(cfg, layout.device, checked.dataset)
-        if layout.rank == 0:
-            torch.distributed.barrier()
-        _check_built(cfg, model, plan)
-        backend = str(select_backend(cfg.rl.backend, layout.device))
-        record = None
-        if point is not None:
-            if layout.is_writer:
-                record = RunRecord.open(point.run_dir)
-            trainer = DistributedGRPOTrainer(cfg.rl, model, source, record, layout)
-            trainer.load_checkpoint(point.checkpoint)
-            if record is not None:
-                _resume_record(record, point, backend)
-        else:
-            if layout.is_writer:
-                logger.info("mxrl train: %d ranks (%s)", layout.world_size, cfg.placement.mode)
-                record = RunRecord.create(
-                    cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan,
-                    backend=backend,
-                )  # fmt: skip
-            trainer = DistributedGRPOTrainer(cfg.rl, model, source, record, layout)
-        trainer.run()
-        torch.distributed.barrier()
-        return record
-    finally:
-        layout.close()

@@ -15,9 +15,9 @@ from mxrl.models import build_model
 from mxrl.rl import demo as demo_mod
 from mxrl.rl import progress as progress_mod
 from mxrl.rl.demo import RecipeResult, band_verdict, mean_and_stderr
-from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.sources import TaskSource
 from mxrl.rl.task import ArithmeticTask
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.rl.warmup import sft
 from mxrl.runs import RunRecord
 from tests.rl.loop_helpers import tiny_config

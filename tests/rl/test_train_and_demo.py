@@ -13,9 +13,9 @@ from mxrl.arch import builtin_config
 from mxrl.cli import main
 from mxrl.models import CharTokenizer, build_model
 from mxrl.rl.data import PromptDataset
-from mxrl.rl.loop import GRPOTrainer
 from mxrl.rl.rewards import load_reward
 from mxrl.rl.sources import DatasetSource
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
 from tests.rl.loop_helpers import tiny_config
 
