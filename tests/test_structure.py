@@ -68,7 +68,7 @@ LONG_FUNCTION_BASELINE = {
     ("rl/grpo.py", "policy_loss"),
 }
 
-TRAINER_BASELINE = {"GRPOTrainer", "DistributedGRPOTrainer"}
+TRAINER_BASELINE = {"GRPOTrainer"}
 
 
 @dataclass(frozen=True)
