@@ -111,7 +111,7 @@ def test_recipe_show_warns_about_a_rule_that_matches_nothing(capsys, tmp_path):
 
 def test_demo_plan_only(capsys):
     """`mxrl demo --plan-only` prints the demo's NVFP4 plan of the tiny model (the full demo is
-    exercised, shrunk, in tests/rl/test_train_and_demo.py)."""
+    exercised, shrunk, in tests/app/test_train_and_demo.py)."""
     code, out, _ = run(capsys, "demo", "--plan-only")
     assert code == 0
     assert "nvfp4-dequantized" in out

@@ -33,6 +33,7 @@ ROOMS = [
     "sync",
     "parallel",
     "rl",
+    "app",
     "cli",
 ]
 
@@ -54,7 +55,7 @@ LONG_FILE_BASELINE = {
     "kernels/decode_gemm.py",
     "models/checkpoint.py",
     "recipe/plan.py",
-    "rl/demo.py",
+    "app/demo.py",
     "runs/record.py",
     "runs/report.py",
     "runs/summary.py",

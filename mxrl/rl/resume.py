@@ -54,12 +54,12 @@ class ResumePoint:
 
 
 def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> ResumePoint:
-    """Check that `cfg` (with `resume:` set, its paths checked: `mxrl.rl.preflight`) can
+    """Check that `cfg` (with `resume:` set, its paths checked: `mxrl.app.preflight`) can
     continue its run; ValueError naming what cannot, before anything is written. `plan_hash`:
     the plan this config resolves."""
     assert cfg.resume is not None
     run_dir = Path(cfg.resume)
-    assert is_run_dir(run_dir), "mxrl.rl.preflight.check_paths refuses a folder that is no run"
+    assert is_run_dir(run_dir), "mxrl.app.preflight.check_paths refuses a folder that is no run"
     ckpt, state = _load_latest(run_dir, distributed)
     step = int(state["step"])
     old = _recorded_config(run_dir, state)

@@ -47,7 +47,7 @@ from mxrl.rl.metrics import Progress, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resume import CHECKPOINT_DIR
 from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout
-from mxrl.rl.sources import PromptSource
+from mxrl.rl.source import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
 

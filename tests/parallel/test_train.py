@@ -214,7 +214,7 @@ def test_shares_are_contiguous_whole_and_in_rank_order():
 
 
 def test_train_refuses_a_torchrun_launch_without_placement(tmp_path, monkeypatch):
-    from mxrl.rl.train import run_train
+    from mxrl.app.train import run_train
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="no placement section"):

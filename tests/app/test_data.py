@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mxrl.app import PromptDataset, encode_prompt, render_prompt
 from mxrl.models.tokenizer import CharTokenizer
-from mxrl.rl import PromptDataset, encode_prompt, render_prompt
 
 
 def _write_jsonl(path, rows):
@@ -61,7 +61,7 @@ def test_malformed_rows_are_counted_and_reported(tmp_path, caplog):
         {"prompt": [], "label": "1"},  # row 9: no messages
         {"prompt": "fine", "label": 3},  # row 10
     ]
-    with caplog.at_level(logging.WARNING, logger="mxrl.rl.data"):
+    with caplog.at_level(logging.WARNING, logger="mxrl.app.data"):
         ds = PromptDataset.from_file(_write_jsonl(tmp_path / "d.jsonl", rows))
     assert [e.index for e in ds] == [0, 10] and ds[1].label == 3
     got = {s.row: s.reason for s in ds.skipped}

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxrl.app import demo as demo_mod
+from mxrl.app import progress as progress_mod
+from mxrl.app.demo import RecipeResult, band_verdict, mean_and_stderr
+from mxrl.app.sources import TaskSource
+from mxrl.app.task import ArithmeticTask
+from mxrl.app.warmup import sft
 from mxrl.arch import builtin_config
 from mxrl.models import build_model
-from mxrl.rl import demo as demo_mod
-from mxrl.rl import progress as progress_mod
-from mxrl.rl.demo import RecipeResult, band_verdict, mean_and_stderr
-from mxrl.rl.sources import TaskSource
-from mxrl.rl.task import ArithmeticTask
 from mxrl.rl.trainer import GRPOTrainer
-from mxrl.rl.warmup import sft
 from mxrl.runs import RunRecord
 from tests.rl.loop_helpers import tiny_config
 
@@ -63,7 +63,7 @@ def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch, c
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+        with caplog.at_level(logging.INFO, logger="mxrl.app.demo"):
             demo_mod.run_demo(out, recipes=("bf16", "mxfp8"), seeds=1, steps=2, workers=workers)
         # the runs' steps reach the parent's progress lines (from the workers, by a queue):
         # PROGRESS_EVERY (20) > 2 steps, so one line per run, at its last step
@@ -91,7 +91,7 @@ def test_demo_reports_each_runs_steps_as_they_go(tmp_path, monkeypatch, caplog):
     small = replace(demo_mod.demo_config("cpu"), prompts_per_step=2, samples_per_prompt=2,
                     eval_every=2)  # fmt: skip
     monkeypatch.setattr(demo_mod, "demo_config", lambda device: small)
-    with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+    with caplog.at_level(logging.INFO, logger="mxrl.app.demo"):
         demo_mod.run_demo(tmp_path / "demo", recipes=("bf16",), seeds=2, steps=3, workers=1)
     lines = [r.getMessage() for r in caplog.records if "  step " in r.getMessage()]
     heads = [ln.split("  reward ")[0] for ln in lines]
@@ -123,7 +123,7 @@ def test_progress_eta_weighs_the_remaining_steps_by_recipe_cost(caplog):
         every=2,
         clock=lambda: next(clock),
     )
-    with caplog.at_level(logging.INFO, logger="mxrl.rl.demo"):
+    with caplog.at_level(logging.INFO, logger="mxrl.app.demo"):
         p.update("bf16", 0, 0, None, 0.25)  # the step-0 evaluation: no line, not a step
         p.update("bf16", 0, 1, 0.5, None)  # no line: not a multiple of 2
         p.update("bf16", 0, 2, 0.7, None)  # at 10 s: 2 of 12 cost units done -> 50 s left

@@ -51,12 +51,12 @@ def preflight(cfg: TrainConfig) -> Checked:
 
 
 def read_dataset(cfg: TrainConfig) -> Any:
-    """The prompt dataset, read and its rows validated (`mxrl.rl.data.PromptDataset`) before
+    """The prompt dataset, read and its rows validated (`mxrl.app.data.PromptDataset`) before
     torch is imported: a file with no usable row is refused in a second, not after a model's
     load. None for the built-in task."""
     if cfg.data.source == BUILTIN_SOURCE:
         return None
-    from mxrl.rl.data import PromptDataset
+    from mxrl.app.data import PromptDataset
 
     data = cfg.data
     try:
@@ -81,7 +81,7 @@ def check_environment(cfg: TrainConfig) -> None:
     fix."""
     check_device(cfg)
     if cfg.data.source != BUILTIN_SOURCE:
-        from mxrl.rl.rewards import load_reward
+        from mxrl.app.rewards import load_reward
 
         try:
             load_reward(cfg.data.reward)

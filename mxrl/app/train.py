@@ -43,19 +43,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mxrl.app.data import PromptDataset, encode_prompt
+from mxrl.app.preflight import Checked, preflight, read_dataset
+from mxrl.app.rewards import load_reward
+from mxrl.app.sources import DatasetSource, TaskSource
+from mxrl.app.task import ArithmeticTask
+from mxrl.app.warmup import warmed_up_model
 from mxrl.arch import ModelConfig, builtin_config
 from mxrl.kernels import select_backend
 from mxrl.models import from_pretrained, load_tokenizer
 from mxrl.recipe import Plan, resolve
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
-from mxrl.rl.data import PromptDataset, encode_prompt
-from mxrl.rl.preflight import Checked, preflight, read_dataset
 from mxrl.rl.resume import ResumePoint
-from mxrl.rl.rewards import load_reward
-from mxrl.rl.sources import DatasetSource, TaskSource
-from mxrl.rl.task import ArithmeticTask
 from mxrl.rl.trainer import GRPOTrainer
-from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord
 
 if TYPE_CHECKING:

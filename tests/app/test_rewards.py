@@ -4,13 +4,7 @@ import threading
 
 import pytest
 
-from mxrl.rl import (
-    exact_match_reward,
-    integer_reward,
-    last_boxed,
-    load_reward,
-    math_reward,
-)
+from mxrl.app import exact_match_reward, integer_reward, last_boxed, load_reward, math_reward
 
 
 @pytest.mark.parametrize(
@@ -79,8 +73,8 @@ def test_exact_match_and_integer_rewards():
 def test_load_reward_by_name_and_path():
     assert load_reward("math") is math_reward
     assert load_reward("exact_match") is exact_match_reward
-    assert load_reward("mxrl.rl.rewards:exact_match_reward") is exact_match_reward
-    assert load_reward("mxrl.rl.rewards.integer_reward") is integer_reward
+    assert load_reward("mxrl.app.rewards:exact_match_reward") is exact_match_reward
+    assert load_reward("mxrl.app.rewards.integer_reward") is integer_reward
 
 
 @pytest.mark.parametrize(
@@ -88,8 +82,8 @@ def test_load_reward_by_name_and_path():
     [
         ("nonsense", "unknown reward 'nonsense'"),
         ("no_such_pkg.mod:fn", "cannot import module 'no_such_pkg.mod'"),
-        ("mxrl.rl.rewards:nope", "has no attribute 'nope'"),
-        ("mxrl.rl.rewards:BUILTIN_REWARDS", "is not callable"),
+        ("mxrl.app.rewards:nope", "has no attribute 'nope'"),
+        ("mxrl.app.rewards:BUILTIN_REWARDS", "is not callable"),
     ],
 )
 def test_load_reward_errors_name_the_path(name, match):

@@ -1,4 +1,4 @@
-"""The demo's shipped SFT warm-up (mxrl/rl/data/warmup/): it exists under the key the demo asks
+"""The demo's shipped SFT warm-up (mxrl/app/data/warmup/): it exists under the key the demo asks
 for (a change to the task, the model config, the warm-up settings or the version moves the key:
 regenerate it, see the failure message), it is what the demo loads by default, and
 `shipped=False` (`mxrl demo --local-warmup`) ignores it."""
@@ -11,9 +11,9 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from mxrl.app import demo
+from mxrl.app.warmup import SHIPPED_DIR, warmed_up_model, warmup_key
 from mxrl.arch import builtin_config
-from mxrl.rl import demo
-from mxrl.rl.warmup import SHIPPED_DIR, warmed_up_model, warmup_key
 
 CONFIG = builtin_config("tiny-moe")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from mxrl.runs import RunRecord
 
-logger = logging.getLogger("mxrl.rl.demo")
+logger = logging.getLogger("mxrl.app.demo")
 
 Job = tuple[str, int]  # (recipe, seed)
 # what a run sends per metrics row: recipe, seed, step, reward/mean, eval/accuracy (or None)

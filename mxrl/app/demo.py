@@ -23,16 +23,16 @@ from pathlib import Path
 
 import torch
 
+from mxrl.app.progress import Progress, ReportingRecord, message, run_in_workers
+from mxrl.app.sources import TaskSource
+from mxrl.app.task import ArithmeticTask
+from mxrl.app.warmup import warmed_up_model
 from mxrl.arch import builtin_config
 from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
 from mxrl.recipe import resolve
 from mxrl.rl.config import GRPOConfig
-from mxrl.rl.progress import Progress, ReportingRecord, message, run_in_workers
-from mxrl.rl.sources import TaskSource
-from mxrl.rl.task import ArithmeticTask
 from mxrl.rl.trainer import GRPOTrainer
-from mxrl.rl.warmup import warmed_up_model
 from mxrl.runs import RunRecord, compare, summarize
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def run_demo(
     each in a process of its own with one intra-op thread (default: one per CPU core this
     process may use; on a GPU the runs share it, the tiny model leaving it mostly idle).
     local_warmup: train the SFT warm-up on this machine (cached) instead of loading the shipped
-    one (mxrl.rl.warmup: the warm-up's end point depends on the processor)."""
+    one (mxrl.app.warmup: the warm-up's end point depends on the processor)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,28 +1,13 @@
 """Where the RL loop's prompts, labels and rewards come from: the embedded arithmetic task, or a
-prompt dataset file with a tokenizer and a reward function."""
+prompt dataset file with a tokenizer and a reward function (`mxrl.rl.source.PromptSource`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from mxrl.rl.data import PromptDataset, decode_tokens, encode_prompt
-from mxrl.rl.task import ArithmeticTask
-
-
-@dataclass
-class PromptBatch:
-    prompts: list[list[int]]
-    labels: list[Any]
-
-
-class PromptSource(Protocol):
-    stop_token_ids: tuple[int, ...]
-
-    def next_batch(self, n: int) -> PromptBatch: ...
-    def reward(self, tokens: list[int], label: Any) -> float: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+from mxrl.app.data import PromptDataset, decode_tokens, encode_prompt
+from mxrl.app.task import ArithmeticTask
+from mxrl.rl.source import PromptBatch
 
 
 class TaskSource:

@@ -3,13 +3,13 @@ nothing to learn from; a few hundred SFT steps bring it to partial accuracy (hea
 The result is cached under ~/.cache/mxrl (MXRL_CACHE overrides), keyed by everything it depends
 on, so `mxrl demo` pays for it once per machine.
 
-The demo's warm-up is also shipped (mxrl/rl/data/warmup/, 1.2 MB): SFT sums in an order that
+The demo's warm-up is also shipped (mxrl/app/data/warmup/, 1.2 MB): SFT sums in an order that
 depends on the processor's vectorized kernels, and 600 steps amplify it — measured, the same
 warm-up reached 0.37 held-out accuracy on the 2-core AMD CI machine and 0.46 on an H200 host's
 CPU, and the demo's RL gains depend on that start (docs/rl.md, "The demo"). With the shipped
 weights every machine starts the demo from the same policy; `shipped=False` (`mxrl demo
 --local-warmup`) trains it here instead. The shipped file is the CI machine's cached result,
-under the same key (tests/rl/test_warmup_shipped.py fails when the key moves)."""
+under the same key (tests/app/test_warmup_shipped.py fails when the key moves)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from safetensors.torch import load_file, save_file
 from torch.nn.utils.rnn import pad_sequence
 
 from mxrl import __version__
+from mxrl.app.task import ArithmeticTask
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import CausalLM, build_model
-from mxrl.rl.task import ArithmeticTask
 
 logger = logging.getLogger(__name__)
 

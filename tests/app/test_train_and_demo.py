@@ -1,5 +1,5 @@
 """`mxrl train --config` end to end, shrunk to seconds; the dataset source (the demo:
-tests/rl/test_demo.py)."""
+tests/app/test_demo.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mxrl.app.data import PromptDataset
+from mxrl.app.rewards import load_reward
+from mxrl.app.sources import DatasetSource
 from mxrl.arch import builtin_config
 from mxrl.cli import main
 from mxrl.models import CharTokenizer, build_model
-from mxrl.rl.data import PromptDataset
-from mxrl.rl.rewards import load_reward
-from mxrl.rl.sources import DatasetSource
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
 from tests.rl.loop_helpers import tiny_config
@@ -76,7 +76,7 @@ def test_dataset_source_runs_a_step(tmp_path):
 
 
 def test_train_failing_before_step_one_is_recorded_failed(tmp_path, capsys, monkeypatch):
-    import mxrl.rl.train as train_mod
+    import mxrl.app.train as train_mod
 
     class Broken(GRPOTrainer):
         def __init__(self, *args, **kwargs):

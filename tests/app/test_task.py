@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from mxrl.app import ArithmeticTask, Problem, load_reward
 from mxrl.models.tokenizer import CharTokenizer
-from mxrl.rl import ArithmeticTask, Problem, load_reward
 
 
 def test_problems_are_deterministic_given_the_seed():

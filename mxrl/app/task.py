@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mxrl.app.data import decode_tokens
+from mxrl.app.rewards import integer_reward
 from mxrl.models.tokenizer import CharTokenizer
-from mxrl.rl.data import decode_tokens
-from mxrl.rl.rewards import integer_reward
 
 _OPS: dict[str, Callable[[int, int], int]] = {
     "+": operator.add,
