@@ -62,7 +62,7 @@ MODULES = {
         ("mxrl/engine/block_manager.py",),
         ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
     ),
-    "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/checkpoint.py"),
+    "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
     "rl": Module(
         ("mxrl/rl/grpo.py", "mxrl/rl/mismatch.py", "mxrl/rl/stability.py", "mxrl/rl/logprobs.py"),

@@ -4,7 +4,7 @@ they are exported to the rollout and saved for a resume.
 - `LocalActor`: the whole model in this process; resume files `checkpoints/step_NNNNNN.pt`.
 - `ShardedActor`: a train rank of a placement (docs/scale.md): its FSDP2 shard of the model,
   exported through `mxrl.parallel.sharded_export` (the bytes of a one-process export), saved as
-  distributed checkpoints (`checkpoints/step_NNNNNN/`, `mxrl.parallel.checkpoint`).
+  distributed checkpoints (`checkpoints/step_NNNNNN/`, `mxrl.parallel.dcp`).
 
 The trainer sees the train ranks through `TrainRanks`: on one process `OneRank`, whose every
 collective is an identity, so the one step the trainer writes (in its distributed form)
@@ -82,12 +82,12 @@ class ShardedRanks:
         self.index = layout.train_ranks.index(layout.rank)
 
     def share(self, num_groups: int) -> range:
-        from mxrl.parallel.rollout import share
+        from mxrl.parallel.shares import share
 
         return share(num_groups, self.size, self.index)
 
     def gather(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
-        from mxrl.parallel.rollout import gather_in_order
+        from mxrl.parallel.shares import gather_in_order
 
         return gather_in_order(rows, self.members, group=self.group)
 
@@ -193,12 +193,12 @@ class ShardedActor:
     def save(self, folder: Path | None, step: int, state: dict[str, Any]) -> Path:
         """A DCP checkpoint in `folder` (known to train rank 0, which writes the record): the
         shards of every train rank, `state` with the placement, each rank's RNGs."""
-        from mxrl.parallel import checkpoint as dcp_checkpoint
+        from mxrl.parallel import dcp
 
         layout = self.layout
         box = [str(folder) if folder is not None else None]
         dist.broadcast_object_list(box, src=layout.train_ranks[0], group=layout.train_group)
-        return dcp_checkpoint.save(
+        return dcp.save(
             Path(box[0]), step, self.model, self.optimizer, layout.train_group,
             trainer_state={**state, "placement": asdict(layout.placement)},
             rank_state=rng_state(layout.device),
@@ -206,10 +206,10 @@ class ShardedActor:
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """This rank's shards, optimizer (with this config's settings) and RNGs."""
-        from mxrl.parallel import checkpoint as dcp_checkpoint
+        from mxrl.parallel import dcp
         from mxrl.parallel.parallelize import clear_quantized_caches
 
-        rng = dcp_checkpoint.load(path, self.model, self.optimizer, self.layout.train_group)
+        rng = dcp.load(path, self.model, self.optimizer, self.layout.train_group)
         apply_optimizer_settings(self.optimizer, self.cfg)
         clear_quantized_caches(self.model)  # the loaded masters, not the caches of the old ones
         set_rng_state(rng, self.layout.device)

@@ -98,9 +98,9 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
 
     pt = latest_checkpoint(run_dir)
     if distributed:  # torch.distributed.checkpoint: imported only for a torchrun launch
-        from mxrl.parallel import checkpoint as dcp_checkpoint
+        from mxrl.parallel import dcp
 
-        ckpt, other = dcp_checkpoint.latest(run_dir, CHECKPOINT_DIR), pt
+        ckpt, other = dcp.latest(run_dir, CHECKPOINT_DIR), pt
     else:
         folders = [p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if p.is_dir()]
         ckpt, other = pt, max(folders, default=None)
@@ -119,7 +119,7 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
         )
     try:
         if distributed:
-            state = dcp_checkpoint.trainer_state(ckpt)
+            state = dcp.trainer_state(ckpt)
         else:
             state = torch.load(ckpt, map_location="cpu", weights_only=False)
         missing = {"step", "plan_hash", "config"} - set(state)

@@ -5,7 +5,7 @@ trainer's weights reach them.
 - `RankRollout`: a rank of a placement (docs/scale.md). Each rollout rank serves a contiguous
   share of the step's prompt groups on its own engine and every rank gets all completions in
   request order; colocated, each rank loads its engine in process; split, train rank 0
-  broadcasts the buckets to the rollout ranks (`DistributedSender`, `DistributedReceiver`).
+  broadcasts the buckets to the rollout ranks (`BroadcastSender`, `BroadcastReceiver`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mxrl.models import CausalLM
 from mxrl.recipe import Plan
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.metrics import engine_digest
-from mxrl.sync import DistributedReceiver, DistributedSender, InProcessTransport, SyncReport
+from mxrl.sync import BroadcastReceiver, BroadcastSender, InProcessTransport, SyncReport
 from mxrl.weights import Export
 
 if TYPE_CHECKING:
@@ -104,9 +104,9 @@ class RankRollout:
             assert self.engine is not None
             self.transport = InProcessTransport(self.engine)
         elif layout.rank == src:
-            self.sender = DistributedSender(layout.sync_group, src=src)
+            self.sender = BroadcastSender(layout.sync_group, src=src)
         elif self.engine is not None:
-            self.receiver = DistributedReceiver(self.engine, layout.sync_group, src=src)
+            self.receiver = BroadcastReceiver(self.engine, layout.sync_group, src=src)
 
     def generate(
         self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], group: int = 1
@@ -114,7 +114,7 @@ class RankRollout:
         """This rollout rank's contiguous share of the whole `group`s of requests on its
         engine; every rank's completions (routing records ride along) to every rank, in
         request order. A request's seed is in its params, so where it runs does not matter."""
-        from mxrl.parallel.rollout import gather_in_order, share
+        from mxrl.parallel.shares import gather_in_order, share
 
         layout, mine = self.layout, []
         if self.engine is not None:
@@ -144,7 +144,7 @@ class RankRollout:
     def holds(self, fresh: Mapping[str, str] | None) -> bool:
         """The deep check on every engine: train rank 0's fresh checksums broadcast to every
         rank, each engine's verdict gathered (collective over all ranks)."""
-        from mxrl.parallel.rollout import gather_objects
+        from mxrl.parallel.shares import gather_objects
 
         box = [fresh]
         dist.broadcast_object_list(box, src=self.layout.train_ranks[0])
@@ -156,7 +156,7 @@ class RankRollout:
     def digest(self) -> tuple[str, bool]:
         """The engine digest of every serving rank, gathered (collective over all ranks); an
         error is logged when they differ (the sync event then says not ok)."""
-        from mxrl.parallel.rollout import gather_objects
+        from mxrl.parallel.shares import gather_objects
 
         mine = engine_digest(self.engine.hashes.items()) if self.engine is not None else None
         served = {d for d in gather_objects(mine) if d is not None}

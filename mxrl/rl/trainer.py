@@ -240,7 +240,7 @@ class GRPOTrainer:
         """Every rank's `obj`, by rank (this one's alone on one process)."""
         if self.layout is None:
             return [obj]
-        from mxrl.parallel.rollout import gather_objects
+        from mxrl.parallel.shares import gather_objects
 
         return gather_objects(obj)
 
@@ -355,9 +355,9 @@ class GRPOTrainer:
         """The trainer state of a checkpoint: a `.pt` file on one process; a DCP folder's rank-0
         state under a placement (every rank reads it: a shared file system)."""
         if self.layout is not None:
-            from mxrl.parallel import checkpoint as dcp_checkpoint
+            from mxrl.parallel import dcp
 
-            return dcp_checkpoint.trainer_state(path)
+            return dcp.trainer_state(path)
         return torch.load(path, map_location=self.cfg.device, weights_only=False)
 
 

@@ -28,9 +28,9 @@ class WeightRecord:
 @dataclass(frozen=True)
 class VerifiedRecord(WeightRecord):
     """A record whose checksum this process has recomputed from its value's bytes and found
-    equal to `hash` (made only by `mxrl.weights.digest.verified_records`), its tensors written
+    equal to `hash` (made only by `mxrl.weights.checksum.verified_records`), its tensors written
     by nothing since: `Engine.load_weights` does not compute its checksum again. A receiver
-    that checks each bucket as it arrives (`DistributedReceiver`) hands these over, so every
+    that checks each bucket as it arrives (`BroadcastReceiver`) hands these over, so every
     record is checksummed once on send and once on receive."""
 
 

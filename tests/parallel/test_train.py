@@ -20,7 +20,7 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mxrl.parallel import Placement
-from mxrl.parallel.rollout import share
+from mxrl.parallel.shares import share
 from mxrl.rl.resume import CHECKPOINT_DIR
 from mxrl.runs import RunRecord
 from tests.numeric_env import run_python

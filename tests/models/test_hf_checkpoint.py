@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from mxrl.arch import builtin_config
 from mxrl.models import build_model, from_pretrained, parse_size, save_pretrained
-from mxrl.models import checkpoint as ckpt
+from mxrl.models import hf_checkpoint as ckpt
 from mxrl.weights import convert_checkpoint
 from tests.models.configs import CONFIGS
 from tests.numerics import assert_bytes_equal

@@ -1,7 +1,7 @@
 """Weight sync over torch.distributed: one trainer rank broadcasts, engine ranks verify and load.
 
     # trainer rank (src)                          # every engine rank
-    sender = DistributedSender(group, src=0)      receiver = DistributedReceiver(engine, group, src=0)
+    sender = BroadcastSender(group, src=0)      receiver = BroadcastReceiver(engine, group, src=0)
     sender.send(export(model, plan, step=s))      receiver.receive()
 
 Every rank of `group` takes part: `src` sends, all others receive (gloo on CPU tensors, NCCL on
@@ -12,7 +12,7 @@ run one after the other.
 
 An update opens with one all-gather of (wire version, layout id) (wire version 5). The layout is
 where every field of an update lies in its payloads: the bucket headers without the checksums,
-the step and the event (`Layout`). It follows from the plan, the bucket size and the dtype of
+the step and the event (`PayloadLayout`). It follows from the plan, the bucket size and the dtype of
 the bf16 tensors, so every update of a run after the first has the one layout both ends learnt
 from the first. When every rank
 holds the same layout the update runs **scheduled**, otherwise **bucket by bucket** (the first
@@ -63,7 +63,7 @@ from mxrl.sync.wire import (
     FLAG_ABORT,
     FLAG_LAST,
     WIRE_VERSION,
-    Layout,
+    PayloadLayout,
     pack_bucket,
     unpack_bucket,
 )
@@ -102,7 +102,9 @@ def _gather_status(
     ]
 
 
-def _agree(layout: Layout | None, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+def _agree(
+    layout: PayloadLayout | None, group: dist.ProcessGroup | None, device: torch.device
+) -> bool:
     """Whether every rank of `group` holds this same layout (the update then runs scheduled):
     one all-gather of (wire version, layout id); every rank reaches the same answer."""
     ident = layout.id if layout is not None else bytes(16)
@@ -125,12 +127,12 @@ def _layout_key(update: Export) -> tuple[str, int, str] | None:
     return None if None in key else (str(key[0]), int(key[1]), str(key[2]))
 
 
-class _LayoutChanged(Exception):
+class _PayloadLayoutChanged(Exception):
     """The export does not match the layout both ends agreed on (the sender's own check)."""
 
 
 # --- the two ends ------------------------------------------------------------------------------
-class DistributedSender:
+class BroadcastSender:
     """The trainer end: broadcasts each bucket of an export from rank `src` (a global rank) to
     every other rank of `group` (None: the default group).
 
@@ -149,12 +151,14 @@ class DistributedSender:
     ) -> None:
         if dist.get_rank() != src:
             raise ValueError(
-                f"DistributedSender runs on rank src={src}, this is rank {dist.get_rank()}"
+                f"BroadcastSender runs on rank src={src}, this is rank {dist.get_rank()}"
             )
         self.group, self.src, self.tamper = group, src, tamper
         self.device = _comm_device(group, device)
         self.last_mode: str | None = None
-        self._layout: tuple[tuple[str, int, str], Layout] | None = None  # (key, layout) last sent
+        self._layout: tuple[tuple[str, int, str], PayloadLayout] | None = (
+            None  # (key, layout) last sent
+        )
 
     def _broadcast(self, t: torch.Tensor, *, async_op: bool = False):
         return dist.broadcast(t, src=self.src, group=self.group, async_op=async_op)
@@ -176,7 +180,7 @@ class DistributedSender:
             return self._send_scheduled(update, layout, t0)
         self.last_mode = "per-bucket"
         report, headers = self._send_per_bucket(update, t0)
-        self._layout = (key, Layout.of(headers)) if key is not None else None
+        self._layout = (key, PayloadLayout.of(headers)) if key is not None else None
         return report
 
     def _pack(self, buckets, side) -> tuple[Bucket | None, bytes, torch.Tensor | None]:
@@ -223,7 +227,7 @@ class DistributedSender:
         report = self._outcome(update, t0, num_tensors, num_bytes)
         return report, headers
 
-    def _send_scheduled(self, update: Export, layout: Layout, t0: float) -> SyncReport:
+    def _send_scheduled(self, update: Export, layout: PayloadLayout, t0: float) -> SyncReport:
         """Every payload back to back, sized by `layout` (the receivers have queued all their
         receives), then one trailer with the records' checksums, the step and the event."""
         num_tensors = num_bytes = 0
@@ -239,9 +243,9 @@ class DistributedSender:
                 try:
                     bucket, header, payload = self._pack(buckets, side)
                     if bucket is None:
-                        raise _LayoutChanged(f"the export ended after {k} bucket(s)")
+                        raise _PayloadLayoutChanged(f"the export ended after {k} bucket(s)")
                     if wire.bucket_layout(json.loads(header)) != expected:
-                        raise _LayoutChanged(f"bucket {k} is laid out differently")
+                        raise _PayloadLayoutChanged(f"bucket {k} is laid out differently")
                     hashes += [r.hash for r in bucket.records]
                     num_tensors += bucket.num_tensors
                     num_bytes += bucket.nbytes
@@ -256,11 +260,13 @@ class DistributedSender:
                 inflight.append((self._broadcast(payload, async_op=True), payload))
             self._finish(inflight, keep=1)
         if failure is None and (last is None or not last.last):
-            failure = _LayoutChanged(f"the export has more than {len(layout.buckets)} bucket(s)")
+            failure = _PayloadLayoutChanged(
+                f"the export has more than {len(layout.buckets)} bucket(s)"
+            )
         self._finish(inflight)
         if failure is not None:
             self._send_meta(FLAG_ABORT, b"", 0)
-            if not isinstance(failure, _LayoutChanged):
+            if not isinstance(failure, _PayloadLayoutChanged):
                 raise failure
             self._layout = None  # the next update goes bucket by bucket and learns the layout
             raise ValueError(
@@ -305,7 +311,7 @@ class DistributedSender:
             torch.cuda.current_stream(self.device).synchronize()
 
 
-class DistributedReceiver:
+class BroadcastReceiver:
     """The engine end: receives one update from rank `src` per `receive()` call and loads it
     into `engine` (see the module docstring for what is checked). `last_mode`: "per-bucket" or
     "scheduled", how the last `receive` ran.
@@ -324,12 +330,12 @@ class DistributedReceiver:
         tamper: Tamper | None = None,
     ) -> None:
         if dist.get_rank() == src:
-            raise ValueError(f"DistributedReceiver runs on engine ranks, not on src={src}")
+            raise ValueError(f"BroadcastReceiver runs on engine ranks, not on src={src}")
         self.engine, self.group, self.src, self.tamper = engine, group, src, tamper
         self.device = _comm_device(group, device)
         self.timings: dict[str, float] = {}  # of the last receive() (its docstring)
         self.last_mode: str | None = None
-        self._layout: Layout | None = None  # of the last update this rank loaded
+        self._layout: PayloadLayout | None = None  # of the last update this rank loaded
 
     def _receive(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Queue the receive of one broadcast (on CUDA the host does not wait for it)."""
@@ -426,7 +432,7 @@ class DistributedReceiver:
             raise error
         assert report is not None
         if headers is not None:
-            self._layout = Layout.of(headers)
+            self._layout = PayloadLayout.of(headers)
         return report
 
     def _receive_per_bucket(self, side):
@@ -452,7 +458,7 @@ class DistributedReceiver:
                 break
         return arrived, error, headers
 
-    def _receive_scheduled(self, layout: Layout, side):
+    def _receive_scheduled(self, layout: PayloadLayout, side):
         """Every payload's receive queued at once, sized by `layout`, each bucket's checksums
         behind it; then the trailer (one host round trip): (arrived, the first error). Every
         receive is queued whatever fails on the way, so the collectives stay in step."""
@@ -481,7 +487,7 @@ class DistributedReceiver:
             return [], ValueError(f"malformed update trailer ({e!r}); the update is refused")
 
     @staticmethod
-    def _arrived(staged, layout: Layout, flags: int, trailer: bytes, digest: bytes):
+    def _arrived(staged, layout: PayloadLayout, flags: int, trailer: bytes, digest: bytes):
         """The buckets of a scheduled update, their records' checksums from the trailer."""
         if hashlib.sha256(trailer).digest() != digest:
             raise ValueError("update trailer corrupted in transit (sha256 mismatch)")

@@ -46,11 +46,16 @@ from mxrl import __version__
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import parse_size
-from mxrl.models.checkpoint import CONFIG_NAME, copy_side_files, move_into_place, open_safetensors
+from mxrl.models.hf_checkpoint import (
+    CONFIG_NAME,
+    copy_side_files,
+    move_into_place,
+    open_safetensors,
+)
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_config, check_record
-from mxrl.weights.digest import checksum
+from mxrl.weights.checksum import checksum
 from mxrl.weights.record import WeightRecord
 
 logger = logging.getLogger(__name__)
