@@ -53,7 +53,6 @@ PRIVATE_BASELINE: set[tuple[str, str, str]] = set()
 LONG_FILE_BASELINE = {
     "engine/engine.py",
     "kernels/decode_gemm.py",
-    "models/hf_checkpoint.py",
     "recipe/plan.py",
     "app/demo.py",
     "runs/record.py",

@@ -10,7 +10,8 @@ Families: qwen3 (dense), qwen3_moe, qwen2_moe (and qwen3_moe with a shared exper
 names are the canonical HF names of the fused expert layout. docs/models.md has the details.
 """
 
-from mxrl.models.hf_checkpoint import from_pretrained, parse_size, save_pretrained
+from mxrl.models.hf_checkpoint import from_pretrained
+from mxrl.models.hf_save import parse_size, save_pretrained
 from mxrl.models.layers import (
     MLP,
     Attention,

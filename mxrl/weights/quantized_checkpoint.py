@@ -46,12 +46,8 @@ from mxrl import __version__
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import parse_size
-from mxrl.models.hf_checkpoint import (
-    CONFIG_NAME,
-    copy_side_files,
-    move_into_place,
-    open_safetensors,
-)
+from mxrl.models.hf_checkpoint import CONFIG_NAME, open_safetensors
+from mxrl.models.hf_save import copy_side_files, move_into_place
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_config, check_record

@@ -12,8 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mxrl.arch import builtin_config
-from mxrl.models import build_model, from_pretrained, parse_size, save_pretrained
-from mxrl.models import hf_checkpoint as ckpt
+from mxrl.models import build_model, from_pretrained, hf_save, parse_size, save_pretrained
 from mxrl.weights import convert_checkpoint
 from tests.models.configs import CONFIGS
 from tests.numerics import assert_bytes_equal
@@ -235,7 +234,7 @@ def test_failed_save_leaves_nothing(tmp_path, tiny, monkeypatch):
             raise OSError("disk full")
         save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(ckpt, "save_file", fail_on_second_shard)
+    monkeypatch.setattr(hf_save, "save_file", fail_on_second_shard)
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(tiny, tmp_path / "ck", max_shard_size="400KB", progress=False)
     assert os.listdir(tmp_path) == []
@@ -250,7 +249,7 @@ def test_existing_directory_needs_overwrite_and_survives_a_failed_save(tmp_path,
     def boom(*args, **kwargs):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(ckpt, "save_file", boom)
+    monkeypatch.setattr(hf_save, "save_file", boom)
     with pytest.raises(RuntimeError):
         save_pretrained(tiny, out, overwrite=True, progress=False)
     monkeypatch.undo()
