@@ -56,7 +56,6 @@ LONG_FILE_BASELINE = {
     "recipe/plan.py",
     "app/demo.py",
     "runs/record.py",
-    "runs/report.py",
     "runs/summary.py",
     "sync/broadcast.py",
 }
