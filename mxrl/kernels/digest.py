@@ -1,5 +1,5 @@
 """The weight checksum's levels: a field's bytes to a 64-byte digest, the same integers on
-every device. `mxrl.weights.checksum` binds the digests of a record's fields to its name,
+every device. `mxrl.weights.digest` binds the digests of a record's fields to its name,
 format and shape (the checksum); `mxrl/kernels/triton_digest.py` is the fast path of
 `field_digests`.
 
@@ -13,7 +13,7 @@ Algorithm (one field of n bytes):
     the field's digest: Y once a level leaves one row (64 bytes); 2048 -> 64 bytes per row, so
                    a 1 GiB field takes 5 levels, each reading 1/32 of the previous one's bytes
 
-    the checksum (mxrl.weights.checksum): sha256 over a header naming the record and its
+    the checksum (mxrl.weights.digest): sha256 over a header naming the record and its
                fields' digests
 
 Why it is the same on every device: every product is at most 128 * 128 = 2^14 in magnitude

@@ -14,8 +14,8 @@ sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
 
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export
 from mxrl.weights.check import check_global_scales, check_record
-from mxrl.weights.checksum import PendingChecksums, checksum, checksums, verified_records
 from mxrl.weights.convert import convert_checkpoint
+from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
 from mxrl.weights.event import QuantizationEvent
 from mxrl.weights.export import check_finite, export_weights, quantized_values
 from mxrl.weights.quantized_checkpoint import (

@@ -31,7 +31,7 @@ from torch import nn
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.recipe import Plan
-from mxrl.weights.checksum import checksums
+from mxrl.weights.digest import checksums
 from mxrl.weights.event import QuantizationEvent, SqnrMeter
 from mxrl.weights.export import quantized_values
 from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes

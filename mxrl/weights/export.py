@@ -23,7 +23,7 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import own_weight_amax, weight_layout, weight_quantizer_kwargs
-from mxrl.weights.checksum import checksum
+from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord, WeightValue
 
 

@@ -51,7 +51,7 @@ from mxrl.models.hf_save import copy_side_files, move_into_place
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_config, check_record
-from mxrl.weights.checksum import checksum
+from mxrl.weights.digest import checksum
 from mxrl.weights.record import WeightRecord
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 digest bytes as the PyTorch reference (`digest.field_digest_reference`) for every size class at
 row and level boundaries, extreme bytes, unaligned and strided views and every dtype a weight
 record stores; compiled for sm_90, full rows load as 16-byte cp.async and the sums run on int8
-wgmma. The GPU run against the CPU reference is in tests/weights/test_checksum.py.
+wgmma. The GPU run against the CPU reference is in tests/weights/test_digest.py.
 
 By hand:
     python -m tests.kernels.test_digest_kernel           # the sm_90 PTX report (one JSON line)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mxrl.engine import Engine
 from mxrl.recipe import resolve
 from mxrl.sync import BroadcastReceiver, BroadcastSender, wire
-from mxrl.weights import checksum, export, export_weights, stored_tensors
+from mxrl.weights import digest, export, export_weights, stored_tensors
 from tests.sync.attacks import ATTACKS, engine_state
 from tests.sync.helpers import MIXED, hashes, tiny
 
@@ -54,11 +54,11 @@ COUNTED = ("good", "scheduled")
 
 
 class CountDigests:
-    """Wraps checksum.field_digests: how often it ran, over how many fields."""
+    """Wraps digest.field_digests: how often it ran, over how many fields."""
 
     def __init__(self) -> None:
         self.calls = self.fields = 0
-        self.wrapped = checksum.field_digests
+        self.wrapped = digest.field_digests
 
     def __call__(self, fields, backend=None):
         self.calls += 1
@@ -273,13 +273,13 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
             last_rank = rank == world_size - 1
             if case == "corrupted_on_the_last_rank" and last_rank:
                 receiver.tamper = flip_first_byte_of_bucket_1
-            count = checksum.field_digests = CountDigests()  # the receive's checksums only
+            count = digest.field_digests = CountDigests()  # the receive's checksums only
             try:
                 report, error = receiver.receive(), None
             except ValueError as e:
                 report, error = None, e
             finally:
-                checksum.field_digests = count.wrapped
+                digest.field_digests = count.wrapped
                 receiver.tamper = None
             if report is not None:
                 got = {

@@ -16,7 +16,7 @@ from mxrl.weights import checksum, checksums, export_weights
 from tests.engine.test_engine import tiny as engine_tiny
 from tests.sync.helpers import tiny
 
-digest = importlib.import_module("mxrl.weights.checksum")  # the module (mxrl.weights.checksum is
+digest = importlib.import_module("mxrl.weights.digest")  # the module (mxrl.weights.digest is
 # the function)
 levels = importlib.import_module("mxrl.kernels.digest")
 
