@@ -54,7 +54,6 @@ LONG_FILE_BASELINE = {
     "engine/engine.py",
     "kernels/decode_gemm.py",
     "recipe/plan.py",
-    "app/demo.py",
     "runs/record.py",
     "runs/summary.py",
 }
