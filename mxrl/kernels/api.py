@@ -25,7 +25,7 @@ from mxrl.formats import dequantize as reference_dequantize
 from mxrl.formats import quantize as reference_quantize
 from mxrl.formats.api import QuantizeOptions, check_request
 from mxrl.formats.nvfp4 import caller_amax
-from mxrl.kernels.backend import Backend, select_backend, tracing
+from mxrl.kernels.backend import Backend, Kernels, backend_for, tracing
 
 KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te",)}
 KERNEL_SCALE_MODES[C.Format.FP8_BLOCK] = ("fp32", "ue8m0")
@@ -36,7 +36,7 @@ def quantize(
     x: torch.Tensor,
     fmt: C.Format | str,
     *,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
     **options: Any,
 ) -> QTensor:
     """`mxrl.formats.quantize(x, fmt, **options)` (the same options, `QuantizeOptions`; the same
@@ -45,7 +45,7 @@ def quantize(
     backend: a `Backend` chosen once from config (`select_backend`); None means the default for
     x's device (triton on CUDA when available, the reference elsewhere)."""
     opts = QuantizeOptions(**options)
-    chosen = select_backend(backend, x.device if isinstance(x, torch.Tensor) else None)
+    chosen = backend_for(backend, x.device if isinstance(x, torch.Tensor) else None)
     if chosen is Backend.REFERENCE:
         return reference_quantize(x, fmt, **opts.kwargs())
     # the reference's checks and order (the non-finite check before the kernels' own refusals)
@@ -95,7 +95,7 @@ def _finite_magnitude(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8_both(
-    x: torch.Tensor, *, check_finite: bool = False, backend: Backend | str | None = None
+    x: torch.Tensor, *, check_finite: bool = False, backend: Kernels | Backend | str | None = None
 ) -> tuple[QTensor, QTensor]:
     """MXFP8 row-wise (1x32 along K) and column-wise (32x1 along dim -2) copies of x [..., M, K],
     each quantized from x (DESIGN.md §1), equal to `formats.quantize(x, "mxfp8")` and
@@ -104,7 +104,7 @@ def quantize_mxfp8_both(
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize_mxfp8_both takes a [..., M, K] tensor, got {got}")
     col_axis = x.dim() - 2
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE:
         row = reference_quantize(x, C.Format.MXFP8, check_finite=check_finite)
         return row, reference_quantize(x, C.Format.MXFP8, axis=col_axis)
@@ -123,7 +123,7 @@ def dequantize(
     *,
     global_scale: bool = True,
     dtype: torch.dtype = torch.bfloat16,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> torch.Tensor:
     """`mxrl.formats.dequantize(q, global_scale=global_scale).to(dtype)`, bit for bit.
 
@@ -132,7 +132,7 @@ def dequantize(
     global scale) and fp8_block blocks that divide the tensor; other dtypes and layouts (an
     mxfp8 copy along another axis, fp8_block blocks that overhang the tensor) run the reference:
     the same bytes, without the speed."""
-    chosen = select_backend(backend, q.device)
+    chosen = backend_for(backend, q.device)
     fmt = q.fmt
     shape = list(q.shape)
     if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(shape) >= 1:
@@ -150,7 +150,7 @@ def qdq_mxfp8(
     *,
     rowwise: bool = True,
     colwise: bool = False,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The bf16 operands of x's MXFP8 copies, each `dequantize(quantize(x, "mxfp8", axis=...))`
     in bf16 (row-wise: blocks along K; column-wise: along dim -2), None for a copy not asked
@@ -161,7 +161,7 @@ def qdq_mxfp8(
     if not isinstance(x, torch.Tensor) or (colwise and x.dim() < 2):
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"qdq_mxfp8 takes a [..., M, K] tensor, got {got}")
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE:
 
         def qdq(axis: int) -> torch.Tensor:
@@ -176,10 +176,10 @@ def qdq_mxfp8(
     return (row if rowwise else None), (col if colwise else None)
 
 
-def to_float32(x: torch.Tensor, *, backend: Backend | str | None = None) -> torch.Tensor:
+def to_float32(x: torch.Tensor, *, backend: Kernels | Backend | str | None = None) -> torch.Tensor:
     """x.to(torch.float32), the same bits; for a bf16 x on the triton backend one copy-speed
     kernel (`triton_dequant.launch_widen_bf16`) instead of torch's generic casting loop."""
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE or x.dtype != torch.bfloat16:
         return x.to(torch.float32)
     return _kernel("widen_bf16")(x)

@@ -62,7 +62,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mxrl.kernels.backend import Backend, select_backend
+from mxrl.kernels.backend import Backend, Kernels, backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def field_digest_reference(t: torch.Tensor) -> torch.Tensor:
 
 
 def field_digests(
-    fields: Sequence[torch.Tensor], backend: Backend | str | None = None
+    fields: Sequence[torch.Tensor], backend: Kernels | Backend | str | None = None
 ) -> torch.Tensor:
     """The fields' digests, concatenated (int8 [64 * len(fields)]), all on the fields' device.
     backend: as `mxrl.kernels.select_backend` (None: triton on CUDA when importable, else the
@@ -180,7 +180,7 @@ def field_digests(
     if not fields:
         return torch.empty(0, dtype=torch.int8)
     device = fields[0].device
-    if select_backend(backend, device) is Backend.TRITON:
+    if backend_for(backend, device) is Backend.TRITON:
         from mxrl.kernels import triton_digest  # noqa: F401  (registers the op)
 
         return torch.ops.mxrl.checksum_digests([t.detach() for t in fields])
