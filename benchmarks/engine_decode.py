@@ -61,9 +61,10 @@ from torch import nn
 
 ensure_repo_on_path()
 
+from mxrl.arch import ModelConfig  # noqa: E402
 from mxrl.engine import Engine, SamplingParams  # noqa: E402
 from mxrl.formats import QTensor  # noqa: E402
-from mxrl.models import ModelConfig, build_model  # noqa: E402
+from mxrl.models import build_model  # noqa: E402
 from mxrl.recipe import list_presets, resolve  # noqa: E402
 from mxrl.weights import export_weights  # noqa: E402
 

@@ -21,11 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mxrl.app import measure_mismatch
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
 from mxrl.nn import apply_plan
-from mxrl.recipe import builtin_config, resolve
-from mxrl.rl import measure_mismatch
+from mxrl.recipe import resolve
 from tests.engine.test_mismatch import BROKEN_NVFP4
 
 ROWS = [

@@ -9,10 +9,10 @@ Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` la
 151936, seeded fp32 master weights on the device. A sync is what the GRPO loop runs after each
 optimizer step: `InProcessTransport(engine).send(export(model, plan, step=s))`, trainer and
 engine on the same GPU (the engine computing in bf16, its default backend); in --nccl mode
-`DistributedSender.send` on rank 0 (cuda:0) and `DistributedReceiver.receive` on rank 1 (cuda:1).
+`BroadcastSender.send` on rank 0 (cuda:0) and `BroadcastReceiver.receive` on rank 1 (cuda:1).
 Timed with the device synchronized before and after, the median of `--repeats` after a warm-up.
 In --nccl mode the warm-up teaches both ends the update's layout, so the timed syncs run
-scheduled (`mxrl.sync.distributed`); the same syncs from a fresh sender, which goes bucket by
+scheduled (`mxrl.sync.broadcast`); the same syncs from a fresh sender, which goes bucket by
 bucket, are timed too (`sync_s_per_bucket`), in the same run.
 
 Per preset: seconds per sync (with the per-layer SQNR off, and on as the loop runs it), GB/s of
@@ -26,7 +26,7 @@ handed over by reference) and load (`load_weights` of records verified already, 
 hands them: the copy into the engine's buffers and the GEMM operands derived from them). The
 shares are of the stages' work, not of the sync's wall time where stages overlap: in --nccl mode
 the receiver checksums bucket k while bucket k+1 is on the wire, so the row also gives what of
-its checksum the transfer did not hide, from `DistributedReceiver.timings` (the last payload's
+its checksum the transfer did not hide, from `BroadcastReceiver.timings` (the last payload's
 arrival to the last checksum compared): `receiver_checksum_tail_s` and its share of the sync.
 The 48-layer row scales the sync time by the engine bytes of a 48-layer plan (resolved on the
 full model's shapes, bytes per format by formula).
@@ -54,9 +54,10 @@ from engine_decode import (
 
 ensure_repo_on_path()
 
+from mxrl.arch import ModelConfig  # noqa: E402
 from mxrl.engine import Engine  # noqa: E402
 from mxrl.formats.constants import Format  # noqa: E402
-from mxrl.models import CausalLM, ModelConfig, build_model  # noqa: E402
+from mxrl.models import CausalLM, build_model  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 from mxrl.sync import InProcessTransport  # noqa: E402
 from mxrl.weights import (  # noqa: E402
@@ -274,7 +275,7 @@ def in_process(args, device: torch.device) -> dict:
 def nccl(args) -> dict | None:
     import torch.distributed as dist
 
-    from mxrl.sync import DistributedReceiver, DistributedSender
+    from mxrl.sync import BroadcastReceiver, BroadcastSender
 
     rank = int(os.environ["RANK"])
     if int(os.environ.get("WORLD_SIZE", "1")) != 2:
@@ -315,7 +316,7 @@ def nccl(args) -> dict | None:
         engine = Engine(model, preset, device=device, compute_dtype=torch.bfloat16)
         step = iter(range(1, 10**6))
         if rank == 0:
-            end = DistributedSender(src=0)
+            end = BroadcastSender(src=0)
 
             def once(sqnr=False, fresh=False, end=end, engine=engine, step=step):
                 dist.barrier()
@@ -323,9 +324,9 @@ def nccl(args) -> dict | None:
                     model, engine.plan, step=next(step), sqnr=sqnr, bucket_bytes=args.bucket_bytes
                 )
                 # fresh: a sender that has not learnt the layout, so the update goes per bucket
-                (DistributedSender(src=0) if fresh else end).send(exp)
+                (BroadcastSender(src=0) if fresh else end).send(exp)
         else:
-            end = DistributedReceiver(engine, src=0)
+            end = BroadcastReceiver(engine, src=0)
             tails: list[float] = []
 
             def once(sqnr=False, fresh=False, end=end, tails=tails):

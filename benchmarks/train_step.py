@@ -7,7 +7,7 @@ same model, in one run: s/step, x our bf16, peak GPU memory, model TFLOP/s (issu
 Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
 32000, seeded random weights, fp32 master weights (`build_model`), `apply_plan(preset)`, bf16
 compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the device gets by
-default (`mxrl.nn.select_gemm`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
+default (`mxrl.kernels.Kernels.resolve`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
 `cross_entropy(model(ids).float(), targets).backward()` on B x S random tokens, gradients set to
 None between steps (no optimizer: its cost is the same for every preset). Timed: median of
 `--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator), twice:
@@ -43,8 +43,10 @@ from engine_decode import (
 
 ensure_repo_on_path()
 
-from mxrl.models import ModelConfig, build_model, empty_model, save_pretrained  # noqa: E402
-from mxrl.nn import apply_plan, select_gemm, set_gemm, weights_changed  # noqa: E402
+from mxrl.arch import ModelConfig  # noqa: E402
+from mxrl.kernels import Kernels  # noqa: E402
+from mxrl.models import build_model, empty_model, save_pretrained  # noqa: E402
+from mxrl.nn import apply_plan, set_gemm, weights_changed  # noqa: E402
 from mxrl.recipe import resolve  # noqa: E402
 
 DEFAULT_PRESETS = (
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
     )
     base = build_model(config, seed=0)  # fp32 master weights, drawn on the CPU
     base_state = {k: v.detach() for k, v in base.state_dict().items()}
-    gemm = args.gemm or select_gemm(None, device).value
+    gemm = args.gemm or Kernels.resolve(None, device).train_gemm.value
     print(f"device {device}, gemm {gemm}, compute {args.compute}")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:

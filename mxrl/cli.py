@@ -80,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="only print the nvfp4-dequantized plan of the tiny model (and write "
                            "it to --out)")  # fmt: skip
 
-    train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/rl/train.py)")
+    train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/app/train.py)")
     train.add_argument("--config", required=True, type=Path, metavar="FILE")
 
     convert = commands.add_parser(
@@ -115,7 +115,8 @@ def _cmd_recipe_list() -> int:
 
 
 def _resolve_on(recipe: str, model: str | None, expert_layout: str):
-    from mxrl.recipe import builtin_config, resolve, tensors_from_hf_config
+    from mxrl.arch import builtin_config, tensors_from_hf_config
+    from mxrl.recipe import resolve
 
     if model is None:
         config, label = builtin_config("tiny-moe"), "built-in tiny-moe (pass --model for another)"
@@ -150,7 +151,7 @@ def _warn_problems(plan) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.plan_only:
         return _demo_plan_only(args.out)
-    from mxrl.rl.demo import ARTICLE_RECIPES, DEMO_RECIPES, run_demo
+    from mxrl.app.demo import ARTICLE_RECIPES, DEMO_RECIPES, run_demo
 
     if args.seeds < 1:
         raise UserError(f"--seeds must be >= 1, got {args.seeds}")
@@ -190,13 +191,13 @@ def _demo_plan_only(out: Path | None) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from mxrl.app.preflight import preflight
     from mxrl.rl.config import TrainConfig
-    from mxrl.rl.preflight import preflight
 
     _progress_logging()
     config = TrainConfig.load(args.config)  # the schema: before torch is imported
     checked = preflight(config)  # paths, device, plan, resume: before the trainer's imports
-    from mxrl.rl.train import run_train
+    from mxrl.app.train import run_train
 
     record = run_train(config, checked)
     if record is not None:  # under torchrun, rank 0 holds the run record

@@ -11,7 +11,7 @@ import pytest
 from mxrl import __version__
 from mxrl.cli import main
 from mxrl.recipe import Plan, list_presets
-from tests.recipe.hf_configs import QWEN3_30B_A3B
+from tests.arch.hf_configs import QWEN3_30B_A3B
 
 
 def run(capsys, *argv):
@@ -111,7 +111,7 @@ def test_recipe_show_warns_about_a_rule_that_matches_nothing(capsys, tmp_path):
 
 def test_demo_plan_only(capsys):
     """`mxrl demo --plan-only` prints the demo's NVFP4 plan of the tiny model (the full demo is
-    exercised, shrunk, in tests/rl/test_train_and_demo.py)."""
+    exercised, shrunk, in tests/app/test_train_and_demo.py)."""
     code, out, _ = run(capsys, "demo", "--plan-only")
     assert code == 0
     assert "nvfp4-dequantized" in out
@@ -205,8 +205,8 @@ def test_recipe_show_convert_and_train_agree_on_the_plan_hash(capsys, tmp_path, 
     import torch
     import yaml
 
+    from mxrl.arch import builtin_config
     from mxrl.models import build_model, save_pretrained
-    from mxrl.recipe import builtin_config
 
     recipe = "nvfp4-dequantized"
     code, out, _ = run(capsys, "recipe", "show", recipe)

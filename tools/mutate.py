@@ -43,8 +43,8 @@ MODULES = {
     "formats": Module(("mxrl/formats/*.py",), ("tests/formats",)),
     "recipe": Module(
         ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
-         "mxrl/recipe/names.py", "mxrl/recipe/quantize.py", "mxrl/recipe/hf_config.py"),
-        ("tests/recipe", "tests/test_cli.py"),
+         "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),
+        ("tests/recipe", "tests/arch", "tests/test_cli.py"),
     ),
     "nn": Module(
         ("mxrl/nn/qlinear.py", "mxrl/nn/qmatmul.py", "mxrl/nn/gemm.py", "mxrl/nn/grouped.py",
@@ -62,7 +62,7 @@ MODULES = {
         ("mxrl/engine/block_manager.py",),
         ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
     ),
-    "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/checkpoint.py"),
+    "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
     "rl": Module(
         ("mxrl/rl/grpo.py", "mxrl/rl/mismatch.py", "mxrl/rl/stability.py", "mxrl/rl/logprobs.py"),

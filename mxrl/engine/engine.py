@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
@@ -41,9 +42,9 @@ from mxrl.engine.scheduler import Scheduled, Scheduler
 from mxrl.engine.sequence import Sequence as Request
 from mxrl.engine.sequence import Status
 from mxrl.formats import QTensor
-from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import Backend, Kernels
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
-from mxrl.models import CausalLM, ModelConfig
+from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
@@ -95,8 +96,9 @@ class Engine(WeightLoading):
       resolved Plan. tile: tokens per fixed-shape GEMM tile (batch invariance, engine/modules.py;
       default 32 on the CPU, 128 on CUDA, where a 128-row tile costs a decode GEMM no more
       than one row: both read the weights once).
-      backend: the activation quantizer ("reference" | "triton"), chosen once for `device`
-      (default: triton on CUDA when available); every backend writes the same bytes.
+      backend: the run's `Kernels` record, or a backend ("reference" | "triton") resolved once
+      for `device` (`Kernels.resolve`; default: triton on CUDA when available); the record says
+      which quantizer, decode GEMMs, attention, row-wise kernels and sampler run.
       cache: the KV cache and scheduler limits (`CacheOptions`).
       overlap: overlapped decoding (default: on CUDA): while a decode step runs, the next one is
       queued, fed the tokens the running step samples on the device, whenever it is known
@@ -113,7 +115,7 @@ class Engine(WeightLoading):
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int | None = None,
-        backend: Backend | str | None = None,
+        backend: Kernels | Backend | str | None = None,
         cache: CacheOptions | None = None,
         batch_invariant: bool = True,
         cuda_graphs: bool = True,
@@ -148,7 +150,7 @@ class Engine(WeightLoading):
         compute_dtype: torch.dtype = torch.float32,
         weight_dtype: torch.dtype = torch.bfloat16,
         tile: int | None = None,
-        backend: Backend | str | None = None,
+        backend: Kernels | Backend | str | None = None,
         cache: CacheOptions | None = None,
         batch_invariant: bool = True,
         cuda_graphs: bool = True,
@@ -198,7 +200,8 @@ class Engine(WeightLoading):
         # overlapped decoding (`generate`): on by default where the device runs ahead of the
         # host (CUDA); on the CPU a step is done when its kernels return, nothing to overlap
         self.overlap = device.type == "cuda" if overlap is None else bool(overlap)
-        self.backend = select_backend(backend, device)  # chosen once for the engine's device
+        self.kernels = _kernels_for(backend, device)  # chosen once for the engine's device
+        self.backend = self.kernels.quantizer  # every quantizer writes the same bytes
         self.batch_invariant = batch_invariant
         if not batch_invariant:
             if tile is not None:
@@ -220,12 +223,12 @@ class Engine(WeightLoading):
         # the Triton paged attention on the triton backend, where the cache's shape allows it
         c = config
         self._attention_kernel = (
-            self.backend is Backend.TRITON
+            self.kernels.attention is Backend.TRITON
             and _pow2_at_least_16(self.cache_options.block_size)
             and _pow2_at_least_16(c.head_dim)
         )
         # the one-launch sampler for rows without top-k / top-p (mxrl.kernels.sampling)
-        self.fused_sampler = self.backend is Backend.TRITON and device.type == "cuda"
+        self.fused_sampler = self.kernels.sampler is Backend.TRITON
         self._kv: KVCache | None = None  # allocated at the first generate (weights loaded)
         self._blocks: BlockManager | None = None
         # decode graphs: CUDA, the Triton attention (reads its metadata from the device)
@@ -249,30 +252,34 @@ class Engine(WeightLoading):
                     "gate_up": self.plan[f"{name}.gate_up_proj"],
                     "down": self.plan[f"{name}.down_proj"],
                 }
-                new = RolloutExperts(module, specs, self.compute_dtype, self.tile, self.backend)
-            elif isinstance(module, RMSNorm) and self.backend is Backend.TRITON:
+                new = RolloutExperts(
+                    module, specs, self.compute_dtype, self.tile, self.kernels.rollout_gemm
+                )
+            elif isinstance(module, RMSNorm) and self.kernels.rowwise is Backend.TRITON:
                 with torch.device("meta"):
                     new = RolloutRMSNorm(
                         module.weight.shape[0], module.eps, dtype=self.compute_dtype
                     )
-            elif isinstance(module, ApplyRope) and self.backend is Backend.TRITON:
+            elif isinstance(module, ApplyRope) and self.kernels.rowwise is Backend.TRITON:
                 new = RolloutRope()
             elif (
                 isinstance(module, TopKSoftmax)
-                and self.backend is Backend.TRITON
+                and self.kernels.rowwise is Backend.TRITON
                 and module.num_experts <= MAX_ROUTE_EXPERTS  # larger routers: the reference
             ):
                 new = RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob)
             elif isinstance(module, nn.Linear):
                 spec = self.plan[f"{name}.weight"]
-                new = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)
+                new = RolloutLinear(spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile)
             else:
                 continue
             parent, _, child = name.rpartition(".")
             setattr(net.get_submodule(parent) if parent else net, child, new)
         if net.lm_head is None:  # tied: the logits GEMM reads the embedding, on tiles too
             spec = self.plan[TIED_EMBEDDING]
-            net.lm_head = RolloutLinear(spec, self.compute_dtype, self.backend, self.tile)
+            net.lm_head = RolloutLinear(
+                spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile
+            )
         return net.eval()
 
     # --- generation ----------------------------------------------------------------------------
@@ -511,6 +518,18 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
+
+
+def _kernels_for(backend: Kernels | Backend | str | None, device: torch.device) -> Kernels:
+    """The run's record as given (it must be for this kind of device), or one resolved here."""
+    if not isinstance(backend, Kernels):
+        return Kernels.resolve(backend, device)
+    if backend.device.type != device.type:
+        raise ValueError(
+            f"backend: a Kernels record resolved for {backend.device}, but the engine runs on "
+            f"{device}: resolve it for the engine's device (Kernels.resolve(backend, device))"
+        )
+    return backend
 
 
 def _pow2_at_least_16(n: int) -> bool:

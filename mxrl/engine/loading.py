@@ -142,7 +142,7 @@ class WeightLoading:
                     "the engine keeps its previous weights"
                 )
         # each checksum once: records verified in this process already (VerifiedRecord, e.g.
-        # by DistributedReceiver as their bucket arrived) are not computed again
+        # by BroadcastReceiver as their bucket arrived) are not computed again
         todo = [r for r in received.values() if not isinstance(r, VerifiedRecord)]
         sums = checksums([r.name for r in todo], [r.value for r in todo])  # a host read/device
         verified_records(todo, sums)

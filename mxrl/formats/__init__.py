@@ -7,7 +7,13 @@ Pure PyTorch, eager, fp32 math in the order of spec/formats.md; same bytes on an
     x_hat = dequantize(q)
 """
 
-from mxrl.formats.api import decode_global_scale, dequantize, quantize
+from mxrl.formats.api import (
+    QuantizeOptions,
+    check_request,
+    decode_global_scale,
+    dequantize,
+    quantize,
+)
 from mxrl.formats.constants import Format
 from mxrl.formats.layout import swizzle_scales, unswizzle_scales
 from mxrl.formats.numerics import sqnr_db, tensor_hash
@@ -17,6 +23,8 @@ __all__ = [
     "GLOBAL_SCALES",
     "Format",
     "QTensor",
+    "QuantizeOptions",
+    "check_request",
     "decode_global_scale",
     "dequantize",
     "quantize",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+from typing import Any
+
 import torch
 
 from mxrl.formats import codecs
@@ -13,6 +16,38 @@ from mxrl.formats.qtensor import QTensor
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEFAULT_SCALE_MODE = {C.Format.MXFP8: "rceil", C.Format.NVFP4: "te", C.Format.FP8_BLOCK: "fp32"}
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """The quantizer's argument list, spelled once: `quantize` below takes these keywords and
+    `mxrl.kernels.quantize` builds this record from them (its docstring says what each does).
+    Nothing is checked here: whether an option is allowed depends on the format and the tensor,
+    so `check_request` checks it against both, with the messages `quantize` has always given."""
+
+    axis: int = -1
+    scale_mode: str | None = None
+    per_token: bool = False
+    global_amax: torch.Tensor | float | None = None
+    block: tuple[int, int] | None = None
+    check_finite: bool = False
+    check_amax: bool = True
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as `quantize`'s keywords (the values themselves, not copies)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_request(x: torch.Tensor, fmt: C.Format | str, options: QuantizeOptions) -> C.Format:
+    """The quantized format `fmt` names, once the request is one the quantizer takes: x a
+    floating tensor of a shape the format blocks, the options the format's own, and with
+    `check_finite` no NaN/Inf in x. Raises TypeError / ValueError naming what to change."""
+    parsed = _parse_format(fmt)
+    o = options
+    _check_input(x, parsed, o.axis, o.per_token, o.global_amax, o.block)
+    if o.check_finite:
+        _raise_if_not_finite(x, parsed)
+    return parsed
 
 
 def quantize(
@@ -49,10 +84,16 @@ def quantize(
     scale to 0x7F, so that whole block dequantizes to NaN (docs/formats.md, "Non-finite inputs").
     A tensor with a zero-size dimension is refused (there is nothing to quantize).
     """
-    fmt = _parse_format(fmt)
-    _check_input(x, fmt, axis, per_token, global_amax, block)
-    if check_finite:
-        _raise_if_not_finite(x, fmt)
+    options = QuantizeOptions(
+        axis=axis,
+        scale_mode=scale_mode,
+        per_token=per_token,
+        global_amax=global_amax,
+        block=block,
+        check_finite=check_finite,
+        check_amax=check_amax,
+    )
+    fmt = check_request(x, fmt, options)
     mode = scale_mode if scale_mode is not None else _DEFAULT_SCALE_MODE[fmt]
     if fmt is C.Format.MXFP8:
         ndim = x.dim()

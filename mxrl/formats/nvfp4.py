@@ -45,7 +45,7 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.ones_like(s_enc), s_enc)
 
 
-def _caller_amax(
+def caller_amax(
     global_amax,
     shape: torch.Size,
     device: torch.device,
@@ -154,7 +154,7 @@ def quantize_nvfp4(
     if per_token:
         g_amax = b_amax.amax(dim=-1, keepdim=True)  # [..., 1]
     elif global_amax is not None:
-        g_amax = _caller_amax(global_amax, shape, x.device, check=check_amax, data_amax=b_amax)
+        g_amax = caller_amax(global_amax, shape, x.device, check=check_amax, data_amax=b_amax)
     else:
         g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
     s_enc = global_encode_scale(g_amax)

@@ -1,17 +1,24 @@
 """Fast paths (Triton on CUDA): quantizers byte-exact with the reference in `mxrl.formats`, and
 GEMMs with low-bit weights within a stated bound of the emulated GEMM (`decode_gemm`).
 
-    from mxrl.kernels import Backend, quantize, quantize_mxfp8_both, select_backend
-    backend = select_backend(cfg.kernel_backend, device)   # once, from config
-    q = quantize(x, "nvfp4", per_token=True, backend=backend)
-    y = low_bit_linear(x, wq, backend=backend)    # GEMM with an NVFP4 / MXFP8 weight (decode)
+    from mxrl.kernels import Kernels, quantize, low_bit_linear
+    kernels = Kernels.resolve(cfg.kernel_backend, device)   # once, from config
+    q = quantize(x, "nvfp4", per_token=True, backend=kernels.quantizer)
+    y = low_bit_linear(x, wq, backend=kernels.rollout_gemm)  # GEMM with a packed weight (decode)
 
 Importing this package does not import triton (CI has none): the kernels load on first use of
 the triton backend. docs/kernels.md lists each kernel and the reference it matches.
 """
 
 from mxrl.kernels.api import dequantize, qdq_mxfp8, quantize, quantize_mxfp8_both, to_float32
-from mxrl.kernels.backend import Backend, select_backend, triton_available
+from mxrl.kernels.backend import (
+    Backend,
+    Gemm,
+    Kernels,
+    default_kernels,
+    select_backend,
+    triton_available,
+)
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
     grouped_low_bit_linear,
@@ -22,7 +29,10 @@ from mxrl.kernels.decode_gemm import (
 
 __all__ = [
     "Backend",
+    "Gemm",
     "GemmConfig",
+    "Kernels",
+    "default_kernels",
     "dequantize",
     "grouped_low_bit_linear",
     "grouped_low_bit_matmul",

@@ -15,15 +15,17 @@ triton backend: ask for backend "reference" for those.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mxrl.formats import QTensor, decode_global_scale
 from mxrl.formats import constants as C
 from mxrl.formats import dequantize as reference_dequantize
 from mxrl.formats import quantize as reference_quantize
-from mxrl.formats.api import _check_input, _parse_format, _raise_if_not_finite
-from mxrl.formats.nvfp4 import _caller_amax
-from mxrl.kernels.backend import Backend, select_backend, tracing
+from mxrl.formats.api import QuantizeOptions, check_request
+from mxrl.formats.nvfp4 import caller_amax
+from mxrl.kernels.backend import Backend, Kernels, backend_for, tracing
 
 KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te",)}
 KERNEL_SCALE_MODES[C.Format.FP8_BLOCK] = ("fp32", "ue8m0")
@@ -34,36 +36,22 @@ def quantize(
     x: torch.Tensor,
     fmt: C.Format | str,
     *,
-    axis: int = -1,
-    scale_mode: str | None = None,
-    per_token: bool = False,
-    global_amax: torch.Tensor | float | None = None,
-    block: tuple[int, int] | None = None,
-    check_finite: bool = False,
-    check_amax: bool = True,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
+    **options: Any,
 ) -> QTensor:
-    """`mxrl.formats.quantize(x, fmt, ...)` (same arguments, same bytes) on `backend`.
+    """`mxrl.formats.quantize(x, fmt, **options)` (the same options, `QuantizeOptions`; the same
+    bytes) on `backend`. An unknown option is a TypeError.
 
     backend: a `Backend` chosen once from config (`select_backend`); None means the default for
     x's device (triton on CUDA when available, the reference elsewhere)."""
-    chosen = select_backend(backend, x.device if isinstance(x, torch.Tensor) else None)
-    kwargs = dict(
-        axis=axis,
-        scale_mode=scale_mode,
-        per_token=per_token,
-        global_amax=global_amax,
-        block=block,
-        check_finite=check_finite,
-        check_amax=check_amax,
-    )
+    opts = QuantizeOptions(**options)
+    chosen = backend_for(backend, x.device if isinstance(x, torch.Tensor) else None)
     if chosen is Backend.REFERENCE:
-        return reference_quantize(x, fmt, **kwargs)
-    fmt = _parse_format(fmt)
-    _check_input(x, fmt, axis, per_token, global_amax, block)
-    mode = _kernel_scale_mode(fmt, scale_mode)
-    if check_finite:
-        _raise_if_not_finite(x, fmt)
+        return reference_quantize(x, fmt, **opts.kwargs())
+    # the reference's checks and order (the non-finite check before the kernels' own refusals)
+    fmt = check_request(x, fmt, opts)
+    mode = _kernel_scale_mode(fmt, opts.scale_mode)
+    axis, per_token, global_amax = opts.axis, opts.per_token, opts.global_amax
     if fmt is C.Format.MXFP8:
         ndim = x.dim()
         if axis in (-1, ndim - 1):
@@ -86,11 +74,11 @@ def quantize(
         if global_amax is not None:
             # checked, also against x's own amax: one more read of x, and the host read of
             # the check (check_amax=False, the hot paths' choice, skips both)
-            data = _finite_magnitude(x) if check_amax else None
-            g = _caller_amax(global_amax, x.shape, x.device, check=check_amax, data_amax=data)
+            data = _finite_magnitude(x) if opts.check_amax else None
+            g = caller_amax(global_amax, x.shape, x.device, check=opts.check_amax, data_amax=data)
         q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token)
         return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
-    br, bk = block or C.FP8_BLOCK_WEIGHT
+    br, bk = opts.block or C.FP8_BLOCK_WEIGHT
     if bk not in KERNEL_FP8_BLOCK_SIZES:
         raise ValueError(
             f"fp8_block block {(br, bk)}: the triton kernels take b in {KERNEL_FP8_BLOCK_SIZES}; "
@@ -107,7 +95,7 @@ def _finite_magnitude(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_mxfp8_both(
-    x: torch.Tensor, *, check_finite: bool = False, backend: Backend | str | None = None
+    x: torch.Tensor, *, check_finite: bool = False, backend: Kernels | Backend | str | None = None
 ) -> tuple[QTensor, QTensor]:
     """MXFP8 row-wise (1x32 along K) and column-wise (32x1 along dim -2) copies of x [..., M, K],
     each quantized from x (DESIGN.md §1), equal to `formats.quantize(x, "mxfp8")` and
@@ -116,14 +104,12 @@ def quantize_mxfp8_both(
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"quantize_mxfp8_both takes a [..., M, K] tensor, got {got}")
     col_axis = x.dim() - 2
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE:
         row = reference_quantize(x, C.Format.MXFP8, check_finite=check_finite)
         return row, reference_quantize(x, C.Format.MXFP8, axis=col_axis)
-    _check_input(x, C.Format.MXFP8, -1, False, None, None)
-    _check_input(x, C.Format.MXFP8, col_axis, False, None, None)
-    if check_finite:
-        _raise_if_not_finite(x, C.Format.MXFP8)
+    check_request(x, C.Format.MXFP8, QuantizeOptions())
+    check_request(x, C.Format.MXFP8, QuantizeOptions(axis=col_axis, check_finite=check_finite))
     q_row, s_row, q_col, s_col = _kernel("quantize_mxfp8")(x, True, True)
     e8m0 = torch.float8_e8m0fnu
     return (
@@ -137,7 +123,7 @@ def dequantize(
     *,
     global_scale: bool = True,
     dtype: torch.dtype = torch.bfloat16,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> torch.Tensor:
     """`mxrl.formats.dequantize(q, global_scale=global_scale).to(dtype)`, bit for bit.
 
@@ -146,7 +132,7 @@ def dequantize(
     global scale) and fp8_block blocks that divide the tensor; other dtypes and layouts (an
     mxfp8 copy along another axis, fp8_block blocks that overhang the tensor) run the reference:
     the same bytes, without the speed."""
-    chosen = select_backend(backend, q.device)
+    chosen = backend_for(backend, q.device)
     fmt = q.fmt
     shape = list(q.shape)
     if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(shape) >= 1:
@@ -164,7 +150,7 @@ def qdq_mxfp8(
     *,
     rowwise: bool = True,
     colwise: bool = False,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The bf16 operands of x's MXFP8 copies, each `dequantize(quantize(x, "mxfp8", axis=...))`
     in bf16 (row-wise: blocks along K; column-wise: along dim -2), None for a copy not asked
@@ -175,7 +161,7 @@ def qdq_mxfp8(
     if not isinstance(x, torch.Tensor) or (colwise and x.dim() < 2):
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"qdq_mxfp8 takes a [..., M, K] tensor, got {got}")
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE:
 
         def qdq(axis: int) -> torch.Tensor:
@@ -183,17 +169,17 @@ def qdq_mxfp8(
             return reference_dequantize(q).to(torch.bfloat16)
 
         return (qdq(-1) if rowwise else None), (qdq(x.dim() - 2) if colwise else None)
-    _check_input(x, C.Format.MXFP8, -1, False, None, None)
+    check_request(x, C.Format.MXFP8, QuantizeOptions())
     if colwise:
-        _check_input(x, C.Format.MXFP8, x.dim() - 2, False, None, None)
+        check_request(x, C.Format.MXFP8, QuantizeOptions(axis=x.dim() - 2))
     row, col = _kernel("qdq_mxfp8")(x, rowwise, colwise)
     return (row if rowwise else None), (col if colwise else None)
 
 
-def to_float32(x: torch.Tensor, *, backend: Backend | str | None = None) -> torch.Tensor:
+def to_float32(x: torch.Tensor, *, backend: Kernels | Backend | str | None = None) -> torch.Tensor:
     """x.to(torch.float32), the same bits; for a bf16 x on the triton backend one copy-speed
     kernel (`triton_dequant.launch_widen_bf16`) instead of torch's generic casting loop."""
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device)
     if chosen is Backend.REFERENCE or x.dtype != torch.bfloat16:
         return x.to(torch.float32)
     return _kernel("widen_bf16")(x)

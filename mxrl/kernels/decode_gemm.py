@@ -38,7 +38,7 @@ import torch
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import Format
 from mxrl.kernels.api import quantize as kernel_quantize
-from mxrl.kernels.backend import Backend, num_sms, select_backend
+from mxrl.kernels.backend import Backend, Kernels, backend_for, num_sms
 from mxrl.kernels.emulated import emulated_gemm
 
 __all__ = [
@@ -163,14 +163,14 @@ def low_bit_linear(
     *,
     act_per_token: bool = True,
     out_dtype: torch.dtype | None = None,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] through the weight wq (QTensor [N, K], nvfp4 or mxfp8): the
     activation is quantized per the plan (MXFP8 1x32; NVFP4 per token, or per tensor with
     act_per_token=False), then `low_bit_matmul`. out_dtype defaults to x's dtype."""
     _check_weight(wq, 2)
-    chosen = select_backend(backend, x.device)
+    chosen = backend_for(backend, x.device, "rollout_gemm")
     lead = x.shape[:-1]
     xq = _quantize_activation(x.reshape(-1, x.shape[-1]), wq, act_per_token, chosen)
     y = low_bit_matmul(xq, wq, out_dtype=out_dtype or x.dtype, backend=chosen, config=config)
@@ -183,7 +183,7 @@ def grouped_low_bit_linear(
     expert_offsets: torch.Tensor,
     *,
     out_dtype: torch.dtype | None = None,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
     config: GemmConfig | None = None,
     active_experts: int | None = None,
 ) -> torch.Tensor:
@@ -193,7 +193,7 @@ def grouped_low_bit_linear(
     activations get per-token scales (routed experts, docs/design.md §1). active_experts: expected
     number of experts with rows, a performance hint only (default min(E, T))."""
     _check_weight(wq, 3)
-    chosen = select_backend(backend, x_sorted.device)
+    chosen = backend_for(backend, x_sorted.device, "rollout_gemm")
     xq = _quantize_activation(x_sorted, wq, True, chosen)
     return grouped_low_bit_matmul(
         xq,
@@ -211,13 +211,13 @@ def low_bit_matmul(
     wq: QTensor,
     *,
     out_dtype: torch.dtype = torch.float32,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """y [T, N] from a quantized activation xq [T, K] and weight wq [N, K] (same format)."""
     _check_weight(wq, 2)
     _check_activation(xq, wq)
-    chosen = select_backend(backend, xq.device)
+    chosen = backend_for(backend, xq.device, "rollout_gemm")
     if chosen is Backend.REFERENCE:
         return reference_low_bit_matmul(xq, wq).to(out_dtype)
     cfg = config or default_config(xq.shape[0], wq, xq.device)
@@ -230,7 +230,7 @@ def grouped_low_bit_matmul(
     expert_offsets: torch.Tensor,
     *,
     out_dtype: torch.dtype = torch.float32,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
     config: GemmConfig | None = None,
     active_experts: int | None = None,
 ) -> torch.Tensor:
@@ -245,7 +245,7 @@ def grouped_low_bit_matmul(
         )
     if expert_offsets.device != xq.device:
         raise ValueError(f"expert_offsets on {expert_offsets.device}, activations on {xq.device}")
-    chosen = select_backend(backend, xq.device)
+    chosen = backend_for(backend, xq.device, "rollout_gemm")
     if chosen is Backend.REFERENCE:
         return reference_low_bit_matmul(xq, wq, expert_offsets).to(out_dtype)
     cfg = config or default_config(xq.shape[0], wq, xq.device, active_experts)

@@ -18,8 +18,8 @@ has its PyTorch reference beside it, which is also what the CPU runs.
   values as the reference on every device, so any batch may take either.
 - `rope`: rotary embeddings of q and k in one launch (bf16), each product and the sum rounded
   to bf16 as the eager ops (`x * cos + rotate_half(x) * sin`) round them: the same bytes.
-- `moe_route`: the router's fp32 softmax, top-k, renormalisation and cast (models.layers.
-  TopKSoftmax) in one launch for E <= 512. The ids are the k largest logits by exact fp32
+- `moe_route`: the router's fp32 softmax, top-k, renormalisation and cast (`topk_softmax`,
+  which models.layers.TopKSoftmax runs) in one launch for E <= 512. The ids are the k largest logits by exact fp32
   comparisons, ties to the lower expert index: no rounding enters the choice, so they are the
   same on every device, and they are known before any exp. The reference ranks its rounded
   probabilities instead, a non-decreasing function of the logits (its exp is monotone), so
@@ -40,6 +40,7 @@ heads, D head dim.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _MAX_NORM_ROW = 16384  # one program holds a whole row
 _COMBINE_BLOCK = 1024
@@ -168,12 +169,22 @@ def _moe_group_launch(ids_Tk: torch.Tensor, num_experts: int):
     return offsets, order, token_of, rows
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding of one tensor [B, N, S, D]: x * cos + rotate_half(x) * sin."""
+    cos, sin = cos_BSD[:, None], sin_BSD[:, None]
+    return x_BNSD * cos + _rotate_half(x_BNSD) * sin
+
+
 def rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """mxrl.models.layers.apply_rope of q [B, N, S, D] and k [B, Nk, S, D], cos / sin [B, S, D]."""
-    from mxrl.models.layers import apply_rope
-
+    """`apply_rope` of q [B, N, S, D] and k [B, Nk, S, D], cos / sin [B, S, D]: the model's RoPE
+    (mxrl.models.layers.ApplyRope runs this function)."""
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -208,13 +219,24 @@ def rope(
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
+def topk_softmax(
+    logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's selection (mxrl.models.layers.TopKSoftmax runs this function): fp32 softmax
+    over the E experts, the k largest probabilities (renormalised to sum to 1 if `norm`), cast to
+    `out_dtype`. (ids [T, k] int64, weights [T, k]), in descending probability."""
+    probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    weights_Tk, ids_Tk = torch.topk(probs_TE, top_k, dim=-1)
+    if norm:
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+    return ids_Tk, weights_Tk.to(out_dtype)
+
+
 def moe_route_reference(
     logits_TE: torch.Tensor, top_k: int, norm: bool, out_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """mxrl.models.layers.TopKSoftmax, op for op: (ids int64 [T, k], weights [T, k] out_dtype)."""
-    from mxrl.models.layers import TopKSoftmax
-
-    return TopKSoftmax(logits_TE.shape[-1], top_k, norm)(logits_TE, out_dtype)
+    """`topk_softmax`: (ids int64 [T, k], weights [T, k] out_dtype)."""
+    return topk_softmax(logits_TE, top_k, norm, out_dtype)
 
 
 def moe_route(

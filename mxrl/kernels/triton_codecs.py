@@ -246,7 +246,7 @@ def e2m1_encode(v):
 @triton.jit
 def nvfp4_encode_scale(amax):
     """S_enc = fl(2688 / amax) capped at FLT_MAX; 0 or Inf amax -> 1 (spec §3.2). The kernels'
-    amaxes are finite (`finite_amax`), and so must a caller's be (`nvfp4._caller_amax`)."""
+    amaxes are finite (`finite_amax`), and so must a caller's be (`nvfp4.caller_amax`)."""
     s_enc = tl.div_rn(tl.full(amax.shape, NVFP4_NUMERATOR, tl.float32), amax)
     s_enc = tl.minimum(s_enc, FLT_MAX)
     bad = (amax == 0.0) | (s_enc == 0.0)

@@ -1,4 +1,4 @@
-"""The weight-sync checksum's levels (mxrl/weights/digest.py) in Triton: every field of a
+"""The weight-sync checksum's levels (mxrl/kernels/digest.py) in Triton: every field of a
 `checksums` call, every level, a handful of launches, reading each byte once at memory speed.
 The reference (and CPU path) is `digest.field_digest_reference`; the integers are the same
 (exact int32 sums: digest.py's docstring), so the digests are the same bytes.
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrl.weights.digest import (
+from mxrl.kernels.digest import (
     DIGEST_BYTES,
     LANES,
     MAX_LEVELS,

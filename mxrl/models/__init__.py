@@ -1,4 +1,5 @@
-"""Model definitions shared by trainer and rollout engine, and the HF checkpoint adapter.
+"""Model definitions shared by trainer and rollout engine, and HF checkpoint I/O (`ModelConfig`
+and the HF <-> model name mapping are `mxrl.arch`'s).
 
     from mxrl.models import build_model, from_pretrained, save_pretrained
     model = from_pretrained("path/to/Qwen3-30B-A3B", dtype=torch.bfloat16, device="cuda")
@@ -9,9 +10,8 @@ Families: qwen3 (dense), qwen3_moe, qwen2_moe (and qwen3_moe with a shared exper
 names are the canonical HF names of the fused expert layout. docs/models.md has the details.
 """
 
-from mxrl.models.adapter import Target, hf_tensors, target_of
-from mxrl.models.checkpoint import from_pretrained, parse_size, save_pretrained
-from mxrl.models.config import MODEL_TYPES, ModelConfig
+from mxrl.models.hf_checkpoint import from_pretrained
+from mxrl.models.hf_save import parse_size, save_pretrained
 from mxrl.models.layers import (
     MLP,
     Attention,
@@ -27,26 +27,21 @@ from mxrl.models.tokenizer import CharTokenizer, load_tokenizer
 
 __all__ = [
     "MLP",
-    "MODEL_TYPES",
     "Attention",
     "CausalLM",
     "CharTokenizer",
     "DecoderLayer",
     "DecoderModel",
     "KVCache",
-    "ModelConfig",
     "RMSNorm",
     "RotaryEmbedding",
     "SparseMoeBlock",
-    "Target",
     "build_model",
     "causal_mask",
     "empty_model",
     "from_pretrained",
-    "hf_tensors",
     "init_weights",
     "load_tokenizer",
     "parse_size",
     "save_pretrained",
-    "target_of",
 ]

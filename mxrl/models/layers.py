@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mxrl.models.config import ModelConfig
+from mxrl.arch.config import ModelConfig
+from mxrl.kernels.rowwise import rope_reference, topk_softmax
 from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
 
@@ -109,16 +110,6 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BNSD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BSD[:, None], sin_BSD[:, None]
-    return x_BNSD * cos + _rotate_half(x_BNSD) * sin
-
-
 class ApplyRope(nn.Module):
     """RoPE applied to a layer's queries and keys: a module (no parameters), so the rollout
     engine can swap in a fused launch (mxrl.kernels.rowwise.rope, the same bytes)."""
@@ -130,7 +121,7 @@ class ApplyRope(nn.Module):
         cos_BSD: torch.Tensor,
         sin_BSD: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(q_BNSD, cos_BSD, sin_BSD), apply_rope(k_BKSD, cos_BSD, sin_BSD)
+        return rope_reference(q_BNSD, k_BKSD, cos_BSD, sin_BSD)
 
 
 class Attention(nn.Module):
@@ -230,11 +221,7 @@ class TopKSoftmax(nn.Module):
         self, logits_TE: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [T, k] int64, weights [T, k] in `dtype`), in descending probability."""
-        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        weights_Tk, ids_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
-        return ids_Tk, weights_Tk.to(dtype)
+        return topk_softmax(logits_TE, self.top_k, self.norm_topk_prob, dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"

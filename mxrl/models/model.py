@@ -4,7 +4,7 @@ Legend: B batch, S query length, L key/value length (S plus cached tokens), H hi
 k experts per token.
 
 `CausalLM.state_dict()` keys are the canonical HF names of the fused expert layout, exactly as
-`mxrl.recipe.tensors_from_hf_config(config, "fused")` lists them (tied embeddings: no
+`mxrl.arch.tensors_from_hf_config(config, "fused")` lists them (tied embeddings: no
 `lm_head.weight`, the logits use `model.embed_tokens.weight`).
 """
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from mxrl.models.config import ModelConfig
+from mxrl.arch.config import ModelConfig
 from mxrl.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, causal_mask
 from mxrl.nn import GroupedExperts
 

@@ -2,17 +2,16 @@
 
 from mxrl.nn import apply_plan
 swaps = apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
-set_gemm(model, "reference")   # the fp32 reference GEMMs (default on the CPU; docs/nn.md)
+set_gemm(model, "reference")   # the fp32 reference GEMMs (`mxrl.kernels.Gemm`) (default on the CPU; docs/nn.md)
 """
 
 from mxrl.nn.apply import Swap, apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
+from mxrl.nn.gemm import set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache, weights_changed
 
 __all__ = [
-    "Gemm",
     "GroupedExperts",
     "QExperts",
     "QLinear",
@@ -21,7 +20,6 @@ __all__ = [
     "Swap",
     "WeightCache",
     "apply_plan",
-    "select_gemm",
     "set_gemm",
     "swap_table",
     "weights_changed",

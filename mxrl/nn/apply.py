@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from mxrl.formats.constants import Format
-from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import Backend, Kernels
+from mxrl.kernels.backend import backend_for
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.recipe import Plan, TensorSpec
@@ -29,15 +30,18 @@ class Swap:
     formats: tuple[str, ...]
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, backend: Backend | str | None = None) -> list[Swap]:
+def apply_plan(
+    model: nn.Module, plan: Plan, *, backend: Kernels | Backend | str | None = None
+) -> list[Swap]:
     """Replace nn.Linear by QLinear and GroupedExperts by QExperts wherever the plan gives a
     quantized format; bf16 tensors keep their high-precision modules. Returns what was swapped.
 
-    backend: the quantizer implementation, chosen here once for the model's device
-    (`mxrl.kernels.select_backend`: triton on CUDA when available, the reference on the CPU)."""
+    backend: the run's `Kernels` record (its quantizer is used), or a quantizer backend checked
+    here once for the model's device; None: `default_kernels` of the model's device (triton on
+    CUDA when available, the reference on the CPU)."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device if params else torch.device("cpu")
-    chosen = select_backend(backend, device)
+    chosen = backend_for(backend, device)
     _check_names(params, plan)
     canonical = {id(p): name for name, p in params.items()}
     swaps: list[Swap] = []

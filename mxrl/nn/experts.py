@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxrl.kernels.backend import Gemm
 from mxrl.nn import invariant
-from mxrl.nn.gemm import Gemm, resolved_gemm
+from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
 
 
@@ -44,7 +45,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.nn.gemm.select_gemm)
+        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)

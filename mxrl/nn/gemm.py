@@ -1,4 +1,5 @@
-"""Which GEMMs the training ops run: chosen once per module (house style 5), by device by default.
+"""The training ops' GEMM helpers, and `set_gemm`: which GEMMs a module runs (`Gemm`, chosen by
+`mxrl.kernels.Kernels.resolve`; by device by default, house style 5).
 
 - `Gemm.REFERENCE`: the CPU path and the test oracle. fp32 GEMMs on the operands docs/nn.md names
   (`mxrl.nn.qmatmul`), routed experts one expert at a time (a Python loop, a host sync for the
@@ -16,47 +17,10 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from enum import StrEnum
 
 import torch
 
-
-class Gemm(StrEnum):
-    REFERENCE = "reference"
-    TENSOR_CORE = "tensor_core"
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def tensor_cores_available(device: torch.device) -> bool:
-    """A CUDA device with bf16 grouped GEMMs and FP8 tensor cores (sm_90+)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (9, 0)
-
-
-def select_gemm(requested: Gemm | str | None, device: torch.device | str) -> Gemm:
-    """The GEMMs for tensors on `device`: TENSOR_CORE on CUDA sm_90+, else REFERENCE; a request
-    the device cannot run is refused here, naming the requirement."""
-    dev = torch.device(device)
-    if requested is None:
-        return Gemm.TENSOR_CORE if tensor_cores_available(dev) else Gemm.REFERENCE
-    try:
-        gemm = Gemm(requested)
-    except ValueError:
-        choices = ", ".join(repr(g.value) for g in Gemm)
-        raise ValueError(f"unknown gemm {requested!r}; choose one of {choices}") from None
-    if gemm is Gemm.TENSOR_CORE and dev.type == "cuda" and not tensor_cores_available(dev):
-        raise ValueError(
-            f"gemm 'tensor_core' needs an sm_90+ GPU (bf16 grouped GEMMs, FP8 tensor cores); "
-            f"{dev} is sm_{''.join(map(str, _capability(dev.index or 0)))}: use 'reference'"
-        )
-    return gemm
+from mxrl.kernels.backend import Gemm, default_kernels
 
 
 def set_gemm(model: torch.nn.Module, gemm: Gemm | str | None) -> int:
@@ -72,13 +36,8 @@ def set_gemm(model: torch.nn.Module, gemm: Gemm | str | None) -> int:
 
 
 def resolved_gemm(choice: Gemm | str | None, device: torch.device) -> Gemm:
-    """A module's choice, or the device default (cached per device)."""
-    return Gemm(choice) if choice is not None else _default_for(device)
-
-
-@functools.cache
-def _default_for(device: torch.device) -> Gemm:
-    return select_gemm(None, device)
+    """A module's choice, or the device default (`default_kernels(device).train_gemm`, cached)."""
+    return Gemm(choice) if choice is not None else default_kernels(device).train_gemm
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,10 @@ from torch import nn
 
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
+from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.fast import TensorCoreQMatmul, TensorCoreWeight
-from mxrl.nn.gemm import Gemm, no_autocast, resolved_gemm
+from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.grouped import GroupedLinear
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
@@ -49,7 +50,7 @@ class QLinear(nn.Linear):
         self._cache = WeightCache()
         self._tc_cache = WeightCache()  # the tensor-core GEMMs' form of the same bytes
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.nn.gemm.select_gemm)
+        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     @classmethod
     def from_linear(

@@ -37,9 +37,10 @@ from torch.distributed.tensor import DTensor
 
 from mxrl.formats import QTensor
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
-from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import Backend, Kernels
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
+from mxrl.kernels.backend import backend_for
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_amax
 from mxrl.weights import DEFAULT_BUCKET_BYTES, Bucket, Export, QuantizationEvent, check_finite
@@ -104,7 +105,7 @@ def sharded_export(
     step: int = 0,
     sqnr: bool = True,
     bf16_dtype: torch.dtype = torch.bfloat16,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> ShardedExport:
     """Export a model whose parameters are FSDP2 DTensors (or plain tensors, held whole) under
     `plan`; collective over `group` (the train ranks). Raises ValueError on every rank, before
@@ -171,7 +172,7 @@ def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -
         p = params[name]
         shard = _local(p)
         if shard.device not in chosen:
-            chosen[shard.device] = select_backend(backend, shard.device)
+            chosen[shard.device] = backend_for(backend, shard.device)
         be = chosen[shard.device]
         if _shard_local_ok(p, spec, world):
             value = _quantize_shard(shard, spec, params, partners, group, bf16_dtype, be)

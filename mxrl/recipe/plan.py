@@ -20,15 +20,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from mxrl.arch.names import Kind, TensorInfo, classify_tensors, gate_up_group, is_matmul_weight
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format, block_along_k
 from mxrl.recipe.audit import format_summary, format_table
-from mxrl.recipe.names import (
-    Kind,
-    TensorInfo,
-    classify_tensors,
-    gate_up_group,
-    is_matmul_weight,
-)
 from mxrl.recipe.schema import ACTIVATIONS, Backward, Recipe, load_recipe
 
 logger = logging.getLogger(__name__)

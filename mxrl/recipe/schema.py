@@ -29,9 +29,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from mxrl.arch.names import Kind, TensorInfo
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.recipe.layers import LayerSelector, parse_layers
-from mxrl.recipe.names import Kind, TensorInfo
 from mxrl.runs.yamlio import load_yaml
 
 

@@ -1,6 +1,7 @@
-"""RL building blocks: GRPO advantages and the clipped policy loss with TIS/MIS, mismatch and
-stability metrics, prompt datasets, rewards, the embedded arithmetic task, trainer-side
-logprobs and the trainer-vs-rollout probe (docs/rl.md, docs/mismatch.md).
+"""The RL math and the one trainer: GRPO advantages and the clipped policy loss with TIS/MIS,
+mismatch and stability metrics, trainer-side logprobs (docs/rl.md, docs/mismatch.md); the
+applications that use them (train, demo, warm-up, task, datasets, rewards, the mismatch probe)
+are in `mxrl.app`.
 
 The names below are imported on first use (PEP 562), so that `mxrl.rl.config` — the train
 config's schema, checked before any work — loads without torch and a config error is reported
@@ -12,17 +13,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "mxrl.rl.data": ("PromptDataset", "PromptExample", "SkippedRow", "encode_prompt",
-                     "render_prompt"),
     "mxrl.rl.grpo": ("group_advantages", "policy_loss", "zero_std_groups"),
     "mxrl.rl.logprobs": ("completion_logprobs",),
     "mxrl.rl.mismatch": ("MismatchMetrics", "mismatch_metrics"),
-    "mxrl.rl.probe": ("measure_mismatch",),
-    "mxrl.rl.rewards": ("exact_match_reward", "integer_reward", "last_boxed", "load_reward",
-                        "math_reward"),
     "mxrl.rl.stability": ("GradSpikeDetector", "SpikeDecision", "layer_grad_norms",
                           "top_growth"),
-    "mxrl.rl.task": ("ArithmeticTask", "Problem", "SupervisedExample"),
 }  # fmt: skip
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

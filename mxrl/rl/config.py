@@ -277,7 +277,7 @@ def _section(path: str, value: Any) -> Any:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """A whole `mxrl train` file (mxrl/rl/train.py has an example)."""
+    """A whole `mxrl train` file (mxrl/app/train.py has an example)."""
 
     model: str = field(default=None, metadata=rule(REFUSE, text))
     dtype: str = field(default="float32", metadata=rule(REFUSE, choice("float32", "bfloat16")))

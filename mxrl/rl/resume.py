@@ -54,12 +54,12 @@ class ResumePoint:
 
 
 def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> ResumePoint:
-    """Check that `cfg` (with `resume:` set, its paths checked: `mxrl.rl.preflight`) can
+    """Check that `cfg` (with `resume:` set, its paths checked: `mxrl.app.preflight`) can
     continue its run; ValueError naming what cannot, before anything is written. `plan_hash`:
     the plan this config resolves."""
     assert cfg.resume is not None
     run_dir = Path(cfg.resume)
-    assert is_run_dir(run_dir), "mxrl.rl.preflight.check_paths refuses a folder that is no run"
+    assert is_run_dir(run_dir), "mxrl.app.preflight.check_paths refuses a folder that is no run"
     ckpt, state = _load_latest(run_dir, distributed)
     step = int(state["step"])
     old = _recorded_config(run_dir, state)
@@ -98,9 +98,9 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
 
     pt = latest_checkpoint(run_dir)
     if distributed:  # torch.distributed.checkpoint: imported only for a torchrun launch
-        from mxrl.parallel import checkpoint as dcp_checkpoint
+        from mxrl.parallel import dcp
 
-        ckpt, other = dcp_checkpoint.latest(run_dir, CHECKPOINT_DIR), pt
+        ckpt, other = dcp.latest(run_dir, CHECKPOINT_DIR), pt
     else:
         folders = [p for p in (run_dir / CHECKPOINT_DIR).glob("step_*") if p.is_dir()]
         ckpt, other = pt, max(folders, default=None)
@@ -119,7 +119,7 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
         )
     try:
         if distributed:
-            state = dcp_checkpoint.trainer_state(ckpt)
+            state = dcp.trainer_state(ckpt)
         else:
             state = torch.load(ckpt, map_location="cpu", weights_only=False)
         missing = {"step", "plan_hash", "config"} - set(state)
@@ -192,3 +192,10 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value)
     return list(value) if isinstance(value, tuple) else value
+
+
+def apply_optimizer_settings(opt: Any, cfg: GRPOConfig) -> None:
+    """lr, betas and weight decay of `cfg` into every param group of an AdamW: after
+    `load_state_dict`, which restores the checkpoint's, so a resume trains with the config's."""
+    for group in opt.param_groups:
+        group["lr"], group["betas"], group["weight_decay"] = cfg.lr, cfg.betas, cfg.weight_decay

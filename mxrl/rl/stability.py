@@ -128,26 +128,37 @@ class GradSpikeDetector:
         self.num_skipped = int(state["num_skipped"])
 
 
-def layer_grad_norms(model: torch.nn.Module) -> dict[str, float]:
+def layer_grad_norms(model: torch.nn.Module, ranks: Any = None) -> dict[str, float]:
     """L2 norm of the gradients per group of parameters: "layer.{i}" (everything under
     `layers.{i}.`), "embed" (embed_tokens), "lm_head", "norm" (the final norm) and "other"
     (anything else). Parameters without a gradient are left out; a group with none is absent.
-    One device sync for the whole model."""
+    One device sync for the whole model.
+
+    ranks: the train ranks (`mxrl.rl.actor.TrainRanks`) when the gradients are sharded: each
+    rank squares and sums its own shards (the same ops), and `ranks.sum` adds them up. With one
+    rank (or None) nothing is reduced."""
     groups: dict[str, list[torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        groups.setdefault(_group_of(name), []).append(p.grad.detach().float().pow(2).sum())
+        g = p.grad.detach()
+        # a DTensor (FSDP2) gives this rank's shard; duck-typed, so that one process does not
+        # import torch.distributed.tensor (seconds at start-up)
+        g = g.to_local() if hasattr(g, "to_local") else g
+        groups.setdefault(layer_group(name), []).append(g.float().pow(2).sum())
     if not groups:
         return {}
-    names = list(groups)
+    names = list(groups)  # parameter order: the same on every rank (FSDP2 grads all or none)
     sq = torch.stack([torch.stack(groups[n]).sum() for n in names])
+    if ranks is not None and ranks.size > 1:
+        sq = ranks.sum(sq)
     # math.sqrt is the correctly rounded IEEE root; torch.sqrt on the CPU is MKL's, which rounds
     # differently by processor (mxrl/rl/optim.py)
     return {n: math.sqrt(v) for n, v in zip(names, sq.tolist(), strict=True)}
 
 
-def _group_of(name: str) -> str:
+def layer_group(name: str) -> str:
+    """The group of `layer_grad_norms` a parameter name falls in."""
     hit = _LAYER.search(name)
     if hit:
         return f"layer.{int(hit.group(1))}"

@@ -1,4 +1,5 @@
-"""Compare runs: PNG plots (one figure per subject, one series per run) and comparison.md.
+"""Compare runs: PNG plots (one figure per subject, one series per run: `mxrl.runs.plots`) and
+comparison.md.
 
     result = compare(["runs/bf16-a", "runs/nvfp4-b"], "reports/ablation")
     result.figures  # {"reward": Path(".../reward.png"), ...}; a figure without data is skipped
@@ -10,9 +11,7 @@ marked from the grad/spike metric and spike events), step_time (mean time/rollou
 time/train_s, time/sync_s per run, stacked). Series are labelled by config recipe, else by run
 id. Runs of one recipe (seeds) are drawn as one line, their mean per step, with a band of one
 standard error of that mean over the seeds; a single run is a plain line. Steps are integers.
-
-matplotlib is imported here only, through `Figure` (no pyplot, no global backend change): the
-files are rendered by the Agg canvas, so no display is needed.
+`mxrl.runs.plots` draws them (matplotlib's `Figure` and Agg canvas: no pyplot, no display).
 """
 
 from __future__ import annotations
@@ -23,12 +22,12 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mxrl.runs import health
 from mxrl.runs.env import utc_now
-from mxrl.runs.record import SPIKE, RunRecord
-from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, _spikes, _syncs, fmt, summarize
+from mxrl.runs.plots import PLOTS, RunSeries
+from mxrl.runs.record import RunRecord
+from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, fmt, spikes_line, summarize, syncs_line
 
 logger = logging.getLogger(__name__)
 
@@ -51,20 +50,6 @@ class Comparison:
     skipped: tuple[str, ...] = ()
     problems: dict[str, list[str]] = field(default_factory=dict)
     unreadable: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class _Run:
-    label: str
-    color: Any
-    summary: RunSummary
-    rows: list[dict[str, float]]
-    events: list[dict[str, Any]]
-
-    def series(self, key: str) -> tuple[list[int], list[float]]:
-        """Steps and values of a metric; +-inf become NaN (a gap in the line)."""
-        pairs = [(r["step"], r[key]) for r in self.rows if key in r]
-        return [p[0] for p in pairs], [v if math.isfinite(v) else math.nan for _, v in pairs]
 
 
 def _labels(records: Sequence[RunRecord]) -> list[str]:
@@ -97,12 +82,12 @@ def compare(
     out.mkdir(parents=True, exist_ok=True)
     palette = colormaps["tab10"]
     loaded = [
-        _Run(label, palette(i % 10), summarize(rec), rec.metrics(), rec.events())
+        RunSeries(label, palette(i % 10), summarize(rec), rec.metrics(), rec.events())
         for i, (rec, label) in enumerate(zip(records, _labels(records), strict=True))
     ]
     figures: dict[str, Path] = {}
     skipped = []
-    for name, plot in _PLOTS.items():
+    for name, plot in PLOTS.items():
         fig = plot(loaded)
         if fig is None:
             skipped.append(name)
@@ -139,8 +124,8 @@ _ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("loss/clip_frac, mean", lambda s: fmt(s.mean.get("loss/clip_frac"))),
     ("grad/norm, mean", lambda s: fmt(s.mean.get("grad/norm"))),
     ("grad/norm, max", lambda s: fmt(s.max.get("grad/norm"))),
-    ("gradient spikes", _spikes),
-    ("weight syncs verified", lambda s: _syncs(s, markdown=True)),
+    ("gradient spikes", spikes_line),
+    ("weight syncs verified", lambda s: syncs_line(s, markdown=True)),
     ("quantization events", lambda s: str(s.num_quantization) if s.num_quantization else DASH),
     ("min layer SQNR at last export (dB)", lambda s: fmt(s.last_min_sqnr_db)),
     ("skipped dataset rows", lambda s: str(s.num_skipped_rows)),
@@ -174,7 +159,7 @@ def _cell(text: str) -> str:
 
 
 def _markdown(
-    runs: Sequence[_Run],
+    runs: Sequence[RunSeries],
     table: str,
     figures: dict[str, Path],
     skipped: Sequence[str],
@@ -221,213 +206,3 @@ def _markdown(
 
 
 # -- the figures -----------------------------------------------------------------------------
-
-
-def _new_figure(num_axes: int):
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(6.0 * num_axes, 4.0), layout="constrained")
-    axes = fig.subplots(1, num_axes, squeeze=False)[0]
-    return fig, list(axes)
-
-
-def _has(runs: Sequence[_Run], key: str) -> bool:
-    return any(any(key in r for r in run.rows) for run in runs)
-
-
-def _log_if_positive(ax, runs: Sequence[_Run], key: str) -> None:
-    values = [v for run in runs for v in run.series(key)[1] if not math.isnan(v)]
-    if values and min(values) > 0:
-        ax.set_yscale("log")
-
-
-# y-axis label of each plotted metric
-_YLABELS = {
-    "eval/accuracy": "held-out accuracy (greedy)",
-    "reward/mean": "mean reward per step",
-    "accuracy": "accuracy (share of rewards > 0.5)",
-    "mismatch/k3": "k3 estimate of KL(rollout || train)",
-    "mismatch/k1": "k1 estimate of KL(rollout || train)",
-    "grad/norm": "gradient norm (before clipping)",
-}
-
-
-def _groups(runs: Sequence[_Run]) -> list[list[_Run]]:
-    """Runs of one recipe together (seeds), in first-seen order; runs without one alone."""
-    groups: dict[str, list[_Run]] = {}
-    for run in runs:
-        recipe = run.summary.recipe
-        groups.setdefault(recipe if recipe else f"id:{run.summary.run_id}", []).append(run)
-    return list(groups.values())
-
-
-def _mean_and_stderr(group: Sequence[_Run], key: str) -> tuple[list[int], list[float], list[float]]:
-    """Per step logged by every run of the group: the mean and its standard error over runs
-    (0 for a single run)."""
-    per_run = [dict(zip(*run.series(key), strict=True)) for run in group]
-    steps = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
-    means, errors = [], []
-    for step in steps:
-        values = [d[step] for d in per_run if not math.isnan(d[step])]
-        n = len(values)
-        mean = sum(values) / n if n else math.nan
-        var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-        means.append(mean)
-        errors.append(math.sqrt(var / n) if n > 1 else 0.0)
-    return steps, means, errors
-
-
-def _line_axes(ax, runs: Sequence[_Run], key: str, marker: str | None = None) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    seeded = 0
-    for group in _groups(runs):
-        steps, means, errors = _mean_and_stderr(group, key)
-        if not steps:
-            continue
-        first = group[0]
-        label = first.summary.recipe or first.label
-        if len(group) > 1:
-            seeded = max(seeded, len(group))
-            label = f"{label} (mean of {len(group)} seeds)"
-            ax.fill_between(
-                steps,
-                [m - e for m, e in zip(means, errors, strict=True)],
-                [m + e for m, e in zip(means, errors, strict=True)],
-                color=first.color,
-                alpha=0.2,
-                linewidth=0,
-            )
-        ax.plot(steps, means, color=first.color, label=label, linewidth=1.4, marker=marker,
-                markersize=3)  # fmt: skip
-    ax.set_title(key + (" (band: ± 1 standard error over seeds)" if seeded else ""))
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel(_YLABELS.get(key, key))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-
-
-def _same_series(runs: Sequence[_Run], a: str, b: str) -> bool:
-    return all(run.series(a) == run.series(b) for run in runs)
-
-
-def plot_reward(runs: Sequence[_Run]):
-    keys = [k for k in ("reward/mean", "accuracy") if _has(runs, k)]
-    if len(keys) == 2 and _same_series(runs, *keys):
-        keys = keys[:1]  # 0/1 rewards: accuracy is the mean reward again
-    if not keys:
-        return None
-    fig, axes = _new_figure(len(keys))
-    for ax, key in zip(axes, keys, strict=True):
-        _line_axes(ax, runs, key)
-    return fig
-
-
-def plot_heldout(runs: Sequence[_Run]):
-    """Held-out accuracy per recipe (mean over seeds, band of one standard error)."""
-    if not _has(runs, "eval/accuracy"):
-        return None
-    fig, (ax,) = _new_figure(1)
-    _line_axes(ax, runs, "eval/accuracy", marker="o")
-    ax.set_title("held-out accuracy, greedy" + (" (band: ± 1 s.e. over seeds)" if any(
-        len(g) > 1 for g in _groups(runs)) else ""))  # fmt: skip
-    return fig
-
-
-def plot_mismatch(runs: Sequence[_Run]):
-    keys = [k for k in ("mismatch/k3", "mismatch/k1") if _has(runs, k)]
-    if not keys:
-        return None
-    fig, axes = _new_figure(len(keys))
-    for ax, key in zip(axes, keys, strict=True):
-        _line_axes(ax, runs, key)
-        _log_if_positive(ax, runs, key)
-    fig.suptitle("train-rollout mismatch, KL(rollout || train) estimators")
-    return fig
-
-
-def plot_grad_norm(runs: Sequence[_Run]):
-    if not _has(runs, "grad/norm"):
-        return None
-    fig, (ax,) = _new_figure(1)
-    _line_axes(ax, runs, "grad/norm")
-    marked = False
-    for run in runs:
-        norm = {r["step"]: r["grad/norm"] for r in run.rows if "grad/norm" in r}
-        from_events = {
-            e["step"]: e.get("grad_norm")
-            for e in run.events
-            if e.get("type") == SPIKE and isinstance(e.get("step"), int)
-        }
-        xs, ys = [], []
-        for step in run.summary.spike_steps:
-            y = norm.get(step, from_events.get(step))
-            try:
-                y = float(y)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(y):
-                xs.append(step)
-                ys.append(y)
-        if xs:
-            ax.scatter(
-                xs,
-                ys,
-                marker="o",
-                s=60,
-                facecolors="none",
-                edgecolors=run.color,
-                linewidths=1.8,
-                zorder=3,
-            )
-            marked = True
-    _log_if_positive(ax, runs, "grad/norm")
-    ax.set_title("grad/norm" + (" (circles: spikes)" if marked else ""))
-    return fig
-
-
-def plot_step_time(runs: Sequence[_Run]):
-    if not any(_has(runs, k) for k in TIME_KEYS):
-        return None
-    fig, (ax,) = _new_figure(1)
-    labels = [run.label for run in runs]
-    bottoms = [0.0] * len(runs)
-    hatches = ("", "//", "..")
-    for key, hatch in zip(TIME_KEYS, hatches, strict=True):
-        means = []
-        for run in runs:
-            v = run.summary.mean.get(key, 0.0)
-            means.append(v if math.isfinite(v) else 0.0)
-        ax.bar(
-            range(len(runs)),
-            means,
-            bottom=bottoms,
-            label=key.removeprefix("time/"),
-            color=[run.color for run in runs],
-            hatch=hatch,
-            edgecolor="black",
-            linewidth=0.6,
-        )
-        bottoms = [b + m for b, m in zip(bottoms, means, strict=True)]
-    ax.set_xticks(range(len(runs)), labels, rotation=15 if len(runs) > 3 else 0, fontsize="small")
-    ax.set_ylabel("seconds per step (mean)")
-    ax.set_title("step time: rollout (plain) / train (//) / sync (..)")
-    ax.grid(True, axis="y", alpha=0.3)
-    from matplotlib.patches import Patch
-
-    parts = [
-        Patch(facecolor="white", edgecolor="black", hatch=h, label=k.removeprefix("time/"))
-        for k, h in zip(TIME_KEYS, hatches, strict=True)
-    ]
-    ax.legend(handles=parts, fontsize="small")
-    return fig
-
-
-_PLOTS = {
-    "heldout": plot_heldout,
-    "reward": plot_reward,
-    "mismatch": plot_mismatch,
-    "grad_norm": plot_grad_norm,
-    "step_time": plot_step_time,
-}

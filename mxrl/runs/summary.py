@@ -357,8 +357,8 @@ def format_show(record: RunRecord, max_config_lines: int = 40) -> str:
     lines.append("")
     counts = ", ".join(f"{k} {v}" for k, v in sorted(s.event_counts.items())) or "none"
     lines.append(f"events: {counts}")
-    lines.append(f"gradient spikes: {_spikes(s)}")
-    lines.append(f"weight syncs verified: {_syncs(s)}")
+    lines.append(f"gradient spikes: {spikes_line(s)}")
+    lines.append(f"weight syncs verified: {syncs_line(s)}")
     body = [ln for ln in record.notes().splitlines() if not ln.startswith("# ")]
     while body and not body[0].strip():
         body.pop(0)
@@ -386,7 +386,7 @@ def _plan_line(plan_text: str) -> str:
     return ", ".join(parts) or "plan.json"
 
 
-def _spikes(s: RunSummary) -> str:
+def spikes_line(s: RunSummary) -> str:
     if not s.spike_steps:
         return "0"
     shown = ", ".join(str(x) for x in s.spike_steps[:8])
@@ -394,7 +394,7 @@ def _spikes(s: RunSummary) -> str:
     return f"{len(s.spike_steps)} (steps {shown}{more})"
 
 
-def _syncs(s: RunSummary, markdown: bool = False) -> str:
+def syncs_line(s: RunSummary, markdown: bool = False) -> str:
     if s.syncs_verified is None:
         return DASH
     word = "yes" if s.syncs_verified else ("**no**" if markdown else "NO")

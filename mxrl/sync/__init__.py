@@ -9,13 +9,14 @@ checksums, buckets, quantization events, quantized checkpoints) is `mxrl.weights
 docs/sync.md describes buckets, checksums, events, the transports and the checkpoint format.
 """
 
-from mxrl.sync.distributed import DistributedReceiver, DistributedSender
+from mxrl.sync.broadcast import BroadcastSender
+from mxrl.sync.broadcast_receive import BroadcastReceiver
 from mxrl.sync.transport import InProcessTransport, SyncReport, apply_update
 from mxrl.sync.wire import pack_bucket, unpack_bucket
 
 __all__ = [
-    "DistributedReceiver",
-    "DistributedSender",
+    "BroadcastReceiver",
+    "BroadcastSender",
     "InProcessTransport",
     "SyncReport",
     "apply_update",

@@ -1,6 +1,6 @@
 """Receiving an update: every bucket of one export, then ONE `engine.load_weights` call.
 
-Both transports (in-process here, torch.distributed in `sync/distributed.py`) end in
+Both transports (in-process here, torch.distributed in `sync/broadcast.py`) end in
 `apply_update`, so they accept and refuse the same updates. `Engine.load_weights` verifies the
 plan hash, the update's step (greater than the last one the engine loaded: a stale or replayed
 update is refused), each record's name and fields against the plan (dtype, shape, layout of

@@ -1,4 +1,4 @@
-"""The sync wire format (version 5): what `mxrl.sync.distributed` broadcasts, as bytes.
+"""The sync wire format (version 5): what `mxrl.sync.broadcast` broadcasts, as bytes.
 
 Bucket by bucket, two broadcasts per bucket from `src`:
 
@@ -26,7 +26,7 @@ laid out otherwise, ends early or fails mid-way still sends every payload the re
 
 (Wire 4 carried checksums of the bytes alone, without the record's name; 3 had only the
 per-bucket mode; 2 sent the meta as int64[8], the header always on its own; 1 carried sha256
-content hashes.) `Layout` is what both ends remember of an update sent
+content hashes.) `PayloadLayout` is what both ends remember of an update sent
 bucket by bucket.
 """
 
@@ -191,7 +191,7 @@ def fits_inline(header_len: int) -> bool:
 
 # --- the layout of an update: what both ends remember for the scheduled mode ---------------------
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PayloadLayout:
     """Where every field of an update lies in its payloads: the bucket headers without what
     depends on the weights' values (checksums, step, event). It follows from the plan, the
     bucket size and the bf16 dtype alone, so the updates of one run share it. id: 16 bytes of the sha256 of the
@@ -202,7 +202,7 @@ class Layout:
     buckets: tuple[dict[str, Any], ...]
 
     @classmethod
-    def of(cls, headers: list[dict[str, Any]]) -> Layout:
+    def of(cls, headers: list[dict[str, Any]]) -> PayloadLayout:
         buckets = tuple(bucket_layout(h) for h in headers)
         text = json.dumps(buckets, separators=(",", ":")).encode()
         return cls(hashlib.sha256(text).digest()[:16], str(headers[0]["plan_hash"]), buckets)

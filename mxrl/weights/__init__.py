@@ -5,8 +5,8 @@
         for record in bucket.records:               # WeightRecord(name, value, hash)
             assert checksum(record.name, record.value) == record.hash
 
-record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes, and
-its collision argument), check.py (a record's fields and global scales against the plan),
+record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes; a field's
+levels and their collision argument are mxrl/kernels/digest.py), check.py (a record's fields and global scales against the plan),
 export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
 export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
 sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
@@ -14,16 +14,16 @@ sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
 
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export
 from mxrl.weights.check import check_global_scales, check_record
-from mxrl.weights.checkpoint import (
+from mxrl.weights.convert import convert_checkpoint
+from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
+from mxrl.weights.event import QuantizationEvent
+from mxrl.weights.export import check_finite, export_weights, quantized_values
+from mxrl.weights.quantized_checkpoint import (
     MANIFEST_NAME,
     PLAN_NAME,
     read_quantized_checkpoint,
     write_quantized_checkpoint,
 )
-from mxrl.weights.convert import convert_checkpoint
-from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
-from mxrl.weights.event import QuantizationEvent
-from mxrl.weights.export import check_finite, export_weights, quantized_values
 from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, stored_tensors
 
 __all__ = [

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from mxrl.arch import ModelConfig
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
-from mxrl.models import CausalLM, ModelConfig
+from mxrl.models import CausalLM
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_global_scale, weight_layout
 from mxrl.weights.export import fuse_partners

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import torch
 
+from mxrl.arch import load_hf_config, tensors_from_hf_config
 from mxrl.models import from_pretrained, parse_size
-from mxrl.recipe import Plan, Recipe, load_hf_config, resolve, tensors_from_hf_config
+from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
-from mxrl.weights.checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
+from mxrl.weights.quantized_checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
 
 _LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

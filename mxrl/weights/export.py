@@ -16,11 +16,12 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from mxrl.arch.experts import hf_location
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
-from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import Backend, Kernels
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
-from mxrl.models.adapter import hf_location
+from mxrl.kernels.backend import backend_for
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import own_weight_amax, weight_layout, weight_quantizer_kwargs
 from mxrl.weights.digest import checksum
@@ -97,7 +98,7 @@ def quantized_values(
     plan: Plan,
     *,
     bf16_dtype: torch.dtype = torch.bfloat16,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> Iterator[tuple[str, WeightValue]]:
     """(name, value) of every tensor of the plan, in plan order, quantized on the master's
     device; checksums are the caller's (`export_weights` one by one, buckets one per bucket).
@@ -119,7 +120,7 @@ def quantized_values(
             value: WeightValue = w.to(bf16_dtype, copy=True, memory_format=torch.contiguous_format)
         else:
             if w.device not in chosen:  # once per device
-                chosen[w.device] = select_backend(backend, w.device)
+                chosen[w.device] = backend_for(backend, w.device)
             partner = partners.get(name)
             amax = _global_amax(name, w, partner, amaxes)
             partner_w = params[partner].detach() if partner is not None else None
@@ -134,7 +135,7 @@ def export_weights(
     plan: Plan,
     *,
     bf16_dtype: torch.dtype = torch.bfloat16,
-    backend: Backend | str | None = None,
+    backend: Kernels | Backend | str | None = None,
 ) -> Iterator[WeightRecord]:
     """Quantize every tensor of the plan from the master weights, in plan order, each record
     with its checksum (`quantized_values` says what is checked first)."""

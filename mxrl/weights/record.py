@@ -14,7 +14,7 @@ WeightValue = QTensor | torch.Tensor
 @dataclass(frozen=True)
 class WeightRecord:
     """One exported tensor: its plan name, its value (QTensor when quantized) and the checksum
-    of its bytes (`mxrl.weights.checksum`), which every receiver recomputes."""
+    of its bytes (`mxrl.weights.digest`), which every receiver recomputes."""
 
     name: str
     value: WeightValue
@@ -30,7 +30,7 @@ class VerifiedRecord(WeightRecord):
     """A record whose checksum this process has recomputed from its value's bytes and found
     equal to `hash` (made only by `mxrl.weights.digest.verified_records`), its tensors written
     by nothing since: `Engine.load_weights` does not compute its checksum again. A receiver
-    that checks each bucket as it arrives (`DistributedReceiver`) hands these over, so every
+    that checks each bucket as it arrives (`BroadcastReceiver`) hands these over, so every
     record is checksummed once on send and once on receive."""
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.engine.sampler import processed_logprobs
 from mxrl.formats import QTensor
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.weights import WeightRecord, export_weights
 from tests.engine import sampling_spec as spec
 from tests.numerics import assert_bytes_equal
@@ -249,3 +249,15 @@ def test_grouped_low_bit_experts_need_per_token_nvfp4_activations():
     assert not grouped(specs, Backend.REFERENCE)
     per_tensor = {k: dataclasses.replace(s, activations="per_tensor") for k, s in specs.items()}
     assert not grouped(per_tensor)
+
+
+def test_engine_takes_the_runs_kernels_record():
+    from mxrl.kernels import Kernels
+
+    record = Kernels.resolve("reference", "cpu")
+    engine = Engine(tiny("mxfp8"), "mxfp8", backend=record, tile=8)
+    assert engine.kernels is record and engine.backend == "reference"
+    assert not engine.fused_sampler
+    cuda = dataclasses.replace(record, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="resolved for cuda, but the engine runs on cpu"):
+        Engine(tiny("mxfp8"), "mxfp8", backend=cuda, tile=8)

@@ -12,11 +12,13 @@ import random
 import pytest
 import torch
 
+from mxrl.app import measure_mismatch
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
 from mxrl.nn import apply_plan
-from mxrl.recipe import builtin_config, resolve
-from mxrl.rl import completion_logprobs, measure_mismatch
+from mxrl.recipe import resolve
+from mxrl.rl import completion_logprobs
 from mxrl.weights import export_weights
 
 pytestmark = pytest.mark.capability  # holds on every CPU capability (tests/numeric_env.py)

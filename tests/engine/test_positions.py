@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 from mxrl.rl import completion_logprobs
 from mxrl.rl.logprobs import sequence_logprobs
 from tests.models.configs import CONFIGS
@@ -45,8 +45,8 @@ def test_a_request_past_the_position_limit_is_refused(engine):
 def test_the_builtin_model_and_the_demo_fit_in_its_limit():
     """tiny-moe allows 256 positions; the demo's prompts (at most 7 tokens) and 4 new tokens
     are far inside."""
-    from mxrl.rl.demo import demo_task
-    from mxrl.rl.sources import TaskSource
+    from mxrl.app.demo import demo_task
+    from mxrl.app.sources import TaskSource
 
     model = build_model(builtin_config("tiny-moe"), seed=0)
     assert model.config.max_positions == 256

@@ -24,9 +24,9 @@ import pytest
 import torch
 import yaml
 
+from mxrl.arch import builtin_config
 from mxrl.cli import main
 from mxrl.models import build_model, save_pretrained
-from mxrl.recipe import builtin_config
 from mxrl.rl.config import GRPOConfig, TrainConfig
 from mxrl.runs import RunRecord
 from mxrl.runs.yamlio import load_yaml

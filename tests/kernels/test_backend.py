@@ -10,8 +10,9 @@ import torch
 
 from mxrl import kernels
 from mxrl.formats import quantize as reference_quantize
-from mxrl.kernels import Backend, select_backend
+from mxrl.kernels import Backend, Gemm, Kernels, default_kernels, select_backend
 from mxrl.kernels import backend as backend_mod
+from mxrl.kernels.backend import backend_for
 from tests import cases
 from tests.numerics import assert_qtensor_bytes_equal
 
@@ -148,3 +149,77 @@ def test_triton_backend_validates_like_the_reference(monkeypatch):
 def test_importing_kernels_does_not_import_triton():
     code = "import sys, mxrl.kernels, mxrl.kernels.api; assert 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- the Kernels record (design.md §4.4): the CUDA choices checked without a GPU, the device's
+# capability passed to the resolver
+
+
+@pytest.fixture
+def cuda_with_triton(monkeypatch, no_interpreter):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_kernels_cuda_default_is_triton_and_tensor_cores(cuda_with_triton):
+    k = Kernels.resolve(None, "cuda:0", capability=(9, 0))
+    assert k.device == torch.device("cuda:0")
+    assert k.train_gemm is Gemm.TENSOR_CORE
+    for field in ("quantizer", "rollout_gemm", "attention", "rowwise", "sampler"):
+        assert getattr(k, field) is Backend.TRITON, field
+
+
+def test_kernels_cuda_below_sm90_keeps_the_reference_gemm(cuda_with_triton):
+    k = Kernels.resolve(None, "cuda:0", capability=(8, 0))
+    assert k.train_gemm is Gemm.REFERENCE
+    assert k.quantizer is Backend.TRITON
+    with pytest.raises(ValueError, match=r"sm_90\+ GPU.*sm_80"):
+        Kernels.resolve(None, "cuda:0", "tensor_core", capability=(8, 0))
+
+
+def test_kernels_cuda_reference_backend(cuda_with_triton):
+    k = Kernels.resolve("reference", "cuda:0", capability=(9, 0))
+    assert k.train_gemm is Gemm.TENSOR_CORE
+    for field in ("quantizer", "rollout_gemm", "attention", "rowwise", "sampler"):
+        assert getattr(k, field) is Backend.REFERENCE, field
+
+
+def test_kernels_cpu_default_is_the_reference(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    k = Kernels.resolve(None, "cpu")
+    assert k == default_kernels(torch.device("cpu"))
+    assert k.train_gemm is Gemm.REFERENCE
+    for field in ("quantizer", "rollout_gemm", "attention", "rowwise", "sampler"):
+        assert getattr(k, field) is Backend.REFERENCE, field
+    # the tensor-core algorithm runs on the CPU (slowly: the tests' way to check its logic)
+    assert Kernels.resolve(None, "cpu", "tensor_core").train_gemm is Gemm.TENSOR_CORE
+
+
+def test_kernels_triton_under_the_interpreter_samples_with_torch(monkeypatch):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k = Kernels.resolve("triton", "cpu")
+    assert k.quantizer is Backend.TRITON and k.rowwise is Backend.TRITON
+    assert k.sampler is Backend.REFERENCE  # the one-launch sampler is for CUDA
+
+
+def test_kernels_refusals_name_the_requirement(monkeypatch, no_interpreter):
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Kernels.resolve("triton", "cpu")
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        Kernels.resolve("cutlass", "cpu")
+    with pytest.raises(ValueError, match="unknown gemm 'fast'"):
+        Kernels.resolve(None, "cpu", "fast")
+    ref = Backend.REFERENCE
+    with pytest.raises(TypeError, match=r"Kernels\.device must be a torch\.device"):
+        Kernels("cpu", ref, Gemm.REFERENCE, ref, ref, ref, ref)
+
+
+def test_a_record_or_a_field_of_it_reaches_the_kernels(monkeypatch):
+    x = cases.randn((8, 64), torch.bfloat16, seed=3)
+    record = Kernels.resolve("reference", "cpu")
+    got = kernels.quantize(x, "mxfp8", backend=record)
+    assert_qtensor_bytes_equal(got, reference_quantize(x, "mxfp8"), "mxfp8")
+    assert backend_for(record, "cpu", "rollout_gemm") is Backend.REFERENCE
+    assert backend_for(None, "cpu") is Backend.REFERENCE

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from mxrl.formats import quantize
+from mxrl.weights import checksums
 from tests.kernels.compile_sm90 import ptx_counts, report_in_subprocess
 from tests.numerics import assert_bytes_equal
 
@@ -29,7 +30,7 @@ if __name__ == "__main__":  # the sm_90 report or the benchmark: no interpreter 
 else:  # the kernels' conftest turns the interpreter on (CPU only) before triton is imported
     from tests.kernels.conftest import INTERPRETER_READY
 
-digest = importlib.import_module("mxrl.weights.digest")  # the module, not the function
+digest = importlib.import_module("mxrl.kernels.digest")  # the module, not a function
 ROW = digest.ROW_BYTES
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 _interpreter_ready = pytest.mark.skipif(
@@ -141,9 +142,9 @@ def test_checksums_on_the_triton_backend_equal_the_reference():
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(5))
     values = [quantize(x, "nvfp4"), x.to(torch.bfloat16), quantize(x, "mxfp8"), random_bytes(9)]
     names = [f"t{i}" for i in range(len(values))]
-    got = digest.checksums(names, values, backend="triton")
-    assert got == digest.checksums(names, values, backend="reference")
-    assert digest.checksums([], [], backend="triton") == []
+    got = checksums(names, values, backend="triton")
+    assert got == checksums(names, values, backend="reference")
+    assert checksums([], [], backend="triton") == []
 
 
 @pytest.mark.triton

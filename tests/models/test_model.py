@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from mxrl.models import CausalLM, ModelConfig, build_model, hf_tensors
+from mxrl.arch import ModelConfig, builtin_config, hf_tensors, tensors_from_hf_config
+from mxrl.models import CausalLM, build_model
 from mxrl.nn import GroupedExperts
-from mxrl.recipe import builtin_config, tensors_from_hf_config
 from tests.models.configs import CONFIGS
 from tests.numerics import assert_bytes_equal
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
 from mxrl.models.layers import DecoderLayer, SparseMoeBlock
 from mxrl.nn import apply_plan
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 
 CONFIG = builtin_config("tiny-moe")
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))

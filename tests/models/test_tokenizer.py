@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mxrl.arch import builtin_config
 from mxrl.models import CharTokenizer, load_tokenizer
-from mxrl.recipe import builtin_config
 
 
 def test_char_tokenizer_round_trip():

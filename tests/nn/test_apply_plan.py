@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
 from mxrl.nn import GroupedExperts, QExperts, QLinear, apply_plan, swap_table
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from tests.numerics import assert_bytes_equal
 
 ARTICLE_PRESETS = [

@@ -16,13 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.formats import dequantize, quantize
-from mxrl.kernels import Backend
+from mxrl.kernels import Backend, Gemm, Kernels
 from mxrl.models import build_model
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
-from mxrl.nn.gemm import Gemm, select_gemm, set_gemm
+from mxrl.nn.gemm import resolved_gemm, set_gemm
 from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
 from tests.numerics import HostReads, assert_bytes_equal
 
@@ -302,10 +303,11 @@ def test_gather_tokens_backward_sums_each_tokens_rows():
 
 
 def test_gemm_choice():
-    assert select_gemm(None, "cpu") is Gemm.REFERENCE
-    assert select_gemm("tensor_core", "cpu") is Gemm.TENSOR_CORE
+    assert Kernels.resolve(None, "cpu").train_gemm is Gemm.REFERENCE
+    assert resolved_gemm(None, torch.device("cpu")) is Gemm.REFERENCE
+    assert Kernels.resolve(None, "cpu", "tensor_core").train_gemm is Gemm.TENSOR_CORE
     with pytest.raises(ValueError, match="unknown gemm"):
-        select_gemm("fast", "cpu")
+        Kernels.resolve(None, "cpu", "fast")
     model = build_model(builtin_config("tiny-moe"), seed=0)
     apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()}))
     assert set_gemm(model, "tensor_core") > 0

@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mxrl.arch import builtin_config
+from mxrl.kernels import Gemm
 from mxrl.models import build_model
-from mxrl.nn import Gemm, apply_plan, set_gemm
-from mxrl.recipe import builtin_config, resolve
+from mxrl.nn import apply_plan, set_gemm
+from mxrl.recipe import resolve
 from tests.nn.test_fast import CASES, FP8_MMA, assert_within, check_grouped_projection
 from tests.nn.test_qmatmul import inputs, make_linear
 

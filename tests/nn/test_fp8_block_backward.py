@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from mxrl.formats import dequantize, quantize
+from mxrl.kernels import Gemm
 from mxrl.nn import QExperts, QLinear
-from mxrl.nn.gemm import Gemm
 from tests.nn.test_fast import EXACT, _run, assert_within
 from tests.nn.test_qmatmul import _expert_specs, _experts, spec
 from tests.numerics import assert_bytes_equal

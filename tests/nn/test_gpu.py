@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
 from mxrl.nn import QExperts, apply_plan, set_gemm
-from mxrl.recipe import Backward, builtin_config, resolve
+from mxrl.recipe import Backward, resolve
 from tests.numerics import assert_bytes_equal
 
 pytestmark = pytest.mark.gpu

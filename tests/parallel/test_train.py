@@ -5,7 +5,8 @@
   FSDP2 mesh has one rank; the rollout rank gets the weights over torch.distributed);
 - colocated (both ranks train their half of the batch on FSDP2 shards and serve rollouts): a
   run resumed from its distributed checkpoint (DCP) at step 2 in fresh processes ends exactly
-  where the uninterrupted run ends: metrics, syncs, and the step-4 checkpoint's every tensor.
+  where the uninterrupted run ends: metrics, syncs, and the step-4 checkpoint's every tensor;
+- held-out evaluation (`eval_every`) on every placement: each serving rank decodes its share.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mxrl.parallel import Placement
-from mxrl.parallel.rollout import share
-from mxrl.rl.loop import CHECKPOINT_DIR
+from mxrl.parallel.shares import share
+from mxrl.rl.resume import CHECKPOINT_DIR
 from mxrl.runs import RunRecord
 from tests.numeric_env import run_python
 from tests.numerics import assert_bytes_equal
@@ -138,6 +139,45 @@ def test_colocated_run_trains_on_both_ranks_and_stays_close_to_single_process(ru
     ).metrics()[0].keys()
 
 
+@pytest.fixture(scope="module")
+def eval_runs(tmp_path_factory) -> Path:
+    """One process, split and colocated, each with held-out evaluation every 2 steps."""
+    tmp = tmp_path_factory.mktemp("dist_eval")
+    env = {"MXRL_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
+    rl = {**RL, "eval_every": 2, "checkpoint_every": 0}
+    single = run_python(
+        ["-m", "mxrl.cli", "train", "--config", str(_config(tmp, "single", run_id="single",
+                                                              rl=rl))],
+        env, timeout=300,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-4000:]
+    for mode, placement in [
+        ("split", {"mode": "split", "train_ranks": 1, "rollout_ranks": 1}),
+        ("colocated", {"mode": "colocated"}),
+    ]:
+        config = _config(tmp, mode, run_id=mode, rl=rl, placement=placement)
+        out = torchrun(["-m", "mxrl.cli", "train", "--config", str(config)], env=env)
+        assert out.returncode == 0, tail(out)
+    return tmp / "runs"
+
+
+def _evals(record: RunRecord) -> dict[int, float]:
+    return {r["step"]: r["eval/accuracy"] for r in record.metrics() if "eval/accuracy" in r}
+
+
+def test_held_out_evaluation_runs_on_every_placement(eval_runs):
+    single = _evals(RunRecord.open(eval_runs / "single"))
+    assert sorted(single) == [0, 2, 4]
+    # split: the one-process run bit for bit, its evaluations too
+    assert _evals(RunRecord.open(eval_runs / "split")) == single
+    split_rows = numerics(RunRecord.open(eval_runs / "split").metrics())
+    assert split_rows == numerics(RunRecord.open(eval_runs / "single").metrics())
+    # colocated: both ranks decode their half of the eval set; at step 0 (the same weights)
+    # the accuracy is the one-process run's, later ones follow weights that are close only
+    coloc = _evals(RunRecord.open(eval_runs / "colocated"))
+    assert sorted(coloc) == [0, 2, 4] and coloc[0] == single[0]
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -174,7 +214,7 @@ def test_shares_are_contiguous_whole_and_in_rank_order():
 
 
 def test_train_refuses_a_torchrun_launch_without_placement(tmp_path, monkeypatch):
-    from mxrl.rl.train import run_train
+    from mxrl.app.train import run_train
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="no placement section"):

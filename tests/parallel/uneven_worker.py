@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
 from mxrl.parallel import Layout, Placement, parallelize, sharded_export
-from mxrl.recipe import builtin_config, resolve
+from mxrl.recipe import resolve
 from mxrl.weights import export_weights
 from tests.parallel.export_worker import _same
 

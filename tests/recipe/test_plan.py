@@ -9,20 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from mxrl.arch import builtin_config, tensors_from_hf_config
 from mxrl.formats.constants import Format
-from mxrl.recipe import (
-    Plan,
-    TensorSpec,
-    builtin_config,
-    list_presets,
-    resolve,
-    tensors_from_hf_config,
-)
+from mxrl.recipe import Plan, TensorSpec, list_presets, resolve
 
 TINY = tuple(tensors_from_hf_config(builtin_config()))
 REPO = Path(__file__).resolve().parents[2]
 _HASH_SCRIPT = """
-from mxrl.recipe import builtin_config, resolve, tensors_from_hf_config
+from mxrl.arch import builtin_config, tensors_from_hf_config
+from mxrl.recipe import resolve
 print(resolve("nvfp4-dequantized", tensors_from_hf_config(builtin_config())).hash())
 """
 
@@ -200,7 +195,7 @@ def test_tensor_spec_validation():
 
 
 def _moe_tensors():
-    from tests.recipe.hf_configs import QWEN3_30B_A3B
+    from tests.arch.hf_configs import QWEN3_30B_A3B
 
     return tensors_from_hf_config(QWEN3_30B_A3B)
 
@@ -272,7 +267,7 @@ def test_bf16_exceptions_for_kinds_a_model_lacks_are_fine():
 
 
 def test_an_nvfp4_preset_on_a_dense_model_quantizes_nothing():
-    from tests.recipe.hf_configs import QWEN3_0_6B
+    from tests.arch.hf_configs import QWEN3_0_6B
 
     plan = resolve("nvfp4-dequantized", tensors_from_hf_config(QWEN3_0_6B))
     assert not plan.quantized

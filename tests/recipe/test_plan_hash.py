@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from mxrl.arch import builtin_config, tensors_from_hf_config
 from mxrl.models import build_model
-from mxrl.recipe import Plan, builtin_config, list_presets, resolve, tensors_from_hf_config
-from tests.recipe.hf_configs import QWEN3_30B_A3B
+from mxrl.recipe import Plan, list_presets, resolve
+from tests.arch.hf_configs import QWEN3_30B_A3B
 from tests.recipe.test_resolve import plan_30b
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,10 +7,11 @@ from functools import cache
 
 import pytest
 
+from mxrl.arch import Kind, builtin_config
+from mxrl.arch import tensors_from_hf_config as tensors_of
 from mxrl.formats.constants import Format
-from mxrl.recipe import Backward, Kind, builtin_config, list_presets, resolve
-from mxrl.recipe import tensors_from_hf_config as tensors_of
-from tests.recipe.hf_configs import DEEPSEEK_V3_SMALL, QWEN2_MOE_A2_7B, QWEN3_30B_A3B
+from mxrl.recipe import Backward, list_presets, resolve
+from tests.arch.hf_configs import DEEPSEEK_V3_SMALL, QWEN2_MOE_A2_7B, QWEN3_30B_A3B
 
 BF16, MXFP8, NVFP4, FP8_BLOCK = Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK
 E = "model.layers.{}.mlp.experts.{}.{}_proj.weight"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from mxrl.arch import Kind
 from mxrl.formats.constants import Format
-from mxrl.recipe import Backward, Kind, Match, Recipe, Rule, list_presets, load_recipe
+from mxrl.recipe import Backward, Match, Recipe, Rule, list_presets, load_recipe
 
 PRESETS = [
     "bf16",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mxrl.app.sources import TaskSource
+from mxrl.app.task import ArithmeticTask
+from mxrl.arch import builtin_config
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
-from mxrl.rl.loop import GRPOConfig, GRPOTrainer
-from mxrl.rl.sources import TaskSource
-from mxrl.rl.task import ArithmeticTask
+from mxrl.rl.config import GRPOConfig
+from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
 
 # Timings and throughput vary from run to run; everything else (sync/version included: a resume

@@ -20,7 +20,7 @@ from mxrl.rl.config import (
     GRPOConfig,
     TrainConfig,
 )
-from mxrl.rl.loop import format_eta
+from mxrl.rl.metrics import format_eta
 from mxrl.rl.resume import config_changes
 from mxrl.runs.yamlio import load_yaml
 from tests.faults.harness import REPO

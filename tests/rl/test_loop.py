@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from mxrl.rl.loop import GRPOConfig, latest_checkpoint
+from mxrl.rl.config import GRPOConfig
+from mxrl.rl.resume import latest_checkpoint
 from mxrl.rl.stability import SpikeDecision
 from tests.rl.golden import GOLDEN, pinned_metrics
 from tests.rl.loop_helpers import numerics, tiny_trainer

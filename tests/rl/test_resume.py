@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from mxrl.rl.loop import CHECKPOINT_DIR, latest_checkpoint
+from mxrl.rl.resume import CHECKPOINT_DIR, latest_checkpoint
 from mxrl.runs import RunRecord
 from tests.numeric_env import REPO, run_python
 from tests.numerics import assert_bytes_equal

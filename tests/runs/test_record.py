@@ -275,7 +275,8 @@ def test_open_refuses_a_non_run(tmp_path):
 
 
 def test_real_plan_round_trips(tmp_path):
-    from mxrl.recipe import Plan, builtin_config, resolve, tensors_from_hf_config
+    from mxrl.arch import builtin_config, tensors_from_hf_config
+    from mxrl.recipe import Plan, resolve
     from mxrl.runs import format_show
 
     plan = resolve("nvfp4-dequantized", tensors_from_hf_config(builtin_config("tiny-moe")))

@@ -95,7 +95,7 @@ def _axes_of(fig):
 
 
 def test_seeds_of_a_recipe_are_one_mean_line_with_a_standard_error_band(tmp_path):
-    from mxrl.runs.report import _groups, _mean_and_stderr, _Run, plot_reward
+    from mxrl.runs.plots import RunSeries, _groups, _mean_and_stderr, plot_reward
 
     recs = [write_run(tmp_path, f"nv-{i}", "nvfp4-dequantized", spike_at=None) for i in range(3)]
     other = write_run(tmp_path, "bf", "bf16", spike_at=None)
@@ -106,7 +106,9 @@ def test_seeds_of_a_recipe_are_one_mean_line_with_a_standard_error_band(tmp_path
         for row in rows:
             step = row.pop("step")
             rec.log_metrics(step, {**row, "reward/mean": row["reward/mean"] + 0.1 * i})
-    runs = [_Run(r.run_id, "C0", summarize(r), r.metrics(), r.events()) for r in [*recs, other]]
+    runs = [
+        RunSeries(r.run_id, "C0", summarize(r), r.metrics(), r.events()) for r in [*recs, other]
+    ]
     groups = _groups(runs)
     assert [len(g) for g in groups] == [3, 1]
     steps, means, errors = _mean_and_stderr(groups[0], "reward/mean")
@@ -124,16 +126,16 @@ def test_seeds_of_a_recipe_are_one_mean_line_with_a_standard_error_band(tmp_path
 
 
 def test_accuracy_is_not_plotted_again_when_it_is_the_reward(tmp_path):
-    from mxrl.runs.report import _Run, plot_reward
+    from mxrl.runs.plots import RunSeries, plot_reward
 
     rec = write_run(tmp_path, "r", "bf16", keys=("reward/mean", "accuracy"), spike_at=None)
-    runs = [_Run("r", "C0", summarize(rec), rec.metrics(), rec.events())]
+    runs = [RunSeries("r", "C0", summarize(rec), rec.metrics(), rec.events())]
     assert len(_axes_of(plot_reward(runs))) == 2  # synthetic accuracy differs from reward
     rows = rec.metrics()
     (rec.path / "metrics.jsonl").write_text("")
     for row in rows:
         step = row.pop("step")
         rec.log_metrics(step, {**row, "accuracy": row["reward/mean"]})
-    runs = [_Run("r", "C0", summarize(rec), rec.metrics(), rec.events())]
+    runs = [RunSeries("r", "C0", summarize(rec), rec.metrics(), rec.events())]
     (ax,) = _axes_of(plot_reward(runs))
     assert ax.get_title() == "reward/mean"

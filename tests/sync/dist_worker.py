@@ -3,7 +3,7 @@ other rank runs an Engine and receives (two or three ranks: one or two engine ra
 what it saw to `rank{r}.json` in `out`, one entry per case of `CASES`. gloo: every rank on the
 CPU; nccl: rank r on cuda:r, compared with exports made on the CPU.
 
-The cases run in order on every rank and cover both modes of the wire (mxrl.sync.distributed):
+The cases run in order on every rank and cover both modes of the wire (mxrl.sync.broadcast):
 the first update goes bucket by bucket, the next ones scheduled once both ends know the layout.
 The engine ranks count the checksum work of the first two receives (every call of
 `field_digests`, which every checksum goes through). The last two cases run with a small meta on
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from mxrl.engine import Engine
 from mxrl.recipe import resolve
-from mxrl.sync import DistributedReceiver, DistributedSender, wire
+from mxrl.sync import BroadcastReceiver, BroadcastSender, wire
 from mxrl.weights import digest, export, export_weights, stored_tensors
 from tests.sync.attacks import ATTACKS, engine_state
 from tests.sync.helpers import MIXED, hashes, tiny
@@ -106,7 +106,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
     """What rank 0 does in each case (send, and say how it went), and a list holding the
     sender the last case used."""
     plan = resolve(PRESET, shapes)
-    sender = DistributedSender(src=0)
+    sender = BroadcastSender(src=0)
     used = [sender]  # the sender of the last case (its last_mode says how the case went)
 
     def x(model, step, bucket_bytes=BUCKET_BYTES, p=plan):
@@ -150,7 +150,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
         "scheduled": lambda: send(sender, x(trained_more, 2)),
         "corrupted_scheduled": lambda: tampered(x(trained, 3)),
         "corrupted": lambda: send(
-            DistributedSender(src=0, tamper=flip_first_byte_of_bucket_1), x(trained, 3)
+            BroadcastSender(src=0, tamper=flip_first_byte_of_bucket_1), x(trained, 3)
         ),
         "corrupted_on_the_last_rank": lambda: send(sender, x(trained, 3)),
         "malformed_trailer": lambda: without_step(x(trained, 3)),
@@ -194,7 +194,7 @@ class Forged:
 def mixed_sender(trained, trained_more, shapes) -> dict:
     """rank 0's action per MIXED case: what it sent and how it went."""
     plan = resolve(MIXED, shapes)
-    sender = DistributedSender(src=0)
+    sender = BroadcastSender(src=0)
     forges = {a[0]: a[1] for a in ATTACKS}
 
     def update(case, step):
@@ -218,7 +218,7 @@ def mixed_sender(trained, trained_more, shapes) -> dict:
 def mixed_engine_cases(device) -> dict:
     """The engine rank's side of the MIXED phase: per case, what it saw."""
     engine = Engine(tiny(seed=0), MIXED, device=device)
-    receiver = DistributedReceiver(engine, src=0)
+    receiver = BroadcastReceiver(engine, src=0)
     seen = {}
     for case, _, _ in MIXED_CASES:
         before = engine_state(engine)
@@ -259,7 +259,7 @@ def run(rank: int, port: int, out: str, backend: str = "gloo", world_size: int =
                 seen[case] = {"refused": str(e), "mode": used[0].last_mode}
     else:
         engine = Engine(tiny(seed=0), PRESET, device=device)
-        receiver = DistributedReceiver(engine, src=0)
+        receiver = BroadcastReceiver(engine, src=0)
         local = {
             seed: hashes(export_weights(tiny(seed=seed).named_parameters(), engine.plan))
             for seed in (1, 2)

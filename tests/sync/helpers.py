@@ -2,9 +2,9 @@
 
 import torch
 
+from mxrl.arch import builtin_config
 from mxrl.engine import Engine
 from mxrl.models import build_model
-from mxrl.recipe import builtin_config
 
 PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized")
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8]

@@ -17,7 +17,7 @@ from mxrl.engine import Engine
 from mxrl.formats import QTensor
 from mxrl.models import save_pretrained
 from mxrl.weights import MANIFEST_NAME, checksum, convert_checkpoint, read_quantized_checkpoint
-from mxrl.weights.checkpoint import sha256_file
+from mxrl.weights.quantized_checkpoint import sha256_file
 from tests.sync.helpers import tiny
 
 GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"

@@ -16,10 +16,11 @@ from mxrl.weights import checksum, checksums, export_weights
 from tests.engine.test_engine import tiny as engine_tiny
 from tests.sync.helpers import tiny
 
-digest = importlib.import_module("mxrl.weights.digest")  # the module (mxrl.weights.checksum is
+digest = importlib.import_module("mxrl.weights.digest")  # the module (mxrl.weights.digest is
 # the function)
+levels = importlib.import_module("mxrl.kernels.digest")
 
-ROW = digest.ROW_BYTES
+ROW = levels.ROW_BYTES
 NAME = "model.layers.0.mlp.experts.gate_up_proj"
 
 
@@ -138,14 +139,14 @@ def test_export_records_carry_the_checksum_of_their_name():
 def test_the_gemm_and_the_elementwise_path_give_the_same_integers(n, monkeypatch):
     x = random_bytes(n, seed=1)
     rows = x[: (n // ROW) * ROW].view(torch.int8).view(-1, ROW)
-    c = digest._coefficients(0, x.device)
+    c = levels._coefficients(0, x.device)
     exact = rows.long() @ c.long()  # int64 reference: no overflow possible
     assert torch.equal(torch._int_mm(rows, c).long(), exact)
-    assert torch.equal(digest._project_exact(rows, c).long(), exact)
+    assert torch.equal(levels._project_exact(rows, c).long(), exact)
     extreme = torch.full((32, ROW), -128, dtype=torch.int8)  # the largest |row sum|
     assert torch.equal(torch._int_mm(extreme, c).long(), extreme.long() @ c.long())
     base = checksum(NAME, x)
-    monkeypatch.setitem(digest._INT_MM, x.device, False)
+    monkeypatch.setitem(levels._INT_MM, x.device, False)
     assert checksum(NAME, x) == base
 
 
@@ -189,9 +190,9 @@ def test_cuda_kernel_equals_the_cpu_reference_on_a_large_tensor():
     big_cuda = big.cuda()
     unaligned = big_cuda[3 : 5 * 2**20]  # a view at an odd address (slicing on the device)
     assert unaligned.data_ptr() % 2 == 1
-    want = digest.field_digests([big, big[3 : 5 * 2**20], *others], backend="reference")
+    want = levels.field_digests([big, big[3 : 5 * 2**20], *others], backend="reference")
     cuda_fields = [big_cuda, unaligned, *(t.cuda() for t in others)]
-    got = digest.field_digests(cuda_fields, backend="triton")
+    got = levels.field_digests(cuda_fields, backend="triton")
     assert got.device.type == "cuda"
     assert torch.equal(got.cpu(), want)
     names = [str(i) for i in range(len(q))]

@@ -1,0 +1,91 @@
+"""The metrics of one GRPO step (docs/runs.md), the engine digest the sync events carry, and the
+one progress line per step on stderr."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from mxrl.engine import Completion
+
+logger = logging.getLogger(__name__)
+
+
+def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
+    """sha256 over the (name, content hash) pairs of the weights an engine holds (its verified
+    `Engine.hashes`), in name order: two engines serve the same bytes exactly when their digests
+    are equal (`sync_verified` events carry it, so two runs can be compared step by step)."""
+    h = hashlib.sha256()
+    for name, content in sorted(hashes):
+        h.update(f"{name}\0{content}\n".encode())
+    return h.hexdigest()
+
+
+def step_metrics(
+    outs: Sequence[Completion],
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    mismatch: dict[str, float],
+    stats: dict[str, float],
+    grad_norm: float,
+    decision: dict[str, float],
+    times: tuple[float, float, float],
+    elapsed: float,
+    version: int,
+) -> dict[str, float]:
+    """The metrics of one GRPO step (docs/runs.md), the single-process and the distributed
+    trainer alike. times: (rollout, train, sync) seconds; elapsed: the whole step's."""
+    metrics = {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": float((rewards > 0.5).float().mean()),
+        "response_len/mean": float(mask.sum(-1).mean()),
+        **mismatch,
+        "loss/clip_frac": stats["loss/clip_frac"],
+        "loss/pg": stats["loss/pg"],
+        "grad/norm": grad_norm,
+        **decision,
+        "time/rollout_s": times[0],
+        "time/train_s": times[1],
+        "time/sync_s": times[2],
+        "throughput/tokens_per_s": sum(len(o.tokens) + len(o.prompt) for o in outs) / elapsed,
+        "sync/version": float(version),
+    }
+    for key in ("tis/mean_weight", "tis/clipped_frac", "mis/masked_frac"):
+        if key in stats:
+            metrics[key] = stats[key]
+    return metrics
+
+
+class Progress:
+    """One line per GRPO step on the `mxrl.rl.metrics` logger (on every placement,
+    by the rank that writes the record): step/total, reward, accuracy, mismatch, gradient norm, the
+    step's time and an ETA from the mean step time of this process so far."""
+
+    def __init__(self, start_step: int, steps: int) -> None:
+        self.start_step, self.steps = start_step, steps
+        self.t0 = time.perf_counter()
+
+    def log(self, step: int, m: dict[str, float]) -> None:
+        done = step - self.start_step
+        mean = (time.perf_counter() - self.t0) / max(done, 1)
+        logger.info(
+            "step %d/%d reward %.3f acc %.2f k3 %.2e grad %.3f (%.1fs) ETA %s",
+            step, self.steps, m["reward/mean"], m["accuracy"], m["mismatch/k3"], m["grad/norm"],
+            m["time/rollout_s"] + m["time/train_s"] + m["time/sync_s"],
+            format_eta(mean * (self.steps - step)),
+        )  # fmt: skip
+
+
+def format_eta(seconds: float) -> str:
+    """`45s`, `3m05s`, `2h07m`: the time left, rounded to whole seconds (minutes past 1 h)."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
