@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mxrl.app import measure_mismatch
+from mxrl.app.probe import measure_mismatch
 from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model

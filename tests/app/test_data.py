@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from mxrl.app import PromptDataset, encode_prompt, render_prompt
+from mxrl.app.data import PromptDataset, encode_prompt, render_prompt
 from mxrl.models.tokenizer import CharTokenizer
 
 

@@ -4,7 +4,13 @@ import threading
 
 import pytest
 
-from mxrl.app import exact_match_reward, integer_reward, last_boxed, load_reward, math_reward
+from mxrl.app.rewards import (
+    exact_match_reward,
+    integer_reward,
+    last_boxed,
+    load_reward,
+    math_reward,
+)
 
 
 @pytest.mark.parametrize(

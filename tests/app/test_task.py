@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from mxrl.app import ArithmeticTask, Problem, load_reward
+from mxrl.app.rewards import load_reward
+from mxrl.app.task import ArithmeticTask, Problem
 from mxrl.models.tokenizer import CharTokenizer
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from mxrl.app import measure_mismatch
+from mxrl.app.probe import measure_mismatch
 from mxrl.arch import builtin_config
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import build_model
