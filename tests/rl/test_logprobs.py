@@ -1,0 +1,158 @@
+"""The trainer's logprobs of sampled tokens (mxrl/rl/logprobs.py) on a bigram model whose
+next-token distribution is written out by hand: every expected value below is the log of a
+fraction of small integer weights, worked out from the module's docstring (logits /
+temperature, top-k then top-p, the sampled token never dropped, renormalised)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mxrl.arch.config import ModelConfig
+from mxrl.rl import completion_logprobs
+from mxrl.rl.logprobs import sequence_logprobs
+
+# Row v: the weights of the next token after token v (logits = their logs).
+WEIGHTS = [
+    [4, 2, 1, 1],
+    [1, 1, 1, 1],
+    [1, 2, 4, 1],
+    [1, 1, 2, 4],
+]
+
+
+class _Limits:
+    """Only what the logprob path reads of a model config: max_position_embeddings."""
+
+    check_positions = ModelConfig.check_positions
+
+    def __init__(self, max_positions):
+        self.max_positions = max_positions
+
+
+class Bigram(torch.nn.Module):
+    """logits[b, s] = log WEIGHTS[ids[b, s]]; records every call's inputs."""
+
+    def __init__(self, max_positions=8):
+        super().__init__()
+        self.table = torch.nn.Parameter(
+            torch.tensor(WEIGHTS, dtype=torch.float64).log().float(), requires_grad=False
+        )
+        self.config = _Limits(max_positions)
+        self.calls = []
+
+    def forward(self, ids, **kwargs):
+        self.calls.append((ids.clone(), kwargs))
+        return self.table[ids]
+
+
+# prompts and completions of different lengths: the batch is right-padded
+PROMPTS = [[0], [3]]
+COMPLETIONS = [[1, 3, 2], [0]]
+
+
+def _log(num, den):
+    return pytest.approx(math.log(num / den), abs=1e-6)
+
+
+# Expected logprobs of COMPLETIONS, per setting. Sequence 0 is 0 -> 1 -> 3 -> 2, sequence 1 is
+# 3 -> 0.
+PLAIN = [[_log(2, 8), _log(1, 4), _log(2, 8)], [_log(1, 8)]]
+# temperature 0.5 squares the weights: row 0 -> 16 4 1 1, row 1 uniform, row 3 -> 1 1 4 16
+HALF = [[_log(4, 22), _log(1, 4), _log(4, 22)], [_log(1, 22)]]
+# top-k 2 keeps the two largest (ties at the boundary kept: row 1 keeps all four) and the
+# sampled token: row 0 keeps 4 2; row 3 keeps 2 4, and sequence 1's sampled 0 joins them
+TOP_K2 = [[_log(2, 6), _log(1, 4), _log(2, 6)], [_log(1, 7)]]
+# top-p 0.6: row 0's sorted mass before each token is 0 .5 .75 .875: 4 2 kept; row 1's is
+# 0 .25 .5 .75: tokens 0 1 2 kept, and the sampled 3 too (all four); row 3 as row 0 (4 2 kept,
+# the sampled 0 added in sequence 1)
+TOP_P06 = TOP_K2
+# temperature 0.5 and top-k 2: row 0 keeps 16 4; row 3 keeps 4 16 (+ the sampled 1 in seq 1)
+HALF_TOP_K2 = [[_log(4, 20), _log(1, 4), _log(4, 20)], [_log(1, 21)]]
+
+SETTINGS = [
+    (dict(), PLAIN),
+    (dict(temperature=0.0), PLAIN),  # temperature 0 (greedy) means unscaled logits
+    (dict(temperature=1.0), PLAIN),
+    (dict(temperature=0.5), HALF),
+    (dict(top_k=2), TOP_K2),
+    (dict(top_k=4), PLAIN),  # k = V: off
+    (dict(top_p=0.6), TOP_P06),
+    (dict(top_p=1.0), PLAIN),
+    (dict(temperature=0.5, top_k=2), HALF_TOP_K2),
+]
+
+
+def _rows(t):
+    return [[float(x) for x in row] for row in t]
+
+
+@pytest.mark.parametrize(("kwargs", "want"), SETTINGS)
+def test_sequence_logprobs_are_the_sampled_from_distribution(kwargs, want):
+    model = Bigram()
+    out = sequence_logprobs(model, PROMPTS, COMPLETIONS, **kwargs)
+    assert out.dtype == torch.float32 and out.shape == (2, 3)
+    assert _rows(out) == [want[0], [*want[1], 0.0, 0.0]]  # 0 past each completion
+    # one right-padded forward over prompt + completion minus its last token, the padding masked
+    ((ids, call),) = model.calls
+    assert ids.tolist() == [[0, 1, 3], [3, 0, 0]]
+    mask = call["attention_mask"]
+    assert mask.dtype == torch.int64 and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+@pytest.mark.parametrize(("kwargs", "want"), SETTINGS)
+def test_completion_logprobs_batched_and_per_sequence_agree_with_the_hand_values(kwargs, want):
+    batched = completion_logprobs(Bigram(), PROMPTS, COMPLETIONS, **kwargs)
+    assert [t.shape for t in batched] == [(3,), (1,)]
+    assert [t.dtype for t in batched] == [torch.float32, torch.float32]
+    assert [[float(x) for x in t] for t in batched] == want
+    # replay_routing: one forward per sequence, its routing passed with a batch dim of 1
+    model = Bigram()
+    routing = [torch.tensor([[[1], [0], [2]], [[3], [3], [1]]]), None]  # [num_moe, len - 1, k]
+    single = completion_logprobs(model, PROMPTS, COMPLETIONS, replay_routing=routing, **kwargs)
+    assert [[float(x) for x in t] for t in single] == want
+    assert [t.dtype for t in single] == [torch.float32, torch.float32]
+    (ids0, kw0), (ids1, kw1) = model.calls
+    assert ids0.tolist() == [[0, 1, 3]] and ids1.tolist() == [[3]]
+    assert list(kw0) == ["replay_routing"] and kw1 == {}
+    assert [r.tolist() for r in kw0["replay_routing"]] == [[[[1], [0], [2]]], [[[3], [3], [1]]]]
+
+
+def test_an_empty_completion_has_no_logprobs():
+    prompts, completions = [[0, 1], [2]], [[], [3]]
+    out = sequence_logprobs(Bigram(), prompts, completions)
+    assert _rows(out) == [[0.0], [_log(1, 8)]]
+    for routing in (None, [None, None]):
+        got = completion_logprobs(Bigram(), prompts, completions, replay_routing=routing)
+        assert [t.shape for t in got] == [(0,), (1,)] and float(got[1][0]) == _log(1, 8)
+    assert sequence_logprobs(Bigram(), [[1]], [[]]).shape == (1, 0)
+
+
+def test_the_position_limit_is_prompt_plus_completion():
+    """8 positions: a prompt of 5 and a completion of 3 fit, one more token is refused, for
+    every sequence of the batch and on both paths."""
+    fits = ([[1], [0] * 5], [[2], [1] * 3])
+    assert sequence_logprobs(Bigram(), *fits).shape == (2, 3)
+    assert [len(t) for t in completion_logprobs(Bigram(), *fits)] == [1, 3]
+    too_long = ([[1], [0] * 5], [[2], [1] * 4])
+    msg = r"^sequence 1: the prompt's 5 tokens \+ its completion's length 4 = 9 tokens exceed"
+    for fn in (sequence_logprobs, completion_logprobs):
+        model = Bigram()
+        with pytest.raises(ValueError, match=msg):
+            fn(model, *too_long)
+        assert model.calls == []  # refused before any forward
+    with pytest.raises(ValueError, match=msg):
+        completion_logprobs(Bigram(), *too_long, replay_routing=[None, None])
+    # unequal numbers of prompts and completions are refused, not truncated
+    with pytest.raises(ValueError):
+        sequence_logprobs(Bigram(), [[1], [2]], [[3]])
+
+
+def test_top_p_drops_a_token_whose_mass_before_it_reaches_top_p():
+    """The boundary: the kept set is the smallest whose mass reaches top_p, so a token with
+    exactly top_p of mass before it is dropped. Row 1 is uniform (masses before each token, in
+    float exactly: 0 .25 .5 .75): top_p 0.5 keeps tokens 0 1 and the sampled 3, not 2."""
+    out = sequence_logprobs(Bigram(), [[1]], [[3]], top_p=0.5)
+    assert _rows(out) == [[_log(1, 3)]]
