@@ -36,15 +36,16 @@ def pytest_collection_modifyitems(config, items):
 _TIER_PASSED: list[str] = []
 
 
-def _tier_must_run(item) -> bool:
-    return REQUIRE_TRITON and "triton" in item.keywords and not torch.cuda.is_available()
+def _tier_must_run(keywords) -> bool:
+    """A test (its item's or its report's keywords) of the Triton tier where the tier must run."""
+    return REQUIRE_TRITON and "triton" in keywords and not torch.cuda.is_available()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and "gpu" not in item.keywords and _tier_must_run(item):
+    if report.skipped and "gpu" not in item.keywords and _tier_must_run(item.keywords):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = (
@@ -55,8 +56,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_runtest_logreport(report):
     # on the controller under xdist (the workers send their reports there), and in one process
-    tier = REQUIRE_TRITON and "triton" in report.keywords and not torch.cuda.is_available()
-    if report.passed and report.when == "call" and tier:
+    if report.passed and report.when == "call" and _tier_must_run(report.keywords):
         _TIER_PASSED.append(report.nodeid)
 
 

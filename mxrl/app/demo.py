@@ -22,14 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mxrl.app.demo_report import (  # noqa: F401  (the demo's public names)
-    FINAL_EVALS,
-    RecipeResult,
-    band_verdict,
-    mean_and_stderr,
-    recipe_results,
-    write_report,
-)
+from mxrl.app.demo_report import write_report
 from mxrl.app.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.app.sources import TaskSource
 from mxrl.app.task import ArithmeticTask

@@ -12,7 +12,7 @@ import torch
 
 from mxrl.app import demo as demo_mod
 from mxrl.app import progress as progress_mod
-from mxrl.app.demo import RecipeResult, band_verdict, mean_and_stderr
+from mxrl.app.demo_report import RecipeResult, band_verdict, mean_and_stderr, recipe_results
 from mxrl.app.sources import TaskSource
 from mxrl.app.task import ArithmeticTask
 from mxrl.app.warmup import sft
@@ -194,7 +194,7 @@ def test_results_group_seeds_by_recipe(tmp_path):
         rec.log_metrics(0, {"eval/accuracy": finals[0]})
         rec.log_metrics(1, {"mismatch/k3": 1e-4, "eval/accuracy": finals[1]})
         runs.append(rec)
-    (res,) = demo_mod.recipe_results(runs)
+    (res,) = recipe_results(runs)
     assert res.num_seeds == 2 and res.start == pytest.approx(0.35)
     assert res.final == pytest.approx(0.65) and res.final_se == pytest.approx(0.05)
     assert torch.isclose(torch.tensor(res.k3), torch.tensor(1e-4))
