@@ -235,6 +235,16 @@ class GRPOConfig:
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
     # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
     compute_dtype: str = field(default="auto", metadata=rule(APPLY, choice(*COMPUTE_DTYPES)))
+    # the training pass runs the step's sequences in micro-batches of at most this many padded
+    # tokens (sequences x the longest one), gradients accumulated; 0: derived from the memory
+    # left once weights, optimizer and rollout are placed (mxrl.rl.memory); the loss is the
+    # whole batch's either way (docs/rl.md, "Memory")
+    max_tokens_per_micro_batch: int = field(
+        default=0, metadata=rule(APPLY, integer(0, " (0: derived from memory)"))
+    )
+    # recompute each decoder layer in the backward: activations of one layer per micro-batch
+    # instead of all of them, for one more forward (the knob when a sequence alone does not fit)
+    checkpoint_layers: bool = field(default=False, metadata=rule(APPLY, boolean))
 
     def __post_init__(self) -> None:
         _validate(self, "rl.")

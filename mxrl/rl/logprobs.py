@@ -18,6 +18,17 @@ from torch.nn.utils.rnn import pad_sequence
 from mxrl.engine.sampler import filter_logits
 from mxrl.models import CausalLM
 
+# The lm_head's logits are made (and log-softmaxed) for this many bytes of fp32 logits at a
+# time: the passes never hold a [tokens, vocabulary] tensor of the whole batch (8 GB for 256
+# sequences of 256 tokens at a 32k vocabulary; terabytes at the field's 8k-token, 152k-vocabulary
+# batches). Each chunk holds about three such tensors at its peak (logits, log-softmax, grad).
+LOGITS_CHUNK_BYTES = 1 << 28
+
+
+def logits_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk of the logprob computation: LOGITS_CHUNK_BYTES of fp32 logits."""
+    return max(1, LOGITS_CHUNK_BYTES // (4 * vocab_size))
+
 
 def completion_logprobs(
     model: CausalLM,
