@@ -80,7 +80,7 @@ def write_config(workdir: Path, model_dir: Path | None, name: str, args) -> Path
             "recipe": args.recipe, "device": args.device, "steps": args.steps,
             "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
             "max_new_tokens": args.new_tokens, "verify_every": 1,
-        },
+        } | {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.rl)},
     }  # fmt: skip
     if PLACEMENTS[name] is not None:
         raw["placement"] = PLACEMENTS[name]
@@ -97,12 +97,11 @@ def run(name: str, config: Path, workdir: Path, args) -> dict:
     log = workdir / f"{name}.log"
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(
-            cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout
-        ).returncode
+        rc, peak_rss = _run_measured(cmd, f, args.timeout)
     wall = time.perf_counter() - t0
-    print(f"{name}: rc {rc}, {wall:.1f} s (log {log})", flush=True)
-    row: dict = {"placement": name, "command": " ".join(cmd[1:]), "rc": rc, "wall_s": wall}
+    print(f"{name}: rc {rc}, {wall:.1f} s, peak RSS {peak_rss:.2f} GiB (log {log})", flush=True)
+    row: dict = {"placement": name, "command": " ".join(cmd[1:]), "rc": rc, "wall_s": wall,
+                 "peak_rss_gib": peak_rss}  # fmt: skip
     if rc != 0:
         row["log_tail"] = log.read_text()[-3000:]
         return row
@@ -116,9 +115,27 @@ def run(name: str, config: Path, workdir: Path, args) -> dict:
     per_rank = sorted({k for m in later for k in m if k.startswith("time/rank")})
     row["per_rank"] = {k[5:]: statistics.median(m[k] for m in later if k in m) for k in per_rank}
     row["rewards"] = [m.get("reward/mean") for m in metrics]
+    for key in ("rollout_peak_gib", "train_peak_gib"):  # the largest over the steps
+        row[key] = max((m[f"memory/{key}"] for m in metrics if f"memory/{key}" in m), default=None)
+    if record.events("memory_estimate"):
+        row["memory_estimate"] = record.events("memory_estimate")[0]
     row["sync_digests"] = [e.get("engine_digest") for e in record.events("sync_verified")]
     row["sync_ok"] = all(e.get("ok", False) for e in record.events("sync_verified"))
     return row
+
+
+def _run_measured(cmd: list[str], out, timeout: float) -> tuple[int, float]:
+    """(return code, peak resident set in GiB of the process and the children it waited for)."""
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_maxrss / (1 << 20)  # KiB on Linux
+        if time.monotonic() > deadline:
+            proc.kill()
+        time.sleep(0.2)
 
 
 def parse_args(argv):
@@ -138,6 +155,10 @@ def parse_args(argv):
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--rl", nargs="*", default=[], metavar="KEY=VALUE",
+        help="more rl settings, e.g. max_tokens_per_micro_batch=16384 checkpoint_layers=true",
+    )  # fmt: skip
     p.add_argument("--placements", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     p.add_argument("--workdir", default="/tmp/mxrl-scale")
     p.add_argument("--timeout", type=int, default=900, help="seconds per run")
@@ -168,7 +189,7 @@ def main(argv=None) -> int:
                   "shape": "tiny" if args.tiny else "Qwen3-30B-A3B layers"}
         if not args.builtin else {"builtin": "tiny-moe", "warmup_steps": args.warmup_steps},
         "settings": {k: getattr(args, k) for k in
-                     ("recipe", "device", "steps", "prompts", "samples", "new_tokens")},
+                     ("recipe", "device", "steps", "prompts", "samples", "new_tokens", "rl")},
         "gpus": torch.cuda.device_count(),
         "method": "mxrl train per placement; medians over steps 2.. of time/{rollout,sync,"
                   "train}_s (metrics.jsonl); digests from sync_verified events",
@@ -178,7 +199,8 @@ def main(argv=None) -> int:
         if r["rc"] == 0:
             print(f"  {r['placement']:>9}: step {r['step_s']:.2f} s = rollout {r['rollout_s']:.2f}"
                   f" + sync {r['sync_s']:.3f} + train {r['train_s']:.2f}; digests equal single: "
-                  f"{r.get('digests_equal_single')}")  # fmt: skip
+                  f"{r.get('digests_equal_single')}; peak memory rollout "
+                  f"{r['rollout_peak_gib']:.2f}, train {r['train_peak_gib']:.2f} GiB")  # fmt: skip
     if args.out:
         metadata = environment() if torch.cuda.is_available() else {}
         section["environment"] = metadata or {"device": "cpu", "torch": torch.__version__}

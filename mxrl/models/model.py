@@ -153,10 +153,22 @@ class CausalLM(nn.Module):
         """Decoder layer index of each entry of the routing list."""
         return list(self.config.moe_layers)
 
+    def autocast(self, device_type: str) -> torch.autocast:
+        """The forward's autocast: `compute_dtype`, or off (the parameters' dtype)."""
+        return torch.autocast(
+            device_type,
+            dtype=self.compute_dtype or torch.bfloat16,
+            enabled=self.compute_dtype is not None,
+        )
+
     def logits(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden_BSH, self.model.embed_tokens.weight)
-        return self.lm_head(hidden_BSH)
+        """The lm_head on final hidden states (any leading shape), under the forward's autocast:
+        what `forward` computes from what `forward(..., return_hidden=True)` returns (the
+        trainer makes its logits a chunk of tokens at a time, mxrl.rl.logprobs)."""
+        with self.autocast(hidden_BSH.device.type):
+            if self.lm_head is None:
+                return F.linear(hidden_BSH, self.model.embed_tokens.weight)
+            return self.lm_head(hidden_BSH)
 
     def forward(
         self,
@@ -167,8 +179,12 @@ class CausalLM(nn.Module):
         kv_cache: KVCache | None = None,
         return_routing: bool = False,
         replay_routing: Sequence[torch.Tensor] | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits [B, S, V] in the model dtype; with `return_routing`, (logits, routing).
+        """Logits [B, S, V] in the model dtype; with `return_routing`, (logits, routing);
+        with `return_hidden`, the final hidden states [B, S, H] instead of the logits (the
+        lm_head left to `logits`: a caller that needs the logits of a few tokens at a time; a
+        call of `forward` still, so FSDP2's hooks gather and free the parameters).
 
         input_ids: int [B, S]. position_ids: int [B, S] (or [1, S]); default: arange(S), or the
         count of real tokens before each position when a 2-D attention_mask is given (left
@@ -181,11 +197,7 @@ class CausalLM(nn.Module):
         replay_routing: the same structure, to force those experts (routing replay); their
         weights come from this model's router probabilities.
         """
-        with torch.autocast(
-            input_ids.device.type,
-            dtype=self.compute_dtype or torch.bfloat16,
-            enabled=self.compute_dtype is not None,
-        ):
+        with self.autocast(input_ids.device.type):
             hidden, routing = self.model(
                 input_ids,
                 position_ids=position_ids,
@@ -193,8 +205,8 @@ class CausalLM(nn.Module):
                 kv_cache=kv_cache,
                 replay_routing=replay_routing,
             )
-            logits = self.logits(hidden)
-        return (logits, routing) if return_routing else logits
+            out = hidden if return_hidden else self.logits(hidden)
+        return (out, routing) if return_routing else out
 
 
 @torch.no_grad()

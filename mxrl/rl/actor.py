@@ -46,6 +46,7 @@ class TrainRanks(Protocol):
     def share(self, num_groups: int) -> range: ...  # the GRPO groups this rank trains
     def gather(self, rows: list[torch.Tensor]) -> list[torch.Tensor]: ...  # request order
     def sum(self, t: torch.Tensor) -> torch.Tensor: ...  # all-reduce over the train ranks
+    def max(self, t: torch.Tensor) -> torch.Tensor: ...  # all-reduce (max) over them
     def full(self, t: torch.Tensor) -> torch.Tensor: ...  # a sharded tensor made whole
 
 
@@ -63,6 +64,9 @@ class OneRank:
         return list(rows)
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,11 @@ class ShardedRanks:
         dist.all_reduce(t, group=self.group)
         return t
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
     def full(self, t: torch.Tensor) -> torch.Tensor:
         from mxrl.parallel import full
 
@@ -127,8 +136,10 @@ class LocalActor:
         self.ranks = OneRank()
         apply_plan(model, plan, backend=cfg.backend)
         compute = cfg.torch_compute_dtype()
-        if compute != torch.float32:
-            model.set_training_options(compute_dtype=compute)
+        model.set_training_options(
+            compute_dtype=compute if compute != torch.float32 else model.compute_dtype,
+            checkpoint_layers=cfg.checkpoint_layers,
+        )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
@@ -178,6 +189,9 @@ class ShardedActor:
         self.ranks = ShardedRanks(layout)
         apply_plan(model, plan, backend=cfg.backend)
         self.model = parallelize(model, plan, layout.train_mesh)
+        model.set_training_options(
+            compute_dtype=model.compute_dtype, checkpoint_layers=cfg.checkpoint_layers
+        )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )

@@ -15,6 +15,23 @@ from mxrl.engine import Completion
 logger = logging.getLogger(__name__)
 
 
+GIB = float(1 << 30)
+
+
+def memory_peak(device: torch.device | str) -> float:
+    """GiB: on CUDA the most memory torch allocated on `device` since the previous call (the
+    counter is reset), on the CPU the process's peak resident set so far (the kernel keeps no
+    other peak). The trainer calls it after each stage of a step: `memory/<stage>_peak_gib`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / GIB
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+
+
 def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
     """sha256 over the (name, content hash) pairs of the weights an engine holds (its verified
     `Engine.hashes`), in name order: two engines serve the same bytes exactly when their digests

@@ -170,3 +170,8 @@ class RankRollout:
     def restore_version(self, version: int) -> None:
         if self.engine is not None:
             self.engine.weights_version = version
+
+
+def request_seed(seed: int, step: int, index: int) -> int:
+    """A per-request sampling seed that depends only on (run seed, step, request index)."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)

@@ -10,8 +10,9 @@ once, in its distributed form; on one process every collective of `OneRank` is a
 it computes the values of the single-process loop to the bit (tests/rl/test_loop.py's golden
 run). On a placement (`torchrun ... mxrl train` with a `placement` section, docs/scale.md) every
 rank runs the same step in lockstep: each rollout rank generates its share of the prompt groups,
-each train rank computes the loss of its share on its FSDP2 shard (with more than one, the
-batch's token count is the denominator and the loss is scaled by the number of train ranks, so
+each train rank computes the loss of its share on its FSDP2 shard, in micro-batches of at most
+`max_tokens_per_micro_batch` padded tokens (`mxrl.rl.micro_batch`; the batch's token count is
+then the denominator, and with more than one train rank the loss is scaled by their number, so
 FSDP2's averaged gradient is the whole batch's: DAPO token-mean), the norms are global, and
 rank 0 writes the record: the step's times the slowest rank's, plus each rank's own
 (`time/rank{r}/...`), the sync events with the engine digest every serving rank agreed on.
@@ -39,14 +40,15 @@ from torch.nn.utils.rnn import pad_sequence
 from mxrl.engine import Completion, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan, resolve
-from mxrl.rl.actor import Actor, LocalActor, ShardedActor, TrainRanks
+from mxrl.rl import micro_batch
+from mxrl.rl.actor import Actor, LocalActor, ShardedActor
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.metrics import Progress, step_metrics
+from mxrl.rl.metrics import Progress, memory_peak, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resume import CHECKPOINT_DIR
-from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout
+from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout, request_seed
 from mxrl.rl.source import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -73,8 +75,12 @@ class GRPOTrainer:
         record: RunRecord | None,
         *,
         layout: Layout | None = None,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
+        # padded tokens per micro-batch of the training pass: cfg.max_tokens_per_micro_batch,
+        # or when it is 0 (derived from memory) the caller's derivation; None: one micro-batch
+        self.micro_batch_tokens = cfg.max_tokens_per_micro_batch or micro_batch_tokens
         self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
         self.actor, self.rollout = _seams(cfg, model, self.plan, layout)
         self.model = self.actor.model if self.actor is not None else None
@@ -105,6 +111,8 @@ class GRPOTrainer:
         """One step (on every rank); its metrics where the record is written, None elsewhere."""
         cfg, step = self.cfg, self.step + 1
         n = cfg.samples_per_prompt
+        device = self.layout.device if self.layout is not None else cfg.device
+        memory_peak(device)  # from here: this step's stages
         t0 = time.perf_counter()
         batch = self.source.next_batch(cfg.prompts_per_step)  # every rank: one data stream
         prompts = [p for p in batch.prompts for _ in range(n)]
@@ -112,6 +120,7 @@ class GRPOTrainer:
         params = [self._sampling(step, i) for i in range(len(prompts))]
         outs = self.rollout.generate(prompts, params, n)
         t_rollout = time.perf_counter() - t0
+        peaks = {"memory/rollout_peak_gib": memory_peak(device)}
 
         t1 = time.perf_counter()
         rewards = torch.tensor(
@@ -121,6 +130,7 @@ class GRPOTrainer:
         mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)
         train = self._train(step, prompts, outs, rewards, mask) if self.actor else None
         t_train = time.perf_counter() - t1
+        peaks["memory/train_peak_gib"] = memory_peak(device)
 
         t2 = time.perf_counter()
         report = self.rollout.update(self.actor.export(step) if self.actor else None)
@@ -140,6 +150,7 @@ class GRPOTrainer:
                 engine_digest=served, deep=deep,
             )  # fmt: skip
             metrics = self._metrics(outs, rewards, mask, train, times, t0, report.version)
+            metrics |= peaks
             if held_out is not None:
                 metrics["eval/accuracy"] = held_out
             self.record.log_metrics(step, metrics)
@@ -177,29 +188,39 @@ class GRPOTrainer:
         adv = group_advantages(rewards, n, std_normalize=cfg.std_normalize)
         idx = [g * n + j for g in ranks.share(len(outs) // n) for j in range(n)]
         actor.model.train()
-        logp = sequence_logprobs(
-            actor.model, [prompts[i] for i in idx], [outs[i].tokens for i in idx],
-            cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-        )  # fmt: skip
-        m = pad_sequence([torch.ones(len(outs[i].tokens)) for i in idx], batch_first=True)
-        rollout = pad_sequence([outs[i].logprobs for i in idx], batch_first=True).to(logp.device)
-        old = logp.detach()  # one update per batch: pi_old is the trainer's current policy
+        lengths = [len(prompts[i]) + len(outs[i].tokens) - 1 for i in idx]  # forward tokens
+        batches = micro_batch.plan(lengths, self.micro_batch_tokens, ranks)
+        # one micro-batch on one process: the batch's own token count (the loss as it always
+        # was); else the whole batch's on every micro-batch, so their gradients add up to it
+        whole = len(batches) > 1 or ranks.size > 1
+        rows: list[torch.Tensor] = []  # pi_old of this rank's sequences, request order
+        parts: list[tuple[dict[str, float], float]] = []
+        for mb in batches:
+            sel = [idx[r] for r in mb.rows]
+            logp = sequence_logprobs(
+                actor.model, [prompts[i] for i in sel], [outs[i].tokens for i in sel],
+                cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            )  # fmt: skip
+            m = pad_sequence([torch.ones(len(outs[i].tokens)) for i in sel], batch_first=True)
+            rollout = pad_sequence([outs[i].logprobs for i in sel], batch_first=True)
+            old = logp.detach()  # one update per batch: pi_old is the trainer's current policy
+            loss, stats = policy_loss(
+                logp, old, adv[sel].to(logp.device), m.to(logp.device),
+                eps_low=cfg.eps_low, eps_high=cfg.eps_high,
+                rollout_logp=rollout.to(logp.device), correction=cfg.correction,
+                tis_cap=cfg.tis_cap, denominator=float(mask.sum()) if whole else None,
+            )  # fmt: skip
+            # FSDP2 averages the ranks' gradients: undone, the batch's sum
+            (loss * (ranks.size * mb.weight) if whole else loss).backward()
+            if mb.weight:
+                rows += [old[k, : len(outs[i].tokens)].cpu() for k, i in enumerate(sel)]
+                parts.append((stats, float(m.sum())))
+        stats = micro_batch.combine(parts, ranks)
         # the mismatch metrics over the whole batch: every train rank's rows (sequence_logprobs
         # writes zeros past each completion, as pad_sequence pads)
-        rows = [old[k, : len(outs[i].tokens)].cpu() for k, i in enumerate(idx)]
         full_old = pad_sequence(ranks.gather(rows), batch_first=True)
         full_rollout = pad_sequence([o.logprobs for o in outs], batch_first=True)
         mm = mismatch_metrics(full_rollout, full_old, mask).as_dict()
-        loss, stats = policy_loss(
-            logp, old, adv[idx].to(logp.device), m.to(logp.device),
-            eps_low=cfg.eps_low, eps_high=cfg.eps_high, rollout_logp=rollout,
-            correction=cfg.correction, tis_cap=cfg.tis_cap,
-            denominator=None if ranks.size == 1 else float(mask.sum()),
-        )  # fmt: skip
-        if ranks.size > 1:  # FSDP2 averages the ranks' gradients: undone, the batch's sum
-            loss = loss * ranks.size
-            stats = _token_weighted(stats, float(m.sum()), ranks)
-        loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(actor.model.parameters(), cfg.grad_clip)
         grad_norm = float(ranks.full(norm))
         decision = self.spikes.update(grad_norm)
@@ -376,17 +397,3 @@ def _seams(
         )
     rollout = RankRollout(cfg, model, plan, layout)  # from the whole master, before sharding
     return (ShardedActor(cfg, model, plan, layout) if layout.trains else None), rollout
-
-
-def _token_weighted(stats: dict[str, float], tokens: float, ranks: TrainRanks) -> dict[str, float]:
-    """Each train rank's stats, averaged over the ranks weighted by its tokens (the batch's)."""
-    keys = sorted(k for k, v in stats.items() if isinstance(v, float))
-    t = torch.tensor([stats[k] * tokens for k in keys] + [tokens], dtype=torch.float64)
-    t = ranks.sum(t)
-    total = float(t[-1]) or 1.0
-    return {**stats, **{k: float(v) / total for k, v in zip(keys, t[:-1].tolist(), strict=True)}}
-
-
-def request_seed(seed: int, step: int, index: int) -> int:
-    """A per-request sampling seed that depends only on (run seed, step, request index)."""
-    return (seed * 1_000_003 + step * 10_007 + index) % (2**63 - 1)

@@ -20,7 +20,7 @@ from mxrl.arch import builtin_config
 from mxrl.models import build_model
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
-from tests.rl.loop_helpers import tiny_config
+from tests.rl.loop_helpers import numerics, tiny_config
 
 
 @pytest.fixture(autouse=True)
@@ -75,11 +75,7 @@ def test_runs_in_worker_processes_give_the_same_numbers(tmp_path, monkeypatch, c
         assert all("step 2/2  reward " in ln and "held-out " in ln for ln in lines), lines
         runs = sorted((out / "runs").iterdir())
         assert [r.name.split("-seed")[0] for r in runs] == ["bf16", "mxfp8"]
-        metrics[workers] = [
-            [{k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
-             for row in RunRecord.open(run).metrics()]
-            for run in runs
-        ]  # fmt: skip
+        metrics[workers] = [numerics(RunRecord.open(run).metrics()) for run in runs]
     assert metrics[1] == metrics[2]
 
 

@@ -12,9 +12,9 @@ from mxrl.rl.config import GRPOConfig
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
 
-# Timings and throughput vary from run to run; everything else (sync/version included: a resume
-# restores the engine's weights version) is numerics.
-NONDETERMINISTIC = ("time/", "throughput/")
+# Timings, throughput and memory peaks vary from run to run; everything else (sync/version
+# included: a resume restores the engine's weights version) is numerics.
+NONDETERMINISTIC = ("time/", "throughput/", "memory/")
 
 
 class ParitySource(TaskSource):

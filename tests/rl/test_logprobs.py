@@ -30,10 +30,13 @@ class _Limits:
 
     def __init__(self, max_positions):
         self.max_positions = max_positions
+        self.vocab_size = len(WEIGHTS)
 
 
 class Bigram(torch.nn.Module):
-    """logits[b, s] = log WEIGHTS[ids[b, s]]; records every call's inputs."""
+    """logits[b, s] = log WEIGHTS[ids[b, s]]; records every call's inputs. Its "hidden state"
+    is the row of logits itself and its lm_head the identity (the path asks for the hidden
+    states, then the logits of a chunk of them)."""
 
     def __init__(self, max_positions=8):
         super().__init__()
@@ -43,9 +46,12 @@ class Bigram(torch.nn.Module):
         self.config = _Limits(max_positions)
         self.calls = []
 
-    def forward(self, ids, **kwargs):
+    def forward(self, ids, return_hidden=False, **kwargs):
         self.calls.append((ids.clone(), kwargs))
         return self.table[ids]
+
+    def logits(self, hidden):
+        return hidden
 
 
 # prompts and completions of different lengths: the batch is right-padded
@@ -156,3 +162,58 @@ def test_top_p_drops_a_token_whose_mass_before_it_reaches_top_p():
     float exactly: 0 .25 .5 .75): top_p 0.5 keeps tokens 0 1 and the sampled 3, not 2."""
     out = sequence_logprobs(Bigram(), [[1]], [[3]], top_p=0.5)
     assert _rows(out) == [[_log(1, 3)]]
+
+
+def _dense_logprobs(model, prompts, completions):
+    """What the trainer computed before chunking: the whole batch's [B, S, V] logits, fp32
+    log-softmax, the sampled tokens gathered."""
+    out = []
+    for p, c in zip(prompts, completions, strict=True):
+        ids = torch.tensor([[*p, *c]])
+        logits = model(ids[:, :-1])[0, len(p) - 1 :].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None])[:, 0])
+    return out
+
+
+def test_chunked_logprobs_are_the_dense_ones_and_never_hold_the_batch_logits(monkeypatch):
+    """A MoE model with a vocabulary larger than its hidden size (2048 vs 64), logits in chunks
+    of 5 tokens: the logprobs and their gradients are those of the dense computation, and no
+    tensor kept for the backward has more than one chunk's rows of logits."""
+    from mxrl.arch import builtin_config
+    from mxrl.models import build_model
+    from mxrl.rl import logprobs
+
+    vocab = 2048
+    model = build_model({**builtin_config("tiny-moe"), "vocab_size": vocab}, seed=0)
+    g = torch.Generator().manual_seed(0)
+    lens = [(3, 6), (5, 1), (2, 9)]  # 16 completion tokens: 4 chunks
+    prompts = [torch.randint(vocab, (p,), generator=g).tolist() for p, _ in lens]
+    completions = [torch.randint(vocab, (c,), generator=g).tolist() for _, c in lens]
+    weights = torch.randn(3, 9, generator=g)
+
+    dense = _dense_logprobs(model, prompts, completions)
+    loss = sum((d * weights[i, : len(d)]).sum() for i, d in enumerate(dense))
+    want = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+    monkeypatch.setattr(logprobs, "LOGITS_CHUNK_BYTES", 4 * vocab * 5)
+    assert logprobs.logits_chunk_tokens(vocab) == 5
+    rows_kept = []
+
+    def pack(t):
+        if t.dim() >= 1 and t.shape[-1] == vocab:
+            rows_kept.append(t.numel() // vocab)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        got = sequence_logprobs(model, prompts, completions)
+        loss = (got * weights).sum()
+    assert sum(rows_kept) <= 5, rows_kept  # all chunks together: one chunk's rows at most
+    for i, d in enumerate(dense):
+        torch.testing.assert_close(got[i, : len(d)], d, rtol=0, atol=2e-6)
+        assert (got[i, len(d) :] == 0).all()
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), grads, want, strict=True):
+        if b is None:
+            assert a is None or not a.any(), name
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)

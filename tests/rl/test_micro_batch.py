@@ -1,0 +1,135 @@
+"""The training pass in micro-batches (mxrl/rl/micro_batch.py): how sequences are cut, how
+every train rank gets as many forwards, how the loss stats add up, and that the update of a
+step cut in many micro-batches is the update of one (the loss normalised by the whole batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.rl import micro_batch
+from mxrl.rl.grpo import policy_loss
+from mxrl.rl.micro_batch import MicroBatch, combine, split
+
+from .loop_helpers import tiny_trainer
+
+
+class FakeRanks:
+    """`size` train ranks seen from one of them: the others' tensors are given."""
+
+    def __init__(self, size=1, others_max=None, others_sum=None):
+        self.size, self.others_max, self.others_sum = size, others_max, others_sum
+
+    def max(self, t):
+        return t if self.others_max is None else torch.maximum(t, self.others_max.to(t.dtype))
+
+    def sum(self, t):
+        return t if self.others_sum is None else t + self.others_sum
+
+
+def test_split_cuts_in_request_order_by_padded_tokens():
+    # padded tokens of a run: its count x its longest. 3,5 -> 2 x 5 = 10 fits 10; + 2 -> 3 x 5
+    # = 15 does not; 2 alone; + 7 -> 2 x 7 = 14 does not; 7 alone
+    assert split([3, 5, 2, 7], 10) == [(0, 1), (2,), (3,)]
+    assert split([3, 5, 2, 7], 14) == [(0, 1), (2, 3)]
+    assert split([3, 5, 2, 7], None) == [(0, 1, 2, 3)]
+    assert split([12, 1], 10) == [(0,), (1,)]  # longer than the budget: a run of its own
+    assert split([], 10) == []
+
+
+def test_every_rank_runs_as_many_forwards():
+    # this rank needs 1 micro-batch, another needs 3: the largest run is halved until 3
+    mbs = micro_batch.plan([4, 4, 4, 4], 100, FakeRanks(2, others_max=torch.tensor([3])))
+    assert [mb.rows for mb in mbs] == [(0,), (1,), (2, 3)]
+    assert all(mb.weight == 1.0 for mb in mbs)
+    # fewer sequences than forwards: the first sequence again, its loss weighted 0
+    mbs = micro_batch.plan([4, 4], 100, FakeRanks(2, others_max=torch.tensor([4])))
+    filler = MicroBatch((0,), 0.0)
+    assert mbs == [MicroBatch((0,)), MicroBatch((1,)), filler, filler]
+    # one process: the split as it is, no collective
+    assert micro_batch.plan([4, 4, 4], 8, FakeRanks()) == [MicroBatch((0, 1)), MicroBatch((2,))]
+
+
+def test_combine_sums_maxima_and_token_weighted_means():
+    a = {"loss/pg": 0.25, "loss/num_tokens": 3.0, "ratio/max": 1.5, "ratio/mean": 1.0}
+    b = {"loss/pg": 0.5, "loss/num_tokens": 1.0, "ratio/max": 1.25, "ratio/mean": 2.0}
+    got = combine([(a, 3.0), (b, 1.0)], FakeRanks())
+    # mean over 4 tokens: (3 x 1.0 + 1 x 2.0) / 4
+    assert got == {"loss/pg": 0.75, "loss/num_tokens": 4.0, "ratio/max": 1.5, "ratio/mean": 1.25}
+    assert combine([(a, 3.0)], FakeRanks()) == a  # one micro-batch on one process: as it is
+    # another rank: sums [loss/num_tokens, loss/pg, ratio/mean x tokens, tokens] and its max
+    other = FakeRanks(
+        2, torch.tensor([2.0]), torch.tensor([4.0, 1.0, 12.0, 4.0], dtype=torch.float64)
+    )
+    got = combine([(a, 3.0)], other)
+    assert got == {"loss/pg": 1.25, "loss/num_tokens": 7.0, "ratio/max": 2.0, "ratio/mean": 15 / 7}
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch(aggregation):
+    """With the whole batch's count as the denominator (tokens, or sequences with a token),
+    the micro-batches' losses and gradients add up to the whole batch's."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 0, 7, 3, 6]
+    mask = torch.zeros(6, 7)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    logp = (-torch.rand(6, 7, generator=g)).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(6, 7, generator=g)
+    adv = torch.randn(6, generator=g)
+    whole, _ = policy_loss(logp, old, adv, mask, aggregation=aggregation)
+    (grad_whole,) = torch.autograd.grad(whole, logp)
+    count = mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
+    total = 0.0
+    for rows in ([0, 1], [2, 3, 4], [5]):
+        part, _ = policy_loss(
+            logp[rows], old[rows], adv[rows], mask[rows], aggregation=aggregation,
+            denominator=float(count),
+        )  # fmt: skip
+        total = total + part
+    (grad_parts,) = torch.autograd.grad(total, logp)
+    # fp32 sums in another order: a few ulps of the loss (~0.5 here)
+    assert float(total.detach()) == pytest.approx(float(whole.detach()), rel=1e-6, abs=1e-7)
+    assert torch.allclose(grad_parts, grad_whole, rtol=1e-6, atol=1e-8)
+
+
+def _one_step_grads(tmp_path, run_id, **overrides):
+    """The gradients of step 1 (the optimizer's step replaced by a copy of them) and its
+    metrics."""
+    trainer = tiny_trainer(tmp_path, run_id, steps=1, **overrides)
+    grads = {}
+
+    def capture():
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+
+    trainer.opt.step = capture
+    metrics = trainer.train_step()
+    return grads, metrics
+
+
+def test_a_step_in_many_micro_batches_is_the_step_in_one(tmp_path):
+    """16 sequences of ~15 forward tokens, one micro-batch vs micro-batches of at most 32
+    padded tokens (two sequences each, eight forwards): the same gradients within fp32 summation
+    order, the same loss and metrics."""
+    one, m_one = _one_step_grads(tmp_path, "one")
+    many, m_many = _one_step_grads(tmp_path, "many", max_tokens_per_micro_batch=32)
+    assert one.keys() == many.keys()
+    worst = 0.0
+    for name, g in one.items():
+        scale = float(g.abs().max()) or 1.0
+        worst = max(worst, float((many[name] - g).abs().max()) / scale)
+    # each gradient element is a sum over ~100 tokens in another order (and the logits of a
+    # row come from a GEMM of another height): measured ~1e-7 of the tensor's largest element
+    print(f"worst relative gradient difference {worst:.2e}")
+    assert worst < 1e-5, worst
+    for key in ("reward/mean", "response_len/mean"):  # the same rollouts
+        assert m_many[key] == m_one[key]
+    # loss/pg is ~1e-8 on-policy (every ratio 1, the advantages of a group sum to 0): a sum of
+    # terms of ~1 / 100 that cancels, so its rounding, ~1e-8, is the bound
+    assert m_many["loss/pg"] == pytest.approx(m_one["loss/pg"], abs=1e-7)
+    # a row's logprobs depend in their last bits on the batch it runs in (its padding, the
+    # GEMMs' height): a few fp32 ulps of a logprob of ~-3 (one ulp 2.4e-7) in each mean
+    for key in ("mismatch/k1", "mismatch/k3"):
+        assert m_many[key] == pytest.approx(m_one[key], abs=1e-6), key
+    assert m_many["loss/clip_frac"] == m_one["loss/clip_frac"]
+    assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
