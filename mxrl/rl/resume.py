@@ -94,8 +94,6 @@ def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> Re
 def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]]:
     """The newest checkpoint of the launch's kind and its state; ValueError if there is none
     or it does not load."""
-    import torch
-
     pt = latest_checkpoint(run_dir)
     if distributed:  # torch.distributed.checkpoint: imported only for a torchrun launch
         from mxrl.parallel import dcp
@@ -118,10 +116,7 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
             "run (drop resume:)"
         )
     try:
-        if distributed:
-            state = dcp.trainer_state(ckpt)
-        else:
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        state = read_state(ckpt, distributed=distributed)
         missing = {"step", "plan_hash", "config"} - set(state)
         if missing:
             raise KeyError(f"no {sorted(missing)}")
@@ -131,6 +126,18 @@ def _load_latest(run_dir: Path, distributed: bool) -> tuple[Path, dict[str, Any]
             "resume from the one before, or start a new run (drop resume:)"
         ) from None
     return ckpt, state
+
+
+def read_state(path: Path, *, distributed: bool, map_location: Any = "cpu") -> dict[str, Any]:
+    """The trainer state of a checkpoint: a DCP folder's rank-0 state under a placement (every
+    rank reads it: a shared file system), else a `.pt` file."""
+    if distributed:
+        from mxrl.parallel import dcp
+
+        return dcp.trainer_state(path)
+    import torch
+
+    return torch.load(path, map_location=map_location, weights_only=False)
 
 
 def _recorded_config(run_dir: Path, state: Mapping[str, Any]) -> TrainConfig:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch.distributed as dist
 
-from mxrl.engine import Completion, Engine, SamplingParams
+from mxrl.engine import CacheOptions, Completion, Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan
 from mxrl.rl.config import GRPOConfig
@@ -50,10 +50,12 @@ class Rollout(Protocol):
 class LocalRollout:
     """One engine beside the trainer, built from the model it is handed and loaded in process."""
 
-    def __init__(self, cfg: GRPOConfig, model: CausalLM, plan: Plan) -> None:
+    def __init__(
+        self, cfg: GRPOConfig, model: CausalLM, plan: Plan, cache: CacheOptions | None = None
+    ) -> None:
         self.engine = Engine(
             model, plan, device=cfg.device, backend=cfg.backend, tile=cfg.engine_tile,
-            compute_dtype=cfg.torch_compute_dtype(),
+            compute_dtype=cfg.torch_compute_dtype(), cache=cache,
         )  # fmt: skip
         self.transport = InProcessTransport(self.engine)
 
@@ -90,13 +92,20 @@ class RankRollout:
     """This rank's part of the rollouts of a placement. The engine (on a rollout rank) is built
     from the whole master before the actor shards it."""
 
-    def __init__(self, cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout) -> None:
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        model: CausalLM,
+        plan: Plan,
+        layout: Layout,
+        cache: CacheOptions | None = None,
+    ) -> None:
         self.layout = layout
         self.engine: Engine | None = None
         if layout.serves:
             self.engine = Engine(
                 model, plan, device=str(layout.device), backend=cfg.backend,
-                tile=cfg.engine_tile, compute_dtype=cfg.torch_compute_dtype(),
+                tile=cfg.engine_tile, compute_dtype=cfg.torch_compute_dtype(), cache=cache,
             )  # fmt: skip
         self.transport = self.sender = self.receiver = None
         src = layout.train_ranks[0]

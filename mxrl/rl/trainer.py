@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import Completion, SamplingParams
+from mxrl.engine import CacheOptions, Completion, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan, resolve
 from mxrl.rl import micro_batch
@@ -47,7 +47,7 @@ from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.metrics import Progress, memory_peak, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
-from mxrl.rl.resume import CHECKPOINT_DIR
+from mxrl.rl.resume import CHECKPOINT_DIR, read_state
 from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout, request_seed
 from mxrl.rl.source import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
@@ -76,13 +76,15 @@ class GRPOTrainer:
         *,
         layout: Layout | None = None,
         micro_batch_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
         # padded tokens per micro-batch of the training pass: cfg.max_tokens_per_micro_batch,
-        # or when it is 0 (derived from memory) the caller's derivation; None: one micro-batch
+        # or when it is 0 the caller's, from its memory estimate (None: one micro-batch); the
+        # engines' KV cache: the caller's size (None: the engine's default, CacheOptions)
         self.micro_batch_tokens = cfg.max_tokens_per_micro_batch or micro_batch_tokens
         self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-        self.actor, self.rollout = _seams(cfg, model, self.plan, layout)
+        self.actor, self.rollout = _seams(cfg, model, self.plan, layout, kv_cache_bytes)
         self.model = self.actor.model if self.actor is not None else None
         self.opt = self.actor.optimizer if self.actor is not None else None
         self.engine = self.rollout.engine
@@ -343,7 +345,9 @@ class GRPOTrainer:
         continue bitwise."""
         path = Path(path)
         if state is None:
-            state = self._read_state(path)
+            state = read_state(
+                path, distributed=self.layout is not None, map_location=self.cfg.device
+            )
         if state["plan_hash"] != self.plan.hash():
             raise ValueError(
                 f"checkpoint {path} was trained under plan {state['plan_hash'][:12]}, this run "
@@ -372,28 +376,20 @@ class GRPOTrainer:
             )  # fmt: skip
         return self.step
 
-    def _read_state(self, path: Path) -> dict[str, Any]:
-        """The trainer state of a checkpoint: a `.pt` file on one process; a DCP folder's rank-0
-        state under a placement (every rank reads it: a shared file system)."""
-        if self.layout is not None:
-            from mxrl.parallel import dcp
-
-            return dcp.trainer_state(path)
-        return torch.load(path, map_location=self.cfg.device, weights_only=False)
-
 
 def _seams(
-    cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout | None
+    cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout | None, kv_bytes: int | None
 ) -> tuple[Actor | None, Rollout]:
     """The actor (None on a rank that does not train) and the rollout of this process."""
+    cache = CacheOptions(kv_cache_bytes=kv_bytes)
     if layout is None:
         actor = LocalActor(cfg, model, plan)  # the engine is built from the model it prepared
-        return actor, LocalRollout(cfg, model, plan)
+        return actor, LocalRollout(cfg, model, plan, cache)
     if cfg.prompts_per_step < max(len(layout.train_ranks), len(layout.rollout_ranks)):
         raise ValueError(
             f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
             f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
             "every rank needs at least one prompt group"
         )
-    rollout = RankRollout(cfg, model, plan, layout)  # from the whole master, before sharding
+    rollout = RankRollout(cfg, model, plan, layout, cache)  # the whole master, before sharding
     return (ShardedActor(cfg, model, plan, layout) if layout.trains else None), rollout

@@ -133,3 +133,43 @@ def test_a_step_in_many_micro_batches_is_the_step_in_one(tmp_path):
         assert m_many[key] == pytest.approx(m_one[key], abs=1e-6), key
     assert m_many["loss/clip_frac"] == m_one["loss/clip_frac"]
     assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_step_whose_batch_logits_exceed_the_memory_cap_runs_on_cuda(tmp_path):
+    """Under a 6 GiB cap on an H200: 128 sequences of ~140 tokens at a 65,536-token vocabulary,
+    whose fp32 logits alone are ~4.4 GiB: the pass before issue 27 held several such tensors
+    at once (bf16 logits, their fp32 copy, the log-softmax, then their gradients), and even
+    without autograd that runs out of memory here (checked below). Chunked logprobs and
+    4096-token micro-batches keep the whole step inside the cap."""
+    from mxrl.app.task import ArithmeticTask
+    from mxrl.arch import builtin_config
+    from mxrl.models import build_model
+    from mxrl.rl.trainer import GRPOTrainer
+    from mxrl.runs import RunRecord
+
+    from .loop_helpers import ParitySource, tiny_config
+
+    cap, vocab = 6 << 30, 65536
+    cfg = tiny_config(recipe="bf16", device="cuda", prompts_per_step=16, samples_per_prompt=8,
+                      max_new_tokens=128, steps=1, max_tokens_per_micro_batch=4096)  # fmt: skip
+    model = build_model({**builtin_config("tiny-moe"), "vocab_size": vocab}, seed=0, device="cuda")
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(
+        cap / torch.cuda.get_device_properties(0).total_memory
+    )
+    try:
+        record = RunRecord.create(tmp_path, "capped", config=cfg)
+        source = ParitySource(ArithmeticTask(seed=0))
+        trainer = GRPOTrainer(cfg, model, source, record, kv_cache_bytes=256 << 20)
+        metrics = trainer.train_step()
+        # the old pass, under the same cap: the batch's logits, in fp32, log-softmaxed
+        ids = torch.randint(vocab, (128, 140), device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.log_softmax(trainer.model(ids).float(), -1)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    tokens = 128 * metrics["response_len/mean"]  # the completions alone
+    assert tokens * vocab * 4 > cap / 2  # their fp32 logits alone: over half the cap
+    assert metrics["memory/train_peak_gib"] < cap / (1 << 30)
+    assert torch.isfinite(torch.tensor(metrics["loss/pg"])) and metrics["grad/norm"] > 0
