@@ -1,0 +1,150 @@
+"""The memory estimate (mxrl/rl/memory.py): its activation count against what autograd really
+saves, its weight terms against sums worked out by hand, its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.arch import ModelConfig, builtin_config, tensors_from_hf_config
+from mxrl.models import build_model
+from mxrl.recipe import resolve
+from mxrl.rl import memory, memory_terms
+from mxrl.rl.config import TrainConfig
+
+# a 1-layer MoE model whose parameters are easy to count by hand
+HAND = {
+    "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 4,
+    "num_experts_per_tok": 2, "shared_expert_intermediate_size": 0,
+}  # fmt: skip
+EXPERTS_MXFP8 = {
+    "name": "experts-mxfp8", "default": "bf16",
+    "rules": [{"match": {"kind": "routed_expert"}, "format": "mxfp8"}],
+}  # fmt: skip
+
+
+def _hf(**changes) -> dict:
+    config = builtin_config("tiny-moe")
+    config.update(changes)
+    return config
+
+
+def _estimate(hf: dict, rl: dict, *, capacity: int | None, prompt: int = 8, dtype="float32"):
+    cfg = TrainConfig.from_dict({"model": "x", "dtype": dtype, "rl": rl})
+    plan = resolve(cfg.rl.recipe, tensors_from_hf_config(hf, "fused"))
+    model_cfg = ModelConfig.from_hf(hf)
+    return memory.estimate_memory(model_cfg, plan, cfg, prompt_tokens=prompt, capacity=capacity)
+
+
+def _saved_bytes(model, batch: int, seq: int, autocast: bool) -> int:
+    """Bytes of the tensors autograd saves in one forward of the decoder (and a loss on its
+    output), each storage once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator())
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            hidden, _ = model.model(ids, attention_mask=mask)
+        hidden.float().square().mean().backward()
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.mark.parametrize(
+    "master, compute, ckpt, shared",
+    [
+        (torch.float32, None, False, 0),
+        (torch.float32, None, False, 32),
+        (torch.float32, torch.bfloat16, False, 32),  # fp32 master under bf16 autocast
+        (torch.bfloat16, torch.bfloat16, False, 0),
+        (torch.float32, None, True, 0),
+        (torch.float32, torch.bfloat16, True, 0),
+    ],
+)
+def test_activation_bytes_per_token_match_what_autograd_saves(master, compute, ckpt, shared):
+    """The per-token slope of the saved bytes (batch 2 -> 4 at one length, so the attention
+    mask's length-dependent part stays inside the slope) against the estimate's saved part.
+    Bound: within 10% either way: the estimate counts the head's per-token values (the
+    logits' input, the loss's scalars: compute x hidden + 32 bytes) where this measurement has
+    a plain fp32 loss on the hidden states (4 x hidden bytes); the rest is counted tensor by
+    tensor. The total (with the backward's working set of one layer) is at least the slope."""
+    hf = _hf(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=shared, num_hidden_layers=4, mlp_only_layers=[3],
+    )  # fmt: skip
+    config = ModelConfig.from_hf(hf)
+    model = build_model(config, dtype=master, seed=0).train()
+    model.set_training_options(compute_dtype=compute, checkpoint_layers=ckpt)
+    seq = 16
+    autocast = compute is not None
+    slope = (_saved_bytes(model, 4, seq, autocast) - _saved_bytes(model, 2, seq, autocast)) / (
+        2 * seq
+    )
+    master_bytes = 4 if master == torch.float32 else 2
+    compute_bytes = 2 if autocast else master_bytes
+    saved, working = memory_terms.activation_bytes(
+        config, master_bytes, compute_bytes, False, seq, ckpt
+    )
+    assert 0.9 * slope <= saved <= 1.1 * slope, (saved, slope)
+    assert saved + working >= slope
+
+
+def test_weight_terms_against_hand_counts():
+    hf = _hf(**HAND)
+    per_layer = {
+        "q": 64 * 64, "k": 32 * 64, "v": 32 * 64, "o": 64 * 64, "q_norm": 32, "k_norm": 32,
+        "input_ln": 64, "post_ln": 64, "router": 4 * 64,
+    }  # fmt: skip
+    gate_up, down = 4 * 64 * 64, 4 * 64 * 32  # [E, 2I, H], [E, H, I]
+    rest = 64 * 64 + 64 * 64 + 64  # embedding, lm_head, final norm
+    numel = sum(per_layer.values()) + gate_up + down + rest
+    rl = {"recipe": EXPERTS_MXFP8, "device": "cuda", "prompts_per_step": 2}
+    est = _estimate(hf, rl, capacity=None)
+    assert est.master_weights == est.gradients == 4 * numel
+    assert est.optimizer == 8 * numel  # AdamW: two fp32 moments
+    experts = gate_up + down
+    # the engine on CUDA: bf16 records 2 bytes; MXFP8 codes 1 byte and an E8M0 scale per 32
+    assert est.engine_weights == 2 * (numel - experts) + experts + experts // 32
+    # training copies: the experts' packed MXFP8 cache, bf16 casts of the other matmul weights
+    casts = 64 * 64 + 32 * 64 * 2 + 64 * 64 + 4 * 64 + 64 * 64  # q k v o, router, lm_head
+    assert est.train_weight_copies == experts + experts // 32 + 2 * casts
+    # KV: 2 prompts x 8 samples of 8 + 8 tokens, one 16-token block each, + CUDA graphs' scratch
+    assert est.kv_cache == (2 * 8 + 1) * 2 * 1 * 16 * 1 * 32 * 2  # k+v, layers, block, K, D, bf16
+    bf16 = _estimate(hf, {"device": "cuda"}, capacity=None, dtype="bfloat16")
+    assert bf16.master_weights == 2 * numel and bf16.optimizer == 4 * numel
+
+
+def test_budget_derived_from_capacity_holds_the_longest_sequence():
+    hf = _hf()
+    whole = _estimate(hf, {"max_new_tokens": 8}, capacity=None)
+    assert whole.budget == "whole step" and whole.micro_batch_tokens == whole.step_tokens
+    one_seq = whole.activation_bytes_per_token * whole.longest_sequence
+    need = whole.train_side + whole.logits_chunk + one_seq
+    est = _estimate(hf, {"max_new_tokens": 8}, capacity=int(need / memory.SAFETY) + 1)
+    assert est.budget == "derived"
+    assert est.longest_sequence <= est.micro_batch_tokens < est.step_tokens
+    est.check()
+    assert est.train_peak <= est.usable
+
+
+def test_refusals_name_the_knob():
+    hf = _hf()
+    small = _estimate(hf, {}, capacity=1 << 20)
+    with pytest.raises(ValueError, match=r"rl\.prompts_per_step.*placement"):
+        small.check()
+    whole = _estimate(hf, {"max_new_tokens": 8}, capacity=None)
+    just_fixed = int((whole.train_side + whole.logits_chunk + 1) / memory.SAFETY) + 1
+    no_room = _estimate(hf, {"max_new_tokens": 8}, capacity=just_fixed)
+    with pytest.raises(ValueError, match=r"rl\.checkpoint_layers: true"):
+        no_room.check()
+    given = _estimate(hf, {"max_tokens_per_micro_batch": 4}, capacity=None)
+    with pytest.raises(ValueError, match=r"rl\.max_tokens_per_micro_batch: 4 is less than"):
+        given.check()
+    assert whole.lines()[0].startswith("memory (estimate, cpu of unknown size)")
