@@ -1,12 +1,14 @@
 """The memory estimate (mxrl/rl/memory.py): its activation count against what autograd really
-saves, its weight terms against sums worked out by hand, its refusals."""
+saves, its weight terms against sums worked out by hand, its refusals and `mxrl train`'s."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from mxrl.arch import ModelConfig, builtin_config, tensors_from_hf_config
+from mxrl.cli import main
 from mxrl.models import build_model
 from mxrl.recipe import resolve
 from mxrl.rl import memory, memory_terms
@@ -148,3 +150,19 @@ def test_refusals_name_the_knob():
     with pytest.raises(ValueError, match=r"rl\.max_tokens_per_micro_batch: 4 is less than"):
         given.check()
     assert whole.lines()[0].startswith("memory (estimate, cpu of unknown size)")
+
+
+def test_mxrl_train_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch, capsys):
+    config = {
+        "model": "builtin:tiny-moe", "out": str(tmp_path / "runs"),
+        "data": {"source": "builtin:arithmetic", "warmup_steps": 1},
+        "rl": {"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 4},
+    }  # fmt: skip
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(memory, "device_capacity", lambda device: 1 << 20)
+    assert main(["train", "--config", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("mxrl: error: memory:"), errors
+    assert "rl.prompts_per_step" in errors[0]
+    assert not (tmp_path / "runs").exists()
