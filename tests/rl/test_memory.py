@@ -152,6 +152,29 @@ def test_refusals_name_the_knob():
     assert whole.lines()[0].startswith("memory (estimate, cpu of unknown size)")
 
 
+def test_a_placement_shards_the_trainer_and_places_the_engine(monkeypatch):
+    """FSDP2 shards weights, grads and AdamW over the train ranks; a split placement's train
+    ranks hold no engine (the busiest rank is the larger side), a colocated rank holds both."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    hf, rl = _hf(), {"prompts_per_step": 4}
+    one = _estimate(hf, rl, capacity=None)
+    split = _estimate_placed(hf, rl, {"mode": "split", "train_ranks": 2, "rollout_ranks": 2})
+    assert split.master_weights == one.master_weights // 2 and not split.colocated
+    assert split.kv_cache == one.kv_cache // 2  # each rollout rank serves half the groups
+    assert split.fixed == max(split.train_fixed, split.rollout_fixed)
+    colocated = _estimate_placed(hf, rl, {"mode": "colocated"})  # train_ranks: WORLD_SIZE
+    assert colocated.optimizer == one.optimizer // 4 and colocated.colocated
+    assert colocated.fixed == colocated.train_fixed + colocated.rollout_fixed
+
+
+def _estimate_placed(hf: dict, rl: dict, placement: dict):
+    cfg = TrainConfig.from_dict({"model": "x", "rl": rl, "placement": placement})
+    plan = resolve(cfg.rl.recipe, tensors_from_hf_config(hf, "fused"))
+    return memory.estimate_memory(
+        ModelConfig.from_hf(hf), plan, cfg, prompt_tokens=8, capacity=None
+    )
+
+
 def test_mxrl_train_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch, capsys):
     config = {
         "model": "builtin:tiny-moe", "out": str(tmp_path / "runs"),
