@@ -3,16 +3,20 @@ saves, its weight terms against sums worked out by hand, its refusals and `mxrl 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import yaml
 
+from mxrl.app.preflight import longest_prompt, read_dataset
 from mxrl.arch import ModelConfig, builtin_config, tensors_from_hf_config
 from mxrl.cli import main
-from mxrl.models import build_model
+from mxrl.models import build_model, save_pretrained
 from mxrl.recipe import resolve
 from mxrl.rl import memory, memory_terms
 from mxrl.rl.config import TrainConfig
+from tests.models.configs import CONFIGS
 
 # a 1-layer MoE model whose parameters are easy to count by hand
 HAND = {
@@ -173,6 +177,29 @@ def _estimate_placed(hf: dict, rl: dict, placement: dict):
     return memory.estimate_memory(
         ModelConfig.from_hf(hf), plan, cfg, prompt_tokens=8, capacity=None
     )
+
+
+def test_longest_prompt_of_the_task_and_of_a_dataset(tmp_path):
+    """The built-in task's longest problem (BOS + "20+20="); a dataset's longest row tokenized
+    as the run will, capped where the build skips a prompt (128 positions - 8 new tokens)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    builtin = TrainConfig.from_dict({"model": "builtin:tiny-moe"})
+    assert longest_prompt(builtin, None, ModelConfig.from_hf(_hf())) == 7
+    model = tmp_path / "hf"
+    save_pretrained(build_model(CONFIGS["qwen3-tied"], seed=0), model, progress=False)
+    vocab = {w: i for i, w in enumerate(["<unk>", "<eos>", *"0123456789"])}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.save(str(model / "tokenizer.json"))
+    rows = [" ".join(["1"] * n) for n in (3, 30, 12)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": "1"}) + "\n" for p in rows))
+    cfg = TrainConfig.from_dict({"model": str(model), "data": {"source": str(data)}})
+    model_cfg = ModelConfig.from_hf(model)
+    assert longest_prompt(cfg, read_dataset(cfg), model_cfg) == 30
+    data.write_text(json.dumps({"prompt": " ".join(["1"] * 200), "label": "1"}) + "\n")
+    assert model_cfg.max_positions == 128
+    assert longest_prompt(cfg, read_dataset(cfg), model_cfg) == 128 - 8
 
 
 def test_mxrl_train_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch, capsys):
