@@ -222,12 +222,16 @@ def estimate_memory(
 
 
 def device_capacity(device: str) -> int | None:
-    """The device's bytes: a GPU's total memory; on the CPU, MemAvailable (/proc/meminfo), or
-    None where it cannot be read."""
+    """The device's bytes: a GPU's total memory (`cuda` without an index: this torchrun rank's
+    GPU, LOCAL_RANK); on the CPU, MemAvailable (/proc/meminfo), or None where it cannot be
+    read. The device properties, not `mem_get_info`: no CUDA context is created before the
+    run picks its device."""
     if device.startswith("cuda"):
         import torch
 
-        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+        index = torch.device(device).index
+        index = int(os.environ.get("LOCAL_RANK", "0")) if index is None else index
+        return int(torch.cuda.get_device_properties(index).total_memory)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
