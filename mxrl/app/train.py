@@ -62,6 +62,8 @@ if TYPE_CHECKING:
     from mxrl.parallel import Layout
 
 logger = logging.getLogger(__name__)
+# the estimate's lines under mxrl.rl, whose INFO lines `mxrl train` shows (cli._progress_logging)
+memory_logger = logging.getLogger("mxrl.rl.memory")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -146,7 +148,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     memory = checked.memory
     if memory is not None and writer:
         for line in memory.lines():
-            logger.info("mxrl train: %s", line)
+            memory_logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
     backend = str(select_backend(cfg.rl.backend, device))

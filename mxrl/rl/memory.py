@@ -200,7 +200,7 @@ def estimate_memory(
         engine_weights=engine_weight_bytes(plan, engine, cuda),
         kv_cache=kv_cache_bytes(model_cfg, rl, seq, engine, cuda, rollout_ranks),
         activation_bytes_per_token=per_token,
-        logits_chunk=logits_chunk_bytes(model_cfg.vocab_size),
+        logits_chunk=logits_chunk_bytes(model_cfg.vocab_size, sequences * seq),
         micro_batch_tokens=0,
         budget="given",
         longest_sequence=seq,

@@ -64,11 +64,12 @@ def activation_bytes(
     return once + sum(layers), max(layers)
 
 
-def logits_chunk_bytes(vocab: int) -> int:
-    """One chunk of the logprob computation's fp32 logits, LOGITS_COPIES times."""
+def logits_chunk_bytes(vocab: int, max_tokens: int) -> int:
+    """One chunk of the logprob computation's fp32 logits, LOGITS_COPIES times; a chunk holds
+    no more tokens than the pass (`max_tokens`: the step's)."""
     from mxrl.rl.logprobs import logits_chunk_tokens
 
-    return LOGITS_COPIES * logits_chunk_tokens(vocab) * vocab * 4
+    return LOGITS_COPIES * min(logits_chunk_tokens(vocab), max_tokens) * vocab * 4
 
 
 def _contract_bytes(spec: Any) -> int:
