@@ -155,7 +155,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
         record = RunRecord.open(point.run_dir) if writer else None
-        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens (the memory estimate's budget)
+        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
         trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
@@ -163,7 +163,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
             _resume_record(record, point, backend)
             _record_memory(record, memory, point.step)
     elif not writer:
-        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens
+        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
         trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout)
     else:
         if layout is not None:
@@ -173,7 +173,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         )
         _record_memory(record, memory, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-            # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens
+            # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
             trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
