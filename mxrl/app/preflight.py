@@ -3,10 +3,12 @@ what the config's schema cannot know — the files and folders it names, the dev
 backend, the reward function —, the recipe's plan on the model's config, and a resume's checks.
 
     checked = preflight(cfg)   # ValueError naming the field; nothing is created or written
-    checked.plan, checked.resume
+    checked.plan, checked.resume, checked.memory
 
 Nothing heavy is imported before it is needed: the path checks come first and import nothing,
-so a bad `out:` or a missing file is refused at once; then torch (device, plan, checkpoint).
+so a bad `out:` or a missing file is refused at once; then torch (device, plan, checkpoint), and
+last the memory the run needs (`mxrl.rl.memory`): a config that cannot fit is refused here, not
+by an out-of-memory error mid-run.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Checked:
     """A config that passed every check: its plan (a `mxrl.recipe.Plan`), for a resume where
-    and how the run continues, and the prompt dataset it names (read and validated; None for
-    the built-in task)."""
+    and how the run continues, the prompt dataset it names (read and validated; None for the
+    built-in task) and its memory estimate (`mxrl.rl.memory.MemoryEstimate`)."""
 
     plan: Any
     resume: ResumePoint | None
     dataset: Any = None
+    memory: Any = None
 
 
 def preflight(cfg: TrainConfig) -> Checked:
     """Every check, in order: the launch and the paths, the dataset (neither imports torch),
-    the device and the reward, the plan, the resume."""
+    the device and the reward, the plan, the resume, the memory."""
     check_launch(cfg)
     check_paths(cfg)
     dataset = read_dataset(cfg)
@@ -47,7 +50,48 @@ def preflight(cfg: TrainConfig) -> Checked:
     resume = None
     if cfg.resume is not None:
         resume = prepare_resume(cfg, plan.hash(), distributed=cfg.placement is not None)
-    return Checked(plan, resume, dataset)
+    return Checked(plan, resume, dataset, check_memory(cfg, plan, dataset))
+
+
+def check_memory(cfg: TrainConfig, plan: Any, dataset: Any) -> Any:
+    """The run's memory estimate on its device (`mxrl.rl.memory`), refused if it cannot fit."""
+    from mxrl.arch import ModelConfig, builtin_config
+    from mxrl.rl import memory
+
+    model_cfg = ModelConfig.from_hf(
+        builtin_config("tiny-moe") if cfg.model == BUILTIN_MODEL else cfg.model
+    )
+    estimate = memory.estimate_memory(
+        model_cfg, plan, cfg, prompt_tokens=longest_prompt(cfg, dataset, model_cfg),
+        capacity=memory.device_capacity(cfg.rl.device),
+    )  # fmt: skip
+    estimate.check()
+    return estimate
+
+
+# the longest prompts by characters whose tokens are counted (tokenizing every row is the
+# build's work; token counts follow character counts closely enough for an estimate)
+LONGEST_ROWS = 16
+
+
+def longest_prompt(cfg: TrainConfig, dataset: Any, model_cfg: Any) -> int:
+    """The longest prompt's tokens: the built-in task's longest problem, or the longest of the
+    dataset's LONGEST_ROWS longest rows tokenized as `mxrl.app.data.encode_prompt` does,
+    capped where the build skips a longer prompt (max_position_embeddings)."""
+    from mxrl.app.data import encode_prompt
+    from mxrl.app.task import ArithmeticTask, Problem
+    from mxrl.models import load_tokenizer
+
+    tokenizer = None if cfg.model == BUILTIN_MODEL else load_tokenizer(cfg.model)
+    if dataset is None:
+        task = ArithmeticTask(tokenizer=tokenizer)
+        m = task.max_operand
+        return max(len(task.encode_prompt(Problem(m, op, m))) for op in task.ops)
+    rows = sorted(dataset.examples, key=lambda e: len(str(e.prompt)), reverse=True)
+    longest = max(len(encode_prompt(e.prompt, tokenizer)) for e in rows[:LONGEST_ROWS])
+    if model_cfg.max_positions is not None:
+        longest = min(longest, model_cfg.max_positions - cfg.rl.max_new_tokens)
+    return longest
 
 
 def read_dataset(cfg: TrainConfig) -> Any:

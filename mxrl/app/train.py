@@ -62,6 +62,8 @@ if TYPE_CHECKING:
     from mxrl.parallel import Layout
 
 logger = logging.getLogger(__name__)
+# the estimate's lines under mxrl.rl, whose INFO lines `mxrl train` shows (cli._progress_logging)
+memory_logger = logging.getLogger("mxrl.rl.memory")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -143,18 +145,25 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     plan, point = checked.plan, checked.resume
     device = cfg.rl.device if layout is None else layout.device
     writer = layout is None or layout.is_writer
+    memory = checked.memory
+    if memory is not None and writer:
+        for line in memory.lines():
+            memory_logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
     backend = str(select_backend(cfg.rl.backend, device))
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
         record = RunRecord.open(point.run_dir) if writer else None
+        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
         trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
         if record is not None:
             _resume_record(record, point, backend)
+            _record_memory(record, memory, point.step)
     elif not writer:
+        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
         trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout)
     else:
         if layout is not None:
@@ -162,7 +171,9 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         record = RunRecord.create(
             cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan, backend=backend
         )
+        _record_memory(record, memory, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
+            # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
             trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
@@ -186,6 +197,12 @@ def _build_in_turn(
     if layout.rank == 0:
         torch.distributed.barrier()
     return built
+
+
+def _record_memory(record: RunRecord, memory: Any, step: int) -> None:
+    """The memory estimate (`mxrl.rl.memory`) as a `memory_estimate` event of the run record."""
+    if memory is not None:
+        record.log_event("memory_estimate", step, **memory.fields())
 
 
 def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:

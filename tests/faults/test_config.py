@@ -106,6 +106,8 @@ CASES = [
     Case("group-of-one", "rl.samples_per_prompt", {"rl": {"samples_per_prompt": 1}}),
     Case("spike-window", "rl.spike_window", {"rl": {"spike_window": 5}}),
     Case("max-new-tokens-builtin", "rl.max_new_tokens", {"rl": {"max_new_tokens": 100000000}}),
+    # a micro-batch below one sequence (BOS + "20+20=" + 4 new tokens): mxrl.rl.memory's check
+    Case("micro-batch", "rl.max_tokens_per_micro_batch", {"rl": {"max_tokens_per_micro_batch": 3}}),
     # choices and keys
     Case("correction", "rl.correction", {"rl": {"correction": "ppo"}}),
     Case("spike-action", "rl.spike_action", {"rl": {"spike_action": "halt"}}),

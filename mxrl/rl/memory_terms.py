@@ -1,0 +1,143 @@
+"""The terms of the memory estimate (mxrl/rl/memory.py), each counted from the code that
+allocates it: what autograd saves in mxrl.models' forward, what mxrl.nn's training ops and the
+engine hold for a weight under its spec, the engine's KV blocks, a logits chunk.
+
+Byte sizes are plain ints (master, compute: 4 for fp32, 2 for bf16); `cuda` picks the CUDA
+paths (the grouped expert GEMMs, packed quantized weights) over the CPU reference's. torch is
+imported inside the functions that need a dtype: preflight runs these before the model exists.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+LOGITS_COPIES = 3  # a logits chunk at its peak: logits, log-softmax, their gradient
+PER_TOKEN_LOSS = 32  # fp32 logprob, old logprob, advantage, mask, ... per token
+
+
+def _norm(width: int, x_bytes: int) -> int:
+    """RMSNorm saves its input in fp32, the 1/rms and the normalised input in its dtype."""
+    return 4 * width + 4 + x_bytes * width
+
+
+def activation_bytes(
+    c: Any, master: int, compute: int, cuda: bool, seq: int, ckpt: bool
+) -> tuple[int, int]:
+    """(bytes per padded token the training forward saves for the backward, the backward's
+    working set: one decoder layer's worth of activation gradients, and with `ckpt` that layer's
+    recomputed activations too). Under autocast (fp32 master, bf16 compute) the residual
+    stream stays fp32 and every linear saves its own bf16 cast of its input."""
+    h, nd, kd = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    )
+    casts = master == 4 and compute == 2
+
+    def inputs(n: int) -> int:  # the saved inputs of n linears reading one tensor
+        return compute * h * (n if casts else 1)
+
+    attn = _norm(h, master) + inputs(3) + compute * (2 * nd + 2 * kd) + 4 * c.num_attention_heads
+    if c.qk_norm:
+        attn += _norm(nd, compute) + _norm(kd, compute)
+    attn += compute * seq  # SDPA's float mask [S, L] (padding), per query
+    layers = []
+    for i in range(c.num_hidden_layers):
+        mlp = _norm(h, master)
+        if i in c.moe_layers:
+            k, shared = c.num_experts_per_tok, c.shared_expert_intermediate_size
+            # per (token, expert): its input, gate_up, silu, down's input and output, weighted
+            # output (the grouped GEMMs save bf16 whatever the master; the loop the master's)
+            expert, out = (2, 2) if cuda else (compute, master)
+            mlp += inputs(1 + (3 if shared else 0)) + 4 * c.num_experts + 4 + 36 * k
+            mlp += k * (expert * (2 * h + 4 * c.moe_intermediate_size) + out * h + 4)
+            if shared:
+                mlp += compute * (4 * shared + h + 2)  # its MLP, its output, the sigmoid gate
+        else:
+            mlp += inputs(2) + compute * 4 * c.intermediate_size
+        layers.append(attn + mlp)
+    # ids, RoPE's cos and sin, the final norm, the logits' input, the loss's per-token values
+    once = 8 + 2 * c.head_dim * master + _norm(h, master) + compute * h + PER_TOKEN_LOSS
+    if ckpt:  # each layer keeps its input; the backward recomputes one layer at a time
+        return once + c.num_hidden_layers * master * h, 2 * max(layers)
+    return once + sum(layers), max(layers)
+
+
+def logits_chunk_bytes(vocab: int, max_tokens: int) -> int:
+    """One chunk of the logprob computation's fp32 logits, LOGITS_COPIES times; a chunk holds
+    no more tokens than the pass (`max_tokens`: the step's)."""
+    from mxrl.rl.logprobs import logits_chunk_tokens
+
+    return LOGITS_COPIES * min(logits_chunk_tokens(vocab), max_tokens) * vocab * 4
+
+
+def _contract_bytes(spec: Any) -> int:
+    """A quantized weight's stored bytes (codes, scales, global scales) under its spec."""
+    from mxrl.recipe.quantize import weight_layout
+
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in weight_layout(spec).values())
+
+
+def train_copy_bytes(plan: Any, c: Any, master: int, compute: int, cuda: bool) -> int:
+    """What the training ops hold besides the master weights: each quantized weight's cache
+    (mxrl.nn: its packed bytes on CUDA's tensor-core path, fp32 operands on the CPU reference;
+    a column-wise copy for the quantized backward), and under autocast the bf16 casts of the
+    bf16 matmul weights, saved for the backward."""
+    from mxrl.formats.constants import Format
+    from mxrl.recipe import Backward
+
+    total = 0
+    for spec in plan.values():
+        n = math.prod(spec.shape)
+        if spec.format is Format.BF16:
+            matmul = spec.kind != "norm" and (spec.kind != "embedding" or c.tie_word_embeddings)
+            if spec.kind == "routed_expert" and cuda:
+                matmul = False  # the grouped GEMMs cast expert weights per call, keep none
+            total += 2 * n if master == 4 and compute == 2 and matmul else 0
+            continue
+        col = plan.backward is Backward.QUANTIZED
+        if cuda:
+            total += _contract_bytes(spec) * (2 if col else 1)
+        else:
+            total += 4 * n * (1 + (spec.format is Format.NVFP4) + col)
+    return total
+
+
+def engine_weight_bytes(plan: Any, compute: int, cuda: bool) -> int:
+    """The engine's weights: every record as received (bf16 2 bytes, a quantized weight its
+    stored bytes) plus the operand the GEMM reads where it is not the record: a compute-dtype
+    copy of a bf16 weight when computing in fp32, and on the CPU the fp32 dequantized weight
+    (and its globally scaled copy for NVFP4). On CUDA quantized weights stay packed (the
+    Triton low-bit and block-FP8 GEMMs)."""
+    from mxrl.formats.constants import Format
+
+    total = 0
+    for spec in plan.values():
+        n = math.prod(spec.shape)
+        if spec.format is Format.BF16:
+            total += 2 * n + (4 * n if compute == 4 else 0)
+        else:
+            total += _contract_bytes(spec) + (0 if cuda else 4 * n * (1 + (spec.format == "nvfp4")))
+    return total
+
+
+def kv_cache_bytes(c: Any, rl: Any, seq: int, compute: int, cuda: bool, ranks: int) -> int:
+    """The KV cache a rollout of this rank's groups (`rl`: the GRPOConfig) needs: every
+    sequence (at most the scheduler's max_num_seqs at once) at its longest, `seq` tokens, in
+    whole blocks, without prefix sharing (an upper bound); plus CUDA graphs' scratch block."""
+    import torch
+
+    from mxrl.engine.engine import CacheOptions
+    from mxrl.engine.kv_cache import KVCache
+
+    opt = CacheOptions()
+    sequences = min(
+        math.ceil(rl.prompts_per_step / ranks) * rl.samples_per_prompt, opt.max_num_seqs
+    )
+    dtype = torch.bfloat16 if compute == 2 else torch.float32
+    per_block = KVCache.bytes_per_block(
+        c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype
+    )
+    blocks = sequences * math.ceil(seq / opt.block_size) + (1 if cuda else 0)
+    return blocks * per_block
