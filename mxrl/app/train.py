@@ -146,8 +146,10 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     device = cfg.rl.device if layout is None else layout.device
     writer = layout is None or layout.is_writer
     memory = checked.memory
-    if memory is not None and writer:
-        for line in memory.lines():
+    sizes: dict[str, Any] = {}  # the estimate's micro-batch budget and KV cache for the trainer
+    if memory is not None:
+        sizes = {"micro_batch_tokens": memory.micro_batch_tokens, "kv_cache_bytes": memory.kv_cache}
+        for line in memory.lines() if writer else ():
             memory_logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
@@ -155,16 +157,14 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
         record = RunRecord.open(point.run_dir) if writer else None
-        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
-        trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
+        trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
         if record is not None:
             _resume_record(record, point, backend)
             _record_memory(record, memory, point.step)
     elif not writer:
-        # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
-        trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout)
+        trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout, **sizes)
     else:
         if layout is not None:
             logger.info("mxrl train: %d ranks (%s)", layout.world_size, layout.placement.mode)
@@ -173,8 +173,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         )
         _record_memory(record, memory, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-            # TODO(trainer): micro_batch_tokens=memory.micro_batch_tokens, kv_cache_bytes=memory.kv_cache
-            trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout)
+            trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
             record.log_skipped_rows(
