@@ -44,12 +44,16 @@ def _patch_interpreter_helper_calls() -> None:
     second patch of a module changes nothing: builtins already patched are left as they are, the
     rest set again to the same stateless replacements. That repetition was a fifth of the
     Triton tier's time. Here a helper inside a launch patches only a language module the launch
-    has not patched yet (tl.core, seen by tl.sum & co.), as the first such call did before."""
+    has not patched yet (tl.core, seen by tl.sum & co.), as the first such call did before.
+    Only on the Triton read here (3.6): another keeps its interpreter as it is."""
     import inspect
 
+    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
+    if not triton.__version__.startswith("3.6."):
+        return
     original = interpreter._patch_lang
     if getattr(original, "_mxrl_patched", False):
         return
