@@ -55,6 +55,15 @@ def other_capabilities(native: str | None = None) -> list[str]:
     return [c for c in supported if c.upper() != native]
 
 
+# Set by `main` in the process it runs: the capability matrix's pytest knows it is one (a test
+# may run one case per kind of numerics there, and every case in the main run).
+MATRIX_VAR = "MXRL_CAPABILITY_MATRIX"
+
+
+def in_capability_matrix() -> bool:
+    return bool(os.environ.get(MATRIX_VAR))
+
+
 def capability_env(capability: str) -> dict[str, str]:
     """Environment overrides that make this process behave as a `capability` processor."""
     env = {"ATEN_CPU_CAPABILITY": capability}
@@ -88,7 +97,8 @@ def main(argv: list[str]) -> None:
         sys.exit(f"unknown capability {cap!r}; one of {sorted(MKL_INSTRUCTIONS)}")
     print(f"tests.numeric_env: {' '.join(f'{k}={v}' for k, v in capability_env(cap).items())}")
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *args], {**os.environ, **capability_env(cap)})
+    env = {**os.environ, **capability_env(cap), MATRIX_VAR: cap}
+    os.execve(sys.executable, [sys.executable, *args], env)
 
 
 if __name__ == "__main__":

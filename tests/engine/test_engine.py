@@ -14,8 +14,10 @@ from mxrl.engine import Engine, SamplingParams
 from mxrl.engine.sampler import processed_logprobs
 from mxrl.formats import QTensor
 from mxrl.models import build_model
+from mxrl.recipe import resolve
 from mxrl.weights import WeightRecord, export_weights
 from tests.engine import sampling_spec as spec
+from tests.numeric_env import in_capability_matrix
 from tests.numerics import assert_bytes_equal
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
@@ -36,6 +38,11 @@ WIDE = {
     "shared_expert_intermediate_size": 128,
 }
 PROMPTS = [[5, 9, 2, 7, 1, 33, 12], [3, 4], [60, 61, 62, 63, 1], [8] * 11]
+# One preset per engine the presets give: an -hp or -dequantized preset differs from its kind's
+# only in the backward, which the engine never reads (the same plan, spec for spec:
+# test_the_engine_kinds_cover_every_preset). The capability matrix runs these; the main run and
+# the GPU tier every preset.
+ENGINE_KINDS = ["bf16", "mxfp8", "nvfp4-dequantized", "fp8-block"]
 
 
 def tiny(preset="bf16", seed=0, **overrides):
@@ -47,7 +54,17 @@ def _params(seed, **kw):
     return SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed, **kw)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+def test_the_engine_kinds_cover_every_preset():
+    def specs(preset):
+        model = tiny(preset)
+        return list(resolve(preset, {n: p.shape for n, p in model.named_parameters()}).values())
+
+    kinds = [specs(kind) for kind in ENGINE_KINDS]
+    for preset in PRESETS:
+        assert specs(preset) in kinds, preset
+
+
+@pytest.mark.parametrize("preset", ENGINE_KINDS if in_capability_matrix() else PRESETS)
 def test_batch_invariance(preset):
     """A request's tokens, logprobs and routed experts are identical alone and in a batch with
     requests of other lengths (tile 8 < the batch's tokens, so tiles mix requests)."""

@@ -38,6 +38,53 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_helper_calls() -> None:
+    """Triton 3.6's interpreter patches triton.language at a launch and again at every call of
+    a @triton.jit helper inside it (InterpretedFunction.__call__), never undoing the latter. A
+    second patch of a module changes nothing: builtins already patched are left as they are, the
+    rest set again to the same stateless replacements. That repetition was a fifth of the
+    Triton tier's time. Here a helper inside a launch patches only a language module the launch
+    has not patched yet (tl.core, seen by tl.sum & co.), as the first such call did before.
+    Only on the Triton read here (3.6): another keeps its interpreter as it is."""
+    import inspect
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not triton.__version__.startswith("3.6."):
+        return
+    original = interpreter._patch_lang
+    if getattr(original, "_mxrl_patched", False):
+        return
+    patched_in_launch: list[set[int]] = []  # the language modules patched in the launch running
+
+    def langs(fn) -> set[int]:
+        found = (v for v in fn.__globals__.values() if inspect.ismodule(v))
+        return {id(v) for v in found if v is tl or v is tl.core}
+
+    def patched(fn):
+        if patched_in_launch:  # a helper called inside a launch: its scope is dropped
+            seen = langs(fn)
+            if seen <= patched_in_launch[-1]:
+                return interpreter._LangPatchScope()
+            patched_in_launch[-1] |= seen
+            return original(fn)
+        scope = original(fn)  # a launch: restored when its grid has run
+        patched_in_launch.append(langs(fn))
+        restore = scope.restore
+
+        def restore_and_forget() -> None:
+            patched_in_launch.pop()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    patched._mxrl_patched = True
+    interpreter._patch_lang = patched
+
+
 if TRITON_IMPORTABLE and not torch.cuda.is_available():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         INTERPRETER_READY = True
@@ -46,3 +93,4 @@ if TRITON_IMPORTABLE and not torch.cuda.is_available():
         INTERPRETER_READY = True
     if INTERPRETER_READY:
         _patch_interpreter_index()
+        _patch_interpreter_helper_calls()

@@ -7,6 +7,10 @@
   run resumed from its distributed checkpoint (DCP) at step 2 in fresh processes ends exactly
   where the uninterrupted run ends: metrics, syncs, and the step-4 checkpoint's every tensor;
 - held-out evaluation (`eval_every`) on every placement: each serving rank decodes its share.
+
+Every run evaluates (steps 0, 2, 4), so one set of launches shows all of it: the evaluation
+runs before the step's checkpoint and draws from no RNG the training uses, and the comparisons
+above cover its rows too (the resumed run's step-4 evaluation included).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ STEPS, EVERY = 4, 2
 RL = {
     "recipe": "nvfp4-dequantized", "steps": STEPS, "checkpoint_every": EVERY, "verify_every": 2,
     "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8, "engine_tile": 16,
-    "lr": 3e-3, "seed": 0,
+    "lr": 3e-3, "seed": 0, "eval_every": EVERY,
 }  # fmt: skip
+EVALS = [0, 2, 4]  # the starting policy (a row of its own: eval/accuracy only), then every 2
 
 
 def _config(tmp: Path, name: str, **top) -> Path:
@@ -88,12 +93,13 @@ def runs(tmp_path_factory) -> Path:
 def test_split_placement_is_the_single_process_run_bit_for_bit(runs):
     single, split = RunRecord.open(runs / "single"), RunRecord.open(runs / "split")
     want = numerics(single.metrics())
-    assert [r["step"] for r in want] == list(range(1, STEPS + 1))
-    assert numerics(split.metrics()) == want
+    assert [r["step"] for r in want] == list(range(0, STEPS + 1))
+    assert numerics(split.metrics()) == want  # the evaluations too
+    assert sorted(_evals(split)) == EVALS
     assert _syncs(split) == _syncs(single)
-    assert any(r["grad/norm"] > 0 for r in want), "no step had a gradient: vacuous"
+    assert any(r["grad/norm"] > 0 for r in want[1:]), "no step had a gradient: vacuous"
     # per-rank timings, written once by rank 0
-    row = split.metrics()[0]
+    row = split.metrics()[1]
     assert {"time/rank0/train_s", "time/rank1/rollout_s", "time/rank1/sync_s"} <= row.keys()
     assert (runs / "split" / "config.yaml").exists()
 
@@ -103,8 +109,9 @@ def test_colocated_resume_from_a_distributed_checkpoint_is_exact(runs):
     (event,) = resumed.events("resume")
     assert event["from_step"] == EVERY
     want = numerics(full.metrics())
-    assert [r["step"] for r in want] == list(range(1, STEPS + 1))
-    assert numerics(resumed.metrics()) == want
+    assert [r["step"] for r in want] == list(range(0, STEPS + 1))
+    assert numerics(resumed.metrics()) == want  # step 4's evaluation ran in the resumed processes
+    assert sorted(_evals(resumed)) == EVALS
     assert _syncs(resumed) == _syncs(full)
     assert all(s[2] for s in _syncs(full)) and any(s[4] for s in _syncs(full))  # deep checks
     served = {s[3] for s in _syncs(full) if s[0] > EVERY}
@@ -132,50 +139,27 @@ def test_colocated_run_trains_on_both_ranks_and_stays_close_to_single_process(ru
     # two ranks sum their halves of the batch in another order: close, not bitwise
     single = numerics(RunRecord.open(runs / "single").metrics())
     coloc = numerics(RunRecord.open(runs / "colocated").metrics())
-    assert coloc[0]["grad/norm"] == pytest.approx(single[0]["grad/norm"], rel=1e-4)
-    assert coloc[0]["reward/mean"] == single[0]["reward/mean"]  # step 1: the same weights
+    assert coloc[1]["grad/norm"] == pytest.approx(single[1]["grad/norm"], rel=1e-4)
+    assert coloc[1]["reward/mean"] == single[1]["reward/mean"]  # step 1: the same weights
     assert {"time/rank0/rollout_s", "time/rank1/rollout_s"} <= RunRecord.open(
         runs / "colocated"
-    ).metrics()[0].keys()
-
-
-@pytest.fixture(scope="module")
-def eval_runs(tmp_path_factory) -> Path:
-    """One process, split and colocated, each with held-out evaluation every 2 steps."""
-    tmp = tmp_path_factory.mktemp("dist_eval")
-    env = {"MXRL_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1"}
-    rl = {**RL, "eval_every": 2, "checkpoint_every": 0}
-    single = run_python(
-        ["-m", "mxrl.cli", "train", "--config", str(_config(tmp, "single", run_id="single",
-                                                              rl=rl))],
-        env, timeout=300,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-4000:]
-    for mode, placement in [
-        ("split", {"mode": "split", "train_ranks": 1, "rollout_ranks": 1}),
-        ("colocated", {"mode": "colocated"}),
-    ]:
-        config = _config(tmp, mode, run_id=mode, rl=rl, placement=placement)
-        out = torchrun(["-m", "mxrl.cli", "train", "--config", str(config)], env=env)
-        assert out.returncode == 0, tail(out)
-    return tmp / "runs"
+    ).metrics()[1].keys()
 
 
 def _evals(record: RunRecord) -> dict[int, float]:
     return {r["step"]: r["eval/accuracy"] for r in record.metrics() if "eval/accuracy" in r}
 
 
-def test_held_out_evaluation_runs_on_every_placement(eval_runs):
-    single = _evals(RunRecord.open(eval_runs / "single"))
-    assert sorted(single) == [0, 2, 4]
+def test_held_out_evaluation_runs_on_every_placement(runs):
+    # the rows of the runs above (split and resumed: their bitwise comparisons include them)
+    single = _evals(RunRecord.open(runs / "single"))
+    assert sorted(single) == EVALS
     # split: the one-process run bit for bit, its evaluations too
-    assert _evals(RunRecord.open(eval_runs / "split")) == single
-    split_rows = numerics(RunRecord.open(eval_runs / "split").metrics())
-    assert split_rows == numerics(RunRecord.open(eval_runs / "single").metrics())
+    assert _evals(RunRecord.open(runs / "split")) == single
     # colocated: both ranks decode their half of the eval set; at step 0 (the same weights)
     # the accuracy is the one-process run's, later ones follow weights that are close only
-    coloc = _evals(RunRecord.open(eval_runs / "colocated"))
-    assert sorted(coloc) == [0, 2, 4] and coloc[0] == single[0]
+    coloc = _evals(RunRecord.open(runs / "colocated"))
+    assert sorted(coloc) == EVALS and coloc[0] == single[0]
 
 
 def _flat(d, prefix=""):
