@@ -37,6 +37,9 @@ RL = {
     "recipe": "nvfp4-dequantized", "steps": STEPS, "checkpoint_every": EVERY, "verify_every": 2,
     "prompts_per_step": 4, "samples_per_prompt": 4, "max_new_tokens": 8, "engine_tile": 16,
     "lr": 3e-3, "seed": 0, "eval_every": EVERY,
+    # ~15 tokens a sequence: 2 per micro-batch, so a train rank runs several (8 on one rank, 4
+    # on each of two: the ranks agree on the count) and the gradients accumulate over them
+    "max_tokens_per_micro_batch": 40,
 }  # fmt: skip
 EVALS = [0, 2, 4]  # the starting policy (a row of its own: eval/accuracy only), then every 2
 
@@ -140,6 +143,10 @@ def test_colocated_run_trains_on_both_ranks_and_stays_close_to_single_process(ru
     single = numerics(RunRecord.open(runs / "single").metrics())
     coloc = numerics(RunRecord.open(runs / "colocated").metrics())
     assert coloc[1]["grad/norm"] == pytest.approx(single[1]["grad/norm"], rel=1e-4)
+    # the loss stats of both ranks' micro-batches add up to the batch's (a sum that cancels to
+    # ~1e-2: its rounding is the bound), and both ranks' tokens are counted
+    assert coloc[1]["loss/pg"] == pytest.approx(single[1]["loss/pg"], abs=1e-6)
+    assert coloc[1]["loss/clip_frac"] == single[1]["loss/clip_frac"]
     assert coloc[1]["reward/mean"] == single[1]["reward/mean"]  # step 1: the same weights
     assert {"time/rank0/rollout_s", "time/rank1/rollout_s"} <= RunRecord.open(
         runs / "colocated"
