@@ -47,11 +47,15 @@ def activation_bytes(
         mlp = _norm(h, master)
         if i in c.moe_layers:
             k, shared = c.num_experts_per_tok, c.shared_expert_intermediate_size
-            # per (token, expert): its input, gate_up, silu, down's input and output, weighted
-            # output (the grouped GEMMs save bf16 whatever the master; the loop the master's)
+            # per (token, expert): its input, gate_up, silu, down's input and output (the CPU
+            # loop; the grouped GEMMs keep no separate down output), weighted output (the
+            # grouped GEMMs save bf16 whatever the master; the loop the master's). On an H200,
+            # a Qwen3-30B-A3B layer saved one [tokens x k, hidden] and one [tokens, k, hidden]
+            # bf16 tensor (benchmarks/results/activations-h200-5f09152.log)
             expert, out = (2, 2) if cuda else (compute, master)
+            widths = (1 if cuda else 2) * h + 4 * c.moe_intermediate_size
             mlp += inputs(1 + (3 if shared else 0)) + 4 * c.num_experts + 4 + 36 * k
-            mlp += k * (expert * (2 * h + 4 * c.moe_intermediate_size) + out * h + 4)
+            mlp += k * (expert * widths + out * h + 4)
             if shared:
                 mlp += compute * (4 * shared + h + 2)  # its MLP, its output, the sigmoid gate
         else:
