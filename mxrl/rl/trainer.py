@@ -330,6 +330,7 @@ class GRPOTrainer:
             "engine_digest": engine_digest,
             "plan_hash": self.plan.hash(),
             "config": asdict(self.cfg),
+            "micro_batch_tokens": self.micro_batch_tokens,
         }
         folder = self.record.path / CHECKPOINT_DIR if self.record is not None else None
         return self.actor.save(folder, self.step, state)
@@ -358,6 +359,9 @@ class GRPOTrainer:
         self.source.load_state_dict(state["source"])
         self.spikes.load_state_dict(state["spikes"])
         self.prev_layer_norms = state["prev_layer_norms"]
+        if not self.cfg.max_tokens_per_micro_batch and "micro_batch_tokens" in state:
+            # a derived budget stays the run's (the memory free now may differ): bitwise resume
+            self.micro_batch_tokens = state["micro_batch_tokens"]
         self.step = int(state["step"])
         newer = self.actor.newer_keys if self.actor is not None else ()
         missing = [k for k in (*newer, "engine_version", "engine_digest") if k not in state]

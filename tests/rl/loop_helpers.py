@@ -39,11 +39,15 @@ def tiny_config(**overrides) -> GRPOConfig:
     return GRPOConfig(**{**base, **overrides})
 
 
-def tiny_trainer(root: Path, run_id: str, **overrides) -> GRPOTrainer:
+def tiny_trainer(
+    root: Path, run_id: str, micro_batch_tokens: int | None = None, **overrides
+) -> GRPOTrainer:
+    """`micro_batch_tokens`: the budget a memory estimate would hand the trainer."""
     cfg = tiny_config(**overrides)
     model = build_model(builtin_config("tiny-moe"), seed=0)
     record = RunRecord.create(root, run_id, config=cfg)
-    return GRPOTrainer(cfg, model, ParitySource(ArithmeticTask(seed=0)), record)
+    source = ParitySource(ArithmeticTask(seed=0))
+    return GRPOTrainer(cfg, model, source, record, micro_batch_tokens=micro_batch_tokens)
 
 
 def numerics(rows: list[dict]) -> list[dict]:

@@ -137,6 +137,25 @@ def test_a_step_in_many_micro_batches_is_the_step_in_one(tmp_path):
     assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
 
 
+def test_a_resumed_run_keeps_the_micro_batches_it_derived(tmp_path):
+    """A budget derived from memory (rl.max_tokens_per_micro_batch 0) is saved with the
+    checkpoint: a resume handed another one (the memory free then differs) continues with the
+    run's, so it stays bitwise the uninterrupted run."""
+    from mxrl.rl.resume import latest_checkpoint
+
+    from .loop_helpers import numerics
+
+    full = tiny_trainer(tmp_path, "full", micro_batch_tokens=32, steps=2)
+    full.run()
+    first = tiny_trainer(tmp_path, "first", micro_batch_tokens=32, steps=1, checkpoint_every=1)
+    first.run()
+    resumed = tiny_trainer(tmp_path, "resumed", micro_batch_tokens=None, steps=2)
+    resumed.load_checkpoint(latest_checkpoint(first.record.path))
+    assert resumed.micro_batch_tokens == 32
+    resumed.run()
+    assert numerics(resumed.record.metrics()) == numerics(full.record.metrics())[1:]
+
+
 @pytest.mark.gpu
 def test_a_step_whose_batch_logits_exceed_the_memory_cap_runs_on_cuda(tmp_path):
     """Under a 6 GiB cap on an H200: 128 sequences of ~140 tokens at a 65,536-token vocabulary,
