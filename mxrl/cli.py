@@ -223,8 +223,11 @@ def _writable_dir(path: Path, flag: str) -> None:
 
 
 def _progress_logging() -> None:
-    """Step-by-step progress of the loop on stderr; the sync room's per-export lines stay quiet."""
-    logging.getLogger("mxrl.rl").setLevel(logging.INFO)
+    """Step-by-step progress of the loop on stderr, and what the app says on the way (the plan's
+    summary, the memory estimate, the warm-up, the dataset's rows); the sync room's per-export
+    lines stay quiet."""
+    for room in ("mxrl.rl", "mxrl.app"):
+        logging.getLogger(room).setLevel(logging.INFO)
     logging.getLogger().handlers[0].setFormatter(logging.Formatter("%(asctime)s %(message)s"))
 
 

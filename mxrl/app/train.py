@@ -62,8 +62,6 @@ if TYPE_CHECKING:
     from mxrl.parallel import Layout
 
 logger = logging.getLogger(__name__)
-# the estimate's lines under mxrl.rl, whose INFO lines `mxrl train` shows (cli._progress_logging)
-memory_logger = logging.getLogger("mxrl.rl.memory")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -150,7 +148,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     if memory is not None:
         sizes = {"micro_batch_tokens": memory.micro_batch_tokens, "kv_cache_bytes": memory.kv_cache}
         for line in memory.lines() if writer else ():
-            memory_logger.info("mxrl train: %s", line)
+            logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
     backend = str(select_backend(cfg.rl.backend, device))
