@@ -141,16 +141,15 @@ def test_a_resumed_run_keeps_the_micro_batches_it_derived(tmp_path):
     """A budget derived from memory (rl.max_tokens_per_micro_batch 0) is saved with the
     checkpoint: a resume handed another one (the memory free then differs) continues with the
     run's, so it stays bitwise the uninterrupted run."""
-    from mxrl.rl.resume import latest_checkpoint
+    from mxrl.rl.resume import CHECKPOINT_DIR
 
     from .loop_helpers import numerics
 
-    full = tiny_trainer(tmp_path, "full", micro_batch_tokens=32, steps=2)
+    full = tiny_trainer(tmp_path, "full", micro_batch_tokens=32, steps=2, checkpoint_every=1)
     full.run()
-    first = tiny_trainer(tmp_path, "first", micro_batch_tokens=32, steps=1, checkpoint_every=1)
-    first.run()
+    ckpt = full.record.path / CHECKPOINT_DIR / "step_000001.pt"
     resumed = tiny_trainer(tmp_path, "resumed", micro_batch_tokens=None, steps=2)
-    resumed.load_checkpoint(latest_checkpoint(first.record.path))
+    resumed.load_checkpoint(ckpt)
     assert resumed.micro_batch_tokens == 32
     resumed.run()
     assert numerics(resumed.record.metrics()) == numerics(full.record.metrics())[1:]
