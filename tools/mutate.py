@@ -34,7 +34,7 @@ MUTMUT_VERSION = "3.8.1"
 @dataclass(frozen=True)
 class Module:
     files: tuple[str, ...]  # globs, relative to the repository
-    tests: tuple[str, ...]  # pytest paths
+    tests: tuple[str, ...]  # pytest paths or node ids (file::test)
 
 
 # The contract's critical paths (the issue on mutation testing). Dotted names are one file of a
@@ -69,6 +69,18 @@ MODULES = {
         ("tests/rl",),
     ),
     "rl.grpo": Module(("mxrl/rl/grpo.py",), ("tests/rl/test_grpo.py", "tests/rl/test_grpo_edges.py")),
+    "rl.logprobs": Module(
+        ("mxrl/rl/logprobs.py",), ("tests/rl/test_logprobs.py", "tests/rl/test_logprobs_edges.py")
+    ),
+    # node ids: the file's tests but its trainer step (a minute a mutant) and its GPU test
+    "rl.micro_batch": Module(
+        ("mxrl/rl/micro_batch.py",),
+        ("tests/rl/test_micro_batch.py::test_split_cuts_in_request_order_by_padded_tokens",
+         "tests/rl/test_micro_batch.py::test_every_rank_runs_as_many_forwards",
+         "tests/rl/test_micro_batch.py::test_combine_sums_maxima_and_token_weighted_means",
+         "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",
+         "tests/rl/test_micro_batch_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip

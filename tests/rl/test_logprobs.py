@@ -35,8 +35,9 @@ class _Limits:
 
 class Bigram(torch.nn.Module):
     """logits[b, s] = log WEIGHTS[ids[b, s]]; records every call's inputs. Its "hidden state"
-    is the row of logits itself and its lm_head the identity (the path asks for the hidden
-    states, then the logits of a chunk of them)."""
+    is twice the row of logits and its lm_head halves it (exact in binary floating point): the
+    path must ask for the hidden states, then the logits of a chunk of them; logits taken for
+    hidden states would be those at temperature 2."""
 
     def __init__(self, max_positions=8):
         super().__init__()
@@ -48,10 +49,10 @@ class Bigram(torch.nn.Module):
 
     def forward(self, ids, return_hidden=False, **kwargs):
         self.calls.append((ids.clone(), kwargs))
-        return self.table[ids]
+        return 2 * self.table[ids] if return_hidden else self.table[ids]
 
     def logits(self, hidden):
-        return hidden
+        return hidden / 2
 
 
 # prompts and completions of different lengths: the batch is right-padded
