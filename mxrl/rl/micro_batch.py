@@ -18,23 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mxrl.rl.actor import TrainRanks
 
 # stats of `policy_loss` that add over micro-batches and ranks once their loss shares one
 # denominator, and those that take the largest; every other one is a mean over tokens
 SUMMED = ("loss/pg", "loss/kl", "loss/total", "loss/num_tokens")
 MAXIMA = ("ratio/max", "tis/rho_max")
-
-
-class Ranks(Protocol):
-    """What this module asks of `mxrl.rl.actor.TrainRanks`."""
-
-    size: int
-
-    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
-    def max(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +60,7 @@ def split(lengths: Sequence[int], max_tokens: int | None) -> list[tuple[int, ...
     return [tuple(run) for run in runs]
 
 
-def plan(lengths: Sequence[int], max_tokens: int | None, ranks: Ranks) -> list[MicroBatch]:
+def plan(lengths: Sequence[int], max_tokens: int | None, ranks: TrainRanks) -> list[MicroBatch]:
     """This rank's micro-batches: `split`, then as many as the train rank that needs the most
     (module docstring). On one process, `split` as it is."""
     runs = split(lengths, max_tokens)
@@ -84,7 +78,7 @@ def plan(lengths: Sequence[int], max_tokens: int | None, ranks: Ranks) -> list[M
     return batches + [filler] * (count - len(batches))
 
 
-def combine(parts: Sequence[tuple[dict[str, float], float]], ranks: Ranks) -> dict[str, float]:
+def combine(parts: Sequence[tuple[dict[str, float], float]], ranks: TrainRanks) -> dict[str, float]:
     """One set of loss stats from every micro-batch's (stats, valid tokens) on every train rank:
     the sums of SUMMED, the maxima of MAXIMA, the token-weighted means of the rest. A single
     micro-batch on one process is returned as it is (its loss stats are the batch's)."""
