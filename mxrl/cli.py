@@ -5,7 +5,7 @@
                      [--json]
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
     mxrl train --config FILE
-    mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--shard-size 2GB] [--overwrite]
+    mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB] [--overwrite]
                  [--allow-unmatched]
     mxrl --version
 
@@ -93,6 +93,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "--shard-size", default="2GB", help="bytes per safetensors shard (default 2GB; or 500MiB)"
     )
     convert.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    convert.add_argument(
+        "--to",
+        choices=("mxrl", "hf"),
+        default="mxrl",
+        help="mxrl: mxrl's quantized checkpoint (default); hf: a served checkpoint that "
+        "transformers, vLLM and SGLang load (HF fine-grained FP8 or compressed-tensors, the "
+        "same codes and scales; docs/checkpoints.md)",
+    )
     convert.add_argument(
         "--allow-unmatched",
         action="store_true",
@@ -259,7 +267,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         strict=not args.allow_unmatched,
         on_plan=announce,
+        to=args.to,
     )
+    if args.to == "hf":
+        return _served_summary(args.model, out)
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     event = manifest["quantization_event"]
     print(f"mxrl convert: {args.model} -> {out}")
@@ -279,6 +290,24 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         sqnr = ", ".join(f"{k} {float(v):.1f}" for k, v in event["sqnr_db"].items())
         print(f"SQNR (dB) of the quantized tensors: {sqnr}")
     print(f"quantized in {event['seconds']:.2f} s; wrote {out / MANIFEST_NAME}")
+    return 0
+
+
+def _served_summary(model: str, out: Path) -> int:
+    import json
+
+    config = json.loads((out / "config.json").read_text())
+    qc = config.get("quantization_config") or {"quant_method": "none (bf16)"}
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    size = sum((out / f).stat().st_size for f in files)
+    print(f"mxrl convert: {model} -> {out} (served checkpoint)")
+    print(f"recipe: {config['mxrl']['recipe']}, plan hash {config['mxrl']['plan_hash']}")
+    print(f"quantization_config: {qc['quant_method']}", end="")
+    if qc.get("config_groups"):
+        print(" (" + ", ".join(g["format"] for g in qc["config_groups"].values()) + ")", end="")
+    skipped = qc.get("modules_to_not_convert", qc.get("ignore", []))
+    print(f"; {len(skipped)} Linear module(s) kept bf16")
+    print(f"{len(files)} shard(s), {size / 2**20:.2f} MiB")
     return 0
 
 

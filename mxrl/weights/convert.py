@@ -1,4 +1,5 @@
-"""`mxrl convert`: an HF checkpoint -> a quantized checkpoint, through the one export path."""
+"""`mxrl convert`: an HF checkpoint -> a quantized checkpoint (mxrl's own, or a served one that
+transformers / vLLM / SGLang load: `mxrl.weights.served`), through the one export path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from mxrl.models import from_pretrained, parse_size
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
 from mxrl.weights.quantized_checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
+from mxrl.weights.served import served_format, write_served_checkpoint
 
+TARGETS = ("mxrl", "hf")  # mxrl's quantized checkpoint; a served HF checkpoint
 _LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,6 +29,7 @@ def convert_checkpoint(
     progress: bool | None = None,
     strict: bool = True,
     on_plan: Callable[[Plan], None] | None = None,
+    to: str = "mxrl",
 ) -> Path:
     """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
 
@@ -36,7 +40,13 @@ def convert_checkpoint(
     The weights are loaded in the checkpoint's own dtype (config.json `dtype` / `torch_dtype`;
     float32 when absent), which every quantizer reads exactly, so the bytes equal a live export
     of the same values. The plan is `recipe` resolved on the model's parameters.
+
+    to: "mxrl" writes mxrl's quantized checkpoint (`Engine.from_checkpoint` reads it); "hf" a
+    served checkpoint (`mxrl.weights.served`: HF fine-grained FP8 or compressed-tensors, the
+    same codes and scales), refused before any weight is read if the plan has no served layout.
     """
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r} is not one of {TARGETS}")
     model_dir = Path(model_dir)
     try:
         shard_bytes = parse_size(shard_bytes)
@@ -53,11 +63,14 @@ def convert_checkpoint(
     if on_plan is not None:
         on_plan(first)
     first.check(strict=strict)
+    if to == "hf":
+        served_format(first)  # a plan the served layouts cannot hold: refused before any read
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
     updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
-    return write_quantized_checkpoint(
+    write = write_served_checkpoint if to == "hf" else write_quantized_checkpoint
+    return write(
         updates,
         plan,
         config,
