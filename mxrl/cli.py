@@ -4,8 +4,10 @@
     mxrl recipe show PRESET_OR_FILE [--model CONFIG_JSON_OR_DIR] [--expert-layout per_expert]
                      [--json]
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
-    mxrl train --config FILE
-    mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB] [--overwrite]
+              [--tensorboard]
+    mxrl train --config FILE [--tensorboard]
+    mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB]
+                 [--overwrite]
                  [--allow-unmatched]
     mxrl --version
 
@@ -20,12 +22,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from mxrl import __version__
 
 DEMO_PRESET = "nvfp4-dequantized"
 EXIT_USAGE = 2
+TENSORBOARD_HELP = ("also write each run's metrics, events and plan audit as TensorBoard files "
+                    "under runs/<id>/tensorboard/ (needs the tensorboard package)")  # fmt: skip
 
 
 class UserError(Exception):
@@ -79,9 +84,12 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plan-only", action="store_true",
                       help="only print the nvfp4-dequantized plan of the tiny model (and write "
                            "it to --out)")  # fmt: skip
+    demo.add_argument("--tensorboard", action="store_true", help=TENSORBOARD_HELP)
 
     train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/app/train.py)")
     train.add_argument("--config", required=True, type=Path, metavar="FILE")
+    train.add_argument("--tensorboard", action="store_true",
+                       help=TENSORBOARD_HELP + " (as log.tensorboard: true in the config)")  # fmt: skip
 
     convert = commands.add_parser(
         "convert", help="HF checkpoint -> quantized checkpoint (the bytes the engine holds)"
@@ -167,6 +175,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
+    if args.tensorboard:
+        from mxrl.runs.tensorboard import require_tensorboard
+
+        require_tensorboard("--tensorboard")  # before --out is created
     out = args.out if args.out is not None else Path("demo")
     _writable_dir(out, "--out")
     _progress_logging()
@@ -178,6 +190,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         workers=args.workers,
         local_warmup=args.local_warmup,
+        tensorboard=args.tensorboard,
     )
     print(f"mxrl demo: report at {report}")
     return 0
@@ -204,6 +217,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     _progress_logging()
     config = TrainConfig.load(args.config)  # the schema: before torch is imported
+    if args.tensorboard:
+        config = replace(config, log=replace(config.log, tensorboard=True))
     checked = preflight(config)  # paths, device, plan, resume: before the trainer's imports
     from mxrl.app.train import run_train
 

@@ -34,6 +34,7 @@ from mxrl.recipe import resolve
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord, compare
+from mxrl.runs.tensorboard import attach_tensorboard, require_tensorboard
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +107,16 @@ def run_demo(
     device: str | None = None,
     workers: int | None = None,
     local_warmup: bool = False,
+    tensorboard: bool = False,
 ) -> Path:
     """Run the demo into `out`; returns the path of report.md. `workers`: runs trained at once,
     each in a process of its own with one intra-op thread (default: one per CPU core this
     process may use; on a GPU the runs share it, the tiny model leaving it mostly idle).
     local_warmup: train the SFT warm-up on this machine (cached) instead of loading the shipped
-    one (mxrl.app.warmup: the warm-up's end point depends on the processor)."""
+    one (mxrl.app.warmup: the warm-up's end point depends on the processor). tensorboard: each
+    run also writes TensorBoard files under its folder (mxrl.runs.tensorboard)."""
+    if tensorboard:
+        require_tensorboard("tensorboard")  # before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,7 +132,7 @@ def run_demo(
     # threads an H200 host's warm-up reached 0.53 held-out accuracy instead of 0.36).
     torch.set_num_threads(1)
     try:
-        return _run_demo(out, recipes, seeds, steps, device, workers, local_warmup)
+        return _run_demo(out, recipes, seeds, steps, device, workers, local_warmup, tensorboard)
     finally:
         torch.set_num_threads(threads)
 
@@ -140,6 +145,7 @@ def _run_demo(
     device: str,
     workers: int,
     local_warmup: bool,
+    tensorboard: bool,
 ) -> Path:
     t0 = time.perf_counter()
     base, warm = warmed_up_model(
@@ -159,9 +165,9 @@ def _run_demo(
         every=PROGRESS_EVERY,
     )
     if workers == 1:
-        paths = _train_here(base, configs, jobs, out, warm, progress)
+        paths = _train_here(base, configs, jobs, (out, warm, tensorboard), progress)
     else:
-        paths = _train_in_workers(base, configs, jobs, out, warm, progress, workers)
+        paths = _train_in_workers(base, configs, jobs, (out, warm, tensorboard), progress, workers)
     runs = [RunRecord.open(path) for path in paths]
     report = compare(runs, out)
     seconds = time.perf_counter() - t0
@@ -170,23 +176,24 @@ def _run_demo(
     return path
 
 
-def _train_here(base, configs, jobs, out, warm, progress: Progress) -> list[Path]:
-    """Every run in this process, one after the other, each step reported to `progress`."""
+def _train_here(base, configs, jobs, common, progress: Progress) -> list[Path]:
+    """Every run in this process, one after the other, each step reported to `progress`.
+    common: `_train_run`'s last arguments (out, warm, tensorboard)."""
     global _progress_sink
     _progress_sink = progress.update
     try:
-        return [_train_run(base, configs[job], out, warm) for job in jobs]
+        return [_train_run(base, configs[job], *common) for job in jobs]
     finally:
         _progress_sink = None
 
 
-def _train_in_workers(base, configs, jobs, out, warm, progress: Progress, workers) -> list[Path]:
+def _train_in_workers(base, configs, jobs, common, progress: Progress, workers) -> list[Path]:
     """Each run in a worker process of its own (`workers` at a time), the slowest recipes
     first, so the last runs to finish are short ones; their steps become progress lines."""
     logger.info("demo: %d runs, %d at a time (one process and thread each)", len(jobs), workers)
     weights = base.state_dict()
     order = sorted(jobs, key=lambda job: -RECIPE_COST.get(job[0], 1.0))
-    calls = {job: (weights, configs[job], out, warm) for job in order}
+    calls = {job: (weights, configs[job], *common) for job in order}
     results = run_in_workers(_train_run, calls, workers, _init_worker, progress)
     return [results[job] for job in jobs]
 
@@ -207,7 +214,11 @@ def _init_worker(queue=None) -> None:
 
 
 def _train_run(
-    base: CausalLM | dict[str, torch.Tensor], cfg: GRPOConfig, out: Path, warm: dict
+    base: CausalLM | dict[str, torch.Tensor],
+    cfg: GRPOConfig,
+    out: Path,
+    warm: dict,
+    tensorboard: bool = False,
 ) -> Path:
     """One GRPO run from the warmed weights (a model, or its state dict in a worker process);
     returns its record's folder. The same numbers in a worker as in the parent: the run seeds
@@ -225,6 +236,8 @@ def _train_run(
         config={**asdict(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
         plan_json=plan, backend=str(select_backend(cfg.backend, device)),
     )  # fmt: skip
+    if tensorboard:
+        attach_tensorboard(record, plan=plan)
     sink = _progress_sink
     if sink is not None:  # each metrics row, as it is written, to the parent's progress lines
         record.sink = lambda step, metrics: sink(*message(recipe, seed, step, metrics))

@@ -23,6 +23,7 @@ from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.resume import ResumePoint, prepare_resume
 from mxrl.runs import is_run_dir
 from mxrl.runs.record import check_writable
+from mxrl.runs.tensorboard import require_tensorboard
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +41,12 @@ class Checked:
 
 
 def preflight(cfg: TrainConfig) -> Checked:
-    """Every check, in order: the launch and the paths, the dataset (neither imports torch),
+    """Every check, in order: the launch, the TensorBoard package (if asked for) and the
+    paths, the dataset (none of them imports torch),
     the device and the reward, the plan, the resume, the memory."""
     check_launch(cfg)
+    if cfg.log.tensorboard:
+        require_tensorboard("log.tensorboard (--tensorboard)")
     check_paths(cfg)
     dataset = read_dataset(cfg)
     check_environment(cfg)

@@ -12,6 +12,8 @@ the demo.
     out: runs                        # run records are written under it (the default)
     resume: null                     # a run directory: continue from its last checkpoint
     strict: true                     # refuse a recipe that does not do what it says here
+    log:
+      tensorboard: false             # also TensorBoard files under runs/<id>/tensorboard/
     rl:                              # GRPOConfig fields (mxrl/rl/config.py)
       recipe: nvfp4-dequantized
       steps: 200
@@ -57,6 +59,7 @@ from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
 from mxrl.rl.resume import ResumePoint
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
+from mxrl.runs.tensorboard import attach_tensorboard
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout
@@ -159,6 +162,8 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
         if record is not None:
+            if cfg.log.tensorboard:  # a new event file; TensorBoard hides the old one's later steps
+                attach_tensorboard(record, first_step=point.step + 1)
             _resume_record(record, point, backend)
             _record_memory(record, memory, point.step)
     elif not writer:
@@ -169,6 +174,8 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         record = RunRecord.create(
             cfg.out_dir, cfg.run_id, config=cfg.to_dict(), plan_json=plan, backend=backend
         )
+        if cfg.log.tensorboard:
+            attach_tensorboard(record, plan=plan)
         _record_memory(record, memory, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
             trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)

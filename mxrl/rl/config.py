@@ -273,9 +273,22 @@ class DataConfig:
         _validate(self, "data.")
 
 
+@dataclass(frozen=True)
+class LogConfig:
+    """Where the run's metrics and events go besides its record, the `log:` section: a launch
+    setting (a resume may turn it on or off)."""
+
+    # TensorBoard event files under runs/<id>/tensorboard/ (docs/runs.md, "TensorBoard"); needs
+    # the optional tensorboard package (`mxrl train --tensorboard` turns it on too)
+    tensorboard: bool = field(default=False, metadata=rule(LAUNCH, boolean))
+
+    def __post_init__(self) -> None:
+        _validate(self, "log.")
+
+
 def _section(path: str, value: Any) -> Any:
-    """A `data:` or `rl:` section from a mapping (absent or null: every default)."""
-    kind = {"data": DataConfig, "rl": GRPOConfig}[path]
+    """A `data:`, `rl:` or `log:` section from a mapping (absent or null: every default)."""
+    kind = {"data": DataConfig, "rl": GRPOConfig, "log": LogConfig}[path]
     if isinstance(value, kind):
         return value
     value = {} if value is None else value
@@ -293,6 +306,7 @@ class TrainConfig:
     dtype: str = field(default="float32", metadata=rule(REFUSE, choice("float32", "bfloat16")))
     data: DataConfig = field(default_factory=DataConfig, metadata=rule(None, _section))
     rl: GRPOConfig = field(default_factory=GRPOConfig, metadata=rule(None, _section))
+    log: LogConfig = field(default_factory=LogConfig, metadata=rule(None, _section))
     placement: Any = field(default=None, metadata=rule(REFUSE, _placement))  # a Placement
     out: str | None = field(default=None, metadata=rule(LAUNCH, optional_text))  # None: runs
     resume: str | None = field(default=None, metadata=rule(LAUNCH, optional_text))

@@ -7,6 +7,8 @@
     rec.note("lr warmup looks too short")
     rec.finish(step)
 
+    rec.add_sink(sink)   # e.g. mxrl.runs.tensorboard.TensorBoardSink: fed each metrics row and event
+
     rec = RunRecord.open("runs/20250601-120304-a1b2")   # reading never modifies it
     rec.resume(ckpt_step, checkpoint=path, config=cfg, changes=[{"field": "rl.lr", ...}])
 
@@ -30,7 +32,7 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mxrl.runs.env import capture_env, utc_now
 from mxrl.runs.jsonl import (
@@ -129,6 +131,17 @@ def is_run_dir(path: Path) -> bool:
     return path.is_dir() and any((path / name).is_file() for name in (CONFIG_FILE, ENV_FILE))
 
 
+class Sink(Protocol):
+    """Another output of the record (`RunRecord.add_sink`): it sees every metrics row and event
+    as written to metrics.jsonl and events.jsonl, and is closed by `finish`."""
+
+    def metrics(self, step: int, row: Mapping[str, float]) -> None: ...
+
+    def event(self, event: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RunRecord:
     """A run folder. Build with `create` (new run) or `open` (read it, or resume: appends)."""
 
@@ -138,6 +151,7 @@ class RunRecord:
         self._reported: dict[str, str] = {}  # problem key -> message, each logged once
         self._cache: dict[str, tuple[tuple[int, int], ReadResult]] = {}
         self._ended = False  # this process recorded the run's end
+        self.sinks: list[Sink] = []  # fed by log_metrics and log_event, closed by finish
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -303,6 +317,11 @@ class RunRecord:
 
     # -- writing --------------------------------------------------------------------------------
 
+    def add_sink(self, sink: Sink) -> None:
+        """From now on, `sink` gets each metrics row and event this process writes (after its
+        line is written) until `finish` closes it."""
+        self.sinks.append(sink)
+
     def _append(self, name: str, obj: Mapping[str, Any]) -> None:
         path = self.path / name
         if name not in self._repaired:
@@ -324,6 +343,8 @@ class RunRecord:
                 raise ValueError("log_metrics: pass the step as the first argument, not a key")
             row[str(key)] = to_float(value, str(key))
         self._append(METRICS_FILE, row)
+        for sink in self.sinks:
+            sink.metrics(step, {k: v for k, v in row.items() if k != "step"})
 
     def log_event(self, type: str, step: int | None, **fields: Any) -> dict[str, Any]:
         """One line of events.jsonl: {"type", "step", "time", **fields}; returns it."""
@@ -336,6 +357,8 @@ class RunRecord:
             raise ValueError(f"event {type!r}: {clash} are set by log_event; rename the field(s)")
         event = {"type": type, "step": step, "time": utc_now(), **fields}
         self._append(EVENTS_FILE, event)
+        for sink in self.sinks:
+            sink.event(event)
         return event
 
     def log_quantization(self, event: Any) -> dict[str, Any]:
@@ -393,9 +416,14 @@ class RunRecord:
 
     def finish(self, step: int | None, status: str = FINISHED, **fields: Any) -> dict[str, Any]:
         """The run ended: status "finished", "failed" (with `error`) or "interrupted" (with
-        `signal`); `mxrl runs list` shows it. Written once per process (`guard`)."""
+        `signal`); `mxrl runs list` shows it. Written once per process (`guard`); closes the
+        sinks."""
         self._ended = True
-        return self.log_event(END, step, status=str(status), **fields)
+        event = self.log_event(END, step, status=str(status), **fields)
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
+        return event
 
     @contextlib.contextmanager
     def guard(self, step: Callable[[], int | None]) -> Iterator[RunRecord]:

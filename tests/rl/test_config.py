@@ -18,6 +18,7 @@ from mxrl.rl.config import (
     REFUSE,
     DataConfig,
     GRPOConfig,
+    LogConfig,
     TrainConfig,
 )
 from mxrl.rl.metrics import format_eta
@@ -31,7 +32,7 @@ def _cfg(**rl) -> TrainConfig:
 
 
 def test_every_field_declares_its_check_and_its_resume_rule():
-    for kind in (GRPOConfig, DataConfig, TrainConfig):
+    for kind in (GRPOConfig, DataConfig, LogConfig, TrainConfig):
         for f in fields(kind):
             assert callable(f.metadata["check"]), (kind.__name__, f.name)
             assert f.metadata["on_resume"] in (APPLY, REFUSE, LAUNCH, None), f.name
@@ -46,9 +47,10 @@ def test_what_a_resume_may_change():
             "temperature", "betas"} <= {n for n, how in rule.items() if how is APPLY}  # fmt: skip
     assert all(f.metadata["on_resume"] is REFUSE for f in fields(DataConfig))
     top = {f.name: f.metadata["on_resume"] for f in fields(TrainConfig)}
-    assert top == {"model": REFUSE, "dtype": REFUSE, "data": None, "rl": None,
+    assert top == {"model": REFUSE, "dtype": REFUSE, "data": None, "rl": None, "log": None,
                    "placement": REFUSE, "out": LAUNCH, "resume": LAUNCH, "run_id": LAUNCH,
                    "strict": LAUNCH}  # fmt: skip
+    assert all(f.metadata["on_resume"] is LAUNCH for f in fields(LogConfig))
 
 
 def test_defaults_are_valid_and_ints_are_accepted_for_floats():
