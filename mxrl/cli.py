@@ -7,8 +7,7 @@
               [--tensorboard]
     mxrl train --config FILE [--tensorboard]
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB]
-                 [--overwrite]
-                 [--allow-unmatched]
+                 [--overwrite] [--allow-unmatched]
     mxrl --version
 
 User errors (a bad recipe, a bad config, a bad path) print one `mxrl: error:` line on stderr
