@@ -38,16 +38,16 @@ import time
 from pathlib import Path
 
 import torch
+from common import ensure_repo_on_path
+from engine_decode import model_config
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ensure_repo_on_path()
 
-from benchmarks.engine_decode import model_config
-from mxrl.engine import Engine
-from mxrl.models import build_model
-from mxrl.recipe import resolve
-from mxrl.weights import export
-from mxrl.weights.served import write_served_checkpoint
+from mxrl.engine import Engine  # noqa: E402
+from mxrl.models import build_model  # noqa: E402
+from mxrl.recipe import resolve  # noqa: E402
+from mxrl.weights import export  # noqa: E402
+from mxrl.weights.served import write_served_checkpoint  # noqa: E402
 
 TINY_128 = {  # --tiny: 128-multiples, so fp8-block takes every Linear
     "hidden_size": 256,

@@ -7,20 +7,32 @@ transformers fetches that kernel from the Hugging Face hub; where the hub is out
 MXRL_FP8_KERNEL_SRC names a directory holding its `finegrained_fp8/` package
 (docs/checkpoints.md)."""
 
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
 pytestmark = pytest.mark.gpu
+
+
+def served_fp8():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))  # the script imports benchmarks/common.py
+        spec = importlib.util.spec_from_file_location("served_fp8", BENCHMARKS / "served_fp8.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_transformers_fp8_path_agrees_with_the_engine_within_the_bound():
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from benchmarks.served_fp8 import main
+    main = served_fp8().main
 
     args = ["--layers", "2", "--vocab", "8192", "--prompts", "8", "--prompt-len", "32"]
     src = os.environ.get("MXRL_FP8_KERNEL_SRC")
