@@ -259,6 +259,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         strict=not args.allow_unmatched,
         on_plan=announce,
+        on_fp8_source=lambda report: print(f"mxrl convert: {report.line()}", flush=True),
     )
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     event = manifest["quantization_event"]

@@ -10,6 +10,11 @@ shapes), then copies tensor by tensor into the parameters of a model allocated o
 device, so at most one checkpoint tensor is in memory beside the model. Each tensor is checked
 for NaN/Inf as it is copied (one min/max pass over what was loaded, no copy), and the first one
 holding any stops the load, named by its key in the file (`check_finite=False` skips it).
+
+HF fine-grained FP8 checkpoints (config.json `quantization_config`, `mxrl.models.hf_fp8`) load
+as their dequantized values: each E4M3 weight is multiplied by its `weight_scale_inv` per
+128x128 block in fp32, then cast to the requested dtype; the pairs, the scales' shapes and the
+config are checked with the headers, and the NaN/Inf check reads the dequantized values.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from tqdm.auto import tqdm
 
 from mxrl.arch.config import ModelConfig
 from mxrl.arch.experts import Target, target_of, units_of
+from mxrl.arch.hf import load_hf_config
+from mxrl.models import hf_fp8
 from mxrl.models.model import CausalLM, empty_model
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,15 @@ _FIX_MISSING = (
 _FIX_SHAPE = (
     "config.json does not match the weights (hidden_size, head_dim, num_key_value_heads, "
     "intermediate sizes?)"
+)
+_FIX_FP8_CONFIG = (
+    "config.json lacks the quantization_config of an FP8 release: restore the release's "
+    "config.json, or re-save the checkpoint unquantized"
+)
+_FIX_FP8 = (
+    "each quantized weight (float8_e4m3fn [N, K]) needs its weight_scale_inv "
+    "[ceil(N/128), ceil(K/128)] (float32, bfloat16 or float8_e8m0fnu) and the reverse; the "
+    "checkpoint is incomplete or not HF fine-grained FP8: copy it again or re-save it"
 )
 _FIX_INDEX = f"re-save the checkpoint ({INDEX_NAME} must list exactly the tensors of each shard)"
 _ALL = (-1, "all")  # coverage unit of a tensor that fills its whole parameter
@@ -77,11 +93,15 @@ def from_pretrained(
             f"({CONFIG_NAME} + {WEIGHTS_NAME} or sharded *.safetensors with {INDEX_NAME})"
         )
     config = ModelConfig.from_hf(path)
+    fp8 = hf_fp8.fp8_config(load_hf_config(path), path / CONFIG_NAME)
     files = checkpoint_files(path)
     model = empty_model(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
-    plan, tied_head = _plan(path, files, params, tied=config.tie_word_embeddings)
+    plan, tied_head, scales = _plan(
+        path, files, params, tied=config.tie_word_embeddings, fp8=fp8 is not None
+    )
     total = sum(len(items) for items in plan.values())
+    rounded = 0  # fp8 tensors whose dequantized values `dtype` rounds
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="tensor", desc="loading", disable=not show) as bar, torch.no_grad():
         for file, items in plan.items():
@@ -89,6 +109,10 @@ def from_pretrained(
             with open_safetensors(file) as f:
                 for key, target in items:
                     stored = f.get_tensor(key)
+                    if key in scales:
+                        scale = _read_scale(f, file, *scales[key], check_finite=check_finite)
+                        stored = hf_fp8.dequantize(stored, scale)
+                        rounded += dtype != torch.float32 and not hf_fp8.pow2(scale)
                     loaded = target.view(params[target.param])
                     loaded.copy_(stored)
                     if check_finite:
@@ -96,6 +120,12 @@ def from_pretrained(
                     bar.update()
         if tied_head is not None:
             _check_tied_head(tied_head, params["model.embed_tokens.weight"])
+    if rounded:
+        logger.warning(
+            "%s: %d of %d FP8 weights have scales that are not powers of two: their dequantized "
+            "values q * s are rounded to %s (load in torch.float32 to keep them as stored)",
+            path, rounded, len(scales), dtype,
+        )  # fmt: skip
     logger.info("loaded %d tensors from %d file(s) of %s as %s", total, len(plan), path, dtype)
     return model.eval()
 
@@ -155,8 +185,12 @@ def _plan(
     params: dict[str, torch.Tensor],
     *,
     tied: bool,
-) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None]:
-    """Read every header; return (file -> [(key, target)], the tied lm_head to check) or raise."""
+    fp8: bool = False,
+) -> tuple[
+    dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, dict[str, tuple[Path, str]]
+]:
+    """Read every header; return (file -> [(key, target)], the tied lm_head to check, FP8
+    weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8."""
     plan: dict[Path, list[tuple[str, Target]]] = {}
     covered: dict[str, set[tuple[int, str]]] = {}
     seen: dict[str, Path] = {}
@@ -165,6 +199,8 @@ def _plan(
     dups: list[str] = []
     index_gaps: list[str] = []
     tied_head: tuple[Path, str] | None = None
+    fp8_weights: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    scale_entries: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for file, index_keys in files:
         with open_safetensors(file) as f:
             keys = list(f.keys())
@@ -180,7 +216,13 @@ def _plan(
                     dups.append(f"{key} (in {seen[key].name} and {file.name})")
                     continue
                 seen[key] = file
-                shape = tuple(f.get_slice(key).get_shape())
+                sliced = f.get_slice(key)
+                shape, stored_dtype = tuple(sliced.get_shape()), sliced.get_dtype()
+                if key.endswith(hf_fp8.SCALE_SUFFIX):
+                    scale_entries[key] = (file, shape, stored_dtype)
+                    continue
+                if stored_dtype in hf_fp8.FP8_DTYPES:
+                    fp8_weights[key] = (file, shape, stored_dtype)
                 if tied and key == "lm_head.weight":
                     # Tied checkpoints may repeat the embedding as lm_head; checked after loading.
                     want = tuple(params["model.embed_tokens.weight"].shape)
@@ -206,7 +248,9 @@ def _plan(
                 items.append((key, target))
     missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
     missing = [m for m in missing if m]
+    scales, fp8_problems = _pair_fp8(fp8, fp8_weights, scale_entries)
     problems = [
+        *fp8_problems,
         _list("unknown tensors", unknown, _FIX_UNKNOWN),
         _list("tensors missing", missing, _FIX_MISSING),
         _list("tensors with the wrong shape", shapes, _FIX_SHAPE),
@@ -216,7 +260,78 @@ def _plan(
     problems = [p for p in problems if p]
     if problems:
         raise ValueError(f"cannot load {path}:\n" + "\n".join(problems))
-    return plan, tied_head
+    return plan, tied_head, scales
+
+
+def _pair_fp8(
+    fp8: bool,
+    weights: dict[str, tuple[Path, tuple[int, ...], str]],
+    scales: dict[str, tuple[Path, tuple[int, ...], str]],
+) -> tuple[dict[str, tuple[Path, str]], list[str]]:
+    """FP8 weight key -> (file, key) of its scale, and the problems of the pairs (as `_list`)."""
+    if not fp8:
+        stored = [f"{k} ({d} in {file.name})" for k, (file, _, d) in weights.items()]
+        stored += [f"{k} (in {file.name})" for k, (file, _, _) in scales.items()]
+        return {}, [_list("FP8 tensors without quantization_config", stored, _FIX_FP8_CONFIG)]
+    pairs: dict[str, tuple[Path, str]] = {}
+    no_scale, dtypes, shapes = [], [], []
+    for key, (file, shape, dtype) in weights.items():
+        skey = hf_fp8.scale_key(key)
+        if dtype != "F8_E4M3":
+            dtypes.append(f"{key} in {file.name}: {dtype}, expected F8_E4M3")
+        if len(shape) != 2:
+            dtypes.append(f"{key} in {file.name}: {len(shape)}-D, expected a 2-D [N, K] weight")
+            continue
+        entry = scales.get(skey)
+        if entry is None:
+            no_scale.append(f"{key} (in {file.name}, no {skey})")
+            continue
+        sfile, sshape, sdtype = entry
+        want = hf_fp8.scale_shape(shape)
+        if sshape != want:
+            shapes.append(
+                f"{skey} in {sfile.name}: {list(sshape)}, expected {list(want)} for weight "
+                f"{list(shape)} in 128x128 blocks"
+            )
+        if sdtype not in hf_fp8.SCALE_DTYPES:
+            dtypes.append(
+                f"{skey} in {sfile.name}: {sdtype}, expected one of {list(hf_fp8.SCALE_DTYPES)}"
+            )
+        pairs[key] = (sfile, skey)
+    orphans = [
+        f"{skey} (in {file.name}, no FP8 {hf_fp8.weight_key(skey)})"
+        for skey, (file, _, _) in scales.items()
+        if hf_fp8.weight_key(skey) not in weights
+    ]
+    return pairs, [
+        _list("FP8 weights without their weight_scale_inv", no_scale, _FIX_FP8),
+        _list("weight_scale_inv without an FP8 weight", orphans, _FIX_FP8),
+        _list("FP8 scales of the wrong shape", shapes, _FIX_FP8),
+        _list("FP8 tensors of an unsupported dtype or rank", dtypes, _FIX_FP8),
+    ]
+
+
+def _read_scale(
+    f: Any, file: Path, scale_file: Path, key: str, *, check_finite: bool
+) -> torch.Tensor:
+    """The scale tensor `key` (from the open `file` or from its own shard), checked finite."""
+    if scale_file == file:
+        scale = f.get_tensor(key)
+    else:
+        with open_safetensors(scale_file) as other:
+            scale = other.get_tensor(key)
+    if check_finite:
+        s = scale.to(torch.float32)
+        bad = ~torch.isfinite(s)
+        if bool(bad.any()):
+            first = int(bad.reshape(-1).to(torch.uint8).argmax())
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), s.shape))
+            raise ValueError(
+                f"cannot load {file.parent}: {key} in {scale_file.name} holds {s[index].item()} "
+                f"at block {index} ({int(bad.sum())} non-finite scale(s)); the FP8 checkpoint is "
+                "damaged: copy it again, or pass check_finite=False to load it anyway"
+            )
+    return scale
 
 
 def _missing(name: str, param: torch.Tensor, cov: set[tuple[int, str]]) -> str:

@@ -9,8 +9,10 @@ import torch
 
 from mxrl.arch import load_hf_config, tensors_from_hf_config
 from mxrl.models import from_pretrained, parse_size
+from mxrl.models.hf_fp8 import fp8_config
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
+from mxrl.weights.fp8_source import Fp8SourceReport, compare_with_source
 from mxrl.weights.quantized_checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
 
 _LOAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,6 +28,7 @@ def convert_checkpoint(
     progress: bool | None = None,
     strict: bool = True,
     on_plan: Callable[[Plan], None] | None = None,
+    on_fp8_source: Callable[[Fp8SourceReport], None] | None = None,
 ) -> Path:
     """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
 
@@ -36,6 +39,11 @@ def convert_checkpoint(
     The weights are loaded in the checkpoint's own dtype (config.json `dtype` / `torch_dtype`;
     float32 when absent), which every quantizer reads exactly, so the bytes equal a live export
     of the same values. The plan is `recipe` resolved on the model's parameters.
+
+    An HF fine-grained FP8 checkpoint (config.json `quantization_config`) is loaded in float32
+    whatever its `torch_dtype` says: its dequantized values q * s are fp32 values, which bf16
+    would round. Its bytes are then compared with the ones the plan writes
+    (`compare_with_source`), and the report handed to `on_fp8_source` (the CLI prints its line).
     """
     model_dir = Path(model_dir)
     try:
@@ -48,14 +56,21 @@ def convert_checkpoint(
     if not model_dir.is_dir():
         raise ValueError(f"--model {str(model_dir)!r} is not a directory (an HF checkpoint)")
     config = load_hf_config(model_dir)
+    fp8 = fp8_config(config, model_dir / "config.json")  # refuses a quantization_config
     # Resolve on the config first: a bad recipe fails before gigabytes are read.
     first = resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
     if on_plan is not None:
         on_plan(first)
     first.check(strict=strict)
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if fp8 is not None:
+        stored = "float32"  # the dequantized values exactly as the file defines them
     model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    if fp8 is not None:
+        report = compare_with_source(model_dir, plan, model)
+        if on_fp8_source is not None and report is not None:
+            on_fp8_source(report)
     updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
     return write_quantized_checkpoint(
         updates,
