@@ -65,6 +65,8 @@ _FIX_FP8 = (
     "checkpoint is incomplete or not HF fine-grained FP8: copy it again or re-save it"
 )
 _FIX_INDEX = f"re-save the checkpoint ({INDEX_NAME} must list exactly the tensors of each shard)"
+_Headers = dict[str, tuple[Path, tuple[int, ...], str]]  # key -> (file, shape, dtype)
+_Scales = dict[str, tuple[Path, str]]  # FP8 weight key -> (file, key) of its scale
 _ALL = (-1, "all")  # coverage unit of a tensor that fills its whole parameter
 _SHOW = 5  # names listed per problem in an error
 
@@ -186,9 +188,7 @@ def _plan(
     *,
     tied: bool,
     fp8: bool = False,
-) -> tuple[
-    dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, dict[str, tuple[Path, str]]
-]:
+) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, _Scales]:
     """Read every header; return (file -> [(key, target)], the tied lm_head to check, FP8
     weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8."""
     plan: dict[Path, list[tuple[str, Target]]] = {}
@@ -199,8 +199,8 @@ def _plan(
     dups: list[str] = []
     index_gaps: list[str] = []
     tied_head: tuple[Path, str] | None = None
-    fp8_weights: dict[str, tuple[Path, tuple[int, ...], str]] = {}
-    scale_entries: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    fp8_weights: _Headers = {}
+    scale_entries: _Headers = {}
     for file, index_keys in files:
         with open_safetensors(file) as f:
             keys = list(f.keys())
@@ -218,11 +218,9 @@ def _plan(
                 seen[key] = file
                 sliced = f.get_slice(key)
                 shape, stored_dtype = tuple(sliced.get_shape()), sliced.get_dtype()
-                if key.endswith(hf_fp8.SCALE_SUFFIX):
-                    scale_entries[key] = (file, shape, stored_dtype)
-                    continue
-                if stored_dtype in hf_fp8.FP8_DTYPES:
-                    fp8_weights[key] = (file, shape, stored_dtype)
+                header = (file, shape, stored_dtype)
+                if _sort_fp8(key, header, fp8_weights, scale_entries):
+                    continue  # a scale, paired with its weight by _pair_fp8
                 if tied and key == "lm_head.weight":
                     # Tied checkpoints may repeat the embedding as lm_head; checked after loading.
                     want = tuple(params["model.embed_tokens.weight"].shape)
@@ -263,11 +261,19 @@ def _plan(
     return plan, tied_head, scales
 
 
-def _pair_fp8(
-    fp8: bool,
-    weights: dict[str, tuple[Path, tuple[int, ...], str]],
-    scales: dict[str, tuple[Path, tuple[int, ...], str]],
-) -> tuple[dict[str, tuple[Path, str]], list[str]]:
+def _sort_fp8(
+    key: str, header: tuple[Path, tuple[int, ...], str], weights: _Headers, scales: _Headers
+) -> bool:
+    """File an FP8 weight's or a scale's header (file, shape, dtype); True for a scale."""
+    if key.endswith(hf_fp8.SCALE_SUFFIX):
+        scales[key] = header
+        return True
+    if header[2] in hf_fp8.FP8_DTYPES:
+        weights[key] = header
+    return False
+
+
+def _pair_fp8(fp8: bool, weights: _Headers, scales: _Headers) -> tuple[_Scales, list[str]]:
     """FP8 weight key -> (file, key) of its scale, and the problems of the pairs (as `_list`)."""
     if not fp8:
         stored = [f"{k} ({d} in {file.name})" for k, (file, _, d) in weights.items()]

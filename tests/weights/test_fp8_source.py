@@ -22,8 +22,8 @@ from mxrl.models import from_pretrained, hf_fp8
 from mxrl.recipe import TensorSpec, resolve
 from mxrl.runs import RunRecord
 from mxrl.weights import export_weights, read_quantized_checkpoint
-from mxrl.weights.fp8_source import REASONS, compare_with_source, reasons_of
 from mxrl.weights.export import quantize_tensor
+from mxrl.weights.fp8_source import REASONS, compare_with_source, reasons_of
 from tests.models.fp8_checkpoints import FULL, ROWS, write_fp8_checkpoint
 
 CASES = {
@@ -159,7 +159,9 @@ def test_report_counts_blocks_as_an_independent_count(checkpoints, case):
         count["code_bytes_equal"] += int((q.view(torch.uint8) == codes).sum())
         m = hf_fp8.dequantize(q, torch.ones_like(s)).abs()
         for i, j in np.argwhere(~equal):
-            count["below_448"] += bool(m[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].max() < 448)
+            count["below_448"] += bool(
+                m[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].max() < 448
+            )
     assert report is not None
     got = report.fields()
     assert {k: got[k] for k in count if k in got} == {k: v for k, v in count.items() if k in got}
@@ -204,10 +206,22 @@ def test_convert_cli_end_to_end_prints_the_report(checkpoints, capsys, tmp_path)
     assert code == 0, err
     model = from_pretrained(path)
     plan = resolve("fp8-block", {n: p.shape for n, p in model.named_parameters()})
-    line = compare_with_source(path, plan, model).line()
-    assert f"mxrl convert: {line}" in stdout.splitlines()
+    report = compare_with_source(path, plan, model)
+    assert f"mxrl convert: {report.line()}" in stdout.splitlines()
     q_plan, _, records = read_quantized_checkpoint(out)
     assert q_plan.hash() == plan.hash()
+    written = {r.name: r.value for r in records}
+    tensors = load_file(path / "model.safetensors")
+    same = 0  # the blocks convert wrote as the file has them: the report's count
+    for key, q in tensors.items():
+        target = target_of(key)
+        if q.dtype == torch.float8_e4m3fn and plan[target.param].format is Format.FP8_BLOCK:
+            value = written[target.param]
+            s = tensors[hf_fp8.scale_key(key)]
+            same += int(
+                _block_equal(q, s, target.view(value.qdata), target.view(value.scale)).sum()
+            )
+    assert same == report.blocks_equal
     engine = Engine.from_checkpoint(out, tile=8)
     done = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0))
     assert len(done[0].tokens) == 4
