@@ -263,3 +263,20 @@ def test_train_logs_and_records_the_report(checkpoints, tmp_path, caplog):
     _record_fp8_source(record, report, 0)
     (event,) = record.events("fp8_source")
     assert event["blocks"] == report.blocks and event["reasons"] == report.reasons
+
+
+def test_train_preflight_refuses_a_bad_quantization_config(checkpoints, tmp_path):
+    """`mxrl train` refuses an unsupported quantization_config with its plan, before the load."""
+    import shutil
+
+    from mxrl.app.preflight import config_plan
+    from mxrl.rl.config import TrainConfig
+
+    path = shutil.copytree(checkpoints["full-float"], tmp_path / "ck")
+    cfg = TrainConfig.from_dict({"model": str(path), "rl": {"recipe": "fp8-block"}})
+    assert config_plan(cfg).recipe_name == "fp8-block"
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "static"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^model: .*config.json.*activation_scheme 'static'"):
+        config_plan(cfg)
