@@ -280,3 +280,21 @@ def test_train_preflight_refuses_a_bad_quantization_config(checkpoints, tmp_path
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"^model: .*config.json.*activation_scheme 'static'"):
         config_plan(cfg)
+
+
+def test_expert_halves_off_the_block_grid_are_reported_as_such(tmp_path):
+    """moe_intermediate_size 192: the fused gate_up_proj's 128-row blocks straddle gate and
+    up, so no block of those file tensors can come back; the report says why."""
+    from tests.models.fp8_checkpoints import PARTIAL
+
+    path = write_fp8_checkpoint(tmp_path / "ck", PARTIAL)
+    model = from_pretrained(path)
+    recipe = {"name": "gate-up-fp8", "default": "bf16", "rules": [
+        {"match": {"name": "*.mlp.experts.gate_up_proj"}, "format": "fp8_block",
+         "block": [128, 128]}]}  # fmt: skip
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    report = compare_with_source(path, plan, model)
+    halves = 2 * 4 * 2  # layers x experts x (gate, up), each [192, 256]: 2 x 2 blocks
+    assert (report.tensors, report.blocks, report.blocks_equal) == (halves, 4 * halves, 0)
+    assert report.reasons == {"split": 4 * halves}
+    assert report.not_compared == 2 * (4 + 4)  # attention and down_proj: bf16 in this plan
