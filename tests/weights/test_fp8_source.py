@@ -17,6 +17,7 @@ from mxrl.app.train import _record_fp8_source, fp8_source_report
 from mxrl.arch.experts import target_of
 from mxrl.cli import main
 from mxrl.engine import Engine, SamplingParams
+from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import from_pretrained, hf_fp8
 from mxrl.recipe import TensorSpec, resolve
@@ -72,12 +73,13 @@ def _block_equal(q, s, codes, scales) -> np.ndarray:
     return out
 
 
-def test_the_condition_is_exact_on_every_kind_of_block():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_condition_is_exact_on_every_kind_of_block(device):
     """Synthetic blocks of every E4M3 code (both zeros included) under scales of every kind
     (random fp32, powers of two, at and around the 1e-4/448 floor), with the largest code 448
     or below it, or all zero: quantizing the dequantized values with the export's quantizer
     gives the block back exactly where the condition holds, and the codes come back wherever
-    the scale does."""
+    the scale does. On CUDA the export's quantizer is the Triton kernel."""
     gen = torch.Generator().manual_seed(0)
     nb = 384
     q = E4M3_CODES[torch.randint(len(E4M3_CODES), (128, 128 * nb), generator=gen)]
@@ -104,7 +106,8 @@ def test_the_condition_is_exact_on_every_kind_of_block():
     w = hf_fp8.dequantize(q.view(torch.float8_e4m3fn), s)
     spec = TensorSpec(name="w", shape=tuple(w.shape), kind="attention", layer=0, expert=None,
                       role="q_proj", format=Format.FP8_BLOCK, block=(128, 128))  # fmt: skip
-    mine = quantize_tensor(w, spec)
+    mine = quantize_tensor(w.to(device), spec)
+    mine = QTensor(qdata=mine.qdata.cpu(), scale=mine.scale.cpu(), fmt=mine.fmt, shape=mine.shape)
     predicted = _predicted(q.view(torch.float8_e4m3fn), s)
     equal = _block_equal(q, s, mine.qdata, mine.scale)
     assert (equal == predicted).all(), np.argwhere(equal != predicted)[:5]
