@@ -84,9 +84,12 @@ def from_pretrained(
     check_finite: refuse a tensor holding NaN/Inf, or a value that overflows to Inf in `dtype`
       (False loads it anyway, e.g. to inspect a diverged run's checkpoint).
     progress: show a tqdm bar (None: only when stderr is a terminal).
-    Raises ValueError naming the file or tensors for a bad config, corrupt file, unknown,
-    missing or duplicated tensors, or wrong shapes; and naming the file, the key as stored in
-    it, the index and the value for the first non-finite value.
+    An HF fine-grained FP8 checkpoint loads as fl(q * s) per 128x128 block, computed in fp32
+    and cast to `dtype` (`mxrl.models.hf_fp8`; one warning when `dtype` rounds those values).
+    Raises ValueError naming the file or tensors for a bad config (an unsupported
+    `quantization_config` included), corrupt file, unknown, missing or duplicated tensors, wrong
+    shapes, an FP8 weight and its scale that do not pair up; and naming the file, the key as
+    stored in it, the index and the value for the first non-finite value (or scale).
     """
     path = Path(path)
     if not path.is_dir():
