@@ -55,18 +55,7 @@ _FIX_SHAPE = (
     "config.json does not match the weights (hidden_size, head_dim, num_key_value_heads, "
     "intermediate sizes?)"
 )
-_FIX_FP8_CONFIG = (
-    "config.json lacks the quantization_config of an FP8 release: restore the release's "
-    "config.json, or re-save the checkpoint unquantized"
-)
-_FIX_FP8 = (
-    "each quantized weight (float8_e4m3fn [N, K]) needs its weight_scale_inv "
-    "[ceil(N/128), ceil(K/128)] (float32, bfloat16 or float8_e8m0fnu) and the reverse; the "
-    "checkpoint is incomplete or not HF fine-grained FP8: copy it again or re-save it"
-)
 _FIX_INDEX = f"re-save the checkpoint ({INDEX_NAME} must list exactly the tensors of each shard)"
-_Headers = dict[str, tuple[Path, tuple[int, ...], str]]  # key -> (file, shape, dtype)
-_Scales = dict[str, tuple[Path, str]]  # FP8 weight key -> (file, key) of its scale
 _ALL = (-1, "all")  # coverage unit of a tensor that fills its whole parameter
 _SHOW = 5  # names listed per problem in an error
 
@@ -191,7 +180,7 @@ def _plan(
     *,
     tied: bool,
     fp8: bool = False,
-) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, _Scales]:
+) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, hf_fp8.Scales]:
     """Read every header; return (file -> [(key, target)], the tied lm_head to check, FP8
     weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8."""
     plan: dict[Path, list[tuple[str, Target]]] = {}
@@ -202,8 +191,8 @@ def _plan(
     dups: list[str] = []
     index_gaps: list[str] = []
     tied_head: tuple[Path, str] | None = None
-    fp8_weights: _Headers = {}
-    scale_entries: _Headers = {}
+    fp8_weights: hf_fp8.Headers = {}
+    scale_entries: hf_fp8.Headers = {}
     for file, index_keys in files:
         with open_safetensors(file) as f:
             keys = list(f.keys())
@@ -222,7 +211,7 @@ def _plan(
                 sliced = f.get_slice(key)
                 shape, stored_dtype = tuple(sliced.get_shape()), sliced.get_dtype()
                 header = (file, shape, stored_dtype)
-                if _sort_fp8(key, header, fp8_weights, scale_entries):
+                if hf_fp8.sort_header(key, header, fp8_weights, scale_entries):
                     continue  # a scale, paired with its weight by _pair_fp8
                 if tied and key == "lm_head.weight":
                     # Tied checkpoints may repeat the embedding as lm_head; checked after loading.
@@ -249,9 +238,9 @@ def _plan(
                 items.append((key, target))
     missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
     missing = [m for m in missing if m]
-    scales, fp8_problems = _pair_fp8(fp8, fp8_weights, scale_entries)
+    scales, fp8_problems = hf_fp8.pair_headers(fp8, fp8_weights, scale_entries)
     problems = [
-        *fp8_problems,
+        *(_list(*problem) for problem in fp8_problems),
         _list("unknown tensors", unknown, _FIX_UNKNOWN),
         _list("tensors missing", missing, _FIX_MISSING),
         _list("tensors with the wrong shape", shapes, _FIX_SHAPE),
@@ -264,62 +253,6 @@ def _plan(
     return plan, tied_head, scales
 
 
-def _sort_fp8(
-    key: str, header: tuple[Path, tuple[int, ...], str], weights: _Headers, scales: _Headers
-) -> bool:
-    """File an FP8 weight's or a scale's header (file, shape, dtype); True for a scale."""
-    if key.endswith(hf_fp8.SCALE_SUFFIX):
-        scales[key] = header
-        return True
-    if header[2] in hf_fp8.FP8_DTYPES:
-        weights[key] = header
-    return False
-
-
-def _pair_fp8(fp8: bool, weights: _Headers, scales: _Headers) -> tuple[_Scales, list[str]]:
-    """FP8 weight key -> (file, key) of its scale, and the problems of the pairs (as `_list`)."""
-    if not fp8:
-        stored = [f"{k} ({d} in {file.name})" for k, (file, _, d) in weights.items()]
-        stored += [f"{k} (in {file.name})" for k, (file, _, _) in scales.items()]
-        return {}, [_list("FP8 tensors without quantization_config", stored, _FIX_FP8_CONFIG)]
-    pairs: dict[str, tuple[Path, str]] = {}
-    no_scale, dtypes, shapes = [], [], []
-    for key, (file, shape, dtype) in weights.items():
-        skey = hf_fp8.scale_key(key)
-        if dtype != "F8_E4M3":
-            dtypes.append(f"{key} in {file.name}: {dtype}, expected F8_E4M3")
-        if len(shape) != 2:
-            dtypes.append(f"{key} in {file.name}: {len(shape)}-D, expected a 2-D [N, K] weight")
-            continue
-        entry = scales.get(skey)
-        if entry is None:
-            no_scale.append(f"{key} (in {file.name}, no {skey})")
-            continue
-        sfile, sshape, sdtype = entry
-        want = hf_fp8.scale_shape(shape)
-        if sshape != want:
-            shapes.append(
-                f"{skey} in {sfile.name}: {list(sshape)}, expected {list(want)} for weight "
-                f"{list(shape)} in 128x128 blocks"
-            )
-        if sdtype not in hf_fp8.SCALE_DTYPES:
-            dtypes.append(
-                f"{skey} in {sfile.name}: {sdtype}, expected one of {list(hf_fp8.SCALE_DTYPES)}"
-            )
-        pairs[key] = (sfile, skey)
-    orphans = [
-        f"{skey} (in {file.name}, no FP8 {hf_fp8.weight_key(skey)})"
-        for skey, (file, _, _) in scales.items()
-        if hf_fp8.weight_key(skey) not in weights
-    ]
-    return pairs, [
-        _list("FP8 weights without their weight_scale_inv", no_scale, _FIX_FP8),
-        _list("weight_scale_inv without an FP8 weight", orphans, _FIX_FP8),
-        _list("FP8 scales of the wrong shape", shapes, _FIX_FP8),
-        _list("FP8 tensors of an unsupported dtype or rank", dtypes, _FIX_FP8),
-    ]
-
-
 def _read_scale(
     f: Any, file: Path, scale_file: Path, key: str, *, check_finite: bool
 ) -> torch.Tensor:
@@ -330,16 +263,7 @@ def _read_scale(
         with open_safetensors(scale_file) as other:
             scale = other.get_tensor(key)
     if check_finite:
-        s = scale.to(torch.float32)
-        bad = ~torch.isfinite(s)
-        if bool(bad.any()):
-            first = int(bad.reshape(-1).to(torch.uint8).argmax())
-            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), s.shape))
-            raise ValueError(
-                f"cannot load {file.parent}: {key} in {scale_file.name} holds {s[index].item()} "
-                f"at block {index} ({int(bad.sum())} non-finite scale(s)); the FP8 checkpoint is "
-                "damaged: copy it again, or pass check_finite=False to load it anyway"
-            )
+        hf_fp8.check_scale(scale, key, scale_file)
     return scale
 
 

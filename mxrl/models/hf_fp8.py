@@ -30,6 +30,17 @@ BLOCK = (128, 128)
 # safetensors dtype names (the header's; no data is read to know them)
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 SCALE_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F8_E8M0": "float8_e8m0fnu"}
+Headers = dict[str, tuple[Path, tuple[int, ...], str]]  # key -> (file, shape, dtype)
+Scales = dict[str, tuple[Path, str]]  # FP8 weight key -> (file, key) of its scale
+FIX_FP8_CONFIG = (
+    "config.json lacks the quantization_config of an FP8 release: restore the release's "
+    "config.json, or re-save the checkpoint unquantized"
+)
+FIX_FP8 = (
+    "each quantized weight (float8_e4m3fn [N, K]) needs its weight_scale_inv "
+    "[ceil(N/128), ceil(K/128)] (float32, bfloat16 or float8_e8m0fnu) and the reverse; the "
+    "checkpoint is incomplete or not HF fine-grained FP8: copy it again or re-save it"
+)
 _ACCEPTED = (
     'quant_method "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size [128, 128], '
     'scale_fmt absent, "float" or "ue8m0"'
@@ -141,3 +152,76 @@ def pow2(scale: torch.Tensor) -> bool:
     s = scale.to(torch.float32)
     mantissa, _ = torch.frexp(s)
     return bool(((mantissa.abs() == 0.5) | (s == 0)).all())
+
+
+def sort_header(
+    key: str, header: tuple[Path, tuple[int, ...], str], weights: Headers, scales: Headers
+) -> bool:
+    """File a header (file, shape, dtype) under FP8 weights or scales; True for a scale (the
+    loader maps every other key to a parameter)."""
+    if key.endswith(SCALE_SUFFIX):
+        scales[key] = header
+        return True
+    if header[2] in FP8_DTYPES:
+        weights[key] = header
+    return False
+
+
+def pair_headers(
+    fp8: bool, weights: Headers, scales: Headers
+) -> tuple[Scales, list[tuple[str, list[str], str]]]:
+    """FP8 weight key -> (file, key) of its scale, and the problems of the pairs: (title, the
+    tensors named with their file, the fix), listed by the loader with its other problems.
+    fp8: config.json declares FP8 (else every FP8 tensor is a problem)."""
+    if not fp8:
+        stored = [f"{k} ({d} in {file.name})" for k, (file, _, d) in weights.items()]
+        stored += [f"{k} (in {file.name})" for k, (file, _, _) in scales.items()]
+        return {}, [("FP8 tensors without quantization_config", stored, FIX_FP8_CONFIG)]
+    pairs: dict[str, tuple[Path, str]] = {}
+    no_scale, dtypes, shapes = [], [], []
+    for key, (file, shape, dtype) in weights.items():
+        skey = scale_key(key)
+        if dtype != "F8_E4M3":
+            dtypes.append(f"{key} in {file.name}: {dtype}, expected F8_E4M3")
+        if len(shape) != 2:
+            dtypes.append(f"{key} in {file.name}: {len(shape)}-D, expected a 2-D [N, K] weight")
+            continue
+        entry = scales.get(skey)
+        if entry is None:
+            no_scale.append(f"{key} (in {file.name}, no {skey})")
+            continue
+        sfile, sshape, sdtype = entry
+        want = scale_shape(shape)
+        if sshape != want:
+            shapes.append(
+                f"{skey} in {sfile.name}: {list(sshape)}, expected {list(want)} for weight "
+                f"{list(shape)} in 128x128 blocks"
+            )
+        if sdtype not in SCALE_DTYPES:
+            dtypes.append(f"{skey} in {sfile.name}: {sdtype}, expected one of {list(SCALE_DTYPES)}")
+        pairs[key] = (sfile, skey)
+    orphans = [
+        f"{skey} (in {file.name}, no FP8 {weight_key(skey)})"
+        for skey, (file, _, _) in scales.items()
+        if weight_key(skey) not in weights
+    ]
+    return pairs, [
+        ("FP8 weights without their weight_scale_inv", no_scale, FIX_FP8),
+        ("weight_scale_inv without an FP8 weight", orphans, FIX_FP8),
+        ("FP8 scales of the wrong shape", shapes, FIX_FP8),
+        ("FP8 tensors of an unsupported dtype or rank", dtypes, FIX_FP8),
+    ]
+
+
+def check_scale(scale: torch.Tensor, key: str, file: Path) -> None:
+    """Refuse a NaN/Inf scale, naming it, its file and its first bad block."""
+    s = scale.to(torch.float32)
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).to(torch.uint8).argmax())
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), s.shape))
+        raise ValueError(
+            f"cannot load {file.parent}: {key} in {file.name} holds {s[index].item()} at block "
+            f"{index} ({int(bad.sum())} non-finite scale(s)); the FP8 checkpoint is damaged: "
+            "copy it again, or pass check_finite=False to load it anyway"
+        )
