@@ -143,11 +143,13 @@ def block_max(x: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
     return padded.view(nr, BLOCK[0], nk, BLOCK[1]).amax(dim=(1, 3))
 
 
-def reasons_of(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def reasons_of(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
     """Per block of a file's (E4M3 weight, fp32 scale): the index in REASONS of why re-quantizing
     its dequantized values under fp8_block 128x128 (fp32 scales) does not give it back, -1 where
-    it does. From the file alone: the condition of the module docstring."""
-    m = block_max(q.to(torch.float32).abs(), tuple(s.shape))
+    it does. From the file alone: the condition of the module docstring (m: the blocks' largest
+    |E4M3 value|, computed here when not given)."""
+    if m is None:
+        m = block_max(q.to(torch.float32).abs(), tuple(s.shape))
     amax = torch.clamp(m * s, min=FP8_BLOCK_AMAX_FLOOR)  # fp32, as the quantizer
     back = amax / E4M3_MAX
     same = back.view(torch.int32) == s.view(torch.int32)
@@ -177,21 +179,22 @@ def _compare(
     grid = tuple(s.shape)
     equal_bytes = q.view(torch.uint8) == codes
     codes_equal = block_max((~equal_bytes).to(torch.float32), grid) == 0
-    reason = reasons_of(q, s)
+    m = block_max(q.to(torch.float32).abs(), grid)
+    reason = reasons_of(q, s, m)
     if scales is None:
         scale_equal = torch.zeros(grid, dtype=torch.bool)
         reason = torch.full(grid, list(REASONS).index("split"))
     else:
         scale_equal = scales.view(torch.int32) == s.view(torch.int32)
-        nonzero = s != 0
+        nonzero = (s != 0) & (m > 0)  # an all-zero block's scale is arbitrary
         if bool(nonzero.any()):
             rel = ((scales - s).abs()[nonzero] / s.abs()[nonzero]).max().item()
             report.max_scale_rel_diff = max(report.max_scale_rel_diff, rel)
         # the condition predicts the scale; codes differing under the same scale are a finding
         reason = torch.where(scale_equal & ~codes_equal, list(REASONS).index("codes"), reason)
         reason = torch.where(scale_equal & codes_equal, -1, reason)
-        # a block the condition says differs, whose bytes agree anyway, is counted as equal;
-        # one it says agrees that differs keeps its reason (tested never to happen)
+        # a block whose bytes agree is equal whatever the condition says; one the condition
+        # says agrees that differs anyway is "other" (tested never to happen)
         other = list(REASONS).index("other")
         reason = torch.where(~(scale_equal & codes_equal) & (reason < 0), other, reason)
     equal = scale_equal & codes_equal
