@@ -282,6 +282,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         strict=not args.allow_unmatched,
         on_plan=announce,
         to=args.to,
+        on_fp8_source=lambda report: print(f"mxrl convert: {report.line()}", flush=True),
     )
     if args.to == "hf":
         return _served_summary(args.model, out)

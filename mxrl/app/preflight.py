@@ -196,6 +196,13 @@ def config_plan(cfg: TrainConfig) -> Any:
     config = builtin_config("tiny-moe") if cfg.model == BUILTIN_MODEL else cfg.model
     hf_config = load_hf_config(config)
     check_positions(hf_config, cfg.rl.max_new_tokens)
+    if cfg.model != BUILTIN_MODEL:  # a quantization_config mxrl does not load, before the load
+        from mxrl.models.hf_fp8 import fp8_config
+
+        try:
+            fp8_config(hf_config, Path(cfg.model) / "config.json")
+        except ValueError as e:
+            raise ValueError(f"model: {e}") from None
     try:
         plan = resolve(cfg.rl.recipe, tensors_from_hf_config(hf_config, "fused"))
         logger.info("mxrl train: recipe %s, plan %s\n%s", plan.recipe_name, plan.hash()[:12],

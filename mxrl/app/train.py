@@ -154,6 +154,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
             logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
     _check_built(cfg, model, plan)
+    fp8_source = fp8_source_report(cfg, model, plan) if writer else None
     backend = str(select_backend(cfg.rl.backend, device))
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
@@ -166,6 +167,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
                 attach_tensorboard(record, first_step=point.step + 1)
             _resume_record(record, point, backend)
             _record_memory(record, memory, point.step)
+            _record_fp8_source(record, fp8_source, point.step)
     elif not writer:
         trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout, **sizes)
     else:
@@ -177,6 +179,7 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         if cfg.log.tensorboard:
             attach_tensorboard(record, plan=plan)
         _record_memory(record, memory, 0)
+        _record_fp8_source(record, fp8_source, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
             trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
@@ -207,6 +210,26 @@ def _record_memory(record: RunRecord, memory: Any, step: int) -> None:
     """The memory estimate (`mxrl.rl.memory`) as a `memory_estimate` event of the run record."""
     if memory is not None:
         record.log_event("memory_estimate", step, **memory.fields())
+
+
+def fp8_source_report(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> Any:
+    """For a model loaded from an HF fine-grained FP8 checkpoint: how many of its blocks the
+    plan's quantization gives back byte for byte (`mxrl.weights.fp8_source`), logged as one
+    INFO line; None for any other model."""
+    if cfg.model == BUILTIN_MODEL:
+        return None
+    from mxrl.weights.fp8_source import compare_with_source
+
+    report = compare_with_source(cfg.model, plan, model)
+    if report is not None:
+        logger.info("mxrl train: %s", report.line())
+    return report
+
+
+def _record_fp8_source(record: RunRecord, report: Any, step: int) -> None:
+    """The FP8 source report as an `fp8_source` event of the run record."""
+    if report is not None:
+        record.log_event("fp8_source", step, **report.fields())
 
 
 def _resume_record(record: RunRecord, point: ResumePoint, backend: str) -> None:

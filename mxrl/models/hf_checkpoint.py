@@ -10,6 +10,11 @@ shapes), then copies tensor by tensor into the parameters of a model allocated o
 device, so at most one checkpoint tensor is in memory beside the model. Each tensor is checked
 for NaN/Inf as it is copied (one min/max pass over what was loaded, no copy), and the first one
 holding any stops the load, named by its key in the file (`check_finite=False` skips it).
+
+HF fine-grained FP8 checkpoints (config.json `quantization_config`, `mxrl.models.hf_fp8`) load
+as their dequantized values: each E4M3 weight is multiplied by its `weight_scale_inv` per
+128x128 block in fp32, then cast to the requested dtype; the pairs, the scales' shapes and the
+config are checked with the headers, and the NaN/Inf check reads the dequantized values.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from tqdm.auto import tqdm
 
 from mxrl.arch.config import ModelConfig
 from mxrl.arch.experts import Target, target_of, units_of
+from mxrl.arch.hf import load_hf_config
+from mxrl.models import hf_fp8
 from mxrl.models.model import CausalLM, empty_model
 
 logger = logging.getLogger(__name__)
@@ -66,9 +73,12 @@ def from_pretrained(
     check_finite: refuse a tensor holding NaN/Inf, or a value that overflows to Inf in `dtype`
       (False loads it anyway, e.g. to inspect a diverged run's checkpoint).
     progress: show a tqdm bar (None: only when stderr is a terminal).
-    Raises ValueError naming the file or tensors for a bad config, corrupt file, unknown,
-    missing or duplicated tensors, or wrong shapes; and naming the file, the key as stored in
-    it, the index and the value for the first non-finite value.
+    An HF fine-grained FP8 checkpoint loads as fl(q * s) per 128x128 block, computed in fp32
+    and cast to `dtype` (`mxrl.models.hf_fp8`; one warning when `dtype` rounds those values).
+    Raises ValueError naming the file or tensors for a bad config (an unsupported
+    `quantization_config` included), corrupt file, unknown, missing or duplicated tensors, wrong
+    shapes, an FP8 weight and its scale that do not pair up; and naming the file, the key as
+    stored in it, the index and the value for the first non-finite value (or scale).
     """
     path = Path(path)
     if not path.is_dir():
@@ -77,11 +87,15 @@ def from_pretrained(
             f"({CONFIG_NAME} + {WEIGHTS_NAME} or sharded *.safetensors with {INDEX_NAME})"
         )
     config = ModelConfig.from_hf(path)
+    fp8 = hf_fp8.fp8_config(load_hf_config(path), path / CONFIG_NAME)
     files = checkpoint_files(path)
     model = empty_model(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
-    plan, tied_head = _plan(path, files, params, tied=config.tie_word_embeddings)
+    plan, tied_head, scales = _plan(
+        path, files, params, tied=config.tie_word_embeddings, fp8=fp8 is not None
+    )
     total = sum(len(items) for items in plan.values())
+    rounded = 0  # fp8 tensors whose dequantized values `dtype` rounds
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, unit="tensor", desc="loading", disable=not show) as bar, torch.no_grad():
         for file, items in plan.items():
@@ -89,6 +103,10 @@ def from_pretrained(
             with open_safetensors(file) as f:
                 for key, target in items:
                     stored = f.get_tensor(key)
+                    if key in scales:
+                        scale = _read_scale(f, file, *scales[key], check_finite=check_finite)
+                        stored = hf_fp8.dequantize(stored, scale)
+                        rounded += dtype != torch.float32 and not hf_fp8.pow2(scale)
                     loaded = target.view(params[target.param])
                     loaded.copy_(stored)
                     if check_finite:
@@ -96,6 +114,12 @@ def from_pretrained(
                     bar.update()
         if tied_head is not None:
             _check_tied_head(tied_head, params["model.embed_tokens.weight"])
+    if rounded:
+        logger.warning(
+            "%s: %d of %d FP8 weights have scales that are not powers of two: their dequantized "
+            "values q * s are rounded to %s (load in torch.float32 to keep them as stored)",
+            path, rounded, len(scales), dtype,
+        )  # fmt: skip
     logger.info("loaded %d tensors from %d file(s) of %s as %s", total, len(plan), path, dtype)
     return model.eval()
 
@@ -155,8 +179,10 @@ def _plan(
     params: dict[str, torch.Tensor],
     *,
     tied: bool,
-) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None]:
-    """Read every header; return (file -> [(key, target)], the tied lm_head to check) or raise."""
+    fp8: bool = False,
+) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, hf_fp8.Scales]:
+    """Read every header; return (file -> [(key, target)], the tied lm_head to check, FP8
+    weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8."""
     plan: dict[Path, list[tuple[str, Target]]] = {}
     covered: dict[str, set[tuple[int, str]]] = {}
     seen: dict[str, Path] = {}
@@ -165,6 +191,8 @@ def _plan(
     dups: list[str] = []
     index_gaps: list[str] = []
     tied_head: tuple[Path, str] | None = None
+    fp8_weights: hf_fp8.Headers = {}
+    scale_entries: hf_fp8.Headers = {}
     for file, index_keys in files:
         with open_safetensors(file) as f:
             keys = list(f.keys())
@@ -180,7 +208,11 @@ def _plan(
                     dups.append(f"{key} (in {seen[key].name} and {file.name})")
                     continue
                 seen[key] = file
-                shape = tuple(f.get_slice(key).get_shape())
+                sliced = f.get_slice(key)
+                shape, stored_dtype = tuple(sliced.get_shape()), sliced.get_dtype()
+                header = (file, shape, stored_dtype)
+                if hf_fp8.sort_header(key, header, fp8_weights, scale_entries):
+                    continue  # a scale, paired with its weight by _pair_fp8
                 if tied and key == "lm_head.weight":
                     # Tied checkpoints may repeat the embedding as lm_head; checked after loading.
                     want = tuple(params["model.embed_tokens.weight"].shape)
@@ -206,7 +238,9 @@ def _plan(
                 items.append((key, target))
     missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
     missing = [m for m in missing if m]
+    scales, fp8_problems = hf_fp8.pair_headers(fp8, fp8_weights, scale_entries)
     problems = [
+        *(_list(*problem) for problem in fp8_problems),
         _list("unknown tensors", unknown, _FIX_UNKNOWN),
         _list("tensors missing", missing, _FIX_MISSING),
         _list("tensors with the wrong shape", shapes, _FIX_SHAPE),
@@ -216,7 +250,21 @@ def _plan(
     problems = [p for p in problems if p]
     if problems:
         raise ValueError(f"cannot load {path}:\n" + "\n".join(problems))
-    return plan, tied_head
+    return plan, tied_head, scales
+
+
+def _read_scale(
+    f: Any, file: Path, scale_file: Path, key: str, *, check_finite: bool
+) -> torch.Tensor:
+    """The scale tensor `key` (from the open `file` or from its own shard), checked finite."""
+    if scale_file == file:
+        scale = f.get_tensor(key)
+    else:
+        with open_safetensors(scale_file) as other:
+            scale = other.get_tensor(key)
+    if check_finite:
+        hf_fp8.check_scale(scale, key, scale_file)
+    return scale
 
 
 def _missing(name: str, param: torch.Tensor, cov: set[tuple[int, str]]) -> str:

@@ -9,7 +9,8 @@ record.py (WeightRecord), digest.py (the device-side checksum over a record's na
 levels and their collision argument are mxrl/kernels/digest.py), check.py (a record's fields and global scales against the plan),
 export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
 export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
-sha256 per shard), convert.py (`mxrl convert`). docs/sync.md describes them.
+sha256 per shard), convert.py (`mxrl convert`), fp8_source.py (an FP8
+checkpoint's bytes against the plan's). docs/sync.md describes them.
 """
 
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export

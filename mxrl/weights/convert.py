@@ -10,8 +10,10 @@ import torch
 
 from mxrl.arch import load_hf_config, tensors_from_hf_config
 from mxrl.models import from_pretrained, parse_size
+from mxrl.models.hf_fp8 import fp8_config
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
+from mxrl.weights.fp8_source import Fp8SourceReport, compare_with_source
 from mxrl.weights.quantized_checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
 from mxrl.weights.served import served_format, write_served_checkpoint
 
@@ -30,6 +32,7 @@ def convert_checkpoint(
     strict: bool = True,
     on_plan: Callable[[Plan], None] | None = None,
     to: str = "mxrl",
+    on_fp8_source: Callable[[Fp8SourceReport], None] | None = None,
 ) -> Path:
     """HF checkpoint -> quantized checkpoint (what `mxrl convert` runs); returns out_dir.
 
@@ -44,6 +47,11 @@ def convert_checkpoint(
     to: "mxrl" writes mxrl's quantized checkpoint (`Engine.from_checkpoint` reads it); "hf" a
     served checkpoint (`mxrl.weights.served`: HF fine-grained FP8 or compressed-tensors, the
     same codes and scales), refused before any weight is read if the plan has no served layout.
+
+    An HF fine-grained FP8 checkpoint (config.json `quantization_config`) is loaded in float32
+    whatever its `torch_dtype` says: its dequantized values q * s are fp32 values, which bf16
+    would round. Its bytes are then compared with the ones the plan writes
+    (`compare_with_source`), and the report handed to `on_fp8_source` (the CLI prints its line).
     """
     if to not in TARGETS:
         raise ValueError(f"--to {to!r} is not one of {TARGETS}")
@@ -58,6 +66,7 @@ def convert_checkpoint(
     if not model_dir.is_dir():
         raise ValueError(f"--model {str(model_dir)!r} is not a directory (an HF checkpoint)")
     config = load_hf_config(model_dir)
+    fp8 = fp8_config(config, model_dir / "config.json")  # refuses a quantization_config
     # Resolve on the config first: a bad recipe fails before gigabytes are read.
     first = resolve(recipe, tensors_from_hf_config(config, expert_layout="fused"))
     if on_plan is not None:
@@ -66,8 +75,14 @@ def convert_checkpoint(
     if to == "hf":
         served_format(first)  # a plan the served layouts cannot hold: refused before any read
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if fp8 is not None:
+        stored = "float32"  # the dequantized values exactly as the file defines them
     model = from_pretrained(model_dir, dtype=_LOAD_DTYPES.get(str(stored), torch.float32))
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    if fp8 is not None:
+        report = compare_with_source(model_dir, plan, model)
+        if on_fp8_source is not None and report is not None:
+            on_fp8_source(report)
     updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
     write = write_served_checkpoint if to == "hf" else write_quantized_checkpoint
     return write(

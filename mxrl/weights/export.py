@@ -143,6 +143,19 @@ def export_weights(
         yield WeightRecord(name, value, checksum(name, value))
 
 
+def quantize_tensor(
+    w: torch.Tensor, spec: TensorSpec, *, backend: Kernels | Backend | str | None = None
+) -> WeightValue:
+    """One master tensor quantized as `quantized_values` quantizes it (same backend choice, same
+    bytes) for a format whose bytes need no fuse partner (block FP8, MXFP8; not NVFP4's shared
+    global scale). The caller checked `w` for NaN/Inf."""
+    if spec.format is Format.NVFP4:
+        raise ValueError(f"{spec.name}: quantize_tensor does not take NVFP4 (its global scale)")
+    if spec.format is Format.BF16:
+        return w.detach().to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
+    return _quantize(w.detach(), spec, None, None, backend_for(backend, w.device))
+
+
 def _global_amax(name, w, partner, amaxes) -> torch.Tensor | None:
     """`weight_amax(w, spec, partner, finite=True)` from the amaxes `check_finite` kept: the
     tensor's own, and for a 2-D fuse pair the max with the partner's (the same values without
