@@ -254,8 +254,6 @@ def _progress_logging() -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    import json
-
     from mxrl.runs.record import check_writable
 
     check_writable(args.out, "--out")  # a file in the path, an unwritable folder: before work
@@ -264,7 +262,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             f"--out {str(args.out)!r} is a folder with files in it; pass --overwrite to replace "
             "it, or a new folder"
         )
-    from mxrl.weights import MANIFEST_NAME, convert_checkpoint
+    from mxrl.weights.convert import convert_checkpoint, summary_lines
 
     def announce(plan) -> None:
         print(
@@ -284,45 +282,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         to=args.to,
         on_fp8_source=lambda report: print(f"mxrl convert: {report.line()}", flush=True),
     )
-    if args.to == "hf":
-        return _served_summary(args.model, out)
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
-    event = manifest["quantization_event"]
-    print(f"mxrl convert: {args.model} -> {out}")
-    print(f"recipe: {manifest['recipe']}, plan hash {manifest['plan_hash']}")
-    by_format: dict[str, list[int]] = {}
-    for t in manifest["tensors"].values():
-        count = by_format.setdefault(t["format"], [0, 0])
-        count[0] += 1
-        count[1] += t["bytes"]
-    for fmt, (n, nbytes) in sorted(by_format.items()):
-        print(f"  {fmt:<10} {n:6d} tensors  {nbytes / 2**20:10.2f} MiB")
-    print(
-        f"  total      {manifest['num_tensors']:6d} tensors  "
-        f"{manifest['num_bytes'] / 2**20:10.2f} MiB in {len(manifest['shards'])} shard(s)"
-    )
-    if event["sqnr_db"]:
-        sqnr = ", ".join(f"{k} {float(v):.1f}" for k, v in event["sqnr_db"].items())
-        print(f"SQNR (dB) of the quantized tensors: {sqnr}")
-    print(f"quantized in {event['seconds']:.2f} s; wrote {out / MANIFEST_NAME}")
-    return 0
-
-
-def _served_summary(model: str, out: Path) -> int:
-    import json
-
-    config = json.loads((out / "config.json").read_text())
-    qc = config.get("quantization_config") or {"quant_method": "none (bf16)"}
-    files = sorted(p.name for p in out.glob("*.safetensors"))
-    size = sum((out / f).stat().st_size for f in files)
-    print(f"mxrl convert: {model} -> {out} (served checkpoint)")
-    print(f"recipe: {config['mxrl']['recipe']}, plan hash {config['mxrl']['plan_hash']}")
-    print(f"quantization_config: {qc['quant_method']}", end="")
-    if qc.get("config_groups"):
-        print(" (" + ", ".join(g["format"] for g in qc["config_groups"].values()) + ")", end="")
-    skipped = qc.get("modules_to_not_convert", qc.get("ignore", []))
-    print(f"; {len(skipped)} Linear module(s) kept bf16")
-    print(f"{len(files)} shard(s), {size / 2**20:.2f} MiB")
+    print(f"mxrl convert: {args.model} -> {out}" + (" (served checkpoint)" * (args.to == "hf")))
+    print("\n".join(summary_lines(out)))
     return 0
 
 

@@ -3,6 +3,7 @@ transformers / vLLM / SGLang load: `mxrl.weights.served`), through the one expor
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,11 @@ from mxrl.models.hf_fp8 import fp8_config
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
 from mxrl.weights.fp8_source import Fp8SourceReport, compare_with_source
-from mxrl.weights.quantized_checkpoint import DEFAULT_SHARD_BYTES, write_quantized_checkpoint
+from mxrl.weights.quantized_checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    MANIFEST_NAME,
+    write_quantized_checkpoint,
+)
 from mxrl.weights.served import served_format, write_served_checkpoint
 
 TARGETS = ("mxrl", "hf")  # mxrl's quantized checkpoint; a served HF checkpoint
@@ -95,3 +100,45 @@ def convert_checkpoint(
         copy_files_from=model_dir,
         progress=progress,
     )
+
+
+def summary_lines(out: Path) -> list[str]:
+    """What `mxrl convert` prints about the checkpoint it wrote in `out` (either target)."""
+    manifest_file = out / MANIFEST_NAME
+    if not manifest_file.is_file():
+        return _served_lines(out)
+    manifest = json.loads(manifest_file.read_text())
+    event = manifest["quantization_event"]
+    lines = [f"recipe: {manifest['recipe']}, plan hash {manifest['plan_hash']}"]
+    by_format: dict[str, list[int]] = {}
+    for t in manifest["tensors"].values():
+        count = by_format.setdefault(t["format"], [0, 0])
+        count[0] += 1
+        count[1] += t["bytes"]
+    for fmt, (n, nbytes) in sorted(by_format.items()):
+        lines.append(f"  {fmt:<10} {n:6d} tensors  {nbytes / 2**20:10.2f} MiB")
+    lines.append(
+        f"  total      {manifest['num_tensors']:6d} tensors  "
+        f"{manifest['num_bytes'] / 2**20:10.2f} MiB in {len(manifest['shards'])} shard(s)"
+    )
+    if event["sqnr_db"]:
+        sqnr = ", ".join(f"{k} {float(v):.1f}" for k, v in event["sqnr_db"].items())
+        lines.append(f"SQNR (dB) of the quantized tensors: {sqnr}")
+    lines.append(f"quantized in {event['seconds']:.2f} s; wrote {manifest_file}")
+    return lines
+
+
+def _served_lines(out: Path) -> list[str]:
+    config = json.loads((out / "config.json").read_text())
+    qc = config.get("quantization_config") or {"quant_method": "none (bf16)"}
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    size = sum((out / f).stat().st_size for f in files)
+    groups = [g["format"] for g in (qc.get("config_groups") or {}).values()]
+    skipped = qc.get("modules_to_not_convert", qc.get("ignore", []))
+    return [
+        f"recipe: {config['mxrl']['recipe']}, plan hash {config['mxrl']['plan_hash']}",
+        f"quantization_config: {qc['quant_method']}"
+        + (f" ({', '.join(groups)})" if groups else "")
+        + f"; {len(skipped)} Linear module(s) kept bf16",
+        f"{len(files)} shard(s), {size / 2**20:.2f} MiB",
+    ]
