@@ -160,7 +160,7 @@ def test_a_step_whose_batch_logits_exceed_the_memory_cap_runs_on_cuda(tmp_path):
     """Under a 6 GiB cap on an H200: 128 sequences of ~140 tokens at a 65,536-token vocabulary,
     whose fp32 logits alone are ~4.4 GiB: the pass before issue 27 held several such tensors
     at once (bf16 logits, their fp32 copy, the log-softmax, then their gradients), and even
-    without autograd that runs out of memory here (checked below). Chunked logprobs and
+    without autograd it needs more than the cap (measured below). Chunked logprobs and
     4096-token micro-batches keep the whole step inside the cap."""
     from mxrl.app.task import ArithmeticTask
     from mxrl.arch import builtin_config
@@ -183,13 +183,21 @@ def test_a_step_whose_batch_logits_exceed_the_memory_cap_runs_on_cuda(tmp_path):
         record = RunRecord.create(tmp_path, "capped", config=cfg)
         source = ParitySource(ArithmeticTask(seed=0))
         trainer = GRPOTrainer(cfg, model, source, record, kv_cache_bytes=256 << 20)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         metrics = trainer.train_step()
-        # the old pass, under the same cap: the batch's logits, in fp32, log-softmaxed
-        ids = torch.randint(vocab, (128, 140), device="cuda")
-        with pytest.raises(torch.OutOfMemoryError):
-            torch.log_softmax(trainer.model(ids).float(), -1)
+        step_peak = torch.cuda.max_memory_allocated() - base
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+    # the old pass, measured without the cap (an OOM under it depends on what earlier tests left
+    # in the allocator): the batch's logits, in fp32, log-softmaxed, without autograd even
+    ids = torch.randint(vocab, (128, 140), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        torch.log_softmax(trainer.model(ids).float(), -1)
+    old_peak = torch.cuda.max_memory_allocated() - base
+    assert step_peak < cap < old_peak, (step_peak / 2**30, old_peak / 2**30)
     tokens = 128 * metrics["response_len/mean"]  # the completions alone
     assert tokens * vocab * 4 > cap / 2  # their fp32 logits alone: over half the cap
     assert metrics["memory/train_peak_gib"] < (held + cap) / (1 << 30)
