@@ -17,9 +17,10 @@ checkpoint, transformers loads it with `from_pretrained(device_map="cuda")` (its
 - `tf_fp8_corrupt` vs `mxrl_fp8`: the same export with layer 0's `weight_scale_inv` shifted by
   one block along K (the layout slip a converter makes): what a wrong byte layout looks like.
 
-The bound checked (`within_bound`): the two FP8 implementations of the same bytes differ, in max
-|logit| and in mean KL, by at most half of what FP8 itself changes from bf16, while the corrupted
-export does not.
+The bound checked (`within_bound`): the mean KL between the two FP8 implementations of the same
+bytes is at most half the mean KL between FP8 and bf16 (what block FP8 itself changes), while the
+corrupted export's exceeds the whole of it. Max |logit| is recorded, not bounded: two bf16
+forwards that sum in different orders already differ by about as much (`bf16_tf_vs_mxrl`).
 
 transformers 5 fetches its FP8 GEMM kernel (`kernels-community/finegrained-fp8`) from the
 Hugging Face hub, which the benchmark machine cannot reach: `--kernel-src` names a directory
@@ -109,8 +110,7 @@ def within_bound(result: dict) -> bool:
     fp8, tf, bad = (
         result[k] for k in ("mxrl_fp8_vs_bf16", "fp8_tf_vs_mxrl", "fp8_corrupt_vs_mxrl")
     )
-    ok = all(tf[m] <= 0.5 * fp8[m] for m in ("max_abs", "mean_kl"))
-    return ok and not all(bad[m] <= 0.5 * fp8[m] for m in ("max_abs", "mean_kl"))
+    return tf["mean_kl"] <= 0.5 * fp8["mean_kl"] < bad["mean_kl"] / 2
 
 
 def tf_logits(path: Path, prompts: torch.Tensor, device: str, dequantize: bool) -> torch.Tensor:
