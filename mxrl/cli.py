@@ -90,11 +90,27 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--tensorboard", action="store_true",
                        help=TENSORBOARD_HELP + " (as log.tensorboard: true in the config)")  # fmt: skip
 
+    _add_convert_parser(commands)
+    from mxrl.runs import cli as runs_cli  # argparse only: the record loads when a command runs
+
+    runs_cli.add_parser(commands)
+    return parser
+
+
+def _add_convert_parser(commands: argparse._SubParsersAction) -> None:
     convert = commands.add_parser(
         "convert", help="HF checkpoint -> quantized checkpoint (the bytes the engine holds)"
     )
-    convert.add_argument("--recipe", required=True, help="preset name or recipe YAML path")
-    convert.add_argument("--model", required=True, metavar="HF_DIR", help="HF checkpoint directory")
+    convert.add_argument(
+        "--recipe", help="preset name or recipe YAML path (default for a run: the run's own)"
+    )
+    convert.add_argument(
+        "--model",
+        required=True,
+        metavar="HF_DIR|RUN_DIR",
+        help="an HF checkpoint directory, or a run folder (runs/<id>): its newest checkpoint's "
+        "policy, checked against the engine the run rolled out with",
+    )
     convert.add_argument("--out", required=True, metavar="DIR", type=Path, help="output directory")
     convert.add_argument(
         "--shard-size", default="2GB", help="bytes per safetensors shard (default 2GB; or 500MiB)"
@@ -113,8 +129,6 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="convert even if a recipe rule matches no tensor or the recipe quantizes nothing",
     )
-    _add_runs_parser(commands)
-    return parser
 
 
 def _cmd_recipe_list() -> int:
@@ -262,6 +276,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             f"--out {str(args.out)!r} is a folder with files in it; pass --overwrite to replace "
             "it, or a new folder"
         )
+    from mxrl.app.policy import convert_run, is_run_dir
     from mxrl.weights.convert import convert_checkpoint, summary_lines
 
     def announce(plan) -> None:
@@ -271,6 +286,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         print(plan.summary(), flush=True)
         _warn_problems(plan)
 
+    if is_run_dir(args.model):
+        out = convert_run(
+            args.model,
+            args.out,
+            say=print,
+            recipe=args.recipe,
+            to=args.to,
+            shard_bytes=args.shard_size,
+            overwrite=args.overwrite,
+            strict=not args.allow_unmatched,
+            on_plan=announce,
+        )
+        print("\n".join(summary_lines(out)))
+        return 0
+    if args.recipe is None:
+        raise UserError(f"--recipe is required for an HF checkpoint ({args.model})")
     out = convert_checkpoint(
         args.model,
         args.recipe,
@@ -284,53 +315,6 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     )
     print(f"mxrl convert: {args.model} -> {out}" + (" (served checkpoint)" * (args.to == "hf")))
     print("\n".join(summary_lines(out)))
-    return 0
-
-
-def _add_runs_parser(commands: argparse._SubParsersAction) -> None:
-    """`mxrl runs list|show|compare|note` (the run record, docs/runs.md)."""
-    runs = commands.add_parser("runs", help="list, show, compare and annotate run records")
-    actions = runs.add_subparsers(dest="runs_command", required=True, metavar="ACTION")
-    root_help = "folder holding the runs (default: runs)"
-    ls = actions.add_parser("list", help="the runs under --root, newest first")
-    show = actions.add_parser("show", help="one run: config, env, last metrics, events, notes")
-    show.add_argument("run", metavar="ID", help="run id under --root (or its prefix), or a path")
-    compare = actions.add_parser("compare", help="plots and a markdown table of several runs")
-    compare.add_argument("runs", metavar="ID", nargs="+", help="run ids under --root, or paths")
-    compare.add_argument("--out", required=True, type=Path, metavar="DIR", help="output folder")
-    note = actions.add_parser("note", help="append a note to a run's notes.md")
-    note.add_argument("run", metavar="ID", help="run id under --root, or a path")
-    note.add_argument("text", help="the note")
-    for sub in (ls, show, compare, note):
-        sub.add_argument("--root", type=Path, default=Path("runs"), help=root_help)
-
-
-def _cmd_runs(args: argparse.Namespace) -> int:
-    from mxrl.runs import compare, find_runs, format_list, format_show, resolve_run
-
-    if args.runs_command == "list":
-        records = find_runs(args.root)
-        print(format_list(records) if records else f"no runs under {args.root}")
-    elif args.runs_command == "show":
-        print(format_show(resolve_run(args.run, args.root)), end="")
-    elif args.runs_command == "compare":
-        records = [resolve_run(ref, args.root) for ref in args.runs]
-        try:
-            result = compare(records, args.out)
-        except OSError as e:
-            raise UserError(f"cannot write to {str(args.out)!r}: {e}") from None
-        print(result.table)
-        print()
-        for path in (*result.figures.values(), result.markdown):
-            print(f"wrote {path}")
-        if result.skipped:
-            print(f"not plotted (no data): {', '.join(result.skipped)}")
-    elif args.runs_command == "note":
-        record = resolve_run(args.run, args.root)
-        record.note(args.text)
-        print(f"noted in {record.path / 'notes.md'}")
-    else:
-        raise AssertionError(f"unhandled runs action {args.runs_command}")
     return 0
 
 
@@ -354,7 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             return _cmd_convert(args)
         if args.command == "runs":
-            return _cmd_runs(args)
+            from mxrl.runs import cli as runs_cli
+
+            return runs_cli.run(args)
     except (ValueError, UserError) as e:
         print(f"mxrl: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_USAGE

@@ -11,7 +11,7 @@ float8_e4m3fn [N, K] and `<module>.weight_scale_inv` [ceil(N/128), ceil(K/128)] 
 
 an element of a partial edge block takes the scale of the block it falls in. The product is one
 fp32 rounding (E4M3's 4 significant bits times the scale's 24 can need 28); with a power-of-two
-scale (ue8m0) it is exact, in fp32 and in bf16. docs/models.md has the rules.
+scale (ue8m0) it is exact, in fp32 and in bf16. docs/checkpoints.md has the rules.
 """
 
 from __future__ import annotations

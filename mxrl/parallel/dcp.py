@@ -84,6 +84,14 @@ def load(
     return torch.load(own, map_location="cpu", weights_only=False)
 
 
+def load_model(path: Path, model: nn.Module) -> None:
+    """Read the model of a checkpoint into `model`, whole, in one process with no process group
+    (`mxrl convert --model runs/<id>`): DCP gathers every train rank's shards."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state["model"])
+
+
 def trainer_state(path: Path) -> dict[str, Any]:
     """The rank-0 state of a checkpoint (every rank may read it: a shared file system)."""
     return torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)

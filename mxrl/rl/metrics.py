@@ -3,10 +3,9 @@ one progress line per step on stderr."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -30,16 +29,6 @@ def memory_peak(device: torch.device | str) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
-
-
-def engine_digest(hashes: Iterable[tuple[str, str]]) -> str:
-    """sha256 over the (name, content hash) pairs of the weights an engine holds (its verified
-    `Engine.hashes`), in name order: two engines serve the same bytes exactly when their digests
-    are equal (`sync_verified` events carry it, so two runs can be compared step by step)."""
-    h = hashlib.sha256()
-    for name, content in sorted(hashes):
-        h.update(f"{name}\0{content}\n".encode())
-    return h.hexdigest()
 
 
 def step_metrics(

@@ -62,7 +62,7 @@ def prepare_resume(cfg: TrainConfig, plan_hash: str, *, distributed: bool) -> Re
     assert is_run_dir(run_dir), "mxrl.app.preflight.check_paths refuses a folder that is no run"
     ckpt, state = _load_latest(run_dir, distributed)
     step = int(state["step"])
-    old = _recorded_config(run_dir, state)
+    old = recorded_config(run_dir, state)
     changes = config_changes(old, cfg)
     refused = [c for c in changes if c.on_resume is REFUSE]
     if refused:
@@ -140,7 +140,7 @@ def read_state(path: Path, *, distributed: bool, map_location: Any = "cpu") -> d
     return torch.load(path, map_location=map_location, weights_only=False)
 
 
-def _recorded_config(run_dir: Path, state: Mapping[str, Any]) -> TrainConfig:
+def recorded_config(run_dir: Path, state: Mapping[str, Any]) -> TrainConfig:
     """The settings the checkpoint was trained under: the run's config.yaml (what the run is
     never changes), with the rl section the checkpoint saved (the truth at its step, whatever
     a later resume wrote into config.yaml)."""

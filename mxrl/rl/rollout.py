@@ -20,9 +20,9 @@ from mxrl.engine import CacheOptions, Completion, Engine, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan
 from mxrl.rl.config import GRPOConfig
-from mxrl.rl.metrics import engine_digest
 from mxrl.sync import BroadcastReceiver, BroadcastSender, InProcessTransport, SyncReport
 from mxrl.weights import Export
+from mxrl.weights.digest import weights_digest as engine_digest
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout

@@ -95,6 +95,7 @@ class Export:
         self._seconds = seconds
         self._started = False
         self._event: QuantizationEvent | None = None
+        self.hashes: dict[str, str] = {}  # name -> checksum of every record produced so far
 
     @property
     def event(self) -> QuantizationEvent:
@@ -137,6 +138,7 @@ class Export:
             num_bytes += nbytes
             if pending and pending_bytes + nbytes > self.bucket_bytes:
                 records = self._records(pending)
+                self.hashes.update((r.name, r.hash) for r in records)
                 bucket = Bucket(index, self.plan_hash, records, last=False, step=self.step)
                 self._seconds += time.perf_counter() - t0
                 yield bucket
@@ -146,6 +148,7 @@ class Export:
             pending.append((name, value))
             pending_bytes += nbytes
         records = self._records(pending)
+        self.hashes.update((r.name, r.hash) for r in records)
         sqnr_db = meter.result()
         self._seconds += time.perf_counter() - t0
         self._event = QuantizationEvent(

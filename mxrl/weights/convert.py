@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +16,7 @@ from mxrl.models import from_pretrained, parse_size
 from mxrl.models.hf_fp8 import fp8_config
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, export
+from mxrl.weights.digest import weights_digest
 from mxrl.weights.fp8_source import Fp8SourceReport, compare_with_source
 from mxrl.weights.quantized_checkpoint import (
     DEFAULT_SHARD_BYTES,
@@ -88,18 +91,76 @@ def convert_checkpoint(
         report = compare_with_source(model_dir, plan, model)
         if on_fp8_source is not None and report is not None:
             on_fp8_source(report)
+    return export_checkpoint(
+        model,
+        plan,
+        config,
+        out_dir,
+        shard_bytes=shard_bytes,
+        overwrite=overwrite,
+        progress=progress,
+        to=to,
+        copy_files_from=model_dir,
+    ).path
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What `export_checkpoint` wrote: the folder and the checksum of every tensor in it (the
+    engine's `hashes` for the same weights and plan: their `weights_digest`s agree exactly when
+    the bytes do)."""
+
+    path: Path
+    hashes: dict[str, str]
+
+
+def export_checkpoint(
+    model: torch.nn.Module,
+    plan: Plan,
+    config: dict[str, Any],
+    out_dir: str | Path,
+    *,
+    shard_bytes: int | str = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    to: str = "mxrl",
+    copy_files_from: str | Path | None = None,
+    expect_digest: str | None = None,
+) -> Exported:
+    """Master weights in hand -> a quantized (`to="mxrl"`) or served (`to="hf"`) checkpoint,
+    through the one export path; `config` is the HF config dict written beside them.
+
+    expect_digest: the `weights_digest` the records must have (an engine's, for the same master
+    and plan); checked once the last record is written and before the folder is moved into
+    place, so a mismatch leaves nothing behind (ValueError)."""
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r} is not one of {TARGETS}")
+    if to == "hf":
+        served_format(plan)
     updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
+
+    def check() -> None:
+        got = weights_digest(updates.hashes.items())
+        if expect_digest is not None and got != expect_digest:
+            raise ValueError(
+                f"the exported weights' digest {got[:16]} is not the engine's "
+                f"{expect_digest[:16]}: these bytes are not the ones it rolled out with; nothing "
+                "was written"
+            )
+
     write = write_served_checkpoint if to == "hf" else write_quantized_checkpoint
-    return write(
+    path = write(
         updates,
         plan,
         config,
         out_dir,
         shard_bytes,
         overwrite=overwrite,
-        copy_files_from=model_dir,
+        copy_files_from=copy_files_from,
         progress=progress,
+        check=check,
     )
+    return Exported(Path(path), dict(updates.hashes))
 
 
 def summary_lines(out: Path) -> list[str]:

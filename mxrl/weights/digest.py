@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -130,3 +130,14 @@ def checksum(name: str, value: WeightValue, backend: Backend | str | None = None
     """The checksum of one record, its name and its value (module docstring): 64 hex
     characters."""
     return checksums([name], [value], backend)[0]
+
+
+def weights_digest(hashes: Iterable[tuple[str, str]]) -> str:
+    """sha256 over the (name, checksum) pairs of a set of weights, in name order: what an engine
+    holds (its verified `Engine.hashes`, `engine_digest` in the run record's `sync_verified`
+    events and checkpoints) or an export produced (`Export.hashes`). Two sets hold the same bytes
+    exactly when their digests are equal."""
+    h = hashlib.sha256()
+    for name, content in sorted(hashes):
+        h.update(f"{name}\0{content}\n".encode())
+    return h.hexdigest()

@@ -13,7 +13,7 @@ M = 448 (the file's scale is amax/448, as DeepSeek-V3 / transformers quantize), 
 under the 1e-4 floor, and fl(fl(448 * s) / 448) == s, which holds for about 89.3% of fp32
 significands; power-of-two (ue8m0) scales leave M anywhere in (224, 448], so such blocks differ
 unless M = 448. `compare_with_source` counts it tensor by tensor, block by block, with the
-reason of every block that differs (docs/models.md, "Loading FP8 checkpoints").
+reason of every block that differs (docs/checkpoints.md, "In: HF fine-grained FP8").
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ def write_quantized_checkpoint(
     overwrite: bool = False,
     copy_files_from: str | Path | None = None,
     progress: bool | None = None,
+    check: Callable[[], None] | None = None,
 ) -> Path:
     """Write the records of one export (every tensor of `plan`, in any order) as a quantized
     checkpoint in `out_dir` (module docstring); return its path.
@@ -125,6 +126,8 @@ def write_quantized_checkpoint(
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
         _default_permissions(tmp)
+        if check is not None:
+            check()  # the caller's last word (e.g. the engine's digest) before it is in place
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

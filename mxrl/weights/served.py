@@ -40,7 +40,7 @@ import logging
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,7 @@ def write_served_checkpoint(
     overwrite: bool = False,
     copy_files_from: str | Path | None = None,
     progress: bool | None = None,
+    check: Callable[[], None] | None = None,
 ) -> Path:
     """Write one export's records (every tensor of `plan`) as a served checkpoint in `out_dir`
     (module docstring); return its path. Built in a temporary sibling, renamed into place at the
@@ -222,6 +223,8 @@ def write_served_checkpoint(
         (tmp / CONFIG_NAME).write_text(json.dumps(served, indent=2, sort_keys=True) + "\n")
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
+        if check is not None:
+            check()  # the caller's last word (e.g. the engine's digest) before it is in place
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
