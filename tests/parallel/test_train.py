@@ -153,6 +153,26 @@ def test_colocated_run_trains_on_both_ranks_and_stays_close_to_single_process(ru
     ).metrics()[1].keys()
 
 
+def test_a_runs_policy_leaves_as_the_engine_held_it(runs, tmp_path, capsys):
+    """`mxrl convert --model runs/<id>` on the single-process run (.pt) and the colocated one
+    (DCP, written by two FSDP2 ranks): each export's digest is the one the run's engine
+    recorded after the last step, checked before the folder is in place; the two runs trained
+    bit for bit alike, so their served files are the same bytes."""
+    from mxrl.cli import main
+
+    files = {}
+    for run in ("single", "split", "colocated"):
+        out = tmp_path / run
+        code = main(["convert", "--model", str(runs / run), "--out", str(out), "--to", "hf"])
+        text = capsys.readouterr().out
+        assert code == 0, text
+        assert f"the bytes are the engine's after step {STEPS}" in text
+        assert ("DCP folder" in text) == (run != "single")
+        files[run] = (out / "model.safetensors").read_bytes()
+    assert files["split"] == files["single"]
+    assert files["colocated"] != files["single"]  # a different run (two ranks' batches)
+
+
 def _evals(record: RunRecord) -> dict[int, float]:
     return {r["step"]: r["eval/accuracy"] for r in record.metrics() if "eval/accuracy" in r}
 
