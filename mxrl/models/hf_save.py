@@ -1,18 +1,20 @@
 """Writing local HF checkpoints: `save_pretrained` (one `model.safetensors` or shards listed by
 `model.safetensors.index.json`, routed experts per expert or fused), written into a temporary
-folder and moved into place whole; `parse_size`, `copy_side_files`, `move_into_place` are shared
+folder and moved into place whole; `parse_size`, `copy_side_files`, `staged` are shared
 with the quantized checkpoint writer (`mxrl.weights.quantized_checkpoint`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,27 +64,16 @@ def save_pretrained(
     """
     path = Path(path)
     limit = parse_size(max_shard_size)
-    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
-        raise ValueError(
-            f"{path} exists and is not an empty directory; pass overwrite=True to replace it, or "
-            "save to a new directory"
-        )
     state = model.state_dict()
     tensors = list(hf_tensors(state, expert_layout))
     first = next(t for _, t in tensors if t.is_floating_point())
     saved_dtype = str(dtype or first.dtype).removeprefix("torch.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with staged(path, overwrite=overwrite) as tmp:
         config = model.config.to_hf(dtype=saved_dtype)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _write_shards(tmp, tensors, limit, dtype, progress)
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
-        move_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("saved %d tensors to %s (%s, %s)", len(tensors), path, expert_layout, saved_dtype)
     return path
 
@@ -121,6 +112,38 @@ def _write_shards(
         weight_map = {k: f for f, shard in zip(names, shards, strict=True) for k, _ in shard}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+@contextmanager
+def staged(path: str | Path, *, overwrite: bool, flag: str = "overwrite=True") -> Iterator[Path]:
+    """A temporary sibling of `path` to write a checkpoint into; renamed to `path` when the block
+    ends without error (with the permissions of any file this process creates: mkdtemp makes it
+    0700 and safetensors its files 0600), removed when it raises. So a failed or refused write
+    leaves nothing behind and changes nothing that was there; `path` must not exist or be an
+    empty directory unless `overwrite` (`flag`: how the caller spells that option)."""
+    path = Path(path)
+    if path.exists() and not (path.is_dir() and not any(path.iterdir())) and not overwrite:
+        raise ValueError(
+            f"{path} exists and is not an empty directory; pass {flag} to replace it, or write "
+            "to a new directory"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        _default_permissions(tmp)
+        move_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _default_permissions(tmp: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)
 
 
 def move_into_place(tmp: Path, path: Path) -> None:

@@ -29,10 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +44,7 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import parse_size
 from mxrl.models.hf_checkpoint import CONFIG_NAME, open_safetensors
-from mxrl.models.hf_save import copy_side_files, move_into_place
+from mxrl.models.hf_save import copy_side_files, staged
 from mxrl.recipe import Plan
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_config, check_record
@@ -91,22 +88,10 @@ def write_quantized_checkpoint(
     """
     out = Path(out_dir)
     limit = parse_size(shard_bytes)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise ValueError(
-            f"{out} exists and is not an empty directory; pass overwrite=True (--overwrite) to "
-            "replace it, or write to a new directory"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out, overwrite=overwrite, flag="overwrite=True (--overwrite)") as tmp:
         stream = records.records() if isinstance(records, Export) else iter(records)
         tensors, shards = _write_shards(tmp, stream, plan, limit, progress)
-        missing = [n for n in plan if n not in tensors]
-        if missing:
-            raise ValueError(
-                f"the records lack {len(missing)} tensor(s) of the plan, e.g. {missing[:3]}; "
-                "export every tensor of the plan"
-            )
+        check_complete(plan, tensors)
         event = records.event.to_dict() if isinstance(records, Export) else None
         manifest = {
             "format": CHECKPOINT_FORMAT,
@@ -125,13 +110,8 @@ def write_quantized_checkpoint(
         (tmp / MANIFEST_NAME).write_text(_manifest_text(manifest))
         if copy_files_from is not None:
             copy_side_files(copy_files_from, tmp)
-        _default_permissions(tmp)
         if check is not None:
             check()  # the caller's last word (e.g. the engine's digest) before it is in place
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("wrote %d tensors in %d shard(s) to %s", len(tensors), len(shards), out)
     return out
 
@@ -144,14 +124,14 @@ def _manifest_text(manifest: dict[str, Any]) -> str:
     return body + ',\n  "tensors": {\n' + ",\n".join(lines) + "\n  }\n}\n"
 
 
-def _default_permissions(tmp: Path) -> None:
-    """mkdtemp makes a 0700 directory (and safetensors 0600 files): give the checkpoint the
-    permissions of any file this process creates, so other users and jobs can read it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    for f in tmp.iterdir():
-        f.chmod(0o666 & ~umask)
+def check_complete(plan: Plan, written: Iterable[str]) -> None:
+    """Refuse an export that lacks tensors of its plan (before its folder is in place)."""
+    missing = [n for n in plan if n not in set(written)]
+    if missing:
+        raise ValueError(
+            f"the records lack {len(missing)} tensor(s) of the plan, e.g. {missing[:3]}; "
+            "export every tensor of the plan"
+        )
 
 
 def _write_shards(

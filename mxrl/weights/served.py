@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,11 +50,12 @@ from mxrl.arch.names import Kind
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models.hf_checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
-from mxrl.models.hf_save import copy_side_files, move_into_place, parse_size
+from mxrl.models.hf_save import copy_side_files, parse_size, staged
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_record
 from mxrl.weights.digest import checksum
+from mxrl.weights.quantized_checkpoint import check_complete
 from mxrl.weights.record import WeightRecord
 from mxrl.weights.served_config import (
     DOWN,
@@ -203,14 +202,7 @@ def write_served_checkpoint(
     fmt = served_format(plan)
     out = Path(out_dir)
     limit = parse_size(shard_bytes)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise ValueError(
-            f"{out} exists and is not an empty directory; pass --overwrite to replace it, or "
-            "write to a new directory"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged(out, overwrite=overwrite, flag="--overwrite") as tmp:
         stream = records.records() if isinstance(records, Export) else iter(records)
         bf16_dtype = _write_shards(tmp, stream, plan, fmt, limit, progress)
         served = {k: v for k, v in config.items() if k not in ("quantization_config", "mxrl")}
@@ -225,10 +217,6 @@ def write_served_checkpoint(
             copy_side_files(copy_files_from, tmp)
         if check is not None:
             check()  # the caller's last word (e.g. the engine's digest) before it is in place
-        move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("wrote a %s served checkpoint of %d tensors to %s", fmt, len(plan), out)
     return out
 
@@ -272,12 +260,7 @@ def _write_shards(
             bar.update()
         if pending:
             flush()
-    missing = [n for n in plan if n not in seen]
-    if missing:
-        raise ValueError(
-            f"the records lack {len(missing)} tensor(s) of the plan, e.g. {missing[:3]}; "
-            "export every tensor of the plan"
-        )
+    check_complete(plan, seen)
     n = len(written)
     weight_map: dict[str, str] = {}
     for i, (path, keys) in enumerate(written, start=1):

@@ -336,3 +336,16 @@ def test_cli_writes_a_served_checkpoint(tmp_path, capsys):
     assert "quantization_config: fp8" in text and "(served checkpoint)" in text
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     shutil.rmtree(out)
+
+
+def test_the_folder_gets_the_permissions_of_any_new_file(tmp_path):
+    """mkdtemp makes its folder 0700 and safetensors its files 0600: a served checkpoint (read
+    by a serving job, often as another user) takes the process's umask like any new file."""
+    import os
+
+    _, _, out = write(tmp_path, DENSE, recipe_all("mxfp8"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f.name
