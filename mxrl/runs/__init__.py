@@ -26,15 +26,8 @@ from mxrl.runs.record import (
     new_run_id,
 )
 from mxrl.runs.report import Comparison, compare, comparison_table
-from mxrl.runs.summary import (
-    METRIC_KEYS,
-    RunSummary,
-    find_runs,
-    format_list,
-    format_show,
-    resolve_run,
-    summarize,
-)
+from mxrl.runs.summary import METRIC_KEYS, RunSummary, find_runs, resolve_run, summarize
+from mxrl.runs.texts import format_list, format_show
 
 __all__ = [
     "END",

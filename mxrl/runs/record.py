@@ -19,43 +19,39 @@ line truncated by a killed writer and report it once (logging), and the next app
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
-import math
 import os
 import secrets
-import signal
 import tempfile
-import threading
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from mxrl.runs.env import capture_env, utc_now
-from mxrl.runs.jsonl import (
-    ReadResult,
-    append_line,
-    decode_float,
-    read_jsonl,
-    repair_tail,
-    rewrite,
-    to_float,
-    to_jsonable,
+from mxrl.runs.ending import (  # noqa: F401  (the record's public names)
+    END,
+    FAILED,
+    FINISHED,
+    INTERRUPTED,
+    RunEnding,
+    RunInterrupted,
 )
-from mxrl.runs.yamlio import dump_yaml, load_yaml
+from mxrl.runs.env import capture_env, utc_now
+from mxrl.runs.jsonl import ReadResult, append_line, repair_tail, rewrite, to_float, to_jsonable
+from mxrl.runs.read import (
+    CONFIG_FILE,
+    ENV_FILE,
+    EVENTS_FILE,
+    METRICS_FILE,
+    NOTES_FILE,
+    PLAN_FILE,
+    RunReading,
+    is_run_dir,
+)
+from mxrl.runs.yamlio import dump_yaml
 
 logger = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.yaml"
-PLAN_FILE = "plan.json"
-ENV_FILE = "env.json"
-METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
-NOTES_FILE = "notes.md"
-RUN_FILES = (CONFIG_FILE, PLAN_FILE, ENV_FILE, METRICS_FILE, EVENTS_FILE, NOTES_FILE)
 
 # event types with a logging helper below (others are free-form: log_event("my_type", ...))
 QUANTIZATION = "quantization"
@@ -65,20 +61,6 @@ CONFIG_CHANGE = "config_change"
 SKIPPED_ROWS = "skipped_rows"
 SYNC_VERIFIED = "sync_verified"
 NOTE = "note"
-END = "end"
-
-# how a run ended (the END event's status)
-FINISHED, FAILED, INTERRUPTED = "finished", "failed", "interrupted"
-
-
-class RunInterrupted(BaseException):
-    """SIGTERM inside `RunRecord.guard` (a BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way swallows it)."""
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(f"interrupted by {signal_name}")
-        self.signal_name = signal_name
-
 
 RESERVED_EVENT_KEYS = ("type", "step", "time")
 MAX_SKIP_REASONS = 10
@@ -127,10 +109,6 @@ def check_writable(path: str | os.PathLike[str], what: str) -> None:
         ) from None
 
 
-def is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in (CONFIG_FILE, ENV_FILE))
-
-
 class Sink(Protocol):
     """Another output of the record (`RunRecord.add_sink`): it sees every metrics row and event
     as written to metrics.jsonl and events.jsonl, and is closed by `finish`."""
@@ -142,7 +120,7 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-class RunRecord:
+class RunRecord(RunReading, RunEnding):
     """A run folder. Build with `create` (new run) or `open` (read it, or resume: appends)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -274,47 +252,6 @@ class RunRecord:
     def run_id(self) -> str:
         return self.path.name
 
-    @property
-    def config(self) -> dict[str, Any]:
-        """config.yaml; {} when it is missing, unreadable or not a mapping (reading a record
-        never fails on a hand-edited file)."""
-        try:
-            data = load_yaml(self.path / CONFIG_FILE)
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    @property
-    def env(self) -> dict[str, Any]:
-        try:
-            data = json.loads((self.path / ENV_FILE).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    @property
-    def plan_json(self) -> str | None:
-        try:
-            return (self.path / PLAN_FILE).read_text()
-        except FileNotFoundError:
-            return None
-
-    @property
-    def recipe(self) -> str | None:
-        """The recipe's name: config["recipe"] (the demo), config["rl"]["recipe"] (`mxrl train`
-        files; a dict with a "name" gives the name), else plan.json's recipe_name; else None."""
-        config = self.config
-        recipe = config.get("recipe")
-        rl = config.get("rl")
-        if recipe is None and isinstance(rl, Mapping):
-            recipe = rl.get("recipe")
-        if isinstance(recipe, Mapping):
-            recipe = recipe.get("name")
-        if recipe is None and self.plan_json is not None:
-            with contextlib.suppress(json.JSONDecodeError, AttributeError):
-                recipe = json.loads(self.plan_json).get("recipe_name")
-        return None if recipe is None else str(recipe)
-
     # -- writing --------------------------------------------------------------------------------
 
     def add_sink(self, sink: Sink) -> None:
@@ -414,53 +351,6 @@ class RunRecord:
             **fields,
         )
 
-    def finish(self, step: int | None, status: str = FINISHED, **fields: Any) -> dict[str, Any]:
-        """The run ended: status "finished", "failed" (with `error`) or "interrupted" (with
-        `signal`); `mxrl runs list` shows it. Written once per process (`guard`); closes the
-        sinks."""
-        self._ended = True
-        event = self.log_event(END, step, status=str(status), **fields)
-        sinks, self.sinks = self.sinks, []
-        for sink in sinks:
-            sink.close()
-        return event
-
-    @contextlib.contextmanager
-    def guard(self, step: Callable[[], int | None]) -> Iterator[RunRecord]:
-        """Every way out of the block ends in a recorded state: an exception is recorded as
-        `failed` (its type, message and traceback tail, at `step()`), Ctrl-C and SIGTERM as
-        `interrupted`; then it propagates. SIGTERM raises `RunInterrupted` inside the block
-        (main thread only). A block that already recorded an end (an inner guard, or
-        `finish`) is left as it is. SIGKILL cannot be caught: such a run has no end event and
-        `mxrl runs list` shows it `unfinished` once its process is gone."""
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-
-            def on_sigterm(signum, frame):
-                raise RunInterrupted("SIGTERM")
-
-            previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield self
-        except (KeyboardInterrupt, RunInterrupted) as e:
-            if not self._ended:
-                name = e.signal_name if isinstance(e, RunInterrupted) else "SIGINT"
-                self.finish(_safe_step(step), INTERRUPTED, signal=name)
-            raise
-        except Exception as e:
-            if not self._ended:
-                tail = traceback.format_exception(type(e), e, e.__traceback__)[-12:]
-                self.finish(
-                    _safe_step(step),
-                    FAILED,
-                    error=f"{type(e).__name__}: {e}"[:2000],
-                    traceback="".join(tail)[-4000:],
-                )
-            raise
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-
     def note(self, text: str, step: int | None = None) -> None:
         """Append a human note to notes.md under a UTC timestamp heading."""
         text = str(text).strip()
@@ -501,84 +391,9 @@ class RunRecord:
         self._cache.pop(name, None)
         return len(records) - len(keep)
 
-    # -- reading --------------------------------------------------------------------------------
-
-    def _read(self, name: str) -> ReadResult:
-        path = self.path / name
-        try:
-            st = path.stat()
-            key = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            return ReadResult()
-        cached = self._cache.get(name)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        result = read_jsonl(path)
-        for problem in result.problems:
-            self._report(problem, problem)
-        self._cache[name] = (key, result)
-        return result
-
-    def _report(self, key: str, message: str) -> None:
-        if key not in self._reported:
-            logger.warning("run %s: %s", self.run_id, message)
-        self._reported[key] = message
-
-    @property
-    def problems(self) -> list[str]:
-        """What the readers skipped (truncated or unreadable lines, duplicate steps)."""
-        self.metrics()
-        self.events()
-        return sorted(self._reported.values())
-
-    def metrics(self) -> list[dict[str, Any]]:
-        """One dict per step, by step, {"step": int, key: float, ...}. A step logged twice (a
-        resume without truncate_after) keeps its last line, and is reported once."""
-        rows: dict[int, dict[str, Any]] = {}
-        duplicates = 0
-        for r in self._read(METRICS_FILE).records:
-            step = r.get("step")
-            if isinstance(step, bool) or not isinstance(step, int):
-                continue
-            duplicates += step in rows
-            rows[step] = {k: (v if k == "step" else _as_float(v)) for k, v in r.items()}
-        if duplicates:
-            self._report(
-                "duplicate steps",
-                f"{METRICS_FILE}: {duplicates} step(s) logged more than once (kept the last); "
-                "call truncate_after(step) when resuming",
-            )
-        return [rows[step] for step in sorted(rows)]
-
-    def events(self, type: str | None = None) -> list[dict[str, Any]]:
-        """The events in file order, all or of one type (non-finite numbers stay strings, as in
-        QuantizationEvent.to_dict)."""
-        events = self._read(EVENTS_FILE).records
-        return [dict(e) for e in events if type is None or e.get("type") == type]
-
-    def notes(self) -> str:
-        try:
-            return (self.path / NOTES_FILE).read_text()
-        except FileNotFoundError:
-            return ""
-
     def __repr__(self) -> str:
         return f"RunRecord({str(self.path)!r})"
 
 
 def _after(step: Any, limit: int) -> bool:
     return isinstance(step, int) and not isinstance(step, bool) and step > limit
-
-
-def _as_float(value: Any) -> float:
-    value = decode_float(value)
-    if isinstance(value, bool | int | float):
-        return float(value)
-    return math.nan  # a hand-edited line with a non-number: visible as a gap, not a crash
-
-
-def _safe_step(step: Callable[[], int | None]) -> int | None:
-    try:
-        return step()
-    except Exception:  # the step counter of a half-built run: record the end without it
-        return None

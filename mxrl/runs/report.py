@@ -27,7 +27,8 @@ from mxrl.runs import health
 from mxrl.runs.env import utc_now
 from mxrl.runs.plots import PLOTS, RunSeries
 from mxrl.runs.record import RunRecord
-from mxrl.runs.summary import DASH, TIME_KEYS, RunSummary, fmt, spikes_line, summarize, syncs_line
+from mxrl.runs.summary import TIME_KEYS, RunSummary, summarize
+from mxrl.runs.texts import DASH, fmt, spikes_line, syncs_line
 
 logger = logging.getLogger(__name__)
 
