@@ -29,7 +29,7 @@ weight GB/s = weight bytes the GEMM must read (codes + block scales + global sca
 
 --sweep also times the launch configurations of `sweep_configs` (tensor-core tiles; the
 CUDA-core dot for a few rows) at M = 1, 8, 32 (or the M given) and records the fastest, to tune
-`choose_config` (mxrl/kernels/decode_gemm.py). Every row also records the read floor: the time a
+`choose_config` (mxrl/kernels/decode_gemm_config.py). Every row also records the read floor: the time a
 pure streaming-read kernel takes for the same bytes, and the speedup it would give (`ceiling`).
 """
 
