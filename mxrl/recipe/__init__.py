@@ -9,7 +9,8 @@ docs/recipes.md explains rules, selectors, presets and what the plan hash covers
 """
 
 from mxrl.recipe.layers import LayerSelector, parse_layers
-from mxrl.recipe.plan import PLAN_SCHEMA_VERSION, Plan, TensorSpec, resolve
+from mxrl.recipe.plan import PLAN_SCHEMA_VERSION, Plan, TensorSpec
+from mxrl.recipe.resolver import resolve
 from mxrl.recipe.schema import (
     Backward,
     Match,
