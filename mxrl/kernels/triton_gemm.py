@@ -48,10 +48,11 @@ from torch.library import triton_op
 
 from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_gemm_decode import mxfp8_values, nvfp4_halves
-from mxrl.kernels.triton_gemm_tiles import (
+from mxrl.kernels.triton_gemm_tiles import (  # noqa: F401  (split_k_counters: the launchers')
     find_group,
     load_codes,
     mxfp8_block_dots,
+    split_k_counters,
     store_y,
     tile_dot,
 )
@@ -192,21 +193,6 @@ def _low_bit_gemm_kernel(
 
 
 # --- launcher ------------------------------------------------------------------------------------
-
-# Self-resetting split-K counters, one buffer per device, never freed (a CUDA graph that captured
-# one keeps using it). Launches sharing a device's counters must be stream-ordered: concurrent
-# split-K GEMMs on two streams of one device are not supported.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-_MIN_COUNTERS = 1 << 16
-
-
-def split_k_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """A zeroed int32 buffer of at least `needed` counters on `device` (kept zero by the kernel)."""
-    pool = _COUNTERS.setdefault(torch.device(device), [])
-    if not pool or pool[-1].numel() < needed:
-        size = max(_MIN_COUNTERS, triton.next_power_of_2(needed))
-        pool.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return pool[-1]
 
 
 def _u8(t: torch.Tensor, what: str) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """Tile-level device functions of the low-bit GEMM (`triton_gemm.py`, whose docstring has the
 semantics and the exactness argument): loading code and scale tiles, the dots (tensor cores,
 CUDA-core fma, IEEE fp32, MXFP8 per-scale-block), the scaled and rounded store of y, and the
-grouped launch's expert lookup.
+grouped launch's expert lookup; on the host, the split-K counters the kernel keeps zero.
 
 This module imports triton: import it only where triton is available (the triton backend).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -209,3 +210,19 @@ def find_group(offs_ptr, slot, E, E_POW2: tl.constexpr):
     row_lo = tl.sum(tl.where(sel, lo, 0), 0)
     row_hi = tl.sum(tl.where(sel, hi, 0), 0)
     return e, row_lo, row_hi
+
+
+# Self-resetting split-K counters, one buffer per device, never freed (a CUDA graph that captured
+# one keeps using it). Launches sharing a device's counters must be stream-ordered: concurrent
+# split-K GEMMs on two streams of one device are not supported.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+_MIN_COUNTERS = 1 << 16
+
+
+def split_k_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least `needed` counters on `device` (kept zero by the kernel)."""
+    pool = _COUNTERS.setdefault(torch.device(device), [])
+    if not pool or pool[-1].numel() < needed:
+        size = max(_MIN_COUNTERS, triton.next_power_of_2(needed))
+        pool.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return pool[-1]
