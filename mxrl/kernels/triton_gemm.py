@@ -252,6 +252,72 @@ def launch_low_bit_gemm(
 ):  # fmt: skip
     """The kernel launch behind `mxrl::low_bit_gemm`; reduce=False (tests) skips the in-kernel
     split-K reduction and returns the partials workspace [S, T, N] as well."""
+    grouped, has_gs = offsets is not None, fmt == FMT_CODES["nvfp4"]
+    xq, xs, xgs, xgs_stride, wq, ws, wgs, wgs_stride_e, wgs_stride_n, offsets, (t, k, e, n) = (
+        _check_low_bit_gemm_args(xq, xs, xgs, wq, ws, wgs, offsets, fmt, out_dtype)
+    )
+    y, part, k_per_split, split_k = _workspace(t, n, k, split_k, block_k, out_dtype, xq.device)
+    if t == 0 or n == 0:
+        return y, part
+    if k == 0:
+        return y.zero_(), part
+    n_tiles = triton.cdiv(n, block_n)
+    slots = num_slots if grouped else triton.cdiv(t, block_m)
+    if split_k > 1 and reduce and counters.numel() < slots * n_tiles:
+        raise ValueError(f"mxrl::low_bit_gemm: {slots * n_tiles} split-K counters needed")
+    launcher(_low_bit_gemm_kernel, xq)[(n_tiles * split_k, slots)](
+        xq,
+        xs,
+        xgs,
+        xgs_stride,
+        wq,
+        ws,
+        wgs,
+        wgs_stride_e,
+        wgs_stride_n,
+        offsets,
+        y,
+        part,
+        counters,
+        xq.stride(0),
+        xs.stride(0),
+        wq.stride(0) if grouped else 0,
+        wq.stride(-2),
+        ws.stride(0) if grouped else 0,
+        ws.stride(-2),
+        t,
+        n,
+        k,
+        e,
+        k_per_split,
+        FMT=fmt,
+        GROUPED=grouped,
+        HAS_GS=has_gs,
+        HW=hw,
+        NV_ASM=hw and nv_asm and fmt == FMT_CODES["nvfp4"],
+        MX_BLOCK_DOT=fmt == FMT_CODES["mxfp8"] and 16 <= block_m <= 32 and not dot_fma,
+        DOT_IEEE=dot_ieee,
+        DOT_FMA=dot_fma,
+        EVEN_K=k % block_k == 0,
+        MASK_N=n % block_n != 0,
+        SPLIT_K=split_k,
+        REDUCE=reduce,
+        E_POW2=max(16, triton.next_power_of_2(e)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y, part
+
+
+def _check_low_bit_gemm_args(xq, xs, xgs, wq, ws, wgs, offsets, fmt, out_dtype):
+    """`launch_low_bit_gemm`'s operands checked (in this order) and made ready for the kernel:
+    codes and scales contiguous uint8; the global scales fp32 with their strides (a dummy
+    buffer, stride 0, for mxfp8); offsets contiguous (the x codes when dense: never read).
+    Returns (xq, xs, xgs, xgs_stride, wq, ws, wgs, wgs_stride_e, wgs_stride_n, offsets,
+    (T, K, E, N))."""
     if fmt not in ELEMS_PER_BYTE:
         raise ValueError(f"mxrl::low_bit_gemm: fmt code {fmt} is not one of {FMT_CODES}")
     if out_dtype not in OUT_DTYPES:
@@ -315,61 +381,14 @@ def launch_low_bit_gemm(
         offsets = offsets.contiguous()
     else:
         offsets = xq  # never read (GROUPED False): any pointer
+    return xq, xs, xgs, xgs_stride, wq, ws, wgs, wgs_stride_e, wgs_stride_n, offsets, (t, k, e, n)
 
+
+def _workspace(t, n, k, split_k, block_k, out_dtype, dev):
+    """The output y [T, N], the split-K partials [S, T, N] (a [1] placeholder without split-K),
+    K per split (whole blocks) and the split count S that leaves no split empty."""
     y = torch.empty((t, n), dtype=out_dtype, device=dev)
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split) if k else 1
     part = torch.empty((split_k, t, n) if split_k > 1 else (1,), dtype=torch.float32, device=dev)
-    if t == 0 or n == 0:
-        return y, part
-    if k == 0:
-        return y.zero_(), part
-    n_tiles = triton.cdiv(n, block_n)
-    slots = num_slots if grouped else triton.cdiv(t, block_m)
-    if split_k > 1 and reduce and counters.numel() < slots * n_tiles:
-        raise ValueError(f"mxrl::low_bit_gemm: {slots * n_tiles} split-K counters needed")
-    launcher(_low_bit_gemm_kernel, xq)[(n_tiles * split_k, slots)](
-        xq,
-        xs,
-        xgs,
-        xgs_stride,
-        wq,
-        ws,
-        wgs,
-        wgs_stride_e,
-        wgs_stride_n,
-        offsets,
-        y,
-        part,
-        counters,
-        xq.stride(0),
-        xs.stride(0),
-        wq.stride(0) if grouped else 0,
-        wq.stride(-2),
-        ws.stride(0) if grouped else 0,
-        ws.stride(-2),
-        t,
-        n,
-        k,
-        e,
-        k_per_split,
-        FMT=fmt,
-        GROUPED=grouped,
-        HAS_GS=has_gs,
-        HW=hw,
-        NV_ASM=hw and nv_asm and fmt == FMT_CODES["nvfp4"],
-        MX_BLOCK_DOT=fmt == FMT_CODES["mxfp8"] and 16 <= block_m <= 32 and not dot_fma,
-        DOT_IEEE=dot_ieee,
-        DOT_FMA=dot_fma,
-        EVEN_K=k % block_k == 0,
-        MASK_N=n % block_n != 0,
-        SPLIT_K=split_k,
-        REDUCE=reduce,
-        E_POW2=max(16, triton.next_power_of_2(e)),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return y, part
+    return y, part, k_per_split, split_k
