@@ -23,16 +23,8 @@ from typing import Any
 
 import yaml
 
-from mxrl.runs.record import (
-    CONFIG_FILE,
-    ENV_FILE,
-    EVENTS_FILE,
-    METRICS_FILE,
-    NOTES_FILE,
-    PLAN_FILE,
-    RunRecord,
-    is_run_dir,
-)
+from mxrl.runs.read import CONFIG_FILE, ENV_FILE, EVENTS_FILE, METRICS_FILE, NOTES_FILE, PLAN_FILE
+from mxrl.runs.record import RunRecord, is_run_dir
 
 logger = logging.getLogger(__name__)
 
