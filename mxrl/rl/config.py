@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from mxrl.rl.checks import Check, boolean, choice, integer, number, optional_text, show, text
 from mxrl.runs.yamlio import load_yaml
 
 BUILTIN_MODEL = "builtin:tiny-moe"
@@ -49,9 +49,6 @@ class OnResume(StrEnum):
     LAUNCH = "launch"
 
 
-Check = Callable[[str, Any], Any]  # (field path, value) -> the value normalized, or ValueError
-
-
 def rule(on_resume: OnResume | None, check: Check) -> dict[str, Any]:
     """A schema field's metadata: what a resume does with a changed value (None: a section,
     whose own fields decide) and the check of its value."""
@@ -59,79 +56,6 @@ def rule(on_resume: OnResume | None, check: Check) -> dict[str, Any]:
 
 
 # --- checks ---------------------------------------------------------------------------------
-
-
-def _show(value: Any) -> str:
-    kind = {str: "a string", bool: "a boolean", float: "a float", list: "a list"}
-    return f"{value!r} ({kind[type(value)]})" if type(value) in kind else repr(value)
-
-
-def integer(minimum: int, why: str = "") -> Check:
-    def check(path: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(
-                f"{path}: expected a whole number >= {minimum}, got {_show(value)}; write it "
-                "as digits, without quotes or a fraction"
-            )
-        if value < minimum:
-            raise ValueError(f"{path}: must be >= {minimum}{why}, got {value}")
-        return value
-
-    return check
-
-
-def number(low: float, high: float = math.inf, *, low_open: bool, high_open: bool = True,
-           why: str = "") -> Check:  # fmt: skip
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    span = f"> {low:g}" if high == math.inf and low_open else f">= {low:g}"
-    if high != math.inf:
-        span = f"in {left}{low:g}, {high:g}{right}"
-
-    def check(path: str, value: Any) -> float:
-        if isinstance(value, str):
-            try:
-                float(value)
-                hint = "; write it without quotes"
-            except ValueError:
-                hint = ""
-            raise ValueError(f"{path}: expected a number {span}, got {_show(value)}{hint}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{path}: expected a number {span}, got {_show(value)}")
-        value = float(value)
-        inside = (value > low if low_open else value >= low) and (
-            value < high if high_open else value <= high
-        )
-        if not math.isfinite(value) or not inside:
-            raise ValueError(f"{path}: must be a finite number {span}{why}, got {value!r}")
-        return value
-
-    return check
-
-
-def choice(*values: Any, why: str = "") -> Check:
-    def check(path: str, value: Any) -> Any:
-        if isinstance(value, bool) or value not in values:
-            shown = ", ".join("null" if v is None else str(v) for v in values)
-            raise ValueError(f"{path}: must be one of {shown}{why}, got {_show(value)}")
-        return value
-
-    return check
-
-
-def text(path: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{path}: expected a non-empty string, got {_show(value)}")
-    return value
-
-
-def optional_text(path: str, value: Any) -> str | None:
-    return None if value is None else text(path, value)
-
-
-def boolean(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{path}: expected true or false, got {_show(value)}")
-    return value
 
 
 def _recipe(path: str, value: Any) -> str | dict:
@@ -148,7 +72,7 @@ def _correction(path: str, value: Any) -> str | None:
 def _betas(path: str, value: Any) -> tuple[float, float]:
     if not isinstance(value, list | tuple) or len(value) != 2:
         raise ValueError(
-            f"{path}: expected two numbers [beta1, beta2] in [0, 1), got {_show(value)}; "
+            f"{path}: expected two numbers [beta1, beta2] in [0, 1), got {show(value)}; "
             "AdamW's default is [0.9, 0.999]"
         )
     beta = number(0.0, 1.0, low_open=False)
@@ -157,7 +81,7 @@ def _betas(path: str, value: Any) -> tuple[float, float]:
 
 def _device(path: str, value: Any) -> str:
     if not isinstance(value, str) or not _DEVICE.fullmatch(value):
-        raise ValueError(f"{path}: expected cpu, cuda or cuda:N, got {_show(value)}")
+        raise ValueError(f"{path}: expected cpu, cuda or cuda:N, got {show(value)}")
     return value
 
 
@@ -165,7 +89,7 @@ def _run_id(path: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or value in (".", "..") or "/" in value:
-        raise ValueError(f"{path}: expected a folder name without '/', got {_show(value)}")
+        raise ValueError(f"{path}: expected a folder name without '/', got {show(value)}")
     return value
 
 
@@ -177,7 +101,7 @@ def _placement(path: str, value: Any) -> Any:
     if isinstance(value, Placement):
         return value
     if not isinstance(value, Mapping):
-        raise ValueError(f"{path}: expected a mapping (docs/scale.md), got {_show(value)}")
+        raise ValueError(f"{path}: expected a mapping (docs/scale.md), got {show(value)}")
     return Placement.from_dict(dict(value), path)
 
 
@@ -293,7 +217,7 @@ def _section(path: str, value: Any) -> Any:
         return value
     value = {} if value is None else value
     if not isinstance(value, Mapping):
-        raise ValueError(f"{path}: expected a mapping of settings, got {_show(value)}")
+        raise ValueError(f"{path}: expected a mapping of settings, got {show(value)}")
     _check_keys(value, kind, f"{path}.")
     return kind(**value)
 
@@ -343,7 +267,7 @@ class TrainConfig:
     def from_dict(cls, raw: Any) -> TrainConfig:
         """The config from parsed YAML: unknown keys and bad values name their field path."""
         if not isinstance(raw, Mapping):
-            raise ValueError(f"expected a mapping of settings at the top level, got {_show(raw)}")
+            raise ValueError(f"expected a mapping of settings at the top level, got {show(raw)}")
         _check_keys(raw, cls, "")
         if raw.get("model") is None:
             raise ValueError(f"model: required: an HF checkpoint directory or {BUILTIN_MODEL}")
