@@ -63,7 +63,7 @@ def choice(*values: Any, why: str = "") -> Check:
         if isinstance(value, bool) or value not in values:
             shown = ", ".join("null" if v is None else str(v) for v in values)
             raise ValueError(f"{path}: must be one of {shown}{why}, got {show(value)}")
-        return value
+        return values[values.index(value)]  # the one allowed: an enum's member for its value
 
     return check
 
