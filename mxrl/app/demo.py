@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from mxrl.arch import builtin_config
 from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
 from mxrl.recipe import resolve
-from mxrl.rl.config import GRPOConfig
+from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord, compare
 from mxrl.runs.tensorboard import attach_tensorboard, require_tensorboard
@@ -233,7 +233,7 @@ def _train_run(
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
     record = ReportingRecord.create(
         out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
-        config={**asdict(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
+        config={**plain(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
         plan_json=plan, backend=str(select_backend(cfg.backend, device)),
     )  # fmt: skip
     if tensorboard:

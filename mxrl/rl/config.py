@@ -14,29 +14,33 @@ value (`OnResume`, in the field's metadata):
 - LAUNCH: how this launch finds its run (out, run_id, resume) and how strictly it checks the
   recipe: read at every start, not part of the run.
 
-Nothing here imports torch: a config error is reported before the heavy imports.
+Nothing here imports torch: a config error is reported before the heavy imports. Closed sets
+are enums (`mxrl.rl.choices`; `kernels.Backend` imported only when a config names one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from enum import StrEnum
+from enum import Enum, StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mxrl.rl.checks import Check, boolean, choice, integer, number, optional_text, show, text
+from mxrl.rl.choices import ComputeDtype, Correction, SpikeAction
 from mxrl.runs.yamlio import load_yaml
+
+if TYPE_CHECKING:
+    from mxrl.kernels import Backend
 
 BUILTIN_MODEL = "builtin:tiny-moe"
 BUILTIN_SOURCE = "builtin:arithmetic"
 # the built-in task's answers are a few characters and an EOS: `mxrl train` used to cap the
 # setting at 8 without a word (the record said one value, the run used another); now it refuses
 BUILTIN_MAX_NEW_TOKENS = 8
-COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 BACKENDS = (None, "reference", "triton")  # mxrl.kernels.Backend's values; None: by device
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -49,9 +53,6 @@ class OnResume(StrEnum):
     LAUNCH = "launch"
 
 
-Check = Callable[[str, Any], Any]  # (field path, value) -> the value normalized, or ValueError
-
-
 def rule(on_resume: OnResume | None, check: Check) -> dict[str, Any]:
     """A schema field's metadata: what a resume does with a changed value (None: a section,
     whose own fields decide) and the check of its value."""
@@ -61,94 +62,21 @@ def rule(on_resume: OnResume | None, check: Check) -> dict[str, Any]:
 # --- checks ---------------------------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
-    kind = {str: "a string", bool: "a boolean", float: "a float", list: "a list"}
-    return f"{value!r} ({kind[type(value)]})" if type(value) in kind else repr(value)
-
-
-def integer(minimum: int, why: str = "") -> Check:
-    def check(path: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(
-                f"{path}: expected a whole number >= {minimum}, got {_show(value)}; write it "
-                "as digits, without quotes or a fraction"
-            )
-        if value < minimum:
-            raise ValueError(f"{path}: must be >= {minimum}{why}, got {value}")
-        return value
-
-    return check
-
-
-def number(low: float, high: float = math.inf, *, low_open: bool, high_open: bool = True,
-           why: str = "") -> Check:  # fmt: skip
-    left, right = "(" if low_open else "[", ")" if high_open else "]"
-    span = f"> {low:g}" if high == math.inf and low_open else f">= {low:g}"
-    if high != math.inf:
-        span = f"in {left}{low:g}, {high:g}{right}"
-
-    def check(path: str, value: Any) -> float:
-        if isinstance(value, str):
-            try:
-                float(value)
-                hint = "; write it without quotes"
-            except ValueError:
-                hint = ""
-            raise ValueError(f"{path}: expected a number {span}, got {_show(value)}{hint}")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{path}: expected a number {span}, got {_show(value)}")
-        value = float(value)
-        inside = (value > low if low_open else value >= low) and (
-            value < high if high_open else value <= high
-        )
-        if not math.isfinite(value) or not inside:
-            raise ValueError(f"{path}: must be a finite number {span}{why}, got {value!r}")
-        return value
-
-    return check
-
-
-def choice(*values: Any, why: str = "") -> Check:
-    def check(path: str, value: Any) -> Any:
-        if isinstance(value, bool) or value not in values:
-            shown = ", ".join("null" if v is None else str(v) for v in values)
-            raise ValueError(f"{path}: must be one of {shown}{why}, got {_show(value)}")
-        return value
-
-    return check
-
-
-def text(path: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{path}: expected a non-empty string, got {_show(value)}")
-    return value
-
-
-def optional_text(path: str, value: Any) -> str | None:
-    return None if value is None else text(path, value)
-
-
-def boolean(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{path}: expected true or false, got {_show(value)}")
-    return value
-
-
 def _recipe(path: str, value: Any) -> str | dict:
     if isinstance(value, Mapping):
         return dict(value)  # an inline recipe; resolved (and checked) with the model
     return text(path, value)
 
 
-def _correction(path: str, value: Any) -> str | None:
+def _correction(path: str, value: Any) -> Correction | None:
     value = None if value == "none" else value
-    return choice(None, "tis", "mis", why=" (none: no rollout correction)")(path, value)
+    return choice(None, *Correction, why=" (none: no rollout correction)")(path, value)
 
 
 def _betas(path: str, value: Any) -> tuple[float, float]:
     if not isinstance(value, list | tuple) or len(value) != 2:
         raise ValueError(
-            f"{path}: expected two numbers [beta1, beta2] in [0, 1), got {_show(value)}; "
+            f"{path}: expected two numbers [beta1, beta2] in [0, 1), got {show(value)}; "
             "AdamW's default is [0.9, 0.999]"
         )
     beta = number(0.0, 1.0, low_open=False)
@@ -157,7 +85,7 @@ def _betas(path: str, value: Any) -> tuple[float, float]:
 
 def _device(path: str, value: Any) -> str:
     if not isinstance(value, str) or not _DEVICE.fullmatch(value):
-        raise ValueError(f"{path}: expected cpu, cuda or cuda:N, got {_show(value)}")
+        raise ValueError(f"{path}: expected cpu, cuda or cuda:N, got {show(value)}")
     return value
 
 
@@ -165,8 +93,16 @@ def _run_id(path: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or value in (".", "..") or "/" in value:
-        raise ValueError(f"{path}: expected a folder name without '/', got {_show(value)}")
+        raise ValueError(f"{path}: expected a folder name without '/', got {show(value)}")
     return value
+
+
+def _backend(path: str, value: Any) -> Backend | None:
+    if _BACKEND(path, value) is None:
+        return None
+    from mxrl.kernels import Backend  # torch: only for a config that names a backend
+
+    return Backend(value)
 
 
 def _placement(path: str, value: Any) -> Any:
@@ -177,7 +113,7 @@ def _placement(path: str, value: Any) -> Any:
     if isinstance(value, Placement):
         return value
     if not isinstance(value, Mapping):
-        raise ValueError(f"{path}: expected a mapping (docs/scale.md), got {_show(value)}")
+        raise ValueError(f"{path}: expected a mapping (docs/scale.md), got {show(value)}")
     return Placement.from_dict(dict(value), path)
 
 
@@ -195,6 +131,7 @@ _TIS_CAP = number(1.0, low_open=False, why=" (the largest importance weight kept
 # GradSpikeDetector flags nothing before 10 norms of history (its min_history)
 _SPIKE_WINDOW = integer(10, " (the spike detector's 10 steps of history)")
 _BACKEND = choice(*BACKENDS, why=" (null: by device)")
+_ACTION, _DTYPE = choice(*SpikeAction), choice(*ComputeDtype)
 _EVERY = integer(0, " (0: never)")
 
 
@@ -220,21 +157,21 @@ class GRPOConfig:
     eps_low: float = field(default=0.2, metadata=rule(APPLY, number(0.0, 1.0, low_open=True)))
     eps_high: float = field(default=0.28, metadata=rule(APPLY, number(**POSITIVE)))
     std_normalize: bool = field(default=True, metadata=rule(APPLY, boolean))
-    correction: str | None = field(default=None, metadata=rule(APPLY, _correction))
+    correction: Correction | None = field(default=None, metadata=rule(APPLY, _correction))
     tis_cap: float = field(default=2.0, metadata=rule(APPLY, _TIS_CAP))
     spike_window: int = field(default=50, metadata=rule(APPLY, _SPIKE_WINDOW))
     spike_z: float = field(default=6.0, metadata=rule(APPLY, number(**POSITIVE)))
-    spike_action: str = field(default="log", metadata=rule(APPLY, choice("log", "skip")))
+    spike_action: SpikeAction = field(default=SpikeAction.LOG, metadata=rule(APPLY, _ACTION))
     seed: int = field(default=0, metadata=rule(REFUSE, integer(0)))
     device: str = field(default="cpu", metadata=rule(APPLY, _device))
-    backend: str | None = field(default=None, metadata=rule(APPLY, _BACKEND))
+    backend: Backend | None = field(default=None, metadata=rule(APPLY, _backend))
     checkpoint_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
     verify_every: int = field(default=10, metadata=rule(APPLY, _EVERY))
     eval_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
     engine_tile: int = field(default=32, metadata=rule(APPLY, integer(1)))
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
     # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
-    compute_dtype: str = field(default="auto", metadata=rule(APPLY, choice(*COMPUTE_DTYPES)))
+    compute_dtype: ComputeDtype = field(default=ComputeDtype.AUTO, metadata=rule(APPLY, _DTYPE))
     # the training pass runs the step's sequences in micro-batches of at most this many padded
     # tokens (sequences x the longest one), gradients accumulated; 0: derived from the memory
     # left once weights, optimizer and rollout are placed (mxrl.rl.memory); the loss is the
@@ -253,7 +190,7 @@ class GRPOConfig:
         """The torch compute dtype on this config's device (`compute_dtype`, auto resolved)."""
         import torch
 
-        if self.compute_dtype != "auto":
+        if self.compute_dtype != ComputeDtype.AUTO:
             return getattr(torch, self.compute_dtype)
         return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
 
@@ -293,7 +230,7 @@ def _section(path: str, value: Any) -> Any:
         return value
     value = {} if value is None else value
     if not isinstance(value, Mapping):
-        raise ValueError(f"{path}: expected a mapping of settings, got {_show(value)}")
+        raise ValueError(f"{path}: expected a mapping of settings, got {show(value)}")
     _check_keys(value, kind, f"{path}.")
     return kind(**value)
 
@@ -343,7 +280,7 @@ class TrainConfig:
     def from_dict(cls, raw: Any) -> TrainConfig:
         """The config from parsed YAML: unknown keys and bad values name their field path."""
         if not isinstance(raw, Mapping):
-            raise ValueError(f"expected a mapping of settings at the top level, got {_show(raw)}")
+            raise ValueError(f"expected a mapping of settings at the top level, got {show(raw)}")
         _check_keys(raw, cls, "")
         if raw.get("model") is None:
             raise ValueError(f"model: required: an HF checkpoint directory or {BUILTIN_MODEL}")
@@ -362,7 +299,17 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (what config.yaml holds): sections and the placement as mappings."""
-        return dataclasses.asdict(self)
+        return plain(self)
+
+
+def plain(config: Any) -> dict[str, Any]:
+    """`dataclasses.asdict` of a config with each enum member as its value (the YAML spelling):
+    what config.yaml and a checkpoint hold."""
+    return dataclasses.asdict(config, dict_factory=_plain_values)
+
+
+def _plain_values(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {k: v.value if isinstance(v, Enum) else v for k, v in items}
 
 
 def _validate(obj: Any, prefix: str) -> None:

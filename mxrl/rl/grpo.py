@@ -14,12 +14,9 @@ reference. Everything except `logp` is treated as a constant (detached).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Correction = Literal["tis", "mis"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+from mxrl.rl.choices import Aggregation, Correction
 
 # verl and OpenRLHF clamp log-ratios to +-20 before exp (rl_frameworks.md §2.2, §2.3): a
 # ratio of e^20 is already meaningless and e^89 overflows fp32.
@@ -97,7 +94,7 @@ def policy_loss(
     dual_clip: float | None = None,
     kl_coef: float = 0.0,
     ref_logp: torch.Tensor | None = None,
-    aggregation: Aggregation = "token-mean",
+    aggregation: Aggregation = Aggregation.TOKEN_MEAN,
     denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss with DAPO's clip-higher and token-level aggregation, optional
@@ -150,17 +147,19 @@ def policy_loss(
         )
     if not (0 <= eps_low < 1 and eps_high >= 0):
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    if correction not in (None, "tis", "mis"):
+    if correction not in (None, *Correction):
         raise ValueError(f"correction must be None, 'tis' or 'mis', got {correction!r}")
     if correction is not None and rollout_logp is None:
-        raise ValueError(f"correction={correction!r} needs rollout_logp (the engine's logprobs)")
+        raise ValueError(
+            f"correction={str(correction)!r} needs rollout_logp (the engine's logprobs)"
+        )
     if correction is not None and not 0 <= mis_low < tis_cap:
         raise ValueError(f"need 0 <= mis_low < tis_cap, got mis_low={mis_low}, tis_cap={tis_cap}")
     if kl_coef != 0.0 and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (the reference policy's logprobs)")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (verl uses 3.0), got {dual_clip}")
-    if aggregation not in ("token-mean", "seq-mean-token-mean"):
+    if aggregation not in tuple(Aggregation):
         raise ValueError(
             f"aggregation must be 'token-mean' or 'seq-mean-token-mean', got {aggregation!r}"
         )
@@ -185,7 +184,7 @@ def policy_loss(
         assert rollout_logp is not None
         rho = torch.exp(_log_ratio(old_logp.detach(), rollout_logp.detach(), m))
         over = (rho > tis_cap) & m
-        if correction == "tis":
+        if correction == Correction.TIS:
             w = rho.clamp(max=tis_cap)
             dropped = torch.zeros_like(m)
         else:
@@ -234,10 +233,10 @@ def _log_ratio(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> torch.T
 
 
 def _aggregate(
-    x: torch.Tensor, mf: torch.Tensor, aggregation: str, denominator: float | None
+    x: torch.Tensor, mf: torch.Tensor, aggregation: Aggregation, denominator: float | None
 ) -> torch.Tensor:
     # a global denominator in float64: a token count past 2^24 is no float32 (it was rounded)
-    if aggregation == "token-mean":
+    if aggregation == Aggregation.TOKEN_MEAN:
         count = mf.sum() if denominator is None else torch.tensor(float(denominator), dtype=F64)
         return (x * mf).sum() / count.to(x).clamp(min=1.0)
     per_seq_tokens = mf.sum(-1)

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mxrl.rl.choices import ComputeDtype
 from mxrl.rl.config import TrainConfig
 from mxrl.rl.memory_terms import (
     activation_bytes,
@@ -182,7 +183,8 @@ def estimate_memory(
     master = 4 if train_cfg.dtype == "float32" else 2
     # the engine's dtype and the training autocast's (GRPOConfig.compute_dtype); without
     # autocast the training ops compute in the master's dtype
-    engine = 2 if rl.compute_dtype == "bfloat16" or (rl.compute_dtype == "auto" and cuda) else 4
+    bf16 = rl.compute_dtype == ComputeDtype.BFLOAT16
+    engine = 2 if bf16 or (rl.compute_dtype == ComputeDtype.AUTO and cuda) else 4
     compute = min(engine, master)
     train_ranks, rollout_ranks, colocated = _ranks(train_cfg)
     numel = sum(math.prod(s.shape) for s in plan.values())

@@ -21,10 +21,11 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from mxrl.rl.config import LAUNCH, REFUSE, GRPOConfig, OnResume, TrainConfig
+from mxrl.rl.config import LAUNCH, REFUSE, GRPOConfig, OnResume, TrainConfig, plain
 from mxrl.runs import RunRecord, is_run_dir
 
 logger = logging.getLogger(__name__)
@@ -188,7 +189,7 @@ def _diff(old: Any, new: Any, prefix: str):
             yield from _diff(a, b, path + ".")
         elif how is not LAUNCH and a != b:
             if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
-                a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+                a, b = plain(a), plain(b)
                 for key in [k for k in b if a.get(k) != b[k]]:
                     yield ConfigChange(f"{path}.{key}", a.get(key), b[key], how)
             else:
@@ -196,8 +197,11 @@ def _diff(old: Any, new: Any, prefix: str):
 
 
 def _plain(value: Any) -> Any:
+    """A value as config.yaml spells it: a mapping, a list, an enum's value."""
     if dataclasses.is_dataclass(value):
-        return dataclasses.asdict(value)
+        return plain(value)
+    if isinstance(value, Enum):
+        return value.value
     return list(value) if isinstance(value, tuple) else value
 
 

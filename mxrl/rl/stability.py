@@ -24,9 +24,11 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
+
+from mxrl.rl.choices import SpikeAction
 
 _MAD_TO_STD = 1.4826  # 1 / Phi^-1(3/4): MAD -> standard deviation for normal data
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -63,7 +65,7 @@ class GradSpikeDetector:
         window: int = 50,
         z_threshold: float = 6.0,
         min_history: int = 10,
-        action: Literal["log", "skip"] = "log",
+        action: SpikeAction = SpikeAction.LOG,
         min_scale: float = 0.05,
     ) -> None:
         if window < 2:
@@ -72,14 +74,14 @@ class GradSpikeDetector:
             raise ValueError(f"min_history must be in [1, window={window}], got {min_history}")
         if z_threshold <= 0:
             raise ValueError(f"z_threshold must be > 0, got {z_threshold}")
-        if action not in ("log", "skip"):
+        if action not in tuple(SpikeAction):
             raise ValueError(f"action must be 'log' or 'skip', got {action!r}")
         if min_scale <= 0:
             raise ValueError(f"min_scale must be > 0 (log units), got {min_scale}")
         self.window = window
         self.z_threshold = z_threshold
         self.min_history = min_history
-        self.action = action
+        self.action = SpikeAction(action)
         self.min_scale = min_scale
         self._history: deque[float] = deque(maxlen=window)
         self.num_updates = 0
@@ -101,7 +103,7 @@ class GradSpikeDetector:
             z = (x - med) / max(_MAD_TO_STD * mad, self.min_scale)
         self._history.append(x)
         spike = z > self.z_threshold
-        skip = spike and self.action == "skip"
+        skip = spike and self.action == SpikeAction.SKIP
         self.num_spikes += spike
         self.num_skipped += skip
         return SpikeDecision(spike=spike, z=z, skip=skip)

@@ -30,7 +30,6 @@ import logging
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +41,7 @@ from mxrl.models import CausalLM
 from mxrl.recipe import Plan, resolve
 from mxrl.rl import micro_batch
 from mxrl.rl.actor import Actor, LocalActor, ShardedActor
-from mxrl.rl.config import GRPOConfig
+from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.metrics import Progress, memory_peak, step_metrics
@@ -329,7 +328,7 @@ class GRPOTrainer:
             "engine_version": self.rollout.weights_version(self.step),
             "engine_digest": engine_digest,
             "plan_hash": self.plan.hash(),
-            "config": asdict(self.cfg),
+            "config": plain(self.cfg),
             "micro_batch_tokens": self.micro_batch_tokens,
         }
         folder = self.record.path / CHECKPOINT_DIR if self.record is not None else None

@@ -27,14 +27,14 @@ NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 def to_jsonable(value: Any, where: str = "value") -> Any:
     """Plain JSON types: non-finite floats as strings, tensors/numpy scalars as numbers or lists,
     dataclasses and mappings as dicts, enums as their value, paths as strings."""
+    if isinstance(value, enum.Enum):  # before str and int: a StrEnum's member is a str
+        return to_jsonable(value.value, where)
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
-    if isinstance(value, enum.Enum):
-        return to_jsonable(value.value, where)
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -20,10 +20,13 @@ from mxrl.rl.config import (
     GRPOConfig,
     LogConfig,
     TrainConfig,
+    plain,
 )
+from mxrl.rl.grpo import Correction
 from mxrl.rl.metrics import format_eta
 from mxrl.rl.resume import config_changes
-from mxrl.runs.yamlio import load_yaml
+from mxrl.rl.stability import SpikeAction
+from mxrl.runs.yamlio import dump_yaml, load_yaml
 from tests.faults.harness import REPO
 
 
@@ -113,6 +116,40 @@ def test_cross_field_checks():
 
 def test_backend_choices_are_the_kernels_backends():
     assert set(BACKENDS) - {None} == {b.value for b in Backend}
+
+
+CHOSEN = {"correction": "tis", "spike_action": "skip", "compute_dtype": "bfloat16",
+          "backend": "reference"}  # fmt: skip
+
+
+def test_closed_sets_are_enums_read_from_and_written_as_their_spellings():
+    rl = _cfg(**CHOSEN).rl
+    assert rl.correction is Correction.TIS and rl.spike_action is SpikeAction.SKIP
+    assert rl.compute_dtype == "bfloat16" and type(rl.compute_dtype).__name__ == "ComputeDtype"
+    assert rl.backend is Backend.REFERENCE and GRPOConfig().backend is None
+    assert GRPOConfig(correction=Correction.MIS).correction is Correction.MIS
+    written = plain(rl)  # what a checkpoint holds; TrainConfig.to_dict for config.yaml
+    assert {k: written[k] for k in CHOSEN} == CHOSEN
+    assert all(type(written[k]) is str for k in CHOSEN)
+    text = dump_yaml(_cfg(**CHOSEN).to_dict())
+    assert "  correction: tis\n" in text and "  spike_action: skip\n" in text
+    assert "  compute_dtype: bfloat16\n" in text and "  backend: reference\n" in text
+
+
+def test_a_resume_compares_enums_with_the_strings_a_run_wrote():
+    """A run's config.yaml and checkpoint hold strings (and held them before the enums): read
+    back, an unchanged setting is no change; a changed one is described by its spelling."""
+    old = TrainConfig.from_dict(load_yaml(dump_yaml(_cfg(**CHOSEN).to_dict())))
+    assert config_changes(old, _cfg(**CHOSEN)) == []
+    (change,) = config_changes(old, _cfg(**{**CHOSEN, "correction": "mis"}))
+    assert (change.old, change.new) == ("tis", "mis") and type(change.new) is str
+    assert change.describe() == "rl.correction 'tis' -> 'mis'"
+
+
+def test_an_unknown_rl_key_is_refused_naming_it():
+    """`extra` was a declared, never read field; the schema now refuses it as any unknown key."""
+    with pytest.raises(ValueError, match=r"^rl\.extra: unknown key; .*the keys of rl are recipe"):
+        _cfg(extra={"note": "x"})
 
 
 def test_config_changes_name_each_setting_and_its_rule():

@@ -82,6 +82,19 @@ def test_dataclass_config(tmp_path):
     assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
 
 
+def test_str_enums_are_written_as_their_values(tmp_path):
+    """A StrEnum's member is a str: written as its value (`correction: tis`), not a YAML or
+    JSON of the enum, in config.yaml and the events."""
+    from mxrl.rl.config import GRPOConfig
+
+    cfg = GRPOConfig(correction="tis", spike_action="skip")
+    rec = RunRecord.create(tmp_path, "r", config={"rl": cfg, "mode": cfg.correction})
+    text = (rec.path / "config.yaml").read_text()
+    assert "mode: tis\n" in text and "  correction: tis\n" in text and "spike_action: skip" in text
+    rec.log_event("config_change", 1, new=cfg.compute_dtype)
+    assert strict_json((rec.path / "events.jsonl").read_text().splitlines()[-1])["new"] == "auto"
+
+
 def test_default_id_and_plan_text(tmp_path):
     assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", new_run_id())
     rec = RunRecord.create(tmp_path, config={"recipe": {"name": "nvfp4-hp"}}, plan_json="{}")
