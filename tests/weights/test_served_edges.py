@@ -11,6 +11,7 @@ tensor whose halves are scaled separately."""
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -516,3 +517,10 @@ def test_a_replaced_checkpoint_that_cannot_be_removed_is_the_error_raised(tmp_pa
         write_served_checkpoint(records, plan, {"new": 1}, out, overwrite=True)
     monkeypatch.undo()
     assert json.loads((out / "config.json").read_text())["new"] == 1  # the new one is in place
+
+
+def test_progress_bar_by_default_when_stderr_is_a_terminal(tmp_path, capsys, monkeypatch):
+    plan, records = _records(SHAPES)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    write_served_checkpoint(records, plan, {}, tmp_path / "served")
+    assert "exporting: 100%" in capsys.readouterr().err
