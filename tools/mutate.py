@@ -81,6 +81,11 @@ MODULES = {
          "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",
          "tests/rl/test_micro_batch_edges.py"),
     ),
+    # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
+    "weights.served": Module(
+        ("mxrl/weights/served.py", "mxrl/weights/served_config.py"),
+        ("tests/weights/test_served.py", "tests/weights/test_served_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
