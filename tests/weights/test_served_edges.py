@@ -28,7 +28,8 @@ from mxrl.weights.record import WeightRecord
 from mxrl.weights.served import served_format, served_tensors, write_served_checkpoint
 from mxrl.weights.served_config import precision_contract, quantization_config
 
-pytestmark = pytest.mark.capability  # the files' tensors are compared bit for bit
+# Not in the capability matrix, as tests/weights/test_served.py: no reduction here depends on the
+# CPU capability, and the quantizer's bytes have their own capability tests.
 
 # two layers, two experts, every dimension a multiple of 32 (fp8_block [32, 32] fits)
 TINY_MOE = {
