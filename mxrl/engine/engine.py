@@ -6,18 +6,17 @@ construction and live sync.
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, seed=0))
     engine.load_weights(export_weights(model.named_parameters(), engine.plan), engine.plan.hash())
 
-Roles: engine.py (setup, the generate loop), loading.py (verified loads in place),
-scheduler.py + block_manager.py (which tokens run, where their KV lives), runner.py + kv_cache.py
-(one step through the model's own modules), graph.py (CUDA-graph decode), modules.py (the weight
-holders swapped into the model), sampler.py (the batch's tokens and logprobs).
+Roles: config.py (the engine's options), engine.py (setup, the generate loop), loading.py
+(verified loads in place), scheduler.py + block_manager.py (which tokens run, where their KV
+lives), runner.py + kv_cache.py (one step through the model's own modules; the cache's size),
+graph.py (CUDA-graph decode), modules.py (the weight holders swapped into the model), sampler.py
+(the batch's tokens and logprobs).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 
 from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
+from mxrl.engine.config import EngineConfig
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
@@ -42,50 +42,13 @@ from mxrl.engine.scheduler import Scheduled, Scheduler
 from mxrl.engine.sequence import Sequence as Request
 from mxrl.engine.sequence import Status
 from mxrl.formats import QTensor
-from mxrl.kernels import Backend, Kernels
+from mxrl.kernels import Backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
 from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
-from mxrl.weights import (
-    WeightRecord,
-    export_weights,
-    read_quantized_checkpoint,
-)
-
-logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
-DEFAULT_TILE_CPU, DEFAULT_TILE_CUDA = 32, 128
-
-
-@dataclass(frozen=True)
-class CacheOptions:
-    """The KV cache and the scheduler's limits.
-
-    block_size: tokens per KV block. kv_cache_bytes: the cache's size; None: on CUDA
-    `gpu_memory_fraction` of the memory free once the weights are loaded, on the CPU 1 GiB.
-    max_num_seqs: sequences per step; max_num_batched_tokens: tokens per step (longer prompts
-    are prefilled in chunks).
-    """
-
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    gpu_memory_fraction: float = 0.5
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
-        if not 0.0 < self.gpu_memory_fraction <= 1.0:
-            raise ValueError(
-                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
-            )
+from mxrl.weights import WeightRecord, export_weights, read_quantized_checkpoint
 
 
 class Engine(WeightLoading):
@@ -93,50 +56,23 @@ class Engine(WeightLoading):
 
     model: the trainer's CausalLM (master weights); only its config and its weights (exported
       once, through `export_weights`) are used. recipe: preset name, YAML path, Recipe or a
-      resolved Plan. tile: tokens per fixed-shape GEMM tile (batch invariance, engine/modules.py;
-      default 32 on the CPU, 128 on CUDA, where a 128-row tile costs a decode GEMM no more
-      than one row: both read the weights once).
-      backend: the run's `Kernels` record, or a backend ("reference" | "triton") resolved once
-      for `device` (`Kernels.resolve`; default: triton on CUDA when available); the record says
-      which quantizer, decode GEMMs, attention, row-wise kernels and sampler run.
-      cache: the KV cache and scheduler limits (`CacheOptions`).
-      overlap: overlapped decoding (default: on CUDA): while a decode step runs, the next one is
-      queued, fed the tokens the running step samples on the device, whenever it is known
-      before those tokens are read (`Scheduler.schedule_ahead`); its rows whose request stopped are dropped.
-      The same bytes as one step at a time (docs/engine.md).
+      resolved Plan. options: the engine's options (`EngineConfig`: device, dtypes, tile,
+      backend, cache, batch_invariant, cuda_graphs, overlap); overrides: its fields by name
+      (`Engine(model, "mxfp8", tile=16)`), set over `options`.
     """
 
     def __init__(
         self,
         model: CausalLM,
         recipe: Recipe | Plan | str | Path,
-        *,
-        device: torch.device | str | None = None,
-        compute_dtype: torch.dtype = torch.float32,
-        weight_dtype: torch.dtype = torch.bfloat16,
-        tile: int | None = None,
-        backend: Kernels | Backend | str | None = None,
-        cache: CacheOptions | None = None,
-        batch_invariant: bool = True,
-        cuda_graphs: bool = True,
-        overlap: bool | None = None,
+        options: EngineConfig | None = None,
+        **overrides,
     ) -> None:
+        options = EngineConfig.build(options, overrides, _device_of(model))
         shapes = {n: p.shape for n, p in model.named_parameters()}
         plan = recipe if isinstance(recipe, Plan) else resolve(recipe, shapes)
-        self._setup(
-            model.config,
-            plan,
-            torch.device(device) if device is not None else _device_of(model),
-            compute_dtype,
-            weight_dtype,
-            tile,
-            backend,
-            cache,
-            batch_invariant,
-            cuda_graphs,
-            overlap,
-        )
-        records = export_weights(model.named_parameters(), self.plan, bf16_dtype=weight_dtype)
+        self._setup(model.config, plan, options)
+        records = export_weights(model.named_parameters(), self.plan, bf16_dtype=self.weight_dtype)
         self.load_weights(records, self.plan.hash())
 
     @classmethod
@@ -145,87 +81,45 @@ class Engine(WeightLoading):
         config: ModelConfig,
         plan: Plan,
         records: Iterable[WeightRecord],
-        *,
-        device: torch.device | str = "cpu",
-        compute_dtype: torch.dtype = torch.float32,
-        weight_dtype: torch.dtype = torch.bfloat16,
-        tile: int | None = None,
-        backend: Kernels | Backend | str | None = None,
-        cache: CacheOptions | None = None,
-        batch_invariant: bool = True,
-        cuda_graphs: bool = True,
-        overlap: bool | None = None,
+        options: EngineConfig | None = None,
+        **overrides,
     ) -> Engine:
         """An engine that never saw master weights: a config, a plan and exported records
-        (a converted checkpoint, a first sync), verified by `load_weights`."""
+        (a converted checkpoint, a first sync), verified by `load_weights`. The device is the
+        CPU unless the options name one."""
         engine = cls.__new__(cls)
-        engine._setup(
-            config,
-            plan,
-            torch.device(device),
-            compute_dtype,
-            weight_dtype,
-            tile,
-            backend,
-            cache,
-            batch_invariant,
-            cuda_graphs,
-            overlap,
-        )
+        engine._setup(config, plan, EngineConfig.build(options, overrides, "cpu"))
         engine.load_weights(records, plan.hash())
         return engine
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, **kwargs) -> Engine:
+    def from_checkpoint(
+        cls, path: str | Path, options: EngineConfig | None = None, **overrides
+    ) -> Engine:
         """Load a quantized checkpoint written by `mxrl convert` (plan, manifest hashes, shard
-        sha256s all checked); kwargs as `from_records`."""
+        sha256s all checked); options as `from_records`."""
         plan, config, records = read_quantized_checkpoint(path)
-        return cls.from_records(ModelConfig.from_hf(config), plan, records, **kwargs)
+        return cls.from_records(ModelConfig.from_hf(config), plan, records, options, **overrides)
 
-    def _setup(
-        self,
-        config,
-        plan,
-        device,
-        compute_dtype,
-        weight_dtype,
-        tile,
-        backend,
-        cache,
-        batch_invariant=True,
-        cuda_graphs=True,
-        overlap=None,
-    ) -> None:
-        self.config, self.plan, self.device = config, plan, device
-        # overlapped decoding (`generate`): on by default where the device runs ahead of the
-        # host (CUDA); on the CPU a step is done when its kernels return, nothing to overlap
-        self.overlap = device.type == "cuda" if overlap is None else bool(overlap)
-        self.kernels = _kernels_for(backend, device)  # chosen once for the engine's device
+    def _setup(self, config: ModelConfig, plan: Plan, options: EngineConfig) -> None:
+        """`options` resolved for its device (`EngineConfig.build`)."""
+        self.config, self.plan, self.options = config, plan, options
+        self.device, self.overlap = options.device, options.overlap
+        self.kernels = options.backend  # the Kernels record, chosen once for the device
         self.backend = self.kernels.quantizer  # every quantizer writes the same bytes
-        self.batch_invariant = batch_invariant
-        if not batch_invariant:
-            if tile is not None:
-                raise ValueError(
-                    "tile sets the invariant GEMM shape; leave it unset with batch_invariant=False"
-                )
-            tile = 0  # every GEMM over the step's rows at once (docs/engine.md, two modes)
-        elif tile is None:  # one GEMM launch for a GPU decode step of up to 128 sequences
-            tile = DEFAULT_TILE_CUDA if device.type == "cuda" else DEFAULT_TILE_CPU
-        elif tile < 1:
-            raise ValueError(f"tile must be >= 1, got {tile}")
-        self.compute_dtype, self.weight_dtype, self.tile = compute_dtype, weight_dtype, tile
-        self.cache_options = cache if cache is not None else CacheOptions()
+        self.batch_invariant, self.tile = options.batch_invariant, options.gemm_tile
+        self.compute_dtype, self.weight_dtype = options.compute_dtype, options.weight_dtype
+        self.cache_options = options.cache
         self.net = self._build()
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.hashes: dict[str, str] = {}  # content hash of each tensor, verified when it loaded
         self.weights_version = 0
         self.weights_step: int | None = None  # the step of the last update loaded (loading.py)
         # the Triton paged attention on the triton backend, where the cache's shape allows it
-        c = config
         self._attention_kernel = (
             self.kernels.attention is Backend.TRITON
             and _pow2_at_least_16(self.cache_options.block_size)
-            and _pow2_at_least_16(c.head_dim)
+            and _pow2_at_least_16(config.head_dim)
         )
         # the one-launch sampler for rows without top-k / top-p (mxrl.kernels.sampling)
         self.fused_sampler = self.kernels.sampler is Backend.TRITON
@@ -235,8 +129,8 @@ class Engine(WeightLoading):
         # and no op that reads a value back to the host: the routed experts must run grouped
         # (the per-expert loop sizes its tiles from the routing, engine/modules.py)
         self.cuda_graphs = (
-            cuda_graphs
-            and device.type == "cuda"
+            options.cuda_graphs
+            and self.device.type == "cuda"
             and self._attention_kernel
             and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
         )
@@ -285,37 +179,14 @@ class Engine(WeightLoading):
     # --- generation ----------------------------------------------------------------------------
     def _cache(self) -> tuple[KVCache, BlockManager]:
         """The KV cache (allocated once, sized by `CacheOptions`) and a block manager."""
-        c, opt = self.config, self.cache_options
+        scratch = 1 if self.cuda_graphs else 0  # the last block: graph padding rows'
         if self._kv is None:
-            per_block = KVCache.bytes_per_block(
-                c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim,
-                self.compute_dtype,
-            )  # fmt: skip
-            budget = opt.kv_cache_bytes
-            if budget is None and self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * opt.gpu_memory_fraction)
-            elif budget is None:
-                budget = DEFAULT_CPU_KV_BYTES
-            scratch = 1 if self.cuda_graphs else 0  # the last block: graph padding rows'
-            num_blocks = budget // per_block - scratch
-            if num_blocks < 1:
-                raise ValueError(
-                    f"the KV cache budget ({budget} bytes) holds no block of {opt.block_size} "
-                    f"tokens ({per_block} bytes) besides {scratch} scratch; raise "
-                    "kv_cache_bytes or gpu_memory_fraction"
-                )
-            self._kv = KVCache(
-                c.num_hidden_layers, num_blocks + scratch, opt.block_size, c.num_key_value_heads,
-                c.head_dim, self.compute_dtype, self.device,
-            )  # fmt: skip
-            logger.info(
-                "engine: KV cache of %d blocks x %d tokens (%.1f MiB)",
-                num_blocks, opt.block_size, num_blocks * per_block / 2**20,
-            )  # fmt: skip
+            self._kv = KVCache.allocate(
+                self.config, self.cache_options, self.device, self.compute_dtype, scratch
+            )
         if self._blocks is None:
-            scratch = 1 if self.cuda_graphs else 0
-            self._blocks = BlockManager(self._kv.k[0].shape[0] - scratch, opt.block_size)
+            num_blocks = self._kv.k[0].shape[0] - scratch
+            self._blocks = BlockManager(num_blocks, self.cache_options.block_size)
         return self._kv, self._blocks
 
     def reset_prefix_cache(self) -> None:
@@ -518,18 +389,6 @@ class Engine(WeightLoading):
         if self.config.moe_layers:
             out.routed_experts = torch.cat(seq.routing).permute(1, 0, 2).contiguous()
         return out
-
-
-def _kernels_for(backend: Kernels | Backend | str | None, device: torch.device) -> Kernels:
-    """The run's record as given (it must be for this kind of device), or one resolved here."""
-    if not isinstance(backend, Kernels):
-        return Kernels.resolve(backend, device)
-    if backend.device.type != device.type:
-        raise ValueError(
-            f"backend: a Kernels record resolved for {backend.device}, but the engine runs on "
-            f"{device}: resolve it for the engine's device (Kernels.resolve(backend, device))"
-        )
-    return backend
 
 
 def _pow2_at_least_16(n: int) -> bool:

@@ -20,14 +20,19 @@ add exact zeros, so where the step's tile or chunk ends does not matter.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from mxrl.engine.config import DEFAULT_CPU_KV_BYTES, CacheOptions
 from mxrl.nn import invariant
 
 if TYPE_CHECKING:
+    from mxrl.arch import ModelConfig
     from mxrl.kernels.attention import AttentionTiles
+
+logger = logging.getLogger(__name__)
 
 QUERY_TILE = 16
 _GATHER_BYTES = 256 << 20  # keys and values gathered for one batch of tiles, at most
@@ -58,6 +63,45 @@ class KVCache:
     ) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+    @classmethod
+    def allocate(
+        cls,
+        model_config: ModelConfig,
+        cache_options: CacheOptions,
+        device: torch.device,
+        dtype: torch.dtype,
+        scratch: int,
+    ) -> KVCache:
+        """The cache `cache_options` sizes: `kv_cache_bytes`, or on CUDA `gpu_memory_fraction`
+        of the memory free now, or on the CPU `DEFAULT_CPU_KV_BYTES`; as many whole blocks as
+        fit, the last `scratch` of them held back (the CUDA graphs' padding rows write there)."""
+        c, opt = model_config, cache_options
+        per_block = cls.bytes_per_block(
+            c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype
+        )
+        budget = opt.kv_cache_bytes
+        if budget is None and device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * opt.gpu_memory_fraction)
+        elif budget is None:
+            budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // per_block - scratch
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of {opt.block_size} "
+                f"tokens ({per_block} bytes) besides {scratch} scratch; raise "
+                "kv_cache_bytes or gpu_memory_fraction"
+            )
+        cache = cls(
+            c.num_hidden_layers, num_blocks + scratch, opt.block_size, c.num_key_value_heads,
+            c.head_dim, dtype, device,
+        )  # fmt: skip
+        logger.info(
+            "engine: KV cache of %d blocks x %d tokens (%.1f MiB)",
+            num_blocks, opt.block_size, num_blocks * per_block / 2**20,
+        )  # fmt: skip
+        return cache
 
 
 class PagedAttention:

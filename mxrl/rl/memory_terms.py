@@ -132,7 +132,7 @@ def kv_cache_bytes(c: Any, rl: Any, seq: int, compute: int, cuda: bool, ranks: i
     whole blocks, without prefix sharing (an upper bound); plus CUDA graphs' scratch block."""
     import torch
 
-    from mxrl.engine.engine import CacheOptions
+    from mxrl.engine.config import CacheOptions
     from mxrl.engine.kv_cache import KVCache
 
     opt = CacheOptions()

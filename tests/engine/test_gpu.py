@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrl.engine import Engine, SamplingParams
-from mxrl.engine.engine import CacheOptions
+from mxrl.engine import CacheOptions, Engine, SamplingParams
 from mxrl.weights import export_weights
 from tests.engine.test_engine import PRESETS, PROMPTS, tiny
 from tests.numerics import assert_bytes_equal
@@ -46,7 +45,7 @@ def _experts(engine):
 def test_chunked_prefill_and_prefix_sharing_on_cuda():
     """The Triton attention and the scheduler on the GPU: a GRPO group and a 5-token step
     budget give the bytes each request gets alone."""
-    from mxrl.engine.engine import CacheOptions
+    from mxrl.engine import CacheOptions
 
     prompts = [PROMPTS[3] * 4] * 3 + [PROMPTS[0]]
     params = [SamplingParams(temperature=1.0, max_new_tokens=6, seed=7 + i) for i in range(4)]

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mxrl.engine import Engine, SamplingParams
-from mxrl.engine.engine import CacheOptions
+from mxrl.engine import CacheOptions, Engine, SamplingParams
 from mxrl.engine.scheduler import Scheduler
 from tests.engine.test_engine import PROMPTS, tiny
 from tests.engine.test_scheduler import LONG, _same

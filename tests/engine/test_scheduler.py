@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrl.engine import Engine, SamplingParams
+from mxrl.engine import CacheOptions, Engine, SamplingParams
 from mxrl.engine.block_manager import BlockManager
-from mxrl.engine.engine import CacheOptions
 from mxrl.engine.runner import ModelRunner
 from mxrl.engine.sequence import Sequence
 from tests.engine.test_engine import PROMPTS, tiny
