@@ -10,6 +10,46 @@ of the sampled tokens: `logp` under the policy being trained (pi_theta, carries 
 `old_logp` under the trainer's policy before this update (pi_old, recomputed by the trainer),
 `rollout_logp` under the rollout engine's policy (mu, as sampled), `ref_logp` under a frozen
 reference. Everything except `logp` is treated as a constant (detached).
+
+`policy_loss`, per valid token t of sequence i (rl_frameworks.md §2.2):
+  r_t   = exp(clamp(logp - old_logp, -20, 20))
+  l_t   = -min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
+clip is active on a token when the clipped term is the one selected and differs, i.e.
+r_t > 1 + eps_high with A > 0, or r_t < 1 - eps_low with A < 0 (verl's pg_clipfrac).
+dual_clip=c (off by default; verl clip_ratio_c = 3) bounds the loss of A < 0 tokens by
+-c * A, i.e. l_t = min(l_t, -c * A) when A < 0.
+
+Rollout correction (rl_frameworks.md §2.3, §2.4), with rho_t = exp(old_logp - rollout_logp)
+(pi_old / mu, log-ratio clamped to +-20); the weight w_t is detached and multiplies l_t:
+  "tis": w_t = min(rho_t, tis_cap)                       token TIS (Yao et al.; verl, slime C=2)
+  "mis": w_t = rho_t * 1[mis_low <= rho_t <= tis_cap]    token masked IS: a token whose ratio
+         exceeds the cap (or falls below mis_low) is dropped, a kept token keeps its
+         untruncated weight (TRL `token_mask`; with mis_low=0.5, tis_cap=5 this is IcePop).
+A dropped token still counts in the denominator (as in TRL, where the weights multiply the
+per-token loss before the division by the batch's token count), so dropping tokens never
+scales up the gradient of the others and a precomputed global `denominator` stays valid.
+Bypass mode (no recomputed pi_old) is the caller's choice: pass old_logp = rollout_logp and
+no correction.
+
+KL to a reference (off by default; rl_frameworks.md §2.5, verl `low_var_kl`/k3):
+  kl_t = clamp(exp(ref - logp) - (ref - logp) - 1, -10, 10), ref - logp clamped to +-20,
+added as kl_coef * agg(kl_t), unweighted by the correction. Computed for the stats whenever
+ref_logp is given.
+
+Aggregation:
+  "token-mean" (DAPO, verl default): sum_{i,t} w_t l_t m_t / sum_{i,t} m_t
+  "seq-mean-token-mean" (original GRPO): mean over sequences with >= 1 valid token of
+  sum_t w_t l_t m_t / sum_t m_t.
+`denominator` replaces the count in the outer division (tokens for token-mean, sequences
+for seq-mean-token-mean): pass the whole optimizer batch's count when this call sees one
+micro-batch, so summed micro-batch losses equal the full-batch loss (verl's
+batch_num_tokens).
+
+Stats (python floats over this call's valid tokens), in this order: with a correction first
+tis/mean_weight (mean w_t), tis/clipped_frac (tokens with rho_t > tis_cap), mis/masked_frac
+(tokens dropped by "mis", 0 under "tis"), tis/rho_mean, tis/rho_max; then loss/pg, loss/kl,
+loss/total, loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/num_tokens,
+ratio/mean, ratio/max (r_t).
 """
 
 from __future__ import annotations
@@ -97,49 +137,86 @@ def policy_loss(
     aggregation: Aggregation = Aggregation.TOKEN_MEAN,
     denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip policy loss with DAPO's clip-higher and token-level aggregation, optional
-    rollout correction and KL penalty. Returns (loss scalar, stats).
+    """PPO-clip policy loss, DAPO's clip-higher, rollout correction (TIS / MIS) and KL penalty:
+    (loss scalar, stats). The formulas, `denominator` and the stats: the module docstring."""
+    _check_loss_args(
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        rollout_logp,
+        ref_logp,
+        eps_low,
+        eps_high,
+        correction,
+        tis_cap,
+        mis_low,
+        dual_clip,
+        kl_coef,
+        aggregation,
+    )
+    # fp32 at least: a bf16 sum over thousands of tokens would lose the loss's low bits.
+    logp = logp.to(torch.promote_types(logp.dtype, torch.float32))
+    m = mask.to(torch.bool)
+    mf = m.to(logp.dtype)
+    adv = advantages.detach().to(logp.dtype)[:, None]
+    # Padding may hold anything (-inf, NaN): zero its log-ratios so 0 * NaN never reaches a sum.
+    ratio = torch.exp(_log_ratio(logp, old_logp.detach(), m))
+    surr = -adv * ratio
+    surr_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    pg = torch.maximum(surr, surr_clipped)
+    clipped = (surr_clipped > surr) & m
+    if dual_clip is not None:
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+    # Stats are gathered as 0-d tensors and read back with one device sync at the end.
+    stats: dict[str, torch.Tensor] = {}
+    if correction is not None:
+        pg, stats = _rollout_correction(
+            pg, old_logp, rollout_logp, m, mf, correction, tis_cap, mis_low, logp.dtype
+        )
 
-    Per valid token t of sequence i (rl_frameworks.md §2.2):
-      r_t   = exp(clamp(logp - old_logp, -20, 20))
-      l_t   = -min(r_t * A_i, clip(r_t, 1 - eps_low, 1 + eps_high) * A_i)
-    clip is active on a token when the clipped term is the one selected and differs, i.e.
-    r_t > 1 + eps_high with A > 0, or r_t < 1 - eps_low with A < 0 (verl's pg_clipfrac).
-    dual_clip=c (off by default; verl clip_ratio_c = 3) bounds the loss of A < 0 tokens by
-    -c * A, i.e. l_t = min(l_t, -c * A) when A < 0.
+    pg_loss = _aggregate(pg, mf, aggregation, denominator)
+    loss = pg_loss
+    kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    if ref_logp is not None:
+        d = _log_ratio(ref_logp.detach(), logp, m)
+        kl = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+        kl_loss = _aggregate(kl, mf, aggregation, denominator)
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl_loss
+    low = clipped & (adv < 0)
+    stats |= {
+        "loss/pg": pg_loss,
+        "loss/kl": kl_loss,
+        "loss/total": loss,
+        "loss/clip_frac": _masked_mean(clipped, mf),
+        "loss/clip_frac_low": _masked_mean(low, mf),
+        "loss/clip_frac_high": _masked_mean(clipped & ~low, mf),
+        "loss/num_tokens": mf.sum(),
+        "ratio/mean": _masked_mean(ratio, mf),
+        "ratio/max": _masked_max(ratio, m),
+    }
+    values = torch.stack([v.detach().double().reshape(()) for v in stats.values()]).tolist()
+    return loss, dict(zip(stats, values, strict=True))
 
-    Rollout correction (rl_frameworks.md §2.3, §2.4), with rho_t = exp(old_logp - rollout_logp)
-    (pi_old / mu, log-ratio clamped to +-20); the weight w_t is detached and multiplies l_t:
-      "tis": w_t = min(rho_t, tis_cap)                       token TIS (Yao et al.; verl, slime C=2)
-      "mis": w_t = rho_t * 1[mis_low <= rho_t <= tis_cap]    token masked IS: a token whose ratio
-             exceeds the cap (or falls below mis_low) is dropped, a kept token keeps its
-             untruncated weight (TRL `token_mask`; with mis_low=0.5, tis_cap=5 this is IcePop).
-    A dropped token still counts in the denominator (as in TRL, where the weights multiply the
-    per-token loss before the division by the batch's token count), so dropping tokens never
-    scales up the gradient of the others and a precomputed global `denominator` stays valid.
-    Bypass mode (no recomputed pi_old) is the caller's choice: pass old_logp = rollout_logp and
-    no correction.
 
-    KL to a reference (off by default; rl_frameworks.md §2.5, verl `low_var_kl`/k3):
-      kl_t = clamp(exp(ref - logp) - (ref - logp) - 1, -10, 10), ref - logp clamped to +-20,
-    added as kl_coef * agg(kl_t), unweighted by the correction. Computed for the stats whenever
-    ref_logp is given.
-
-    Aggregation:
-      "token-mean" (DAPO, verl default): sum_{i,t} w_t l_t m_t / sum_{i,t} m_t
-      "seq-mean-token-mean" (original GRPO): mean over sequences with >= 1 valid token of
-      sum_t w_t l_t m_t / sum_t m_t.
-    `denominator` replaces the count in the outer division (tokens for token-mean, sequences
-    for seq-mean-token-mean): pass the whole optimizer batch's count when this call sees one
-    micro-batch, so summed micro-batch losses equal the full-batch loss (verl's
-    batch_num_tokens).
-
-    Stats (python floats over this call's valid tokens): loss/pg, loss/kl, loss/total,
-    loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/num_tokens, ratio/mean,
-    ratio/max (r_t), and with a correction tis/mean_weight (mean w_t), tis/clipped_frac
-    (tokens with rho_t > tis_cap), mis/masked_frac (tokens dropped by "mis", 0 under "tis"),
-    tis/rho_mean, tis/rho_max.
-    """
+def _check_loss_args(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rollout_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    eps_low: float,
+    eps_high: float,
+    correction: Correction | None,
+    tis_cap: float,
+    mis_low: float,
+    dual_clip: float | None,
+    kl_coef: float,
+    aggregation: Aggregation,
+) -> None:
+    """The refusals of `policy_loss`, in the order it makes them."""
     _check_shapes(logp, old_logp=old_logp, mask=mask, rollout_logp=rollout_logp, ref_logp=ref_logp)
     if advantages.shape != logp.shape[:1]:
         raise ValueError(
@@ -164,66 +241,39 @@ def policy_loss(
             f"aggregation must be 'token-mean' or 'seq-mean-token-mean', got {aggregation!r}"
         )
 
-    # fp32 at least: a bf16 sum over thousands of tokens would lose the loss's low bits.
-    logp = logp.to(torch.promote_types(logp.dtype, torch.float32))
-    m = mask.to(torch.bool)
-    mf = m.to(logp.dtype)
-    adv = advantages.detach().to(logp.dtype)[:, None]
-    # Padding may hold anything (-inf, NaN): zero its log-ratios so 0 * NaN never reaches a sum.
-    ratio = torch.exp(_log_ratio(logp, old_logp.detach(), m))
-    surr = -adv * ratio
-    surr_clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    pg = torch.maximum(surr, surr_clipped)
-    clipped = (surr_clipped > surr) & m
-    if dual_clip is not None:
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
 
-    # Stats are gathered as 0-d tensors and read back with one device sync at the end.
-    stats: dict[str, torch.Tensor] = {}
-    if correction is not None:
-        assert rollout_logp is not None
-        rho = torch.exp(_log_ratio(old_logp.detach(), rollout_logp.detach(), m))
-        over = (rho > tis_cap) & m
-        if correction == Correction.TIS:
-            w = rho.clamp(max=tis_cap)
-            dropped = torch.zeros_like(m)
-        else:
-            dropped = ((rho > tis_cap) | (rho < mis_low)) & m
-            w = torch.where(dropped, torch.zeros_like(rho), rho)
-        w = w.to(logp.dtype).detach()
-        pg = pg * w
-        stats["tis/mean_weight"] = _masked_mean(w, mf)
-        stats["tis/clipped_frac"] = _masked_mean(over, mf)
-        stats["mis/masked_frac"] = _masked_mean(dropped, mf)
-        stats["tis/rho_mean"] = _masked_mean(rho, mf)
-        stats["tis/rho_max"] = _masked_max(rho, m)
-
-    pg_loss = _aggregate(pg, mf, aggregation, denominator)
-    loss = pg_loss
-    kl_loss = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    if ref_logp is not None:
-        d = _log_ratio(ref_logp.detach(), logp, m)
-        kl = (torch.exp(d) - d - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
-        kl_loss = _aggregate(kl, mf, aggregation, denominator)
-        if kl_coef != 0.0:
-            loss = loss + kl_coef * kl_loss
-
-    low = clipped & (adv < 0)
-    stats.update(
-        {
-            "loss/pg": pg_loss,
-            "loss/kl": kl_loss,
-            "loss/total": loss,
-            "loss/clip_frac": _masked_mean(clipped, mf),
-            "loss/clip_frac_low": _masked_mean(low, mf),
-            "loss/clip_frac_high": _masked_mean(clipped & ~low, mf),
-            "loss/num_tokens": mf.sum(),
-            "ratio/mean": _masked_mean(ratio, mf),
-            "ratio/max": _masked_max(ratio, m),
-        }
-    )
-    values = torch.stack([v.detach().double().reshape(()) for v in stats.values()]).tolist()
-    return loss, dict(zip(stats, values, strict=True))
+def _rollout_correction(
+    pg: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor | None,
+    m: torch.Tensor,
+    mf: torch.Tensor,
+    correction: Correction,
+    tis_cap: float,
+    mis_low: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """pg weighted by the detached w_t of `correction` (module docstring), and the correction's
+    stats as 0-d tensors, in their order."""
+    assert rollout_logp is not None
+    rho = torch.exp(_log_ratio(old_logp.detach(), rollout_logp.detach(), m))
+    over = (rho > tis_cap) & m
+    if correction == Correction.TIS:
+        w = rho.clamp(max=tis_cap)
+        dropped = torch.zeros_like(m)
+    else:
+        dropped = ((rho > tis_cap) | (rho < mis_low)) & m
+        w = torch.where(dropped, torch.zeros_like(rho), rho)
+    w = w.to(dtype).detach()
+    pg = pg * w
+    stats = {
+        "tis/mean_weight": _masked_mean(w, mf),
+        "tis/clipped_frac": _masked_mean(over, mf),
+        "mis/masked_frac": _masked_mean(dropped, mf),
+        "tis/rho_mean": _masked_mean(rho, mf),
+        "tis/rho_max": _masked_max(rho, m),
+    }
+    return pg, stats
 
 
 def _log_ratio(num: torch.Tensor, den: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
