@@ -9,8 +9,8 @@ construction and live sync.
 Roles: config.py (the engine's options), engine.py (setup, the generate loop), loading.py
 (verified loads in place), scheduler.py + block_manager.py (which tokens run, where their KV
 lives), runner.py + kv_cache.py (one step through the model's own modules; the cache's size),
-graph.py (CUDA-graph decode), modules.py (the weight holders swapped into the model), sampler.py
-(the batch's tokens and logprobs).
+graph.py (CUDA-graph decode, `capture_graphs`), modules.py (the weight holders swapped into the
+model), sampler.py (the batch's tokens and logprobs).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.config import EngineConfig
-from mxrl.engine.graph import DecodeGraphs
+from mxrl.engine.graph import DecodeGraphs, GraphCapture
 from mxrl.engine.kv_cache import KVCache
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
 from mxrl.engine.modules import (
@@ -35,12 +35,12 @@ from mxrl.engine.modules import (
     RolloutRope,
     RolloutTopK,
 )
-from mxrl.engine.params import Completion, GenerateStats, SamplingParams
+from mxrl.engine.params import Completion, GenerateStats, SamplingParams, per_request, resolve_seed
 from mxrl.engine.runner import Launched, ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
 from mxrl.engine.scheduler import Scheduled, Scheduler
 from mxrl.engine.sequence import Sequence as Request
-from mxrl.engine.sequence import Status
+from mxrl.engine.sequence import Status, split_routing
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
@@ -51,7 +51,7 @@ from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights import WeightRecord, export_weights, read_quantized_checkpoint
 
 
-class Engine(WeightLoading):
+class Engine(WeightLoading, GraphCapture):
     """Rollout engine for an mxrl model (see module docstring).
 
     model: the trainer's CausalLM (master weights); only its config and its weights (exported
@@ -197,47 +197,8 @@ class Engine(WeightLoading):
         if self._blocks is not None:
             self._blocks.forget_prefixes()
 
-    @torch.no_grad()
-    def capture_graphs(self, max_tokens: int) -> int:
-        """Capture the decode graph of every bucketed batch size now, for requests of up to
-        `max_tokens` tokens (prompt and new tokens), instead of at the first decode step of
-        each size inside `generate`, where a capture holds that step back (an RL rollout whose
-        batch shrinks as requests stop meets every size once). Returns the number of graphs
-        held: 0 where the engine decodes without graphs (the CPU, `cuda_graphs=False`, a
-        capture that failed)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not self.cuda_graphs:
-            return 0
-        kv, _ = self._cache()
-        graphs = self._decode_graphs(kv, max_tokens)
-        if graphs is None:
-            return 0
-        graphs.capture_all()
-        return len(graphs.graphs)
-
-    def _decode_graphs(self, kv: KVCache, max_len: int) -> DecodeGraphs | None:
-        """The decode graphs, rebuilt when requests of `max_len` tokens need wider block
-        tables."""
-        if not self.cuda_graphs or max_len < 1:
-            return None
-        bs = self.cache_options.block_size
-        need = -(-max_len // bs)
-        if self._graphs is None or self._graphs.width < need:
-            width = max(64, 1 << (need - 1).bit_length())
-            self._graphs = None  # free the old graphs' pool first
-            scratch = kv.k[0].shape[0] - 1
-            max_batch = self.cache_options.max_num_seqs
-            self._graphs = DecodeGraphs(self.net, kv, max_batch, width, scratch)
-        return self._graphs
-
     def _experts(self) -> list[RolloutExperts]:
         return [m for m in self.net.modules() if isinstance(m, RolloutExperts)]
-
-    def _invalidate_graphs(self) -> None:
-        """Drop the captured decode graphs (they read the buffers they were captured with);
-        called when a weight load could not copy into the existing buffers."""
-        self._graphs = None
 
     def _start(self, seqs: list[Request]) -> tuple[Scheduler, ModelRunner]:
         """A scheduler holding `seqs` (every one checked against the cache before any work)
@@ -260,7 +221,7 @@ class Engine(WeightLoading):
         Requests are batched continuously: all are queued, each step runs what fits (docs
         engine.md), finished ones free their KV blocks for the waiting ones. Requests with the
         same prompt share its KV blocks. Outputs do not depend on any of this."""
-        per_req = _per_request(params, len(prompts))
+        per_req = per_request(params, len(prompts))
         vocab = self.config.vocab_size
         for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True)):
             if not p or any(not 0 <= int(t) < vocab for t in p):
@@ -268,7 +229,7 @@ class Engine(WeightLoading):
             # before anything runs: past max_position_embeddings the model generates silently
             self.config.check_positions(len(p), sp.max_new_tokens, f"request {i}", "max_new_tokens")
         seqs = [
-            Request(i, [int(t) for t in p], sp, _seed(sp.seed))
+            Request(i, [int(t) for t in p], sp, resolve_seed(sp.seed))
             for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True))
         ]
         scheduler, runner = self._start(seqs)
@@ -343,7 +304,7 @@ class Engine(WeightLoading):
         before (an ahead step's row: its token came after a stop) is dropped whole."""
         live = [s.seq.status is not Status.FINISHED for s in step.batch]
         self.stats.ahead_rows_dropped += live.count(False)
-        per_seq = _split_routing(step.routing_host(), [s.num_tokens for s in step.batch])
+        per_seq = split_routing(step.routing_host(), [s.num_tokens for s in step.batch])
         for s, routed, ok in zip(step.batch, per_seq, live, strict=True):
             if not ok:
                 continue
@@ -393,34 +354,6 @@ class Engine(WeightLoading):
 
 def _pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
-
-
-def _per_request(params, n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        if params.seed is None:
-            return [params] * n
-        from dataclasses import replace
-
-        return [replace(params, seed=params.seed + i) for i in range(n)]
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
-    return params
-
-
-def _seed(seed: int | None) -> int:
-    """A request's seed; None draws one from torch's default CPU generator (so
-    `torch.manual_seed` makes unseeded runs repeatable too)."""
-    if seed is None:
-        return int(torch.randint(0, 2**62, ()))
-    return int(seed) % (1 << 63)
-
-
-def _split_routing(routing: torch.Tensor | None, lengths: list[int]) -> list[torch.Tensor]:
-    """Per scheduled sequence, its tokens' routing [n, L, k] (empty [n, 0, 0] when dense)."""
-    if routing is None:
-        return [torch.zeros((n, 0, 0), dtype=torch.int64) for n in lengths]
-    return list(routing.split(lengths))
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -216,3 +216,47 @@ class DecodeGraphs:
         self._rows[:p] = known
         self.meta[:p].copy_(self.meta_host[:p])
         return self.graphs[p]
+
+
+class GraphCapture:
+    """The CUDA-graph half of `Engine` (it provides net, cuda_graphs, cache_options, _graphs
+    and _cache)."""
+
+    @torch.no_grad()
+    def capture_graphs(self, max_tokens: int) -> int:
+        """Capture the decode graph of every bucketed batch size now, for requests of up to
+        `max_tokens` tokens (prompt and new tokens), instead of at the first decode step of
+        each size inside `generate`, where a capture holds that step back (an RL rollout whose
+        batch shrinks as requests stop meets every size once). Returns the number of graphs
+        held: 0 where the engine decodes without graphs (the CPU, `cuda_graphs=False`, a
+        capture that failed)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not self.cuda_graphs:
+            return 0
+        kv, _ = self._cache()
+        graphs = self._decode_graphs(kv, max_tokens)
+        if graphs is None:
+            return 0
+        graphs.capture_all()
+        return len(graphs.graphs)
+
+    def _decode_graphs(self, kv: KVCache, max_len: int) -> DecodeGraphs | None:
+        """The decode graphs, rebuilt when requests of `max_len` tokens need wider block
+        tables."""
+        if not self.cuda_graphs or max_len < 1:
+            return None
+        bs = self.cache_options.block_size
+        need = -(-max_len // bs)
+        if self._graphs is None or self._graphs.width < need:
+            width = max(64, 1 << (need - 1).bit_length())
+            self._graphs = None  # free the old graphs' pool first
+            scratch = kv.k[0].shape[0] - 1
+            max_batch = self.cache_options.max_num_seqs
+            self._graphs = DecodeGraphs(self.net, kv, max_batch, width, scratch)
+        return self._graphs
+
+    def _invalidate_graphs(self) -> None:
+        """Drop the captured decode graphs (they read the buffers they were captured with);
+        called when a weight load could not copy into the existing buffers."""
+        self._graphs = None

@@ -88,3 +88,24 @@ class GenerateStats:
         if used > self.peak_kv_blocks:
             self.peak_kv_blocks = used
             self.peak_kv_tokens = sum(s.start + s.num_tokens for s in batch)
+
+
+def per_request(params, n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        if params.seed is None:
+            return [params] * n
+        from dataclasses import replace
+
+        return [replace(params, seed=params.seed + i) for i in range(n)]
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"{len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def resolve_seed(seed: int | None) -> int:
+    """A request's seed; None draws one from torch's default CPU generator (so
+    `torch.manual_seed` makes unseeded runs repeatable too)."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, ()))
+    return int(seed) % (1 << 63)

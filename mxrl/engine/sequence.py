@@ -96,3 +96,10 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
+
+
+def split_routing(routing: torch.Tensor | None, lengths: list[int]) -> list[torch.Tensor]:
+    """Per scheduled sequence, its tokens' routing [n, L, k] (empty [n, 0, 0] when dense)."""
+    if routing is None:
+        return [torch.zeros((n, 0, 0), dtype=torch.int64) for n in lengths]
+    return list(routing.split(lengths))
