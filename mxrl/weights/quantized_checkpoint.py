@@ -30,7 +30,7 @@ import hashlib
 import json
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from mxrl.formats.constants import Format
 from mxrl.models import parse_size
 from mxrl.models.hf_checkpoint import CONFIG_NAME, open_safetensors
 from mxrl.models.hf_save import copy_side_files, staged
-from mxrl.recipe import Plan
+from mxrl.recipe import Plan, TensorSpec
 from mxrl.weights.buckets import Export
 from mxrl.weights.check import check_config, check_record
 from mxrl.weights.digest import checksum
@@ -124,6 +124,20 @@ def _manifest_text(manifest: dict[str, Any]) -> str:
     return body + ',\n  "tensors": {\n' + ",\n".join(lines) + "\n  }\n}\n"
 
 
+def checked_record(record: WeightRecord, plan: Plan, written: Container[str]) -> TensorSpec:
+    """The plan's spec of a record about to be written, once it is checked: a tensor of the plan,
+    not among those `written` already, its fields what the spec stores, its checksum its bytes'."""
+    spec = plan.get(record.name)
+    if spec is None:
+        raise ValueError(f"{record.name!r} is not a tensor of the plan")
+    if record.name in written:
+        raise ValueError(f"{record.name} appears twice in the records")
+    check_record(record, spec)
+    if checksum(record.name, record.value) != record.hash:
+        raise ValueError(f"{record.name}: checksum mismatch; re-export it")
+    return spec
+
+
 def check_complete(plan: Plan, written: Iterable[str]) -> None:
     """Refuse an export that lacks tensors of its plan (before its folder is in place)."""
     missing = [n for n in plan if n not in set(written)]
@@ -152,14 +166,7 @@ def _write_shards(
 
     with tqdm(total=len(plan), unit="tensor", desc="converting", disable=not show) as bar:
         for record in records:
-            spec = plan.get(record.name)
-            if spec is None:
-                raise ValueError(f"{record.name!r} is not a tensor of the plan")
-            if record.name in tensors:
-                raise ValueError(f"{record.name} appears twice in the records")
-            check_record(record, spec)
-            if checksum(record.name, record.value) != record.hash:
-                raise ValueError(f"{record.name}: checksum mismatch; re-export it")
+            spec = checked_record(record, plan, tensors)
             if names and size + record.nbytes > limit:
                 flush()
                 pending, names, size = {}, [], 0

@@ -53,9 +53,7 @@ from mxrl.models.hf_checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from mxrl.models.hf_save import copy_side_files, parse_size, staged
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.weights.buckets import Export
-from mxrl.weights.check import check_record
-from mxrl.weights.digest import checksum
-from mxrl.weights.quantized_checkpoint import check_complete
+from mxrl.weights.quantized_checkpoint import check_complete, checked_record
 from mxrl.weights.record import WeightRecord
 from mxrl.weights.served_config import (
     DOWN,
@@ -108,14 +106,12 @@ def served_format(plan: Plan) -> ServedFormat:
     return ServedFormat.COMPRESSED_TENSORS if mx else ServedFormat.NONE
 
 
-def served_tensors(
-    name: str, value: QTensor | torch.Tensor, fmt: ServedFormat
-) -> Iterator[tuple[str, torch.Tensor]]:
+def served_tensors(name: str, value: QTensor | torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint key, tensor) for one exported record, per expert where the model fuses them;
     the tensors are views of the record's (bytes reinterpreted, never converted)."""
     for module, part in _modules(name, value):
         if isinstance(part, QTensor):
-            yield from _quantized(module, name, part, fmt)
+            yield from _quantized(module, name, part)
         elif module is None:
             yield name, part
         else:
@@ -161,7 +157,7 @@ def _select(value: QTensor | torch.Tensor, expert: int, rows: tuple[int, int] | 
     )
 
 
-def _quantized(module: str, name: str, q: QTensor, fmt: ServedFormat):
+def _quantized(module: str, name: str, q: QTensor):
     if q.fmt is Format.FP8_BLOCK:
         yield f"{module}.weight", q.qdata.view(torch.float8_e4m3fn)
         yield f"{module}.weight_scale_inv", q.scale
@@ -204,7 +200,7 @@ def write_served_checkpoint(
     limit = parse_size(shard_bytes)
     with staged(out, overwrite=overwrite, flag="--overwrite") as tmp:
         stream = records.records() if isinstance(records, Export) else iter(records)
-        bf16_dtype = _write_shards(tmp, stream, plan, fmt, limit, progress)
+        bf16_dtype = _write_shards(tmp, stream, plan, limit, progress)
         served = {k: v for k, v in config.items() if k not in ("quantization_config", "mxrl")}
         served["torch_dtype"] = str(bf16_dtype).removeprefix("torch.")
         served.pop("dtype", None)
@@ -225,7 +221,6 @@ def _write_shards(
     tmp: Path,
     records: Iterator[WeightRecord],
     plan: Plan,
-    fmt: ServedFormat,
     limit: int,
     progress: bool | None,
 ) -> torch.dtype:
@@ -245,10 +240,11 @@ def _write_shards(
 
     with tqdm(total=len(plan), unit="tensor", desc="exporting", disable=not show) as bar:
         for record in records:
-            spec = _checked(record, plan, seen)
+            checked_record(record, plan, seen)
+            seen.add(record.name)
             if not isinstance(record.value, QTensor) and record.value.is_floating_point():
                 bf16_dtype = record.value.dtype
-            for key, t in served_tensors(record.name, record.value, fmt):
+            for key, t in served_tensors(record.name, record.value):
                 nbytes = t.numel() * t.element_size()
                 if pending and size + nbytes > limit:
                     flush()
@@ -256,7 +252,6 @@ def _write_shards(
                 pending[key] = t.detach().to("cpu", copy=True).contiguous()
                 size += nbytes
                 total += nbytes
-            del spec
             bar.update()
         if pending:
             flush()
@@ -271,16 +266,3 @@ def _write_shards(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return bf16_dtype
-
-
-def _checked(record: WeightRecord, plan: Plan, seen: set[str]) -> TensorSpec:
-    spec = plan.get(record.name)
-    if spec is None:
-        raise ValueError(f"{record.name!r} is not a tensor of the plan")
-    if record.name in seen:
-        raise ValueError(f"{record.name} appears twice in the records")
-    check_record(record, spec)
-    if checksum(record.name, record.value) != record.hash:
-        raise ValueError(f"{record.name}: checksum mismatch; re-export it")
-    seen.add(record.name)
-    return spec

@@ -218,11 +218,10 @@ def test_files_hold_the_bytes_the_engine_rolled_out(tmp_path, preset):
     engine.generate(
         [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=2)
     )  # the engine has rolled out with them
-    fmt = served_format(plan)
     files = file_tensors(out)
     expected: dict[str, torch.Tensor] = {}
     for record in engine.records():
-        expected.update(served_tensors(record.name, record.value, fmt))
+        expected.update(served_tensors(record.name, record.value))
     assert set(files) == set(expected)
     for key, t in expected.items():
         assert files[key].dtype == t.dtype, key

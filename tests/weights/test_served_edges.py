@@ -410,7 +410,7 @@ def test_fp8_block_gate_up_halves_take_their_block_rows():
     name = f"{L0}.mlp.experts.gate_up_proj"
     (q,) = [r.value for r in export(model, plan).records() if r.name == name]
     assert tuple(q.scale.shape) == (2, 4, 2)  # [E, 2I/32, K/32]: I = 64 is two block rows
-    got = dict(served_tensors(name, q, served_format(plan)))
+    got = dict(served_tensors(name, q))
     for e in (0, 1):
         gate, up = f"{L0}.mlp.experts.{e}.gate_proj", f"{L0}.mlp.experts.{e}.up_proj"
         assert torch.equal(bits(got[f"{gate}.weight"]), q.qdata[e, :64])
@@ -435,7 +435,7 @@ def _nvfp4_gate_up(gs: torch.Tensor) -> QTensor:
 def test_nvfp4_gate_and_up_each_write_their_own_global_scale():
     # halves scaled separately: each row holds its half's scale (gate rows 0-1, up rows 2-3)
     gs = torch.tensor([[1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 4.0, 4.0]]).reshape(2, 4, 1)
-    got = dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", _nvfp4_gate_up(gs), "x"))
+    got = dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", _nvfp4_gate_up(gs)))
     want = {(0, "gate"): 1.0, (0, "up"): 2.0, (1, "gate"): 3.0, (1, "up"): 4.0}
     for (e, part), value in want.items():
         module = f"model.layers.0.mlp.experts.{e}.{part}_proj"
@@ -449,7 +449,7 @@ def test_an_nvfp4_module_whose_rows_hold_two_global_scales_is_refused():
     # the refusal names the record and the Linear module whose rows disagree
     want = r"export model.layers.0.mlp.experts.gate_up_proj: .*experts.0.gate_proj would need one"
     with pytest.raises(ValueError, match=want):
-        dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", _nvfp4_gate_up(gs), "x"))
+        dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", _nvfp4_gate_up(gs)))
 
 
 def test_a_two_row_nvfp4_gate_up_still_splits_its_global_scales():
@@ -462,7 +462,7 @@ def test_a_two_row_nvfp4_gate_up_still_splits_its_global_scales():
         torch.Size((2, 2, 16)),
         global_scale=gs,
     )
-    got = dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", q, "x"))
+    got = dict(served_tensors("model.layers.0.mlp.experts.gate_up_proj", q))
     prefix = "model.layers.0.mlp.experts"
     assert got[f"{prefix}.0.gate_proj.weight_global_scale"].tolist() == [1.0]
     assert got[f"{prefix}.0.up_proj.weight_global_scale"].tolist() == [2.0]
@@ -481,8 +481,8 @@ def test_torch_dtype_is_bfloat16_when_every_tensor_is_quantized(tmp_path):
 def test_a_bias_keeps_its_name():
     # qwen2_moe's attention biases: 1-D, not a Linear's weight, written under their own name
     shapes = {"model.layers.0.self_attn.q_proj.bias": (8,), "model.norm.weight": (8,)}
-    plan, records = _records(shapes)
-    got = [k for r in records for k, _ in served_tensors(r.name, r.value, served_format(plan))]
+    _, records = _records(shapes)
+    got = [k for r in records for k, _ in served_tensors(r.name, r.value)]
     assert got == list(shapes)
 
 
