@@ -135,8 +135,6 @@ def export_checkpoint(
     place, so a mismatch leaves nothing behind (ValueError)."""
     if to not in TARGETS:
         raise ValueError(f"--to {to!r} is not one of {TARGETS}")
-    if to == "hf":
-        served_format(plan)
     updates = export(model, plan, bucket_bytes=DEFAULT_BUCKET_BYTES)
 
     def check() -> None:
