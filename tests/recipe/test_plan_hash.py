@@ -20,7 +20,12 @@ from tests.arch.hf_configs import QWEN3_30B_A3B
 from tests.recipe.test_resolve import plan_30b
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = {"tiny-moe": builtin_config("tiny-moe"), "qwen3-30b-a3b": QWEN3_30B_A3B}
+# docs/checkpoints.md's served example: a 4-layer Qwen3-MoE of width 256, 8 experts, no shared one
+TINY_MOE_256 = {**builtin_config("tiny-moe"), "hidden_size": 256, "head_dim": 64,
+                "moe_intermediate_size": 128, "vocab_size": 1024}  # fmt: skip
+del TINY_MOE_256["shared_expert_intermediate_size"]
+CONFIGS = {"tiny-moe": builtin_config("tiny-moe"), "qwen3-30b-a3b": QWEN3_30B_A3B,
+           "tiny-moe-256": TINY_MOE_256}  # fmt: skip
 
 # Written down once from this version's resolve; a change to any of them changes the contract
 # every checkpoint and every live sync is checked against: it must be deliberate (and the docs'
