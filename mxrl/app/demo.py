@@ -28,10 +28,9 @@ from mxrl.app.sources import TaskSource
 from mxrl.app.task import ArithmeticTask
 from mxrl.app.warmup import warmed_up_model
 from mxrl.arch import builtin_config
-from mxrl.kernels import select_backend
 from mxrl.models import CausalLM, build_model
-from mxrl.recipe import resolve
 from mxrl.rl.config import GRPOConfig, plain
+from mxrl.rl.resolve import resolve_train
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord, compare
 from mxrl.runs.tensorboard import attach_tensorboard, require_tensorboard
@@ -230,11 +229,12 @@ def _train_run(
         model = copy.deepcopy(base)
     recipe, seed, device = cfg.recipe, cfg.seed, cfg.device
     model = model.to(device)
-    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    resolved = resolve_train(cfg, model, device)  # the run's choices, made once
+    plan = resolved.plan
     record = ReportingRecord.create(
         out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
         config={**plain(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
-        plan_json=plan, backend=str(select_backend(cfg.backend, device)),
+        plan_json=plan, backend=str(resolved.kernels.quantizer),
     )  # fmt: skip
     if tensorboard:
         attach_tensorboard(record, plan=plan)
@@ -242,7 +242,7 @@ def _train_run(
     if sink is not None:  # each metrics row, as it is written, to the parent's progress lines
         record.sink = lambda step, metrics: sink(*message(recipe, seed, step, metrics))
     with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-        trainer = GRPOTrainer(cfg, model, TaskSource(demo_task(seed)), record)
+        trainer = GRPOTrainer(cfg, model, TaskSource(demo_task(seed)), record, resolved=resolved)
     # LambdaLR's k is the number of optimizer steps taken: step k + 1's learning rate
     schedule = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda k: lr_factor(k + 1, cfg.steps))
     trainer.opt.register_step_post_hook(lambda *_: schedule.step())

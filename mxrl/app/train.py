@@ -52,10 +52,10 @@ from mxrl.app.sources import DatasetSource, TaskSource
 from mxrl.app.task import ArithmeticTask
 from mxrl.app.warmup import warmed_up_model
 from mxrl.arch import ModelConfig, builtin_config
-from mxrl.kernels import select_backend
 from mxrl.models import from_pretrained, load_tokenizer
-from mxrl.recipe import Plan, resolve
+from mxrl.recipe import Plan
 from mxrl.rl.config import BUILTIN_MODEL, BUILTIN_SOURCE, TrainConfig
+from mxrl.rl.resolve import resolve_train
 from mxrl.rl.resume import ResumePoint
 from mxrl.rl.trainer import GRPOTrainer
 from mxrl.runs import RunRecord
@@ -110,9 +110,9 @@ def _without_overlong(dataset: PromptDataset, tokenizer: Any, cfg: TrainConfig) 
     return dataset.keeping(too_long)
 
 
-def _check_built(cfg: TrainConfig, model: torch.nn.Module, plan: Plan) -> None:
-    """The plan checked before the build is the one the trainer resolves on the parameters."""
-    built = resolve(cfg.rl.recipe, {n: p.shape for n, p in model.named_parameters()})
+def _check_built(plan: Plan, built: Plan) -> None:
+    """The plan checked before the build (on the model's config) is the run's, resolved once
+    on the built model's parameters (`resolve_train`), which the trainer applies."""
     if built.hash() != plan.hash():
         raise RuntimeError(
             f"the plan resolved on the model's config ({plan.hash()[:12]}) is not the one on "
@@ -153,13 +153,16 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         for line in memory.lines() if writer else ():
             logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)
-    _check_built(cfg, model, plan)
-    fp8_source = fp8_source_report(cfg, model, plan) if writer else None
-    backend = str(select_backend(cfg.rl.backend, device))
+    resolved = resolve_train(cfg.rl, model, device)  # the run's choices, made once
+    _check_built(plan, resolved.plan)
+    fp8_source = fp8_source_report(cfg, model, resolved.plan) if writer else None
+    backend = str(resolved.kernels.quantizer)
     if point is not None:
         # nothing is written to the old run until the trainer holds its checkpoint
         record = RunRecord.open(point.run_dir) if writer else None
-        trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)
+        trainer = GRPOTrainer(
+            cfg.rl, model, source, record, layout=layout, resolved=resolved, **sizes
+        )
         trainer.load_checkpoint(point.checkpoint, point.state)
         point.state.clear()  # its tensors: the trainer holds its own copies now
         if record is not None:
@@ -169,7 +172,9 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
             _record_memory(record, memory, point.step)
             _record_fp8_source(record, fp8_source, point.step)
     elif not writer:
-        trainer = GRPOTrainer(cfg.rl, model, source, None, layout=layout, **sizes)
+        trainer = GRPOTrainer(
+            cfg.rl, model, source, None, layout=layout, resolved=resolved, **sizes
+        )
     else:
         if layout is not None:
             logger.info("mxrl train: %d ranks (%s)", layout.world_size, layout.placement.mode)
@@ -181,7 +186,9 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
         _record_memory(record, memory, 0)
         _record_fp8_source(record, fp8_source, 0)
         with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-            trainer = GRPOTrainer(cfg.rl, model, source, record, layout=layout, **sizes)
+            trainer = GRPOTrainer(
+                cfg.rl, model, source, record, layout=layout, resolved=resolved, **sizes
+            )
         skipped = getattr(getattr(source, "dataset", None), "skipped", [])
         if skipped:
             record.log_skipped_rows(

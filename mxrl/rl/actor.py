@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from mxrl.models import CausalLM
 from mxrl.nn import apply_plan
-from mxrl.recipe import Plan
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.optim import adamw
 from mxrl.rl.resume import apply_optimizer_settings
@@ -32,6 +31,7 @@ from mxrl.weights import Export, export
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout
+    from mxrl.rl.resolve import Resolved
 
 # mxrl.parallel (FSDP2, DCP, DTensor) is imported where a placement uses it, never at the top:
 # a one-process run starts without torch.distributed's heavy modules (seconds).
@@ -125,20 +125,26 @@ class Actor(Protocol):
     def load(self, path: Path, state: dict[str, Any]) -> None: ...
 
 
+def autocast_dtype(model: CausalLM, resolved: Resolved) -> torch.dtype | None:
+    """The training forward's autocast dtype: the run's compute dtype (`resolved`), or, for
+    float32, none (the parameters' dtype, unless the model was given one); the same on every
+    placement."""
+    compute = resolved.compute_dtype
+    return compute if compute != torch.float32 else model.compute_dtype
+
+
 class LocalActor:
     """The whole model on this process: the plan applied, the run's compute dtype, the fused
     AdamW; resume files written with `torch.save`."""
 
     newer_keys = ("rng",)
 
-    def __init__(self, cfg: GRPOConfig, model: CausalLM, plan: Plan) -> None:
-        self.cfg, self.model, self.plan = cfg, model, plan
+    def __init__(self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved) -> None:
+        self.cfg, self.model, self.plan = cfg, model, resolved.plan
         self.ranks = OneRank()
-        apply_plan(model, plan, backend=cfg.backend)
-        compute = cfg.torch_compute_dtype()
+        apply_plan(model, self.plan, backend=resolved.kernels)
         model.set_training_options(
-            compute_dtype=compute if compute != torch.float32 else model.compute_dtype,
-            checkpoint_layers=cfg.checkpoint_layers,
+            compute_dtype=autocast_dtype(model, resolved), checkpoint_layers=cfg.checkpoint_layers
         )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -181,14 +187,16 @@ class ShardedActor:
 
     newer_keys = ()  # every distributed checkpoint has the RNG and engine keys
 
-    def __init__(self, cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout) -> None:
-        self.cfg, self.plan, self.layout = cfg, plan, layout
+    def __init__(
+        self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved, layout: Layout
+    ) -> None:
+        self.cfg, self.plan, self.layout = cfg, resolved.plan, layout
         from mxrl.parallel import parallelize
         from mxrl.parallel.parallelize import attach_cache_reset
 
         self.ranks = ShardedRanks(layout)
-        apply_plan(model, plan, backend=cfg.backend)
-        self.model = parallelize(model, plan, layout.train_mesh)
+        apply_plan(model, self.plan, backend=resolved.kernels)
+        self.model = parallelize(model, self.plan, layout.train_mesh)
         model.set_training_options(
             compute_dtype=model.compute_dtype, checkpoint_layers=cfg.checkpoint_layers
         )

@@ -186,14 +186,6 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         _validate(self, "rl.")
 
-    def torch_compute_dtype(self) -> Any:
-        """The torch compute dtype on this config's device (`compute_dtype`, auto resolved)."""
-        import torch
-
-        if self.compute_dtype != ComputeDtype.AUTO:
-            return getattr(torch, self.compute_dtype)
-        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
-
 
 @dataclass(frozen=True)
 class DataConfig:

@@ -18,14 +18,13 @@ import torch.distributed as dist
 
 from mxrl.engine import CacheOptions, Completion, Engine, SamplingParams
 from mxrl.models import CausalLM
-from mxrl.recipe import Plan
-from mxrl.rl.config import GRPOConfig
 from mxrl.sync import BroadcastReceiver, BroadcastSender, InProcessTransport, SyncReport
 from mxrl.weights import Export
 from mxrl.weights.digest import weights_digest as engine_digest
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout
+    from mxrl.rl.resolve import Resolved
 
 # mxrl.parallel is imported where a placement uses it (rl/actor.py says why)
 
@@ -51,12 +50,9 @@ class LocalRollout:
     """One engine beside the trainer, built from the model it is handed and loaded in process."""
 
     def __init__(
-        self, cfg: GRPOConfig, model: CausalLM, plan: Plan, cache: CacheOptions | None = None
+        self, model: CausalLM, resolved: Resolved, cache: CacheOptions | None = None
     ) -> None:
-        self.engine = Engine(
-            model, plan, device=cfg.device, backend=cfg.backend, tile=cfg.engine_tile,
-            compute_dtype=cfg.torch_compute_dtype(), cache=cache,
-        )  # fmt: skip
+        self.engine = Engine(model, resolved.plan, resolved.engine, cache=cache)
         self.transport = InProcessTransport(self.engine)
 
     def generate(
@@ -94,19 +90,15 @@ class RankRollout:
 
     def __init__(
         self,
-        cfg: GRPOConfig,
         model: CausalLM,
-        plan: Plan,
+        resolved: Resolved,
         layout: Layout,
         cache: CacheOptions | None = None,
     ) -> None:
         self.layout = layout
         self.engine: Engine | None = None
         if layout.serves:
-            self.engine = Engine(
-                model, plan, device=str(layout.device), backend=cfg.backend,
-                tile=cfg.engine_tile, compute_dtype=cfg.torch_compute_dtype(), cache=cache,
-            )  # fmt: skip
+            self.engine = Engine(model, resolved.plan, resolved.engine, cache=cache)
         self.transport = self.sender = self.receiver = None
         src = layout.train_ranks[0]
         if layout.colocated:

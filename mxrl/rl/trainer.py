@@ -38,7 +38,6 @@ from torch.nn.utils.rnn import pad_sequence
 
 from mxrl.engine import CacheOptions, Completion, SamplingParams
 from mxrl.models import CausalLM
-from mxrl.recipe import Plan, resolve
 from mxrl.rl import micro_batch
 from mxrl.rl.actor import Actor, LocalActor, ShardedActor
 from mxrl.rl.config import GRPOConfig, plain
@@ -46,6 +45,7 @@ from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
 from mxrl.rl.metrics import Progress, memory_peak, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
+from mxrl.rl.resolve import Resolved, resolve_train
 from mxrl.rl.resume import CHECKPOINT_DIR, read_state
 from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout, request_seed
 from mxrl.rl.source import PromptSource
@@ -76,14 +76,17 @@ class GRPOTrainer:
         layout: Layout | None = None,
         micro_batch_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
+        resolved: Resolved | None = None,
     ) -> None:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
         # padded tokens per micro-batch of the training pass: cfg.max_tokens_per_micro_batch,
         # or when it is 0 the caller's, from its memory estimate (None: one micro-batch); the
         # engines' KV cache: the caller's size (None: the engine's default, CacheOptions)
         self.micro_batch_tokens = cfg.max_tokens_per_micro_batch or micro_batch_tokens
-        self.plan: Plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-        self.actor, self.rollout = _seams(cfg, model, self.plan, layout, kv_cache_bytes)
+        # the run's choices: the caller's (`mxrl train`: the plan it printed), else made here
+        resolved = resolved or resolve_train(cfg, model, layout.device if layout else None)
+        self.resolved, self.plan = resolved, resolved.plan
+        self.actor, self.rollout = _seams(cfg, model, resolved, layout, kv_cache_bytes)
         self.model = self.actor.model if self.actor is not None else None
         self.opt = self.actor.optimizer if self.actor is not None else None
         self.engine = self.rollout.engine
@@ -165,13 +168,10 @@ class GRPOTrainer:
         step, index), so a resumed run, or one whose rollouts run elsewhere, samples the same."""
         cfg = self.cfg
         return SamplingParams(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=self.source.stop_token_ids,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens, stop_token_ids=self.source.stop_token_ids,
             seed=request_seed(cfg.seed, step, index),
-        )
+        )  # fmt: skip
 
     def _train(
         self,
@@ -381,18 +381,18 @@ class GRPOTrainer:
 
 
 def _seams(
-    cfg: GRPOConfig, model: CausalLM, plan: Plan, layout: Layout | None, kv_bytes: int | None
-) -> tuple[Actor | None, Rollout]:
+    cfg: GRPOConfig, model: CausalLM, resolved: Resolved, layout: Layout | None, kv_bytes: int | None
+) -> tuple[Actor | None, Rollout]:  # fmt: skip
     """The actor (None on a rank that does not train) and the rollout of this process."""
     cache = CacheOptions(kv_cache_bytes=kv_bytes)
     if layout is None:
-        actor = LocalActor(cfg, model, plan)  # the engine is built from the model it prepared
-        return actor, LocalRollout(cfg, model, plan, cache)
+        actor = LocalActor(cfg, model, resolved)  # the engine is built from the model it prepared
+        return actor, LocalRollout(model, resolved, cache)
     if cfg.prompts_per_step < max(len(layout.train_ranks), len(layout.rollout_ranks)):
         raise ValueError(
             f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
             f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
             "every rank needs at least one prompt group"
         )
-    rollout = RankRollout(cfg, model, plan, layout, cache)  # the whole master, before sharding
-    return (ShardedActor(cfg, model, plan, layout) if layout.trains else None), rollout
+    rollout = RankRollout(model, resolved, layout, cache)  # the whole master, before sharding
+    return (ShardedActor(cfg, model, resolved, layout) if layout.trains else None), rollout

@@ -128,3 +128,35 @@ def test_sigterm_ends_a_train_run_as_interrupted(tmp_path):
     (end,) = record.events("end")
     assert end["status"] == "interrupted" and end["signal"] == "SIGTERM"
     assert end["step"] == len(record.metrics())
+
+
+def test_train_resolves_the_run_once_and_records_the_plan_the_trainer_applies(
+    tmp_path, monkeypatch
+):
+    """`mxrl train` makes the run's choices once (`resolve_train`) and hands them to the trainer,
+    which resolves nothing again; the recorded plan is the one the trainer applied."""
+    import mxrl.app.train as train_mod
+    import mxrl.rl.trainer as trainer_mod
+
+    calls, trainers = [], []
+    real, real_init = train_mod.resolve_train, GRPOTrainer.__init__
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].recipe)
+        return real(*args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        trainers.append(self)
+
+    def again(*args, **kwargs):
+        raise AssertionError("the trainer resolved the run again")
+
+    monkeypatch.setattr(train_mod, "resolve_train", counted)
+    monkeypatch.setattr(trainer_mod, "resolve_train", again)
+    monkeypatch.setattr(GRPOTrainer, "__init__", init)
+    cfg = _tiny_train(tmp_path, "once", "mxfp8", steps=1)
+    assert main(["train", "--config", str(cfg)]) == 0
+    assert calls == ["mxfp8"] and len(trainers) == 1
+    recorded = json.loads(RunRecord.open(tmp_path / "runs" / "once").plan_json)
+    assert recorded == json.loads(trainers[0].plan.to_json())

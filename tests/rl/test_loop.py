@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mxrl.rl.config import GRPOConfig
+from mxrl.rl.resolve import compute_dtype_on
 from mxrl.rl.resume import latest_checkpoint
 from mxrl.rl.stability import SpikeDecision
 from tests.rl.golden import GOLDEN, pinned_metrics
@@ -112,11 +113,11 @@ def test_config_validation():
 def test_compute_dtype_auto_is_bf16_on_cuda_and_fp32_on_the_cpu():
     """The loop's engine and training forward: the CPU reference stays fp32 (the golden run),
     a GPU run takes the bf16 paths (CUDA-graph decode, tensor-core GEMMs) unless told not to."""
-    assert GRPOConfig().torch_compute_dtype() == torch.float32
-    assert GRPOConfig(device="cuda").torch_compute_dtype() == torch.bfloat16
-    assert GRPOConfig(device="cuda:1").torch_compute_dtype() == torch.bfloat16
-    assert GRPOConfig(device="cuda", compute_dtype="float32").torch_compute_dtype() == torch.float32
-    assert GRPOConfig(compute_dtype="bfloat16").torch_compute_dtype() == torch.bfloat16
+    assert compute_dtype_on(GRPOConfig().compute_dtype, "cpu") == torch.float32
+    assert compute_dtype_on("auto", "cuda") == torch.bfloat16
+    assert compute_dtype_on("auto", torch.device("cuda:1")) == torch.bfloat16
+    assert compute_dtype_on("float32", "cuda") == torch.float32
+    assert compute_dtype_on("bfloat16", "cpu") == torch.bfloat16
 
 
 def test_a_skipped_spike_leaves_the_weights_and_is_recorded(tmp_path):
