@@ -10,11 +10,13 @@ afterwards holds only its shard of the Adam moments (sharded optimizer state).
 Mixed precision and the precision contract. A layer whose plan quantizes any tensor gathers its
 fp32 master weights (`param_dtype=None`): its QLinear / QExperts quantize what they receive, and
 the engine receives the export of the fp32 master, so a bf16 gather would make the trainer's
-forward quantize other values than the rollout's. The bf16 compute of such a layer comes from
-the model's autocast (`CausalLM.set_training_options(compute_dtype=bf16)`), which leaves the
-quantized ops alone, as on one GPU. A layer the plan keeps wholly bf16 gathers bf16 (half the
-all-gather bytes). Gradients are reduced in fp32 on CUDA. On the CPU nothing changes dtype
-(the reference numerics: fp32 gather, fp32 compute, fp32 reduction).
+forward quantize other values than the rollout's. The compute dtype is the run's
+(`rl.compute_dtype`, resolved once: `mxrl.rl.resolve`), set by the trainer as on one process
+(`CausalLM.set_training_options`: bf16 compute is the model's autocast, which leaves the
+quantized ops alone). Under bf16 compute on CUDA a layer the plan keeps wholly bf16 gathers bf16
+(half the all-gather bytes), and gradients are reduced in fp32. Otherwise nothing changes dtype
+in FSDP2: fp32 compute on CUDA gathers fp32, and on the CPU (the reference numerics) every
+gather and reduction is fp32.
 """
 
 from __future__ import annotations
@@ -32,20 +34,26 @@ from mxrl.nn.qmatmul import WeightCache
 from mxrl.recipe import Plan
 
 
-def layer_policy(plan: Plan, layer: int, device_type: str) -> MixedPrecisionPolicy:
+def layer_policy(
+    plan: Plan, layer: int, device_type: str, compute_dtype: torch.dtype | None
+) -> MixedPrecisionPolicy:
     """The FSDP2 mixed-precision policy of decoder layer `layer` (the module docstring)."""
     if device_type != "cuda":
         return MixedPrecisionPolicy()  # fp32 everywhere: the CPU reference
+    if compute_dtype != torch.bfloat16:
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)  # fp32 compute: fp32 gathers
     quantized = any(s.layer == layer and s.format is not Format.BF16 for s in plan.values())
     return MixedPrecisionPolicy(
         param_dtype=None if quantized else torch.bfloat16, reduce_dtype=torch.float32
     )
 
 
-def parallelize(model: CausalLM, plan: Plan, mesh: DeviceMesh) -> CausalLM:
+def parallelize(
+    model: CausalLM, plan: Plan, mesh: DeviceMesh, compute_dtype: torch.dtype | None = None
+) -> CausalLM:
     """Shard `model` (plan already applied, on this rank's device) over `mesh`, in place.
-    Build the optimizer after this call and hand it to `attach_cache_reset`. On CUDA, compute
-    runs in bf16 under autocast."""
+    Build the optimizer after this call and hand it to `attach_cache_reset`. compute_dtype: the
+    run's (the model's autocast, which the caller sets); None: the parameters' dtype."""
     for name, module in model.named_modules():
         if isinstance(module, QLinear) and module._partner:
             # The partner is held by reference (not a parameter of the module): FSDP2 would
@@ -61,13 +69,11 @@ def parallelize(model: CausalLM, plan: Plan, mesh: DeviceMesh) -> CausalLM:
         fully_shard(
             layer,
             mesh=mesh,
-            mp_policy=layer_policy(plan, i, device_type),
+            mp_policy=layer_policy(plan, i, device_type, compute_dtype),
             reshard_after_forward=i < len(layers) - 1,
         )
     reduce = torch.float32 if device_type == "cuda" else None
     fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce))
-    if device_type == "cuda":
-        model.set_training_options(compute_dtype=torch.bfloat16)
     return model
 
 

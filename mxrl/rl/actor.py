@@ -196,10 +196,9 @@ class ShardedActor:
 
         self.ranks = ShardedRanks(layout)
         apply_plan(model, self.plan, backend=resolved.kernels)
-        self.model = parallelize(model, self.plan, layout.train_mesh)
-        model.set_training_options(
-            compute_dtype=model.compute_dtype, checkpoint_layers=cfg.checkpoint_layers
-        )
+        compute = autocast_dtype(model, resolved)  # as on one process
+        self.model = parallelize(model, self.plan, layout.train_mesh, compute)
+        model.set_training_options(compute_dtype=compute, checkpoint_layers=cfg.checkpoint_layers)
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
