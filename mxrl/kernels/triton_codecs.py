@@ -74,6 +74,11 @@ F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store 
 SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
 BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)  # torch's scalar CPU conversion of any NaN
 
+# --- format codes: the kernels' FMT constexpr and the dequantize op's `fmt` argument ----------
+FMT_MXFP8: tl.constexpr = tl.constexpr(0)
+FMT_NVFP4: tl.constexpr = tl.constexpr(1)
+FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
+
 
 @triton.jit
 def load_tile(ptrs, mask, EVEN: tl.constexpr):
