@@ -98,6 +98,18 @@ def store_tile(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
+def store_row_scales(
+    s_ptr, s, rows, row_mask, kb0, NUM_KB, NUM_B: tl.constexpr, EVEN: tl.constexpr
+):
+    """s [ROWS, NUM_B]: the scales of blocks kb0 .. kb0 + NUM_B - 1 along K of `rows`, stored
+    into the row-major [M, NUM_KB] scale tensor at s_ptr (masked to row_mask and NUM_KB unless
+    EVEN)."""
+    kb = kb0 + tl.arange(0, NUM_B)
+    s_mask = row_mask[:, None] & (kb < NUM_KB)[None, :]
+    store_tile(s_ptr + rows[:, None] * NUM_KB + kb[None, :], s, s_mask, EVEN)
+
+
+@triton.jit
 def is_finite(x):
     """x is neither NaN nor ±Inf (one compare: NaN compares false)."""
     return tl.abs(x) <= FLT_MAX
