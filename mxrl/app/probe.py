@@ -27,11 +27,8 @@ def measure_mismatch(
     return the mismatch metrics over all generated tokens."""
     outs = engine.generate(prompts, params)
     replay = [o.routed_experts for o in outs] if replay_routing else None
-    temperature = 0.0 if params.greedy else params.temperature
-    train = completion_logprobs(
-        trainer, prompts, [o.tokens for o in outs], temperature=temperature,
-        top_k=params.top_k, top_p=params.top_p, replay_routing=replay,
-    )  # fmt: skip
+    train = completion_logprobs(trainer, prompts, [o.tokens for o in outs], params,
+                                replay_routing=replay)  # fmt: skip
     rollout = pad_sequence([o.logprobs for o in outs], batch_first=True)
     trained = pad_sequence(train, batch_first=True)
     mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)

@@ -213,20 +213,17 @@ class ArithmeticTask:
             eval_size=self.eval_size, tokenizer=self.tokenizer, split_seed=self.split_seed,
         )  # fmt: skip
 
+    # the settings a state records and a resume checks against its task's own
+    _STATE_SETTINGS = ("seed", "split_seed", "max_operand", "ops", "eval_fraction")
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed,
-            "split_seed": self.split_seed,
-            "max_operand": self.max_operand,
-            "ops": self.ops,
-            "eval_fraction": self.eval_fraction,
-            "positions": dict(self._positions),
-        }
+        state = {key: getattr(self, key) for key in self._STATE_SETTINGS}
+        return {**state, "positions": dict(self._positions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a state from before split_seed existed split by its seed
         state = {"split_seed": state.get("seed"), **state}
-        for key in ("seed", "split_seed", "max_operand", "ops", "eval_fraction"):
+        for key in self._STATE_SETTINGS:
             if state.get(key) != getattr(self, key):
                 raise ValueError(
                     f"ArithmeticTask state has {key}={state.get(key)!r} but this task has "

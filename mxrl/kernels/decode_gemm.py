@@ -223,9 +223,13 @@ def _check_offsets(bounds: list[int], t: int) -> None:
         )
 
 
+def _check_qtensor(t: object, what: str) -> None:
+    if not isinstance(t, QTensor):
+        raise TypeError(f"the {what} must be a QTensor, got {type(t).__name__}")
+
+
 def _check_weight(wq: QTensor, dims: int) -> None:
-    if not isinstance(wq, QTensor):
-        raise TypeError(f"the weight must be a QTensor, got {type(wq).__name__}")
+    _check_qtensor(wq, "weight")
     if wq.fmt not in GEMM_FORMATS:
         raise ValueError(
             f"low-bit GEMMs take nvfp4 or mxfp8 weights, got {wq.fmt} (fp8_block weights: "
@@ -240,8 +244,7 @@ def _check_weight(wq: QTensor, dims: int) -> None:
 
 
 def _check_activation(xq: QTensor, wq: QTensor) -> None:
-    if not isinstance(xq, QTensor):
-        raise TypeError(f"the activation must be a QTensor, got {type(xq).__name__}")
+    _check_qtensor(xq, "activation")
     if xq.fmt != wq.fmt or len(xq.shape) != 2 or xq.axis != -1:
         raise ValueError(
             f"the activation must be a [T, K] {wq.fmt} QTensor blocked along K, got {xq.fmt} "

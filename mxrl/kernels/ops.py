@@ -129,7 +129,7 @@ def dequantize_bf16(
     block_rows: int,
     block_k: int,
 ) -> torch.Tensor:
-    """fmt: 0 mxfp8, 1 nvfp4, 2 fp8_block (`triton_dequant.FMT_*`); scale as uint8 codes (or
+    """fmt: 0 mxfp8, 1 nvfp4, 2 fp8_block (`triton_codecs.FMT_*`); scale as uint8 codes (or
     fp32 for fp8_block); decode_scale: NVFP4's fp32 S_dec ([] or [..., 1]) to multiply by, or
     None; (block_rows, block_k): one scale's block in the [prod(shape[:-1]), K] view."""
     k = shape[-1]

@@ -74,6 +74,11 @@ F32_QNAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)  # a NaN: the bf16 store 
 SIGN_BIT: tl.constexpr = tl.constexpr(-(2**31))  # 0x80000000 as int32
 BF16_CPU_NAN: tl.constexpr = tl.constexpr(0x7FC0)  # torch's scalar CPU conversion of any NaN
 
+# --- format codes: the kernels' FMT constexpr and the dequantize op's `fmt` argument ----------
+FMT_MXFP8: tl.constexpr = tl.constexpr(0)
+FMT_NVFP4: tl.constexpr = tl.constexpr(1)
+FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
+
 
 @triton.jit
 def load_tile(ptrs, mask, EVEN: tl.constexpr):
@@ -90,6 +95,18 @@ def store_tile(ptrs, value, mask, EVEN: tl.constexpr):
         tl.store(ptrs, value)
     else:
         tl.store(ptrs, value, mask=mask)
+
+
+@triton.jit
+def store_row_scales(
+    s_ptr, s, rows, row_mask, kb0, NUM_KB, NUM_B: tl.constexpr, EVEN: tl.constexpr
+):
+    """s [ROWS, NUM_B]: the scales of blocks kb0 .. kb0 + NUM_B - 1 along K of `rows`, stored
+    into the row-major [M, NUM_KB] scale tensor at s_ptr (masked to row_mask and NUM_KB unless
+    EVEN)."""
+    kb = kb0 + tl.arange(0, NUM_B)
+    s_mask = row_mask[:, None] & (kb < NUM_KB)[None, :]
+    store_tile(s_ptr + rows[:, None] * NUM_KB + kb[None, :], s, s_mask, EVEN)
 
 
 @triton.jit

@@ -26,16 +26,14 @@ import triton.language as tl
 
 from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_codecs import (
+    FMT_MXFP8,
+    FMT_NVFP4,
     e2m1_decode,
     e4m3_decode,
     e8m0_to_f32,
     nan_like,
     store_bf16,
 )
-
-FMT_MXFP8: tl.constexpr = tl.constexpr(0)
-FMT_NVFP4: tl.constexpr = tl.constexpr(1)
-FMT_FP8_BLOCK: tl.constexpr = tl.constexpr(2)
 
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8}
 
@@ -82,7 +80,7 @@ def _dequant_kernel(
         scale = tl.where(s_code == 255, nan_like(s_code), e8m0_to_f32(s_code))
     elif FMT == FMT_NVFP4:
         scale = e4m3_decode(tl.load(s_ptrs, mask=s_mask, other=0x38).to(tl.int32))
-    else:
+    else:  # FMT_FP8_BLOCK: fp32 scales
         scale = tl.load(s_ptrs, mask=s_mask, other=1.0)
     blocks = tl.reshape(value, [NR, SR, NK, SK]) * tl.reshape(scale, [NR, 1, NK, 1])
     value = tl.reshape(blocks, [BLOCK_M, BLOCK_K])

@@ -29,6 +29,7 @@ from mxrl.kernels.triton_codecs import (
     finite_amax,
     is_finite,
     load_tile,
+    store_row_scales,
     store_tile,
 )
 
@@ -86,9 +87,7 @@ def _fp8_block_1d_kernel(
     else:  # fp32 scales: 448 x sf is finite, no cap below 448 (the reference's limit=None)
         q = e4m3_encode_masked(v, is_finite(x), HW)
     store_tile(q_ptr + offs, q, mask, EVEN)
-    kb = tl.program_id(1) * NUM_B + tl.arange(0, NUM_B)
-    s_mask = (rows < M)[:, None] & (kb < K // BK)[None, :]
-    store_tile(s_ptr + rows[:, None] * (K // BK) + kb[None, :], sf, s_mask, EVEN)
+    store_row_scales(s_ptr, sf, rows, rows < M, tl.program_id(1) * NUM_B, K // BK, NUM_B, EVEN)
 
 
 @triton.jit(do_not_specialize=["R", "NUM_RB"])

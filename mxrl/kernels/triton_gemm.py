@@ -47,6 +47,7 @@ import triton.language as tl
 from torch.library import triton_op
 
 from mxrl.kernels.backend import launcher
+from mxrl.kernels.triton_codecs import FMT_MXFP8, FMT_NVFP4
 from mxrl.kernels.triton_gemm_decode import mxfp8_values, nvfp4_halves
 from mxrl.kernels.triton_gemm_tiles import (  # noqa: F401  (split_k_counters: the launchers')
     find_group,
@@ -57,9 +58,7 @@ from mxrl.kernels.triton_gemm_tiles import (  # noqa: F401  (split_k_counters: t
     tile_dot,
 )
 
-FMT_MXFP8: tl.constexpr = tl.constexpr(0)
-FMT_NVFP4: tl.constexpr = tl.constexpr(1)
-FMT_CODES = {"mxfp8": 0, "nvfp4": 1}
+FMT_CODES = {"mxfp8": FMT_MXFP8.value, "nvfp4": FMT_NVFP4.value}
 # elements per stored byte and per block scale
 ELEMS_PER_BYTE = {0: 1, 1: 2}
 SCALE_BLOCK = {0: 32, 1: 16}

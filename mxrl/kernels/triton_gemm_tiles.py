@@ -61,20 +61,9 @@ def mxfp8_block_dots(
             xq_ptr, xs_ptr, xq_stride, xs_stride, rows, m_mask, kj, k_hi, 1, 32, True, EVEN_K, 32
         )
         wq, _ = load_codes(
-            wq_base,
-            ws_base,
-            wq_stride,
-            ws_stride,
-            cols,
-            n_mask,
-            kj,
-            k_hi,
-            1,
-            32,
-            MASK_N,
-            EVEN_K,
-            32,
-        )
+            wq_base, ws_base, wq_stride, ws_stride, cols, n_mask,
+            kj, k_hi, 1, 32, MASK_N, EVEN_K, 32,
+        )  # fmt: skip
         zero = tl.zeros([BM, BN], dtype=tl.float32)
         part = tile_dot(zero, e4m3_to_f16(xq, HW), e4m3_to_f16(wq, HW), HW, DOT_IEEE)
         sx = tl.sum(tl.where(blk[None, :] == j, sx_all, 0.0), axis=1)  # column j (exact)

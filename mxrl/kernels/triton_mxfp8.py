@@ -33,6 +33,7 @@ from mxrl.kernels.triton_codecs import (
     is_finite,
     load_tile,
     store_bf16,
+    store_row_scales,
     store_tile,
 )
 
@@ -89,10 +90,10 @@ def _mxfp8_kernel(
             store_bf16(q_row_ptr + offs, tl.reshape(deq, [BLOCK_M, BLOCK_K]), mask, HW)
         else:
             store_tile(q_row_ptr + offs, q, mask, EVEN)
-            kb = pid_k * NUM_KB + tl.arange(0, NUM_KB)
-            s_mask = (rows < M)[:, None] & (kb < K // MX_BLOCK)[None, :]
-            s_offs = rows[:, None] * (K // MX_BLOCK) + kb[None, :]
-            store_tile(s_row_ptr + s_offs, code.to(tl.uint8), s_mask, EVEN)
+            s_codes = code.to(tl.uint8)
+            store_row_scales(
+                s_row_ptr, s_codes, rows, rows < M, pid_k * NUM_KB, K // MX_BLOCK, NUM_KB, EVEN
+            )
 
     if COLWISE:
         NUM_MB: tl.constexpr = BLOCK_M // MX_BLOCK

@@ -35,6 +35,7 @@ from mxrl.kernels.triton_codecs import (
     is_finite,
     load_tile,
     nvfp4_encode_scale,
+    store_row_scales,
     store_tile,
 )
 
@@ -77,9 +78,7 @@ def _quantize_tile(
     half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     q_mask = row_mask[:, None] & (half < K // 2)[None, :]
     store_tile(q_ptr + rows[:, None] * (K // 2) + half[None, :], packed, q_mask, EVEN)
-    kb = k0 // NV_BLOCK + tl.arange(0, NUM_B)
-    s_mask = row_mask[:, None] & (kb < K // NV_BLOCK)[None, :]
-    store_tile(s_ptr + rows[:, None] * (K // NV_BLOCK) + kb[None, :], s_code, s_mask, EVEN)
+    store_row_scales(s_ptr, s_code, rows, row_mask, k0 // NV_BLOCK, K // NV_BLOCK, NUM_B, EVEN)
 
 
 @triton.jit(do_not_specialize=["M", "amax_stride"])

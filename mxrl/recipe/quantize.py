@@ -15,6 +15,8 @@ stores under its spec (`mxrl.formats.stored_layout`): what every receiver checks
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mxrl.formats import QTensor, quantize, stored_layout
@@ -147,15 +149,11 @@ def weight_quantizer_kwargs(
 
 
 def quantize_weight(
-    weight: torch.Tensor,
-    spec: TensorSpec,
-    partner: torch.Tensor | None = None,
-    *,
-    axis: int = -1,
-    check_finite: bool = False,
+    weight: torch.Tensor, spec: TensorSpec, partner: torch.Tensor | None = None, **options: Any
 ) -> QTensor:
-    """Quantize a (master) weight per its spec with the reference quantizer (the export path)."""
-    kwargs = weight_quantizer_kwargs(weight, spec, partner, axis=axis, check_finite=check_finite)
+    """Quantize a (master) weight per its spec with the reference quantizer (the export path);
+    `options` are `weight_quantizer_kwargs`'s keywords (axis, check_finite, ...)."""
+    kwargs = weight_quantizer_kwargs(weight, spec, partner, **options)
     return quantize(weight.detach(), spec.format, **kwargs)
 
 

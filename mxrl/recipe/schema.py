@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from mxrl.arch.names import Kind, TensorInfo
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
@@ -49,10 +49,21 @@ RECIPE_KEYS = ("name", "description", "backward", "default", "rules")
 RULE_KEYS = ("match", "format", "activations", "fuse", "block")
 MATCH_KEYS = ("name", "kind", "layers")
 _QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8, Format.FP8_BLOCK)
+E = TypeVar("E", bound=StrEnum)
 
 
 def _choices(enum: type[StrEnum]) -> str:
     return ", ".join(e.value for e in enum)
+
+
+def _coerce(enum: type[E], value: object, field_name: str, what: str) -> E:
+    """enum(value), or a ValueError naming the field, the value and the choices."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(
+            f"{field_name}: unknown {what} {value!r}; use one of {_choices(enum)}"
+        ) from None
 
 
 def _as_tuple(value: object, field_name: str) -> tuple[Any, ...]:
@@ -78,15 +89,10 @@ class Match:
                 raise ValueError(f"match.name: globs must be non-empty strings, got {names!r}")
             object.__setattr__(self, "name", names)
         if self.kind is not None:
-            kinds = []
-            for k in _as_tuple(self.kind, "match.kind"):
-                try:
-                    kinds.append(Kind(k))
-                except ValueError:
-                    raise ValueError(
-                        f"match.kind: unknown kind {k!r}; use one of {_choices(Kind)}"
-                    ) from None
-            object.__setattr__(self, "kind", tuple(kinds))
+            kinds = tuple(
+                _coerce(Kind, k, "match.kind", "kind") for k in _as_tuple(self.kind, "match.kind")
+            )
+            object.__setattr__(self, "kind", kinds)
         if self.layers is not None and not isinstance(self.layers, LayerSelector):
             object.__setattr__(self, "layers", parse_layers(self.layers))
 
@@ -133,12 +139,7 @@ class Rule:
     block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "format", Format(self.format))
-        except ValueError:
-            raise ValueError(
-                f"format: unknown format {self.format!r}; use one of {_choices(Format)}"
-            ) from None
+        object.__setattr__(self, "format", _coerce(Format, self.format, "format", "format"))
         nvfp4 = self.format is Format.NVFP4
         if self.activations is not None and not nvfp4:
             raise ValueError(
@@ -204,18 +205,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError("name: a recipe needs a non-empty name (e.g. name: my-nvfp4)")
-        try:
-            object.__setattr__(self, "backward", Backward(self.backward))
-        except ValueError:
-            raise ValueError(
-                f"backward: unknown mode {self.backward!r}; use one of {_choices(Backward)}"
-            ) from None
-        try:
-            object.__setattr__(self, "default", Format(self.default))
-        except ValueError:
-            raise ValueError(
-                f"default: unknown format {self.default!r}; use one of {_choices(Format)}"
-            ) from None
+        object.__setattr__(self, "backward", _coerce(Backward, self.backward, "backward", "mode"))
+        object.__setattr__(self, "default", _coerce(Format, self.default, "default", "format"))
         if not isinstance(self.description, str):
             raise ValueError(f"description: expected one line of text, got {self.description!r}")
         object.__setattr__(self, "rules", tuple(self.rules))

@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 
+from mxrl.engine.params import SamplingParams
 from mxrl.engine.sampler import filter_logits
 from mxrl.models import CausalLM
 
@@ -40,17 +41,18 @@ def completion_logprobs(
     model: CausalLM,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
+    params: SamplingParams | None = None,
     *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     replay_routing: Sequence[torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """log p(token_t | prefix) under `model` for each completion token (fp32 [len]), one
-    sequence at a time (no padding in any reduction). temperature, top_k and top_p as the
-    sampler applied them (temperature 0 means unscaled); `replay_routing[i]` ([num_moe, len-1,
-    k], from the engine) forces the rollout's experts."""
+    sequence at a time (no padding in any reduction). params: the SamplingParams the engine
+    sampled with (its temperature, top_k and top_p; temperature 0, greedy, means unscaled; None:
+    the plain distribution); `replay_routing[i]` ([num_moe, len-1, k], from the engine) forces
+    the rollout's experts."""
     _check_positions(model, prompts, completions)
+    params = SamplingParams() if params is None else params
+    temperature, top_k, top_p = params.temperature, params.top_k, params.top_p
     if replay_routing is None:
         batched = sequence_logprobs(model, prompts, completions, temperature, top_k, top_p)
         return [batched[i, : len(c)].cpu() for i, c in enumerate(completions)]

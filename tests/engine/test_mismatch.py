@@ -94,7 +94,7 @@ def test_sampling_filters_reach_the_trainer(top_k, top_p):
     outs = engine.generate(_prompts(), params)
     tokens = [o.tokens for o in outs]
     with torch.no_grad():
-        same = completion_logprobs(trainer, _prompts(), tokens, top_k=top_k, top_p=top_p)
+        same = completion_logprobs(trainer, _prompts(), tokens, params)
         full = completion_logprobs(trainer, _prompts(), tokens)
     rollout = torch.cat([o.logprobs for o in outs])
     assert (torch.cat(same) - rollout).abs().max() < 1e-5

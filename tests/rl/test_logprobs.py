@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mxrl.arch.config import ModelConfig
+from mxrl.engine import SamplingParams
 from mxrl.rl import completion_logprobs
 from mxrl.rl.logprobs import sequence_logprobs
 
@@ -111,14 +112,16 @@ def test_sequence_logprobs_are_the_sampled_from_distribution(kwargs, want):
 
 @pytest.mark.parametrize(("kwargs", "want"), SETTINGS)
 def test_completion_logprobs_batched_and_per_sequence_agree_with_the_hand_values(kwargs, want):
-    batched = completion_logprobs(Bigram(), PROMPTS, COMPLETIONS, **kwargs)
+    batched = completion_logprobs(Bigram(), PROMPTS, COMPLETIONS, SamplingParams(**kwargs))
     assert [t.shape for t in batched] == [(3,), (1,)]
     assert [t.dtype for t in batched] == [torch.float32, torch.float32]
     assert [[float(x) for x in t] for t in batched] == want
     # replay_routing: one forward per sequence, its routing passed with a batch dim of 1
     model = Bigram()
     routing = [torch.tensor([[[1], [0], [2]], [[3], [3], [1]]]), None]  # [num_moe, len - 1, k]
-    single = completion_logprobs(model, PROMPTS, COMPLETIONS, replay_routing=routing, **kwargs)
+    single = completion_logprobs(
+        model, PROMPTS, COMPLETIONS, SamplingParams(**kwargs), replay_routing=routing
+    )
     assert [[float(x) for x in t] for t in single] == want
     assert [t.dtype for t in single] == [torch.float32, torch.float32]
     (ids0, kw0), (ids1, kw1) = model.calls

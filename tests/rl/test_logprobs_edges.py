@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from mxrl.engine import SamplingParams
 from mxrl.rl import completion_logprobs, logprobs
 from mxrl.rl.logprobs import sequence_logprobs, token_logprobs
 
@@ -109,7 +110,7 @@ def test_a_temperature_above_one_flattens():
                                                              [1, 1, 2, 4]]  # fmt: skip
     out = sequence_logprobs(Bigram(), PROMPTS, COMPLETIONS, temperature=2.0)
     assert _rows(out) == [want[0], [*want[1], 0.0, 0.0]]
-    got = completion_logprobs(Bigram(), PROMPTS, COMPLETIONS, temperature=2.0)
+    got = completion_logprobs(Bigram(), PROMPTS, COMPLETIONS, SamplingParams(temperature=2.0))
     assert [[float(x) for x in t] for t in got] == want
 
 
@@ -140,7 +141,8 @@ def test_the_inputs_are_made_on_the_model_device():
     ]
     routing = [torch.tensor([[[1], [0], [2]], [[3], [3], [1]]]), None]
     model = Bigram().cuda()
-    got = completion_logprobs(model, PROMPTS, COMPLETIONS, top_k=2, replay_routing=routing)
+    params = SamplingParams(top_k=2)
+    got = completion_logprobs(model, PROMPTS, COMPLETIONS, params, replay_routing=routing)
     assert [[float(x) for x in t] for t in got] == [
         [_log(2, 6), _log(1, 4), _log(2, 6)],
         [_log(1, 7)],
