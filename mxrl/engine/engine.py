@@ -48,6 +48,7 @@ from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
+from mxrl.recipe.schema import KVCacheFormat
 from mxrl.weights import WeightRecord, export_weights, read_quantized_checkpoint
 
 
@@ -182,8 +183,9 @@ class Engine(WeightLoading, GraphCapture):
         scratch = 1 if self.cuda_graphs else 0  # the last block: graph padding rows'
         if self._kv is None:
             self._kv = KVCache.allocate(
-                self.config, self.cache_options, self.device, self.compute_dtype, scratch
-            )
+                self.config, self.cache_options, self.device, self.compute_dtype, scratch,
+                fp8=self.plan.kv_cache is KVCacheFormat.FP8, backend=self.kernels,
+            )  # fmt: skip
         if self._blocks is None:
             num_blocks = self._kv.k[0].shape[0] - scratch
             self._blocks = BlockManager(num_blocks, self.cache_options.block_size)

@@ -4,7 +4,10 @@ Legend: N / K query / key-value heads (G = N / K queries per key head), D head d
 of the step, B block size (tokens per cache block), QT query tile.
 
 `KVCache` holds, per layer, keys and values `[num_blocks, B, K, D]`; a sequence's tokens live in
-the blocks of its block table (mxrl.engine.block_manager). `PagedAttention` is the forward
+the blocks of its block table (mxrl.engine.block_manager). Under a recipe's `kv_cache: fp8` they
+are E4M3 codes with one fp32 scale per token slot and KV head `[num_blocks, B, K]`, written by the
+one block-FP8 quantizer and read back as the compute dtype (`mxrl.nn.kv_quant`: the values the
+trainer's attention sees too). `PagedAttention` is the forward
 context's attention for one step: it writes the step's keys/values to their slots, then attends
 every request's new tokens to exactly that request's keys.
 
@@ -27,9 +30,11 @@ import torch
 
 from mxrl.engine.config import DEFAULT_CPU_KV_BYTES, CacheOptions
 from mxrl.nn import invariant
+from mxrl.nn.kv_quant import KV_CODE_DTYPE, KV_SCALE_DTYPE, dequantize_kv, quantize_kv
 
 if TYPE_CHECKING:
     from mxrl.arch import ModelConfig
+    from mxrl.kernels import Kernels
     from mxrl.kernels.attention import AttentionTiles
 
 logger = logging.getLogger(__name__)
@@ -40,7 +45,9 @@ _GATHER_BYTES = 256 << 20  # keys and values gathered for one batch of tiles, at
 
 class KVCache:
     """Keys and values of every layer, `[num_blocks, block_size, K, D]` each, zero-filled (a
-    block's unwritten slots are multiplied by exact zeros, never by garbage)."""
+    block's unwritten slots are multiplied by exact zeros, never by garbage). dtype: the
+    compute dtype attention reads them in. fp8: held as E4M3 codes (`k`, `v`, uint8) with fp32
+    scales `[num_blocks, block_size, K]` (`k_scale`, `v_scale`), quantized on `backend`."""
 
     def __init__(
         self,
@@ -51,18 +58,63 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        fp8: bool = False,
+        backend: Kernels | None = None,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.block_size, self.dtype, self.fp8, self.backend = block_size, dtype, fp8, backend
+        held = KV_CODE_DTYPE if fp8 else dtype
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.k, self.v = zeros(shape, held), zeros(shape, held)
+        self.k_scale = self.v_scale = None
+        if fp8:
+            self.k_scale, self.v_scale = (
+                zeros(shape[:-1], KV_SCALE_DTYPE),
+                zeros(shape[:-1], KV_SCALE_DTYPE),
+            )
 
     @staticmethod
     def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        fp8: bool = False,
     ) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+        """Keys and values of one block in every layer (fp8: a code byte per element and a
+        4-byte scale per token slot and KV head)."""
+        if fp8:
+            per_head = head_dim * KV_CODE_DTYPE.itemsize + KV_SCALE_DTYPE.itemsize
+        else:
+            per_head = head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * per_head
+
+    def write(self, layer: int, slots: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor):
+        """Store a step's keys and values (after RoPE, in the compute dtype) at their slots."""
+        pairs = ((self.k, self.k_scale, k_KTD), (self.v, self.v_scale, v_KTD))
+        for held, scales, x in pairs:
+            nb, bs, heads_kv, d = held[layer].shape
+            x_TKD = x.transpose(0, 1).to(self.dtype)
+            if scales is None:
+                held[layer].view(nb * bs, heads_kv, d).index_copy_(0, slots, x_TKD)
+                continue
+            codes, scale = quantize_kv(x_TKD, self.backend)
+            held[layer].view(nb * bs, heads_kv, d).index_copy_(0, slots, codes)
+            scales[layer].view(nb * bs, heads_kv).index_copy_(0, slots, scale)
+
+    def gather(self, layer: int, values: bool, blocks: torch.Tensor) -> torch.Tensor:
+        """Keys (values=False) or values of the cache blocks `blocks` (any index shape), as the
+        compute dtype: `[*blocks.shape, B, K, D]`."""
+        held = (self.v if values else self.k)[layer][blocks]
+        if not self.fp8:
+            return held
+        scales = (self.v_scale if values else self.k_scale)[layer][blocks]
+        return dequantize_kv(held, scales, self.dtype)
 
     @classmethod
     def allocate(
@@ -72,13 +124,17 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         scratch: int,
+        *,
+        fp8: bool = False,
+        backend: Kernels | None = None,
     ) -> KVCache:
         """The cache `cache_options` sizes: `kv_cache_bytes`, or on CUDA `gpu_memory_fraction`
         of the memory free now, or on the CPU `DEFAULT_CPU_KV_BYTES`; as many whole blocks as
-        fit, the last `scratch` of them held back (the CUDA graphs' padding rows write there)."""
+        fit, the last `scratch` of them held back (the CUDA graphs' padding rows write there).
+        fp8: the recipe's `kv_cache: fp8` (quantized on `backend`)."""
         c, opt = model_config, cache_options
         per_block = cls.bytes_per_block(
-            c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype
+            c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype, fp8
         )
         budget = opt.kv_cache_bytes
         if budget is None and device.type == "cuda":
@@ -95,11 +151,11 @@ class KVCache:
             )
         cache = cls(
             c.num_hidden_layers, num_blocks + scratch, opt.block_size, c.num_key_value_heads,
-            c.head_dim, dtype, device,
+            c.head_dim, dtype, device, fp8=fp8, backend=backend,
         )  # fmt: skip
         logger.info(
-            "engine: KV cache of %d blocks x %d tokens (%.1f MiB)",
-            num_blocks, opt.block_size, num_blocks * per_block / 2**20,
+            "engine: KV cache of %d blocks x %d tokens (%.1f MiB%s)",
+            num_blocks, opt.block_size, num_blocks * per_block / 2**20, ", fp8" if fp8 else "",
         )  # fmt: skip
         return cache
 
@@ -152,29 +208,29 @@ class PagedAttention:
     def __call__(
         self, layer_idx: int, q_NTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor
     ) -> torch.Tensor:
-        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
-        nb, bs, heads_kv, d = kc.shape
-        slots = self.slot_mapping
-        kc.view(nb * bs, heads_kv, d).index_copy_(0, slots, k_KTD.transpose(0, 1).to(kc.dtype))
-        vc.view(nb * bs, heads_kv, d).index_copy_(0, slots, v_KTD.transpose(0, 1).to(vc.dtype))
+        cache = self.cache
+        cache.write(layer_idx, self.slot_mapping, k_KTD, v_KTD)
+        d = q_NTD.shape[-1]
         if self.kernel:
             from mxrl.kernels.attention import paged_attention
 
-            q = q_NTD.transpose(0, 1).to(kc.dtype)  # [T, N, D]
-            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, d**-0.5)
+            q = q_NTD.transpose(0, 1).to(cache.dtype)  # [T, N, D]
+            kc, vc = cache.k[layer_idx], cache.v[layer_idx]
+            scales = (cache.k_scale[layer_idx], cache.v_scale[layer_idx]) if cache.fp8 else None
+            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, d**-0.5, scales)
             return o.transpose(0, 1).to(q_NTD.dtype)
         tiles = [
             (start + t0, min(QUERY_TILE, n - t0), kv_len - n + t0, table)
             for start, n, kv_len, table in self.requests
             for t0 in range(0, n, QUERY_TILE)
         ]
-        return _attend(q_NTD.to(kc.dtype), kc, vc, tiles).to(q_NTD.dtype)
+        return _attend(q_NTD.to(cache.dtype), cache, layer_idx, tiles).to(q_NTD.dtype)
 
 
 def _attend(
     q_NTD: torch.Tensor,
-    kc: torch.Tensor,
-    vc: torch.Tensor,
+    cache: KVCache,
+    layer: int,
     tiles: list[tuple[int, int, int, list[int]]],
 ) -> torch.Tensor:
     """Causal attention of every query tile — (first token's index in T, rows, the first
@@ -184,11 +240,11 @@ def _attend(
     docstring), so each score and value GEMM is one `[G*QT, D] x [D, B]` / `[G*QT, B] x [B, D]`
     matrix of a batched matmul."""
     heads, _, d = q_NTD.shape
-    _, bs, heads_kv, _ = kc.shape
+    _, bs, heads_kv, _ = cache.k[layer].shape
     g = heads // heads_kv
     dev = q_NTD.device
     out = torch.empty_like(q_NTD)
-    per_tile_bytes = 2 * bs * heads_kv * d * kc.element_size()  # one key block, k and v
+    per_tile_bytes = 2 * bs * heads_kv * d * q_NTD.element_size()  # one key block, k and v
     start = 0
     while start < len(tiles):
         nb = 0
@@ -211,8 +267,8 @@ def _attend(
         blocks = torch.tensor(tables, device=dev)  # [P, nb]; padding blocks are masked
         q = q_NTD[:, q_idx].view(heads_kv, g, p, QUERY_TILE, d).permute(2, 0, 1, 3, 4)
         q = q.reshape(p * heads_kv, g * QUERY_TILE, d)
-        keys = kc[blocks].permute(0, 3, 1, 2, 4)  # [P, K, nb, B, D]
-        values = vc[blocks].permute(0, 3, 1, 2, 4)
+        keys = cache.gather(layer, False, blocks).permute(0, 3, 1, 2, 4)  # [P, K, nb, B, D]
+        values = cache.gather(layer, True, blocks).permute(0, 3, 1, 2, 4)
         row_pos = q_pos[:, None, :].expand(p, g, QUERY_TILE).reshape(p, 1, g * QUERY_TILE, 1)
         key_pos = torch.arange(bs, device=dev)
         scale = d**-0.5

@@ -65,11 +65,14 @@ def paged_attention(
     block_tables: torch.Tensor,
     tiles: AttentionTiles,
     scale: float,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its request's cached keys (already written).
 
     k_cache / v_cache [num_blocks, B, K, D] (B a power of two >= 16); block_tables int32
-    [R, max_blocks]; q [T, N, D] in the cache's dtype. Returns [T, N, D]."""
+    [R, max_blocks]; q [T, N, D] in the cache's dtype. fp8_scales: an FP8 cache (k_cache and
+    v_cache uint8 E4M3 codes) and its (key, value) scales, fp32 [num_blocks, B, K], contiguous;
+    q is then in the dtype the cache is read as. Returns [T, N, D]."""
     from mxrl.kernels.triton_attention import paged_attention_kernel
 
     _, heads, d = q_TND.shape
@@ -79,8 +82,21 @@ def paged_attention(
             f"paged_attention: q {tuple(q_TND.shape)} does not fit the cache "
             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} ([T, N, D] with N a multiple of K)"
         )
-    if q_TND.dtype != k_cache.dtype:
+    if fp8_scales is not None:
+        k_scale, v_scale = fp8_scales
+        want = k_cache.shape[:-1]
+        ok = all(s.shape == want and s.dtype == torch.float32 and s.is_contiguous()
+                 for s in fp8_scales)  # fmt: skip
+        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8 or not ok:
+            raise ValueError(
+                f"paged_attention: an FP8 cache is uint8 codes {tuple(k_cache.shape)} with "
+                f"contiguous fp32 scales {tuple(want)}, got {k_cache.dtype} / {v_cache.dtype} "
+                f"and {[(tuple(s.shape), s.dtype) for s in fp8_scales]}"
+            )
+    elif q_TND.dtype != k_cache.dtype:
         raise ValueError(f"paged_attention: q is {q_TND.dtype}, the cache {k_cache.dtype}")
+    else:
+        k_scale = v_scale = k_cache  # unused
     if bs < 16 or bs & (bs - 1) or d < 16 or d & (d - 1):
         raise ValueError(
             f"paged_attention needs power-of-two block size and head dim >= 16, got {bs}, {d}"
@@ -91,7 +107,7 @@ def paged_attention(
     if tiles.num_tiles == 0:
         return out
     paged_attention_kernel[(tiles.num_tiles, heads_kv)](
-        q, k_cache, v_cache, out, block_tables,
+        q, k_cache, v_cache, k_scale, v_scale, out, block_tables,
         tiles.token, tiles.rows, tiles.pos, tiles.req,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -99,7 +115,7 @@ def paged_attention(
         block_tables.stride(0),
         scale,
         G=group, D=d, BLOCK_M=block_m(group), BLOCK_N=bs,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, FP8=fp8_scales is not None, HEADS_KV=heads_kv,
         num_warps=4,
     )  # fmt: skip
     return out

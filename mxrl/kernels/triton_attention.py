@@ -18,6 +18,11 @@ Why a row's bytes depend on nothing but its query and its request's keys up to i
   row of its tile) changes nothing.
 The kernel agrees with the reference (`mxrl.engine.kv_cache`: two-pass softmax, exact exp) up to
 floating-point rounding (exp2 approximation, summation order); tests state the bound.
+
+FP8 cache (`FP8`, a recipe's `kv_cache: fp8`): the cache holds E4M3 bytes and one fp32 scale per
+token slot and KV head; a loaded key or value is fl(fp32(code) * scale) cast to q's dtype, the
+bytes `mxrl.nn.kv_quant.dequantize_kv` gives, so the kernel attends to exactly the values of the
+reference's dequantized cache.
 """
 
 from __future__ import annotations
@@ -25,12 +30,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mxrl.kernels.triton_codecs import e4m3_decode
+
 
 @triton.jit
 def paged_attention_kernel(
     q_ptr,  # [T, N, D]
-    k_cache_ptr,  # [num_blocks, B, K, D]
+    k_cache_ptr,  # [num_blocks, B, K, D] (FP8: uint8 E4M3 codes)
     v_cache_ptr,
+    k_scale_ptr,  # FP8: fp32 [num_blocks, B, K], contiguous (else unused)
+    v_scale_ptr,
     o_ptr,  # [T, N, D]
     block_tables_ptr,  # int32 [R, max_blocks]
     tile_token_ptr,  # int32 [tiles]: index in T of the tile's first token
@@ -54,6 +63,8 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: full-precision dot (no TF32)
+    FP8: tl.constexpr,  # the cache holds E4M3 codes and scales
+    HEADS_KV: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head_kv = tl.program_id(1)
@@ -80,8 +91,17 @@ def paged_attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
         k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + d[None, :]
         v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + d[None, :]
-        k = tl.load(k_cache_ptr + k_off)
-        v = tl.load(v_cache_ptr + v_off)
+        if FP8:
+            s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
+            k_sf = tl.load(k_scale_ptr + s_off)
+            v_sf = tl.load(v_scale_ptr + s_off)
+            k_codes = tl.load(k_cache_ptr + k_off).to(tl.int32)
+            v_codes = tl.load(v_cache_ptr + v_off).to(tl.int32)
+            k = (e4m3_decode(k_codes) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
+            v = (e4m3_decode(v_codes) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
+        else:
+            k = tl.load(k_cache_ptr + k_off)
+            v = tl.load(v_cache_ptr + v_off)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

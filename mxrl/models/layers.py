@@ -20,6 +20,7 @@ from mxrl.arch.config import ModelConfig
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
 from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
+from mxrl.nn.kv_quant import fake_quant_kv
 
 
 class KVCache(Protocol):
@@ -145,6 +146,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype) if c.qk_norm else None
         self.rope = ApplyRope()
+        # recipe `kv_cache: fp8` (set by `apply_plan`): attend to the keys and values the
+        # engine's FP8 cache gives back (mxrl.nn.kv_quant)
+        self.kv_fp8 = False
 
     def forward(
         self,
@@ -168,6 +172,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rope(q, k, *rope)
         ctx = get_forward_context()
+        if self.kv_fp8 and ctx is None:  # (the engine quantizes them as it writes its cache)
+            k, v = fake_quant_kv(_as_attended(k)), fake_quant_kv(_as_attended(v))
         if ctx is not None:  # the engine's ragged batch: [1, T] tokens of many requests
             if B != 1:
                 raise ValueError(f"under a forward context the batch is one ragged row, got B={B}")
@@ -184,6 +190,14 @@ class Attention(nn.Module):
             q, k, v, attn_mask=attn_mask_BSL, is_causal=is_causal, enable_gqa=True
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def _as_attended(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype attention computes in: autocast's, when it is on (SDPA casts to it)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:

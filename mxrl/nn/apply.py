@@ -18,6 +18,7 @@ from mxrl.kernels.backend import backend_for
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.recipe import Plan, TensorSpec
+from mxrl.recipe.schema import KVCacheFormat
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,25 @@ def apply_plan(
             swaps.append(Swap(name, "QLinear", (spec.name,), (spec.format,)))
     _check_unsupported(model, plan, canonical)
     _link_fuse_partners(model)
+    _set_kv_cache(model, plan)
     return swaps
+
+
+def _set_kv_cache(model: nn.Module, plan: Plan) -> None:
+    """`kv_cache: fp8`: every decoder layer's attention attends to the keys and values the FP8
+    cache gives back (`mxrl.nn.kv_quant`); refused for a model whose layers do not all have
+    such an attention (it would train on other keys than its rollouts used)."""
+    if plan.kv_cache is KVCacheFormat.COMPUTE:
+        return
+    attention = [m for m in model.modules() if hasattr(m, "kv_fp8")]
+    if len(attention) != plan.num_layers:
+        raise ValueError(
+            f"the plan's kv_cache: {plan.kv_cache.value} needs an FP8-capable attention in each "
+            f"of its {plan.num_layers} layers; this model has {len(attention)}: use "
+            "kv_cache: compute for it"
+        )
+    for module in attention:
+        module.kv_fp8 = True
 
 
 def swap_table(swaps: list[Swap]) -> str:

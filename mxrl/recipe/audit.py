@@ -122,9 +122,10 @@ def _summary(plan: Plan) -> list[str]:
         acc[1] += numel
         acc[2] += numel * bits_per_element(s) / 8
         bf16_bytes += numel * BITS_PER_ELEMENT[Format.BF16] / 8
+    kv = plan.kv_cache.value
     lines = [
         f"summary: recipe {plan.recipe_name}, backward {plan.backward.value}, "
-        f"{plan.num_layers} layers"
+        f"{plan.num_layers} layers" + (f", KV cache {kv}" if kv != "compute" else "")
     ]
     total_bytes = 0.0
     for fmt in Format:

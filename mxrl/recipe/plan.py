@@ -4,7 +4,8 @@
 The plan hash is the precision contract trainer and engine compare before any exchange. It is the
 sha256 of canonical JSON (sorted keys, no whitespace, tensors sorted by name) of
 `{"schema": PLAN_SCHEMA_VERSION, "tensors": [{name, shape, format, activations, fuse_group,
-block}, ...]}` — exactly what decides the bytes a quantizer writes. It leaves out rule provenance
+block}, ...]}`, plus `"kv_cache": "fp8"` for a recipe that quantizes the KV cache — exactly what
+decides the bytes a quantizer writes (a plan with the default KV cache hashes as it always did). It leaves out rule provenance
 (two recipes that assign the same formats give the same hash), the recipe name, and `backward`,
 which changes how training computes gradients but not one byte of a weight or an activation.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from mxrl.arch.names import Kind
 from mxrl.formats.constants import Format
 from mxrl.recipe.audit import format_summary, format_table
-from mxrl.recipe.schema import ACTIVATIONS, Backward
+from mxrl.recipe.schema import ACTIVATIONS, Backward, KVCacheFormat
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +112,13 @@ class Plan(Mapping[str, TensorSpec]):
     specs: tuple[TensorSpec, ...]
     # what the recipe says but this plan does not do (`check`); not part of the contract
     problems: tuple[str, ...] = field(default=(), compare=False)
+    # how attention keys and values are held (part of the contract when fp8)
+    kv_cache: KVCacheFormat = KVCacheFormat.COMPUTE
     _index: dict[str, TensorSpec] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backward", Backward(self.backward))
+        object.__setattr__(self, "kv_cache", KVCacheFormat(self.kv_cache))
         object.__setattr__(self, "specs", tuple(self.specs))
         object.__setattr__(self, "problems", tuple(self.problems))
         index = {s.name: s for s in self.specs}
@@ -142,10 +146,12 @@ class Plan(Mapping[str, TensorSpec]):
 
     @cached_property
     def _contract_hash(self) -> str:
-        contract = {
+        contract: dict[str, Any] = {
             "schema": PLAN_SCHEMA_VERSION,
             "tensors": sorted((s.contract() for s in self.specs), key=lambda d: d["name"]),
         }
+        if self.kv_cache is not KVCacheFormat.COMPUTE:
+            contract["kv_cache"] = self.kv_cache.value
         text = json.dumps(contract, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(text.encode("ascii")).hexdigest()
 
@@ -186,6 +192,7 @@ class Plan(Mapping[str, TensorSpec]):
             "recipe_name": self.recipe_name,
             "backward": self.backward.value,
             "num_layers": self.num_layers,
+            "kv_cache": self.kv_cache.value,
             "hash": self.hash(),
             "problems": list(self.problems),
             "tensors": [s.to_dict() for s in self.specs],
@@ -206,6 +213,7 @@ class Plan(Mapping[str, TensorSpec]):
             num_layers=int(data["num_layers"]),
             specs=tuple(TensorSpec(**t) for t in data["tensors"]),
             problems=tuple(data.get("problems", ())),
+            kv_cache=data.get("kv_cache", KVCacheFormat.COMPUTE),  # older files: the default
         )
         if "hash" in data and data["hash"] != plan.hash():
             raise ValueError(

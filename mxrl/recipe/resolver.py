@@ -85,7 +85,7 @@ def resolve(
         specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
     _check_fuse_groups(specs)
     problems = _problems(recipe, provenances, selected, assigned, globbed, specs)
-    plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs), problems)
+    plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs), problems, recipe.kv_cache)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("recipe %s on %d tensors: plan %s", recipe.name, len(plan), plan.hash())
     return plan

@@ -15,7 +15,9 @@ rules:
 
 Recipe keys: name (defaults to the file stem when loaded from a file), description (optional, one
 line, shown by `mxrl recipe list`), backward (default high_precision), default (default bf16),
-rules (default []). Rule keys: match, format, activations, fuse, block. Match keys: name, kind,
+kv_cache (default compute: keys and values in the compute dtype; fp8: E4M3 with one fp32 scale per
+token and KV head, the rollout engine's cache and the trainer's attention alike), rules (default
+[]). Rule keys: match, format, activations, fuse, block. Match keys: name, kind,
 layers. Unknown keys and bad values raise ValueError naming the key, where it is, and the fix.
 """
 
@@ -43,9 +45,16 @@ class Backward(StrEnum):
     QUANTIZED = "quantized"
 
 
+class KVCacheFormat(StrEnum):
+    """How attention keys and values are held (docs/recipes.md, "The KV cache")."""
+
+    COMPUTE = "compute"  # in the run's compute dtype (bf16 on CUDA, fp32 on the CPU)
+    FP8 = "fp8"  # E4M3, one fp32 scale per token and KV head (block FP8 in 1 x head_dim blocks)
+
+
 ACTIVATIONS = ("per_token", "per_tensor")
 FUSE_GATE_UP = ("gate", "up")
-RECIPE_KEYS = ("name", "description", "backward", "default", "rules")
+RECIPE_KEYS = ("name", "description", "backward", "default", "kv_cache", "rules")
 RULE_KEYS = ("match", "format", "activations", "fuse", "block")
 MATCH_KEYS = ("name", "kind", "layers")
 _QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8, Format.FP8_BLOCK)
@@ -201,11 +210,14 @@ class Recipe:
     default: Format = Format.BF16
     rules: tuple[Rule, ...] = ()
     description: str = ""
+    kv_cache: KVCacheFormat = KVCacheFormat.COMPUTE
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError("name: a recipe needs a non-empty name (e.g. name: my-nvfp4)")
         object.__setattr__(self, "backward", _coerce(Backward, self.backward, "backward", "mode"))
+        kv = _coerce(KVCacheFormat, self.kv_cache, "kv_cache", "format")
+        object.__setattr__(self, "kv_cache", kv)
         object.__setattr__(self, "default", _coerce(Format, self.default, "default", "format"))
         if not isinstance(self.description, str):
             raise ValueError(f"description: expected one line of text, got {self.description!r}")
@@ -260,7 +272,8 @@ def recipe_from_dict(data: Mapping[str, Any], *, default_name: str | None = None
         except ValueError as e:
             raise ValueError(f"{rule_where}: {e}") from None
         rules.append(rule)
-    kwargs = {k: data[k] for k in ("backward", "default", "description") if data.get(k) is not None}
+    given = ("backward", "default", "description", "kv_cache")
+    kwargs = {k: data[k] for k in given if data.get(k) is not None}
     try:
         return Recipe(name=data.get("name") or default_name or "", rules=tuple(rules), **kwargs)
     except ValueError as e:

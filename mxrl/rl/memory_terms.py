@@ -126,10 +126,13 @@ def engine_weight_bytes(plan: Any, compute: int, cuda: bool) -> int:
     return total
 
 
-def kv_cache_bytes(c: Any, rl: Any, seq: int, compute: int, cuda: bool, ranks: int) -> int:
+def kv_cache_bytes(
+    c: Any, rl: Any, seq: int, compute: int, cuda: bool, ranks: int, fp8: bool = False
+) -> int:
     """The KV cache a rollout of this rank's groups (`rl`: the GRPOConfig) needs: every
     sequence (at most the scheduler's max_num_seqs at once) at its longest, `seq` tokens, in
-    whole blocks, without prefix sharing (an upper bound); plus CUDA graphs' scratch block."""
+    whole blocks, without prefix sharing (an upper bound); plus CUDA graphs' scratch block.
+    fp8: the recipe's `kv_cache: fp8` (codes and scales)."""
     import torch
 
     from mxrl.engine.config import CacheOptions
@@ -141,7 +144,7 @@ def kv_cache_bytes(c: Any, rl: Any, seq: int, compute: int, cuda: bool, ranks: i
     )
     dtype = torch.bfloat16 if compute == 2 else torch.float32
     per_block = KVCache.bytes_per_block(
-        c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype
+        c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype, fp8
     )
     blocks = sequences * math.ceil(seq / opt.block_size) + (1 if cuda else 0)
     return blocks * per_block

@@ -76,3 +76,45 @@ def test_kernel_is_batch_and_chunk_invariant():
         chunk = _run(cache, [(0, n, start + n, table)], q[:, start : start + n], True, group)
         assert_bytes_equal(chunk, whole[:, start : start + n], f"chunk {start}..{start + n}")
         start += n
+
+
+def _fp8_pair(seed=0):
+    """An FP8 cache written with random keys and values, and a compute-dtype cache holding
+    exactly what the FP8 one gives back (its dequantized values)."""
+    fp8 = KVCache(1, 12, BS, KV_HEADS, D, torch.float32, torch.device("cpu"), fp8=True)
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.arange(12 * BS)
+    k = torch.randn(KV_HEADS, 12 * BS, D, generator=g) * 3
+    v = torch.randn(KV_HEADS, 12 * BS, D, generator=g) / 5
+    fp8.write(0, slots, k, v)
+    plain = KVCache(1, 12, BS, KV_HEADS, D, torch.float32, torch.device("cpu"))
+    everything = torch.arange(12)
+    plain.k[0].copy_(fp8.gather(0, False, everything))
+    plain.v[0].copy_(fp8.gather(0, True, everything))
+    return fp8, plain
+
+
+def _attend_cached(cache, requests, q, kernel, group):
+    """Attention of new tokens already in the cache (a step that writes nothing new: its slots
+    are the cache's own scratch, block 11, never read)."""
+    t = q.shape[1]
+    slots = torch.full((t,), 11 * BS, dtype=torch.long)
+    zeros = torch.zeros(KV_HEADS, t, D)
+    att = PagedAttention(cache, slots, requests, group=group, kernel=kernel)
+    return att(0, q, zeros, zeros)
+
+
+@interpreter
+@pytest.mark.parametrize("group", [1, 4])
+def test_kernel_on_an_fp8_cache_attends_to_its_dequantized_values(group):
+    """`kv_cache: fp8`: the kernel decodes codes times scales to exactly the values the
+    reference reads back, so it gives what it gives on a cache holding those values."""
+    fp8, plain = _fp8_pair()
+    g = torch.Generator().manual_seed(3)
+    requests = [(0, 37, 37, [0, 1, 2]), (37, 1, 21, [3, 4]), (38, 5, 45, [5, 6, 7])]
+    q = torch.randn(KV_HEADS * group, 43, D, generator=g)
+    got = _attend_cached(fp8, requests, q, kernel=True, group=group)
+    assert_bytes_equal(got, _attend_cached(plain, requests, q, True, group), "kernel")
+    ref = _attend_cached(fp8, requests, q, kernel=False, group=group)
+    assert_bytes_equal(ref, _attend_cached(plain, requests, q, False, group), "reference")
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
