@@ -102,7 +102,10 @@ def test_defaults_and_normalisation():
 @pytest.mark.parametrize(
     ("data", "needles"),
     [
-        (_recipe(colour="red"), ["'colour'", "name, description, backward, default, kv_cache, rules"]),
+        (
+            _recipe(colour="red"),
+            ["'colour'", "name, description, backward, default, kv_cache, rules"],
+        ),
         (_recipe({"format": "bf16", "when": {}}), ["rules[0]", "'when'", "match, format"]),
         (
             _recipe({"format": "bf16"}, {"match": {"kinds": "router"}, "format": "bf16"}),
