@@ -126,6 +126,16 @@ def precision_contract(plan: Plan) -> dict[str, Any]:
         "plan_hash": plan.hash(),
         "formats": formats,
     }
+    if plan.kv_cache.value != "compute":
+        out["kv_cache"] = {
+            "format": plan.kv_cache.value,
+            "note": (
+                "mxrl's FP8 KV cache scales each token's key and value vector per KV head "
+                "(fp32, amax / 448); serving stacks' FP8 KV caches use static per-tensor "
+                "k_scale / v_scale, so none is written: serve with a bf16 cache, or an FP8 one "
+                "of your stack's, which differs from the policy's rollouts"
+            ),
+        }
     if acts:
         out["nvfp4_activations"] = {
             "global_scale": acts,

@@ -245,6 +245,20 @@ def test_precision_contract_states_the_activations_of_every_nvfp4_tensor():
     }
 
 
+def test_precision_contract_says_the_fp8_kv_cache_has_no_served_equivalent():
+    _, plan = model_and_plan({**FP8_L0, "kv_cache": "fp8"})
+    contract = precision_contract(plan)
+    note = contract["kv_cache"].pop("note")
+    assert "per KV head" in note and "k_scale" in note
+    assert contract == {
+        "mxrl_version": mxrl.__version__,
+        "recipe": "edge",
+        "plan_hash": plan.hash(),
+        "formats": ["fp8_block"],
+        "kv_cache": {"format": "fp8"},
+    }
+
+
 # --- writing ------------------------------------------------------------------------------------
 
 
