@@ -1,0 +1,231 @@
+"""The GRPO step as the article reports it: rollout, training and weight-sync seconds per preset
+against bf16, every preset on the same model, prompts and response lengths, in one run.
+
+    python benchmarks/rl_step.py                      # H200: Qwen3-30B-A3B layers, 64 x 8
+    python benchmarks/rl_step.py --tiny --device cpu  # the script's logic, in seconds
+
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+32000, seeded random weights, the same master for every preset. A step is `GRPOTrainer.
+train_step` as `mxrl train` runs it: rollout of `--prompts` x `--samples` sequences (GRPO groups
+sharing their prompt's KV blocks, temperature 1) on the engine, rewards, the training pass in
+micro-batches of at most `--micro-batch-tokens` padded tokens (the policy's logprobs at the
+rollout's tokens come from the training forward itself: one update per batch, so there is no
+separate old-logprob pass; `logprob s` is therefore part of `train s`), the optimizer step, and
+the verified weight sync as the loop runs it (per-layer SQNR on, `verify_every` steps deep).
+
+Response lengths: random weights rarely emit a stop token, so each request's length is drawn
+once from a seeded spread (exponential with mean `--new-tokens`/3, between 16 and
+`--new-tokens`: most short, a tail at the limit, as real rollouts) and given to the engine as its
+`max_new_tokens`; every preset generates exactly the same number of tokens. Step 1 is a warm-up
+(allocator, autotuning, CUDA-graph capture); the rows are the median of steps 2..1+`--steps`.
+`--kv-fp8` adds each preset once more with `kv_cache: fp8`. Writes the `rl_step` section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
+from engine_decode import check_device, check_presets, cpu_environment, model_config
+
+ensure_repo_on_path()
+
+from mxrl.engine import SamplingParams  # noqa: E402
+from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
+from mxrl.rl.config import GRPOConfig  # noqa: E402
+from mxrl.rl.source import PromptBatch  # noqa: E402
+from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
+from mxrl.runs import RunRecord  # noqa: E402
+from mxrl.runs.yamlio import load_yaml  # noqa: E402
+
+PRESET_DIR = REPO_ROOT / "mxrl" / "recipe" / "presets"
+
+ARTICLE_PRESETS = ("bf16", "mxfp8", "mxfp8-hp", "mxfp8-dequantized", "nvfp4-hp",
+                   "nvfp4-dequantized")  # fmt: skip
+STAGES = ("rollout_s", "train_s", "sync_s", "step_s")
+
+
+class RandomPrompts:
+    """`--prompts` random prompts of `--prompt` tokens a step (seeded by the step), a reward
+    that random weights earn about half the time (parity of the first sampled token) so the
+    advantages and gradients are not zero, and no stop token."""
+
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab: int, prompt_len: int, seed: int) -> None:
+        self.vocab, self.prompt_len, self.seed, self.step = vocab, prompt_len, seed, 0
+
+    def next_batch(self, n: int) -> PromptBatch:
+        rng = random.Random(self.seed * 1_000_003 + self.step)
+        self.step += 1
+        prompts = [[rng.randrange(1, self.vocab) for _ in range(self.prompt_len)] for _ in range(n)]
+        return PromptBatch(prompts, [None] * n)
+
+    def reward(self, tokens: list[int], label: object) -> float:
+        return float(tokens[0] % 2) if tokens else 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def response_lengths(count: int, longest: int, seed: int) -> list[int]:
+    """Seeded lengths: exponential with mean longest/3, clamped to [16, longest]."""
+    rng = random.Random(seed)
+    shortest = min(16, longest)
+    return [max(shortest, min(longest, round(rng.expovariate(3 / longest)))) for _ in range(count)]
+
+
+class FixedLengthTrainer(GRPOTrainer):
+    """The trainer with each request's `max_new_tokens` from the seeded table (the same for
+    every preset); everything else is `mxrl train`'s step."""
+
+    lengths: ClassVar[list[int]] = []
+
+    def _sampling(self, step: int, index: int) -> SamplingParams:
+        params = super()._sampling(step, index)
+        return dataclasses.replace(params, max_new_tokens=self.lengths[index])
+
+
+def recipe_of(preset: str, kv_fp8: bool) -> str | dict:
+    """The preset, or (kv_fp8) the preset's recipe with `kv_cache: fp8`, inline."""
+    if not kv_fp8:
+        return preset
+    data = dict(load_yaml(PRESET_DIR / f"{preset}.yaml"))
+    return {**data, "name": f"{preset}-kv-fp8", "kv_cache": "fp8"}
+
+
+def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out: Path) -> dict:
+    """One preset's steps; its row (median seconds per stage, tokens, peak memory)."""
+    model = from_pretrained(path, dtype=torch.float32).to(device)
+    label = f"{preset}+kv-fp8" if kv_fp8 else preset
+    cfg = GRPOConfig(
+        recipe=recipe_of(preset, kv_fp8), steps=args.steps + 1, prompts_per_step=args.prompts,
+        samples_per_prompt=args.samples, max_new_tokens=args.new_tokens, lr=1e-5, seed=0,
+        device=str(device), verify_every=args.verify_every, engine_tile=args.tile,
+        max_tokens_per_micro_batch=args.micro_batch_tokens,
+    )  # fmt: skip
+    record = RunRecord.create(out, label.replace("+", "_"), config={})
+    source = RandomPrompts(model.config.vocab_size, args.prompt, seed=0)
+    FixedLengthTrainer.lengths = lengths
+    trainer = FixedLengthTrainer(cfg, model, source, record)
+    if args.kv_cache_gb:
+        cache = trainer.engine.cache_options
+        trainer.engine.cache_options = dataclasses.replace(
+            cache, kv_cache_bytes=int(args.kv_cache_gb * 2**30)
+        )
+    rows = []
+    for step in range(args.steps + 1):
+        start = time.perf_counter()
+        metrics = trainer.train_step()
+        wall = time.perf_counter() - start
+        if step:  # step 1: the warm-up
+            rows.append({"rollout_s": metrics["time/rollout_s"], "train_s": metrics["time/train_s"],
+                         "sync_s": metrics["time/sync_s"], "step_s": wall,
+                         "response_len": metrics["response_len/mean"]})  # fmt: skip
+        print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
+    row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
+    row["generated_tokens"] = sum(lengths)
+    row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
+    row["peak_gib"] = (
+        torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    )
+    del trainer, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return row
+
+
+def with_deltas(rows: list[dict]) -> list[dict]:
+    """Each stage as Δ% against the bf16 row (None without one)."""
+    base = next((r for r in rows if r["preset"] == "bf16"), None)
+    for r in rows:
+        for k in STAGES:
+            r[f"{k[:-2]}_delta_pct"] = (
+                100.0 * (r[k] / base[k] - 1.0) if base and base[k] > 0 else None
+            )
+    return rows
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--presets", nargs="+", default=list(ARTICLE_PRESETS))
+    ap.add_argument("--kv-fp8", action="store_true", help="each preset again with kv_cache: fp8")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=4096, help="the longest response")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
+    ap.add_argument("--micro-batch-tokens", type=int, default=32768)
+    ap.add_argument("--verify-every", type=int, default=0, help="deep sync check every N steps")
+    ap.add_argument("--tile", type=int, default=128, help="the engine's GEMM tile")
+    ap.add_argument("--kv-cache-gb", type=float, help="the engine's KV cache (default: its own)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
+    ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
+    args = ap.parse_args(argv)
+    check_presets(args.presets)
+    for name in ("layers", "prompts", "samples", "prompt", "new_tokens", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = check_device(args.device)
+    config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny)
+    count = args.prompts * args.samples
+    lengths = response_lengths(count, args.new_tokens, seed=0)
+    print(f"rl_step: {args.layers} layers, {args.prompts} x {args.samples} sequences, prompt "
+          f"{args.prompt}, responses {min(lengths)}..{max(lengths)} tokens "
+          f"(mean {sum(lengths) / count:.0f})", flush=True)  # fmt: skip
+    runs = [(p, False) for p in args.presets] + [(p, True) for p in args.presets if args.kv_fp8]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "model"
+        save_pretrained(build_model(config, dtype=torch.float32, seed=0), path)
+        for preset, kv in runs:
+            rows.append(run_preset(path, preset, kv, lengths, device, args, Path(tmp) / "runs"))
+    rows = with_deltas(rows)
+    columns = [("preset", "preset", "s")] + [
+        c for k in STAGES for c in ((k, k.replace("_s", " s"), ".3f"),
+                                    (f"{k[:-2]}_delta_pct", "Δ%", "+.1f"))
+    ]  # fmt: skip
+    print(format_table(rows, columns))
+    env = environment() if device.type == "cuda" else cpu_environment()
+    section = {
+        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
+        "batch": {
+            "prompts": args.prompts,
+            "samples": args.samples,
+            "prompt_tokens": args.prompt,
+            "longest_response": args.new_tokens,
+            "mean_response": sum(lengths) / count,
+        },
+        "steps": args.steps,
+        "rows": rows,
+        "environment": env,
+        "delta_note": "Δ% = 100 x (preset / bf16 - 1), per stage",
+    }
+    update_results(Path(args.out), "rl_step", section, {})
+    print(f"rl_step: written to {args.out}")
+    return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

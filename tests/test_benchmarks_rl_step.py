@@ -1,0 +1,54 @@
+"""benchmarks/rl_step.py end to end on the CPU, shrunk (--tiny): a row per preset and per
+`kv_cache: fp8` variant with every stage timed and its Δ% against bf16, every preset generating
+exactly the seeded response lengths, the results file keeping the other sections."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str, mp: pytest.MonkeyPatch):
+    mp.syspath_prepend(str(BENCHMARKS))  # the scripts import benchmarks/common.py
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_response_lengths_are_seeded_and_spread():
+    rl_step = _load("rl_step", pytest.MonkeyPatch())
+    lengths = rl_step.response_lengths(512, 4096, seed=0)
+    assert lengths == rl_step.response_lengths(512, 4096, seed=0)
+    assert min(lengths) == 16 and max(lengths) == 4096  # a tail at the limit
+    assert 1000 < sum(lengths) / 512 < 1500  # mean about 4096 / 3, most short
+    assert sorted(lengths)[256] < 1000
+
+
+def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
+    rl_step = _load("rl_step", monkeypatch)
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"rollout": {"kept": True}}))
+    args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--kv-fp8",
+            "--prompts", "2", "--samples", "2", "--prompt", "8", "--new-tokens", "40",
+            "--steps", "1", "--tile", "16", "--out", str(out)]  # fmt: skip
+    assert rl_step.main(args) == 0
+    data = json.loads(out.read_text())
+    assert data["rollout"] == {"kept": True}
+    section = data["rl_step"]
+    rows = {r["preset"]: r for r in section["rows"]}
+    assert list(rows) == ["bf16", "bf16+kv-fp8"]
+    lengths = rl_step.response_lengths(4, 40, seed=0)
+    assert len(set(lengths)) > 1  # the lengths differ from request to request
+    for r in rows.values():
+        assert all(r[k] > 0 for k in ("rollout_s", "train_s", "sync_s", "step_s"))
+        assert r["step_s"] >= r["rollout_s"] + r["train_s"] + r["sync_s"]
+        assert r["response_len_mean"] == sum(lengths) / 4  # the seeded lengths, every preset
+    assert rows["bf16"]["step_delta_pct"] == 0.0
+    want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
+    assert rows["bf16+kv-fp8"]["rollout_delta_pct"] == pytest.approx(want)
