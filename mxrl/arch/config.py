@@ -1,8 +1,10 @@
-"""ModelConfig: the architecture of a Qwen3 / Qwen3-MoE / Qwen2-MoE model, read from config.json.
+"""ModelConfig: the architecture of a Qwen3 / Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 model, read from
+config.json.
 
-One dataclass for the three families; the family only decides a few switches (q/k RMSNorm, which
-projections carry a bias, which layers are MoE, whether they have a shared expert): its file's
-`config_fields` and `hf_fields` (`mxrl.arch.qwen3`, `qwen3_moe`, `qwen2_moe`). The HF dict the config was
+One dataclass for the families; the family only decides a few switches (q/k RMSNorm, which
+projections carry a bias, which layers are MoE, whether they have a shared expert, MLA and the
+sigmoid router of DeepSeek-V3): its file's `config_fields` and `hf_fields` (`mxrl.arch.qwen3`,
+`qwen3_moe`, `qwen2_moe`, `deepseek_v3`). The HF dict the config was
 read from is kept verbatim in `hf_config`, so `save_pretrained` writes back what it was given.
 """
 
@@ -48,6 +50,20 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # > 0: Qwen2-MoE shared expert + sigmoid gate
     moe_layers: tuple[int, ...] = ()  # decoder layers whose MLP is the sparse MoE block
+    # DeepSeek-V3's router (scoring_func "sigmoid"): sigmoid scores, e_score_correction_bias for
+    # the selection only, top-k within the topk_group best of n_group groups, weights times
+    # routed_scaling_factor; its shared experts (shared_expert_intermediate_size) have no gate.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # MLA (kv_lora_rank > 0, DeepSeek-V3): head_dim is then the RoPE part of a q/k head
+    # (qk_rope_head_dim), q_lora_rank 0 a single q_proj
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +104,17 @@ class ModelConfig:
                 )
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("shared_expert_intermediate_size must be >= 0 (0: no shared expert)")
+        _check_router(self)
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "v_head_dim"):
+                _positive(name, getattr(self, name), "(MLA: kv_lora_rank > 0)")
+            if self.q_lora_rank < 0:
+                raise ValueError(f"q_lora_rank must be >= 0 (0: q_proj), got {self.q_lora_rank}")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
 
     @property
     def is_moe(self) -> bool:
@@ -171,12 +198,52 @@ class ModelConfig:
         return out
 
     def _synthesize_hf(self) -> dict[str, Any]:
-        skip = {"hf_config", "moe_layers", "qkv_bias", "o_bias", "qk_norm"}
+        skip = {"hf_config", "moe_layers", "qkv_bias", "o_bias", "qk_norm"} | _FAMILY_ONLY
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
         }
         out.update(_built_families()[self.model_type].hf_fields(self))
         return out
+
+
+# fields that only a family's hf_fields writes (under its own config.json keys)
+_FAMILY_ONLY = {
+    "scoring_func",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+}
+
+
+def _check_router(c: ModelConfig) -> None:
+    """The sigmoid router's grouping: n_group groups of at least 2 experts (each group is scored
+    by its two best), topk_group of them kept, enough experts in them for the top-k."""
+    if c.scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func {c.scoring_func!r}: 'softmax' or 'sigmoid'")
+    if c.scoring_func == "softmax" and (c.n_group, c.topk_group) != (1, 1):
+        raise ValueError("n_group / topk_group are the sigmoid router's (DeepSeek-V3) only")
+    if not c.moe_layers or c.scoring_func == "softmax":
+        return
+    _positive("n_group", c.n_group)
+    if c.num_experts % c.n_group or c.num_experts // c.n_group < 2:
+        raise ValueError(
+            f"n_group ({c.n_group}) must divide n_routed_experts ({c.num_experts}) into groups "
+            "of at least 2 experts (a group is scored by its two best)"
+        )
+    if not 0 < c.topk_group <= c.n_group:
+        raise ValueError(f"topk_group ({c.topk_group}) must be in 1..n_group ({c.n_group})")
+    if c.num_experts_per_tok > c.topk_group * (c.num_experts // c.n_group):
+        raise ValueError(
+            f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the experts of the "
+            f"topk_group ({c.topk_group}) groups kept, {c.topk_group * (c.num_experts // c.n_group)}"
+        )
+    if not c.routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor must be > 0, got {c.routed_scaling_factor}")
 
 
 def _built_families() -> dict[str, Family]:

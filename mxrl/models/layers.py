@@ -1,4 +1,5 @@
-"""Building blocks of the Qwen decoder: RMSNorm, RoPE, attention, SwiGLU MLP, sparse MoE block.
+"""Building blocks of the Qwen decoder: RMSNorm, RoPE, attention, SwiGLU MLP, sparse MoE block
+(DeepSeek-V3's MLA and sigmoid-routed MoE: `mxrl.models.mla`; `DecoderLayer` picks by config).
 
 Legend: B batch, S query length, L key/value length (S plus cached tokens), H hidden size,
 N query heads, K key/value heads, D head_dim, T = B*S tokens, E experts, k experts per token.
@@ -175,15 +176,33 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        L = k.shape[2]
-        is_causal = attn_mask_BSL is None and S == L and S > 1
-        if attn_mask_BSL is None and 1 < S < L:
-            # SDPA's is_causal aligns top-left; cached prefixes need bottom-right alignment.
-            attn_mask_BSL = causal_mask(S, L, device=x_BSH.device)[None, None]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask_BSL, is_causal=is_causal, enable_gqa=True
-        )
+        out = attend(q, k, v, attn_mask_BSL)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+def attend(
+    q_BNSD: torch.Tensor,
+    k_BKLD: torch.Tensor,
+    v_BKLD: torch.Tensor,
+    attn_mask_BSL: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA of S queries over L keys, [B, N, S, Dv]: the mask as given, else causal with the
+    queries the last S of the L positions. scale: None for SDPA's 1/sqrt(D)."""
+    S, L = q_BNSD.shape[2], k_BKLD.shape[2]
+    is_causal = attn_mask_BSL is None and S == L and S > 1
+    if attn_mask_BSL is None and 1 < S < L:
+        # SDPA's is_causal aligns top-left; cached prefixes need bottom-right alignment.
+        attn_mask_BSL = causal_mask(S, L, device=q_BNSD.device)[None, None]
+    return F.scaled_dot_product_attention(
+        q_BNSD,
+        k_BKLD,
+        v_BKLD,
+        attn_mask=attn_mask_BSL,
+        is_causal=is_causal,
+        enable_gqa=True,
+        scale=scale,
+    )
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -283,12 +302,19 @@ class DecoderLayer(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.is_moe = layer_idx in c.moe_layers
-        self.self_attn = Attention(c, layer_idx, dtype=dtype)
-        self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(c, dtype=dtype)
-            if self.is_moe
-            else MLP(c.hidden_size, c.intermediate_size, dtype=dtype)
+        from mxrl.models.mla import DeepseekMoE, MLAttention  # which imports this file
+
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(c, layer_idx, dtype=dtype)
+            if c.is_mla
+            else Attention(c, layer_idx, dtype=dtype)
         )
+        self.mlp: MLP | SparseMoeBlock | DeepseekMoE = MLP(
+            c.hidden_size, c.intermediate_size, dtype=dtype
+        )
+        if self.is_moe:
+            sigmoid = c.scoring_func == "sigmoid"
+            self.mlp = DeepseekMoE(c, dtype=dtype) if sigmoid else SparseMoeBlock(c, dtype=dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
@@ -302,7 +328,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [B, S, H], expert ids [B, S, k] or None for a dense layer)."""
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), rope, attn_mask_BSL, kv_cache)
-        if isinstance(self.mlp, SparseMoeBlock):
+        if self.is_moe:
             mlp_out, ids = self.mlp(self.post_attention_layernorm(h), replay_ids_BSk)
             return h + mlp_out, ids
         return h + self.mlp(self.post_attention_layernorm(h)), None
