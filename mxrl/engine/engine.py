@@ -103,6 +103,7 @@ class Engine(WeightLoading, GraphCapture):
 
     def _setup(self, config: ModelConfig, plan: Plan, options: EngineConfig) -> None:
         """`options` resolved for its device (`EngineConfig.build`)."""
+        _check_supported(config)
         self.config, self.plan, self.options = config, plan, options
         self.device, self.overlap = options.device, options.overlap
         self.kernels = options.backend  # the Kernels record, chosen once for the device
@@ -354,6 +355,17 @@ class Engine(WeightLoading, GraphCapture):
 
 def _pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
+
+
+def _check_supported(config: ModelConfig) -> None:
+    """The families the engine runs: not DeepSeek-V3's MLA and sigmoid router (docs/models.md)."""
+    if config.is_mla or config.scoring_func != "softmax":
+        raise ValueError(
+            f"model_type {config.model_type!r}: the rollout engine does not run this family yet: "
+            "its MLA attention has no paged KV cache in mxrl.engine (kv_cache.py) and its "
+            "sigmoid router (e_score_correction_bias) no rollout module (modules.py); the "
+            "trainer's model (mxrl.models) runs it, the engine runs qwen3, qwen3_moe, qwen2_moe"
+        )
 
 
 def _device_of(model: nn.Module) -> torch.device:

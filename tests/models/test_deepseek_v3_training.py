@@ -237,3 +237,40 @@ def test_fine_grained_fp8_checkpoint_loads(tmp_path):
         target = target_of(key)
         got = target.view(params[target.param])
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), key
+
+
+@pytest.mark.parametrize("to", ["hf", "mxrl"])
+def test_convert_keeps_the_correction_bias_fp32(to, tmp_path, capsys):
+    """`mxrl convert` (mxrl's quantized checkpoint, or the served HF FP8 one) writes the router
+    bias as the fp32 values of the model (the export keeps it fp32, not the bf16 of the plan's
+    other unquantized tensors); the served checkpoint loads back through from_pretrained."""
+    import glob
+
+    from safetensors import safe_open
+
+    from mxrl.models import save_pretrained
+
+    model = _model()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, DeepseekMoE):
+                m.gate.e_score_correction_bias.normal_(0.0, 0.01)
+    src = save_pretrained(model, tmp_path / "src", progress=False)
+    out = tmp_path / "out"
+    argv = ["convert", "--recipe", "fp8-block", "--model", str(src), "--out", str(out), "--to", to]
+    assert main(argv) == 0, capsys.readouterr().err
+    params = dict(model.named_parameters())
+    found = 0
+    for file in glob.glob(str(out / "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                if key.endswith("e_score_correction_bias"):
+                    assert f.get_tensor(key).dtype == torch.float32
+                    assert torch.equal(f.get_tensor(key), params[key].detach())
+                    found += 1
+    assert found == 3
+    if to == "hf":
+        back = dict(from_pretrained(out, progress=False).named_parameters())
+        for key in params:
+            if key.endswith("e_score_correction_bias"):
+                assert torch.equal(back[key], params[key].detach())
