@@ -11,20 +11,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mxrl.arch.names import (
-    TensorInfo,
-    classify_tensors,
-    gate_up_group,
-    is_matmul_weight,
-    keeps_fp32,
-)
+from mxrl.arch.names import TensorInfo, classify_tensors, gate_up_group, is_matmul_weight
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format, block_along_k
 from mxrl.recipe.plan import DEFAULT_RULE, NOT_MATMUL, Plan, TensorSpec
 from mxrl.recipe.schema import Recipe, load_recipe
 
 logger = logging.getLogger(__name__)
-# the audit's rule for a tensor the model keeps in fp32 (mxrl.arch.names.keeps_fp32)
-KEPT_FP32 = "not a matmul weight; kept in fp32"
 
 
 def resolve(
@@ -66,8 +58,7 @@ def resolve(
     for name, shape in shapes.items():
         info = infos[name]
         if not is_matmul_weight(name, info, shape):
-            rule = KEPT_FP32 if keeps_fp32(name) else NOT_MATMUL
-            specs.append(_spec(name, shape, info, Format.BF16, None, None, None, rule))
+            specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL))
             continue
         hits = []
         for i, r in enumerate(recipe.rules):

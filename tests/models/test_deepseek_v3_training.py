@@ -19,7 +19,7 @@ from mxrl.models import build_model, from_pretrained, hf_fp8
 from mxrl.models.mla import DeepseekMoE, MLAttention, SigmoidRouter
 from mxrl.nn import QExperts, QLinear, apply_plan
 from mxrl.recipe import resolve
-from mxrl.recipe.resolver import KEPT_FP32
+from mxrl.recipe.plan import NOT_MATMUL
 from tests.models.deepseek_reference import CONFIGS
 
 PRESETS = [
@@ -151,7 +151,8 @@ def test_recipe_show_audits_mla_router_and_bias(tmp_path, capsys):
         for layer in (1, 2, 3):
             m = f"model.layers.{layer}.mlp.gate."
             assert rows[m + "weight"][4] == "bf16"
-            assert rows[m + "e_score_correction_bias"][4:] == ["bf16", KEPT_FP32]
+            # never quantized; the model holds it in fp32 (the plan's "bf16": high precision)
+            assert rows[m + "e_score_correction_bias"][4:] == ["bf16", NOT_MATMUL]
 
 
 # Fields mxrl does not implement: each refused with the field named, by ModelConfig.from_hf and
