@@ -20,6 +20,18 @@ from mxrl.arch.hf import load_hf_config, required
 
 if TYPE_CHECKING:
     from mxrl.arch.family import Family
+# the rope_scaling / rope_parameters keys of a yarn config mxrl.models reads (mxrl.models.yarn;
+# others are refused)
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 # transformers' default when neither rope_theta nor rope_parameters is given.
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -64,6 +76,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # YaRN RoPE scaling (a family with "yarn" in its rope_types, mxrl.models.yarn): the sorted
+    # (key, value) pairs of its parameters, factor and original_max_position_embeddings always
+    # set; (): default RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,7 +180,7 @@ class ModelConfig:
                 f"model_type: {model_type!r} is not supported by mxrl.models; supported: "
                 f"{', '.join(built)} (set model_type in config.json)"
             )
-        _check_unsupported(cfg)
+        _check_unsupported(cfg, built[model_type].rope_types)
         hidden = int(required(cfg, "hidden_size"))
         heads = int(required(cfg, "num_attention_heads"))
         num_layers = int(required(cfg, "num_hidden_layers"))
@@ -178,6 +194,7 @@ class ModelConfig:
             "head_dim": _head_dim(cfg, hidden, heads),
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
             "rope_theta": _rope_theta(cfg),
+            "rope_scaling": _rope_scaling(cfg),
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "initializer_range": float(cfg.get("initializer_range", 0.02)),
             "hf_config": dict(cfg),
@@ -217,6 +234,7 @@ _FAMILY_ONLY = {
     "qk_nope_head_dim",
     "v_head_dim",
     "rope_interleave",
+    "rope_scaling",
 }
 
 
@@ -278,18 +296,49 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     return float(cfg.get("rope_theta") or DEFAULT_ROPE_THETA)
 
 
-def _check_unsupported(cfg: Mapping[str, Any]) -> None:
-    for key in ("rope_scaling", "rope_parameters"):
+def _rope_dicts(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
+    """(key, dict, rope type) of the config's rope_parameters / rope_scaling objects."""
+    out = []
+    for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key)
         if rope is None:
             continue
         if not isinstance(rope, Mapping):
             raise ValueError(f"{key} must be a JSON object or null, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        out.append((key, rope, rope.get("rope_type", rope.get("type", "default"))))
+    return out
+
+
+def _rope_scaling(cfg: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """`ModelConfig.rope_scaling` of a config whose rope type is yarn (checked before), with
+    transformers' default original_max_position_embeddings = max_position_embeddings."""
+    for key, rope, rope_type in _rope_dicts(cfg):
+        if rope_type != "yarn":
+            continue
+        unknown = sorted(set(rope) - set(YARN_KEYS) - {"type", "rope_type", "rope_theta"})
+        if unknown:
             raise ValueError(
-                f"{key}: rope type {rope_type!r} is not supported; mxrl.models implements the "
-                "default RoPE only (remove the scaling, or add the rope type to mxrl.models)"
+                f"{key}: yarn parameter(s) {unknown} are not supported; mxrl.models reads "
+                f"{', '.join(YARN_KEYS)}"
+            )
+        params = {k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if params["original_max_position_embeddings"] is None:
+            raise ValueError(f"{key}: yarn needs original_max_position_embeddings; add it")
+        if "factor" not in params:  # transformers 5.24's DeepSeek-V3 fails on a null factor
+            raise ValueError(f"{key}: yarn needs its factor (the context extension); add it")
+        return tuple(sorted(params.items()))
+    return ()
+
+
+def _check_unsupported(cfg: Mapping[str, Any], rope_types: tuple[str, ...]) -> None:
+    for key, _, rope_type in _rope_dicts(cfg):
+        if rope_type not in rope_types:
+            raise ValueError(
+                f"{key}: rope type {rope_type!r} is not supported; mxrl.models implements "
+                f"{' and '.join(repr(t) for t in rope_types)} RoPE for model_type "
+                f"{cfg.get('model_type')!r} (remove the scaling, or add the rope type to "
+                "mxrl.models)"
             )
     if cfg.get("use_sliding_window"):
         raise ValueError(

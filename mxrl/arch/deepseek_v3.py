@@ -6,7 +6,8 @@ attention (MLA: `q_a_proj`/`q_a_layernorm`/`q_b_proj`, or `q_proj` when `q_lora_
 
 A key config.json omits takes transformers' `DeepseekV3Config` default (`HF_DEFAULTS`), as
 transformers itself reads the file; a field whose other values mxrl does not implement
-(`scoring_func`, `topk_method`, RoPE scaling, `moe_layer_freq`, ...) is refused by name.
+(`scoring_func`, `topk_method`, RoPE scaling other than YaRN, `moe_layer_freq`, ...) is refused
+by name.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def _hf_fields(c: Any) -> dict[str, Any]:
         "routed_scaling_factor": c.routed_scaling_factor,
         "scoring_func": c.scoring_func,
         "topk_method": "noaux_tc",
+        "rope_scaling": {"type": "yarn", **dict(c.rope_scaling)} if c.rope_scaling else None,
     }
 
 
@@ -192,4 +194,5 @@ DEEPSEEK_V3 = Family(
     layer_tensors=_layer,
     config_fields=_config_fields,
     hf_fields=_hf_fields,
+    rope_types=("default", "yarn"),
 )

@@ -28,6 +28,8 @@ class Family:
     layer_tensors: `(cfg, prefix, hidden, layer, expert_layout)` -> one decoder layer's attention
         and MLP tensors (names and shapes from config.json alone, in HF state_dict order).
     config_fields, hf_fields: the family's part of `ModelConfig.from_hf` and `to_hf`.
+    rope_types: the RoPE types (`rope_scaling` / `rope_parameters`) its model implements;
+        "yarn" as `mxrl.models.yarn` (DeepSeek-V3).
     """
 
     model_type: str
@@ -36,6 +38,7 @@ class Family:
     layer_tensors: LayerTensors
     config_fields: ConfigFields | None = None
     hf_fields: HFFields | None = None
+    rope_types: tuple[str, ...] = ("default",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:

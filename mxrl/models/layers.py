@@ -11,7 +11,8 @@ so `apply_plan` can swap modules in place by name; attribute names are the HF on
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 
 from mxrl.arch.config import ModelConfig
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
+from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
 
@@ -66,10 +68,15 @@ class RotaryEmbedding(nn.Module):
 
     TABLE_CHUNK = 256
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        # YaRN (mxrl.models.yarn; None: default RoPE): other frequencies, cos/sin scaled
+        self.scaling = dict(scaling) if scaling else None
+        self.attention_factor = yarn.attention_factor(scaling) if scaling else 1.0
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         # the CPU table, [positions, D] fp32, grown by whole chunks
         self._table_cos = self._table_sin = torch.empty(0, head_dim, device="cpu")
@@ -77,7 +84,10 @@ class RotaryEmbedding(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             d = self.head_dim
-            inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            if self.scaling is not None:
+                inv = yarn.inv_freq(d, self.theta, self.scaling)
+            else:
+                inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 
@@ -105,6 +115,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cpu_table(position_ids_BS)
         else:
             cos, sin = self._angles(position_ids_BS)
+        if self.attention_factor != 1.0:  # transformers: emb.cos() * attention_scaling, in fp32
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:

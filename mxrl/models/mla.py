@@ -8,8 +8,8 @@ qk_rope_head_dim (`config.head_dim`), Dv = v_head_dim, C = kv_lora_rank (the lat
 MLA: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x)), [B, N, S, Dn + Dr]; the latent
 [C | Dr] = kv_a_proj_with_mqa(x), one RoPE key of Dr shared by all heads; kv_b_proj expands
 kv_a_layernorm(latent) to each head's [Dn key | Dv value]. Attention runs on the expanded
-per-head keys [Dn | Dr] and values, scaled by 1/sqrt(Dn + Dr) (RoPE scaling, which would change
-that scale by yarn's mscale, is refused by `ModelConfig.from_hf`). A KV cache given to the
+per-head keys [Dn | Dr] and values, scaled by 1/sqrt(Dn + Dr), times yarn's mscale^2 under YaRN
+(`mxrl.models.yarn`). A KV cache given to the
 trainer's forward stores the expanded keys and values (`KVCache`), not the latent.
 """
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mxrl.arch.config import ModelConfig
+from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
 from mxrl.models.layers import MLP, KVCache, RMSNorm, attend
 from mxrl.nn import GroupedExperts, invariant
@@ -56,6 +57,8 @@ class MLAttention(nn.Module):
         self.rope_interleave = c.rope_interleave
         qk_dim = self.nope_dim + self.rope_dim
         self.scaling = qk_dim ** (-0.5)  # transformers' float, passed to SDPA as its scale
+        if c.rope_scaling:  # YaRN: times mscale(factor, mscale_all_dim)^2
+            self.scaling = self.scaling * yarn.softmax_mscale(dict(c.rope_scaling))
         H, N, bias = c.hidden_size, c.num_attention_heads, c.qkv_bias
         self.q_proj: nn.Linear | None = None
         self.q_a_proj: nn.Linear | None = None

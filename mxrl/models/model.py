@@ -36,7 +36,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, dict(c.rope_scaling) or None)
         # recompute each decoder layer in the backward instead of keeping its activations
         # (training only; `CausalLM.set_training_options`)
         self.checkpoint_layers = False

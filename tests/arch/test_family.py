@@ -83,6 +83,16 @@ def test_family_refuses_what_it_cannot_be():
         builtin_config(),
         {**hf_configs.DEEPSEEK_V3_SMALL, "n_group": 2, "topk_group": 2},
         {**hf_configs.DEEPSEEK_V3_SMALL, "n_group": 1, "topk_group": 1, "q_lora_rank": None},
+        {
+            **hf_configs.DEEPSEEK_V3_SMALL,
+            "n_group": 2,
+            "topk_group": 2,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+            },
+        },
     ],
     ids=lambda c: c["model_type"],
 )

@@ -64,6 +64,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 0,
         "q_lora_rank": None,
     },
+    # DeepSeek-V3's YaRN (legacy rope_scaling form, as the published config.json), mscale and
+    # mscale_all_dim apart so that both the cos/sin factor and the softmax's mscale^2 differ from 1
+    "yarn-mscale": {
+        **_BASE,
+        "max_position_embeddings": 512,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.7,
+        },
+    },
     "groups8-top3-bias": {
         **_BASE,
         "n_routed_experts": 16,

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mxrl.arch import tensors_from_hf_config
-from mxrl.models import from_pretrained, save_pretrained
+from mxrl.models import build_model, from_pretrained, save_pretrained
 from mxrl.models.layers import RotaryEmbedding
 from mxrl.models.mla import DeepseekMoE
 from mxrl.nn import invariant
@@ -53,6 +53,38 @@ def test_logits_equal_transformers_bit_for_bit(name, exact_elementwise, tmp_path
         want = hf(ids).logits
         got = from_pretrained(save_hf(hf, tmp_path / "ck"), progress=False)(ids)
     assert torch.equal(got, want), f"{name}: max |diff| {(got - want).abs().max().item()}"
+
+
+# YaRN variants: transformers 5's rope_parameters form, no mscale (attention factor from the
+# factor alone, softmax scale unchanged), beta and truncate given
+YARN = {
+    "rope_parameters-no-mscale": {
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e4, "factor": 8.0,
+                            "original_max_position_embeddings": 64},
+    },
+    "betas-untruncated": {
+        "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 16, "beta_slow": 2, "truncate": False, "mscale_all_dim": 1.0},
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(YARN))
+def test_yarn_logits_equal_transformers_bit_for_bit(name, exact_elementwise, tmp_path):
+    cfg = {**CONFIGS["yarn-mscale"], **YARN[name], "num_experts_per_tok": 1}
+    if "rope_parameters" in YARN[name]:
+        del cfg["rope_scaling"]
+    hf = hf_deepseek(cfg)
+    assert hf.model.rotary_emb.rope_type == "yarn"
+    ids = _ids(cfg["vocab_size"])
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = from_pretrained(save_hf(hf, tmp_path / "ck"), progress=False)(ids)
+    assert torch.equal(got, want), f"{name}: max |diff| {(got - want).abs().max().item()}"
+    # the config as given (not the rope_parameters transformers writes back) reads the same
+    rope = build_model(cfg).model.rotary_emb
+    assert torch.equal(rope.inv_freq(torch.device("cpu")), hf.model.rotary_emb.inv_freq)
+    assert rope.attention_factor == hf.model.rotary_emb.attention_scaling
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -162,12 +162,21 @@ REFUSED = {
     "topk_method": ({"topk_method": "group_limited_greedy"}, "topk_method 'group_limited_greedy'"),
     "moe_layer_freq": ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
     "rope_scaling": (
-        {"rope_scaling": {"type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}},
-        "rope_scaling: rope type 'yarn' is not supported",
+        {"rope_scaling": {"type": "linear", "factor": 4.0}},
+        "rope_scaling: rope type 'linear' is not supported; mxrl.models implements 'default' "
+        "and 'yarn' RoPE",
     ),
     "rope_parameters": (
-        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
-        "rope_parameters: rope type 'yarn' is not supported",
+        {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}},
+        "rope_parameters: rope type 'dynamic' is not supported",
+    ),
+    "yarn_factor": (
+        {"rope_scaling": {"type": "yarn", "original_max_position_embeddings": 64}},
+        "rope_scaling: yarn needs its factor",
+    ),
+    "yarn_key": (
+        {"rope_scaling": {"type": "yarn", "factor": 4.0, "partial_rotary_factor": 0.5}},
+        r"rope_scaling: yarn parameter\(s\) \['partial_rotary_factor'\] are not supported",
     ),
     "num_key_value_heads": ({"num_key_value_heads": 2}, "num_key_value_heads 2 != "),
     "n_group": ({"n_group": 3}, r"n_group \(3\) must divide n_routed_experts \(8\)"),
