@@ -177,6 +177,14 @@ def _hf_fields(c: Any) -> dict[str, Any]:
     }
 
 
+def _mtp_layers(cfg: Mapping[str, Any]) -> int:
+    """The releases' multi-token-prediction layers (`model.layers.{num_hidden_layers}.*`),
+    which transformers' DeepseekV3ForCausalLM does not build either and skips on load
+    (`num_nextn_predict_layers`, alias `num_mtp_layers`; transformers' default 1)."""
+    value = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1))
+    return int(value or 0)
+
+
 DEEPSEEK_V3 = Family(
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
@@ -195,4 +203,5 @@ DEEPSEEK_V3 = Family(
     config_fields=_config_fields,
     hf_fields=_hf_fields,
     rope_types=("default", "yarn"),
+    unbuilt_layers=_mtp_layers,
 )

@@ -190,3 +190,43 @@ def test_bf16_save_and_load_keep_the_correction_bias_fp32(tmp_path):
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor(bias).dtype == torch.float32
         assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mtp", [None, 1, 0])
+def test_the_releases_mtp_layer_is_skipped_as_transformers_does(mtp, tmp_path):
+    """A release's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`, here its
+    decoder tensors and the MTP head's eh_proj / enorm / hnorm) is neither built nor loaded when
+    config.json declares it (num_nextn_predict_layers, transformers' default 1 when absent);
+    with num_nextn_predict_layers 0 its tensors are unknown, and refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = CONFIGS["qlora-grouped-shared1"]
+    hf = hf_deepseek(cfg)
+    ids = _ids(cfg["vocab_size"])
+    with torch.no_grad():
+        want = hf(ids).logits
+    path = save_hf(hf, tmp_path / "ck")
+    tensors = load_file(path / "model.safetensors")
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    mtp_tensors = {
+        k.replace(last, f"model.layers.{n}."): v.clone() for k, v in tensors.items() if last in k
+    }
+    mtp_tensors[f"model.layers.{n}.eh_proj.weight"] = torch.ones(h, 2 * h)
+    mtp_tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(h)
+    save_file(tensors | mtp_tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.pop("num_nextn_predict_layers", None)
+    config.pop("num_mtp_layers", None)
+    if mtp is not None:
+        config["num_nextn_predict_layers"] = mtp
+    (path / "config.json").write_text(json.dumps(config))
+    if mtp == 0:
+        with pytest.raises(ValueError, match=rf"unknown tensors: model\.layers\.{n}\."):
+            from_pretrained(path, progress=False)
+        return
+    with torch.no_grad():
+        got = from_pretrained(path, progress=False)(ids)
+    assert (got - want).abs().max().item() <= TOL
