@@ -321,12 +321,13 @@ class DecoderLayer(nn.Module):
             if c.is_mla
             else Attention(c, layer_idx, dtype=dtype)
         )
-        self.mlp: MLP | SparseMoeBlock | DeepseekMoE = MLP(
-            c.hidden_size, c.intermediate_size, dtype=dtype
-        )
-        if self.is_moe:
-            sigmoid = c.scoring_func == "sigmoid"
-            self.mlp = DeepseekMoE(c, dtype=dtype) if sigmoid else SparseMoeBlock(c, dtype=dtype)
+        self.mlp: MLP | SparseMoeBlock | DeepseekMoE
+        if not self.is_moe:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype)
+        elif c.scoring_func == "sigmoid":
+            self.mlp = DeepseekMoE(c, dtype=dtype)
+        else:
+            self.mlp = SparseMoeBlock(c, dtype=dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
