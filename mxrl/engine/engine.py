@@ -33,6 +33,7 @@ from mxrl.engine.modules import (
     RolloutLinear,
     RolloutRMSNorm,
     RolloutRope,
+    RolloutSigmoidRouter,
     RolloutTopK,
 )
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams, per_request, resolve_seed
@@ -46,6 +47,7 @@ from mxrl.kernels import Backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
 from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
+from mxrl.models.mla import SigmoidRouter
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.weights import WeightRecord, export_weights, read_quantized_checkpoint
@@ -103,7 +105,6 @@ class Engine(WeightLoading, GraphCapture):
 
     def _setup(self, config: ModelConfig, plan: Plan, options: EngineConfig) -> None:
         """`options` resolved for its device (`EngineConfig.build`)."""
-        _check_supported(config)
         self.config, self.plan, self.options = config, plan, options
         self.device, self.overlap = options.device, options.overlap
         self.kernels = options.backend  # the Kernels record, chosen once for the device
@@ -119,6 +120,7 @@ class Engine(WeightLoading, GraphCapture):
         # the Triton paged attention on the triton backend, where the cache's shape allows it
         self._attention_kernel = (
             self.kernels.attention is Backend.TRITON
+            and not config.is_mla  # its values are narrower than its keys: the reference
             and _pow2_at_least_16(self.cache_options.block_size)
             and _pow2_at_least_16(config.head_dim)
         )
@@ -163,6 +165,9 @@ class Engine(WeightLoading, GraphCapture):
                 and module.num_experts <= MAX_ROUTE_EXPERTS  # larger routers: the reference
             ):
                 new = RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob)
+            elif isinstance(module, SigmoidRouter):
+                spec = self.plan[f"{name}.weight"]
+                new = RolloutSigmoidRouter(module, spec, self.kernels.rollout_gemm, self.tile)
             elif isinstance(module, nn.Linear):
                 spec = self.plan[f"{name}.weight"]
                 new = RolloutLinear(spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile)
@@ -355,17 +360,6 @@ class Engine(WeightLoading, GraphCapture):
 
 def _pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
-
-
-def _check_supported(config: ModelConfig) -> None:
-    """The families the engine runs: not DeepSeek-V3's MLA and sigmoid router (docs/models.md)."""
-    if config.is_mla or config.scoring_func != "softmax":
-        raise ValueError(
-            f"model_type {config.model_type!r}: the rollout engine does not run this family yet: "
-            "its MLA attention has no paged KV cache in mxrl.engine (kv_cache.py) and its "
-            "sigmoid router (e_score_correction_bias) no rollout module (modules.py); the "
-            "trainer's model (mxrl.models) runs it, the engine runs qwen3, qwen3_moe, qwen2_moe"
-        )
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -9,8 +9,8 @@ MLA: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (or q_proj(x)), [B, N, S, Dn + Dr]
 [C | Dr] = kv_a_proj_with_mqa(x), one RoPE key of Dr shared by all heads; kv_b_proj expands
 kv_a_layernorm(latent) to each head's [Dn key | Dv value]. Attention runs on the expanded
 per-head keys [Dn | Dr] and values, scaled by 1/sqrt(Dn + Dr), times yarn's mscale^2 under YaRN
-(`mxrl.models.yarn`). A KV cache given to the
-trainer's forward stores the expanded keys and values (`KVCache`), not the latent.
+(`mxrl.models.yarn`). A KV cache given to the trainer's forward, and the rollout engine's paged
+cache, store the expanded keys and values, not DeepSeek's latent (docs/models.md has the sizes).
 """
 
 from __future__ import annotations
@@ -111,11 +111,6 @@ class MLAttention(nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """As `mxrl.models.layers.Attention.forward`; rope: (cos, sin) [B, S, Dr]."""
-        if get_forward_context() is not None:
-            raise NotImplementedError(
-                "MLA (deepseek_v3) does not run under the rollout engine's forward context: "
-                "mxrl.engine has no MLA cache (docs/models.md)"
-            )
         B, S, _ = x_BSH.shape
         q = self._query(x_BSH).view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
@@ -127,39 +122,37 @@ class MLAttention(nn.Module):
         q_rot, k_rot = self._rope(q_rot, k_rot, rope)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k, v = self._expand(latent, k_rot)
+        ctx = get_forward_context()
+        if ctx is not None:  # the engine's ragged batch: it caches the expanded keys and values
+            if B != 1:
+                raise ValueError(f"under a forward context the batch is one ragged row, got B={B}")
+            out = ctx.attention(self.layer_idx, q[0], k[0], v[0], scale=self.scaling)  # [N, T, Dv]
+            return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         out = attend(q, k, v, attn_mask_BSL, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
-class SigmoidRouter(nn.Module):
-    """transformers' `DeepseekV3TopkRouter`, in fp32 whatever the autocast: sigmoid scores;
-    scores + e_score_correction_bias choose (the topk_group groups with the largest sum of their
-    two best biased scores, then the k best biased scores in them); the weights are the
-    unbiased scores of the chosen experts, renormalised if norm_topk_prob, times
-    routed_scaling_factor.
+class GroupLimitedRouting:
+    """The selection and weights of transformers' `DeepseekV3TopkRouter` from its fp32 sigmoid
+    scores, for the trainer's `SigmoidRouter` and the engine's rollout router: scores +
+    e_score_correction_bias choose (the topk_group groups with the largest sum of their two
+    best biased scores, then the k best biased scores in them); the weights are the unbiased
+    scores of the chosen experts, renormalised if norm_topk_prob, times routed_scaling_factor."""
 
-    e_score_correction_bias is a parameter (so that loading, plans and weight sync carry it)
-    without a gradient, created in fp32 whatever the model dtype and never quantized (a
-    recipe cannot name it: `mxrl.arch.is_matmul_weight`)."""
+    num_experts: int
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    scaling: float
+    e_score_correction_bias: torch.Tensor
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
-        super().__init__()
-        c = config
+    def _routing(self, c: ModelConfig) -> None:
         self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
         self.n_group, self.topk_group = c.n_group, c.topk_group
         self.norm_topk_prob, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=dtype))
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(c.num_experts, dtype=torch.float32), requires_grad=False
-        )
-
-    def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """sigmoid(x W^T) in fp32, [T, E]."""
-        with torch.autocast(x_TH.device.type, enabled=False):
-            logits = nn.functional.linear(x_TH.float(), self.weight.float())
-        return invariant.sigmoid(logits)
 
     def select(self, scores_TE: torch.Tensor) -> torch.Tensor:
         """The chosen experts [T, k] (transformers' order: topk unsorted)."""
@@ -179,12 +172,39 @@ class SigmoidRouter(nn.Module):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.scaling
 
-    def extra_repr(self) -> str:
+    def routing_repr(self) -> str:
         return (
             f"{self.num_experts}, top_k={self.top_k}, n_group={self.n_group}, "
             f"topk_group={self.topk_group}, norm_topk_prob={self.norm_topk_prob}, "
             f"routed_scaling_factor={self.scaling}"
         )
+
+
+class SigmoidRouter(GroupLimitedRouting, nn.Module):
+    """transformers' `DeepseekV3TopkRouter` (`GroupLimitedRouting`), its scores in fp32 whatever
+    the autocast.
+
+    e_score_correction_bias is a parameter (so that loading, plans and weight sync carry it)
+    without a gradient, created in fp32 whatever the model dtype and never quantized (a
+    recipe cannot name it: `mxrl.arch.is_matmul_weight`)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self._routing(c)
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, dtype=dtype))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(c.num_experts, dtype=torch.float32), requires_grad=False
+        )
+
+    def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x W^T) in fp32, [T, E]."""
+        with torch.autocast(x_TH.device.type, enabled=False):
+            logits = nn.functional.linear(x_TH.float(), self.weight.float())
+        return invariant.sigmoid(logits)
+
+    def extra_repr(self) -> str:
+        return self.routing_repr()
 
 
 class DeepseekMoE(nn.Module):
