@@ -195,7 +195,6 @@ def _plan(
     plan: dict[Path, list[tuple[str, Target]]] = {}
     covered: dict[str, set[tuple[int, str]]] = {}
     seen: dict[str, Path] = {}
-    skipped = 0
     unknown: list[str] = []
     shapes: list[str] = []
     dups: list[str] = []
@@ -213,14 +212,12 @@ def _plan(
                     for k in gaps
                 ]
             items = plan.setdefault(file, [])
+            keys = _built_keys(keys, unbuilt, file)
             for key in keys:
                 if key in seen:
                     dups.append(f"{key} (in {seen[key].name} and {file.name})")
                     continue
                 seen[key] = file
-                if unbuilt and _layer_of(key) in unbuilt:
-                    skipped += 1
-                    continue
                 sliced = f.get_slice(key)
                 shape, stored_dtype = tuple(sliced.get_shape()), sliced.get_dtype()
                 header = (file, shape, stored_dtype)
@@ -252,6 +249,12 @@ def _plan(
     missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
     missing = [m for m in missing if m]
     scales, fp8_problems = hf_fp8.pair_headers(fp8, fp8_weights, scale_entries)
+    _refuse(path, fp8_problems, unknown, missing, shapes, dups, index_gaps)
+    return plan, tied_head, scales
+
+
+def _refuse(path: Path, fp8_problems, unknown, missing, shapes, dups, index_gaps) -> None:
+    """One ValueError listing every problem `_plan` found, if any."""
     problems = [
         *(_list(*problem) for problem in fp8_problems),
         _list("unknown tensors", unknown, _FIX_UNKNOWN),
@@ -263,10 +266,6 @@ def _plan(
     problems = [p for p in problems if p]
     if problems:
         raise ValueError(f"cannot load {path}:\n" + "\n".join(problems))
-    if skipped:
-        logger.info("%s: skipped %d tensors of layers %s, which mxrl.models does not build "
-                    "(multi-token prediction)", path, skipped, sorted(unbuilt))  # fmt: skip
-    return plan, tied_head, scales
 
 
 def _unbuilt_layers(config: ModelConfig) -> frozenset[int]:
@@ -277,9 +276,13 @@ def _unbuilt_layers(config: ModelConfig) -> frozenset[int]:
     return frozenset(range(first, first + count(config.hf_config))) if count else frozenset()
 
 
-def _layer_of(key: str) -> int | None:
-    m = _LAYER_RE.match(key)
-    return int(m.group(1)) if m else None
+def _built_keys(keys: list[str], unbuilt: frozenset[int], file: Path) -> list[str]:
+    """`keys` without those of the `unbuilt` layers (logged)."""
+    built = [k for k in keys if (m := _LAYER_RE.match(k)) is None or int(m[1]) not in unbuilt]
+    if len(built) < len(keys):
+        logger.info("%s: skipped %d tensors of layers %s, which mxrl.models does not build "
+                    "(multi-token prediction)", file, len(keys) - len(built), sorted(unbuilt))  # fmt: skip
+    return built
 
 
 def _read_scale(
