@@ -1,8 +1,10 @@
-"""ModelConfig: the architecture of a Qwen3 / Qwen3-MoE / Qwen2-MoE model, read from config.json.
+"""ModelConfig: the architecture of a Qwen3 / Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 model, read from
+config.json.
 
-One dataclass for the three families; the family only decides a few switches (q/k RMSNorm, which
-projections carry a bias, which layers are MoE, whether they have a shared expert): its file's
-`config_fields` and `hf_fields` (`mxrl.arch.qwen3`, `qwen3_moe`, `qwen2_moe`). The HF dict the config was
+One dataclass for the families; the family only decides a few switches (q/k RMSNorm, which
+projections carry a bias, which layers are MoE, whether they have a shared expert, MLA and the
+sigmoid router of DeepSeek-V3): its file's `config_fields` and `hf_fields` (`mxrl.arch.qwen3`,
+`qwen3_moe`, `qwen2_moe`, `deepseek_v3`). The HF dict the config was
 read from is kept verbatim in `hf_config`, so `save_pretrained` writes back what it was given.
 """
 
@@ -18,6 +20,18 @@ from mxrl.arch.hf import load_hf_config, required
 
 if TYPE_CHECKING:
     from mxrl.arch.family import Family
+# the rope_scaling / rope_parameters keys of a yarn config mxrl.models reads (mxrl.models.yarn;
+# others are refused)
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 # transformers' default when neither rope_theta nor rope_parameters is given.
 DEFAULT_ROPE_THETA = 10_000.0
 
@@ -48,6 +62,24 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0  # > 0: Qwen2-MoE shared expert + sigmoid gate
     moe_layers: tuple[int, ...] = ()  # decoder layers whose MLP is the sparse MoE block
+    # DeepSeek-V3's router (scoring_func "sigmoid"): sigmoid scores, e_score_correction_bias for
+    # the selection only, top-k within the topk_group best of n_group groups, weights times
+    # routed_scaling_factor; its shared experts (shared_expert_intermediate_size) have no gate.
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # MLA (kv_lora_rank > 0, DeepSeek-V3): head_dim is then the RoPE part of a q/k head
+    # (qk_rope_head_dim), q_lora_rank 0 a single q_proj
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    # YaRN RoPE scaling (a family with "yarn" in its rope_types, mxrl.models.yarn): the sorted
+    # (key, value) pairs of its parameters, factor and original_max_position_embeddings always
+    # set; (): default RoPE
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +120,17 @@ class ModelConfig:
                 )
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("shared_expert_intermediate_size must be >= 0 (0: no shared expert)")
+        _check_router(self)
+        if self.is_mla:
+            for name in ("qk_nope_head_dim", "v_head_dim"):
+                _positive(name, getattr(self, name), "(MLA: kv_lora_rank > 0)")
+            if self.q_lora_rank < 0:
+                raise ValueError(f"q_lora_rank must be >= 0 (0: q_proj), got {self.q_lora_rank}")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
 
     @property
     def is_moe(self) -> bool:
@@ -137,7 +180,7 @@ class ModelConfig:
                 f"model_type: {model_type!r} is not supported by mxrl.models; supported: "
                 f"{', '.join(built)} (set model_type in config.json)"
             )
-        _check_unsupported(cfg)
+        _check_unsupported(cfg, built[model_type].rope_types)
         hidden = int(required(cfg, "hidden_size"))
         heads = int(required(cfg, "num_attention_heads"))
         num_layers = int(required(cfg, "num_hidden_layers"))
@@ -151,6 +194,7 @@ class ModelConfig:
             "head_dim": _head_dim(cfg, hidden, heads),
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
             "rope_theta": _rope_theta(cfg),
+            "rope_scaling": _rope_scaling(cfg),
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "initializer_range": float(cfg.get("initializer_range", 0.02)),
             "hf_config": dict(cfg),
@@ -171,12 +215,53 @@ class ModelConfig:
         return out
 
     def _synthesize_hf(self) -> dict[str, Any]:
-        skip = {"hf_config", "moe_layers", "qkv_bias", "o_bias", "qk_norm"}
+        skip = {"hf_config", "moe_layers", "qkv_bias", "o_bias", "qk_norm"} | _FAMILY_ONLY
         out = {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip
         }
         out.update(_built_families()[self.model_type].hf_fields(self))
         return out
+
+
+# fields that only a family's hf_fields writes (under its own config.json keys)
+_FAMILY_ONLY = {
+    "scoring_func",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "rope_scaling",
+}
+
+
+def _check_router(c: ModelConfig) -> None:
+    """The sigmoid router's grouping: n_group groups of at least 2 experts (each group is scored
+    by its two best), topk_group of them kept, enough experts in them for the top-k."""
+    if c.scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func {c.scoring_func!r}: 'softmax' or 'sigmoid'")
+    if c.scoring_func == "softmax" and (c.n_group, c.topk_group) != (1, 1):
+        raise ValueError("n_group / topk_group are the sigmoid router's (DeepSeek-V3) only")
+    if not c.moe_layers or c.scoring_func == "softmax":
+        return
+    _positive("n_group", c.n_group)
+    if c.num_experts % c.n_group or c.num_experts // c.n_group < 2:
+        raise ValueError(
+            f"n_group ({c.n_group}) must divide n_routed_experts ({c.num_experts}) into groups "
+            "of at least 2 experts (a group is scored by its two best)"
+        )
+    if not 0 < c.topk_group <= c.n_group:
+        raise ValueError(f"topk_group ({c.topk_group}) must be in 1..n_group ({c.n_group})")
+    if c.num_experts_per_tok > c.topk_group * (c.num_experts // c.n_group):
+        raise ValueError(
+            f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the experts of the "
+            f"topk_group ({c.topk_group}) groups kept, {c.topk_group * (c.num_experts // c.n_group)}"
+        )
+    if not c.routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor must be > 0, got {c.routed_scaling_factor}")
 
 
 def _built_families() -> dict[str, Family]:
@@ -211,18 +296,49 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
     return float(cfg.get("rope_theta") or DEFAULT_ROPE_THETA)
 
 
-def _check_unsupported(cfg: Mapping[str, Any]) -> None:
-    for key in ("rope_scaling", "rope_parameters"):
+def _rope_dicts(cfg: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any], str]]:
+    """(key, dict, rope type) of the config's rope_parameters / rope_scaling objects."""
+    out = []
+    for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key)
         if rope is None:
             continue
         if not isinstance(rope, Mapping):
             raise ValueError(f"{key} must be a JSON object or null, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        out.append((key, rope, rope.get("rope_type", rope.get("type", "default"))))
+    return out
+
+
+def _rope_scaling(cfg: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """`ModelConfig.rope_scaling` of a config whose rope type is yarn (checked before), with
+    transformers' default original_max_position_embeddings = max_position_embeddings."""
+    for key, rope, rope_type in _rope_dicts(cfg):
+        if rope_type != "yarn":
+            continue
+        unknown = sorted(set(rope) - set(YARN_KEYS) - {"type", "rope_type", "rope_theta"})
+        if unknown:
             raise ValueError(
-                f"{key}: rope type {rope_type!r} is not supported; mxrl.models implements the "
-                "default RoPE only (remove the scaling, or add the rope type to mxrl.models)"
+                f"{key}: yarn parameter(s) {unknown} are not supported; mxrl.models reads "
+                f"{', '.join(YARN_KEYS)}"
+            )
+        params = {k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        if params["original_max_position_embeddings"] is None:
+            raise ValueError(f"{key}: yarn needs original_max_position_embeddings; add it")
+        if "factor" not in params:  # transformers 5.24's DeepSeek-V3 fails on a null factor
+            raise ValueError(f"{key}: yarn needs its factor (the context extension); add it")
+        return tuple(sorted(params.items()))
+    return ()
+
+
+def _check_unsupported(cfg: Mapping[str, Any], rope_types: tuple[str, ...]) -> None:
+    for key, _, rope_type in _rope_dicts(cfg):
+        if rope_type not in rope_types:
+            raise ValueError(
+                f"{key}: rope type {rope_type!r} is not supported; mxrl.models implements "
+                f"{' and '.join(repr(t) for t in rope_types)} RoPE for model_type "
+                f"{cfg.get('model_type')!r} (remove the scaling, or add the rope type to "
+                "mxrl.models)"
             )
     if cfg.get("use_sliding_window"):
         raise ValueError(

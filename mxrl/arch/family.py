@@ -28,6 +28,11 @@ class Family:
     layer_tensors: `(cfg, prefix, hidden, layer, expert_layout)` -> one decoder layer's attention
         and MLP tensors (names and shapes from config.json alone, in HF state_dict order).
     config_fields, hf_fields: the family's part of `ModelConfig.from_hf` and `to_hf`.
+    rope_types: the RoPE types (`rope_scaling` / `rope_parameters`) its model implements;
+        "yarn" as `mxrl.models.yarn` (DeepSeek-V3).
+    unbuilt_layers: config -> how many layers after `num_hidden_layers` a checkpoint may hold
+        that `mxrl.models` does not build (DeepSeek-V3's multi-token-prediction layers), whose
+        tensors `from_pretrained` skips as transformers does; None: none.
     """
 
     model_type: str
@@ -36,6 +41,8 @@ class Family:
     layer_tensors: LayerTensors
     config_fields: ConfigFields | None = None
     hf_fields: HFFields | None = None
+    rope_types: tuple[str, ...] = ("default",)
+    unbuilt_layers: Callable[[Mapping[str, Any]], int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or not self.model_type:

@@ -205,6 +205,16 @@ def classify_tensors(names: Iterable[str]) -> dict[str, TensorInfo]:
     return out
 
 
+# Tensors kept in fp32 whatever the model or checkpoint dtype (transformers'
+# `_keep_in_fp32_modules_strict` of DeepSeek-V3: the router's selection bias).
+FP32_SUFFIXES = (".e_score_correction_bias",)
+
+
+def keeps_fp32(name: str) -> bool:
+    """Whether tensor `name` stays fp32 when a model or checkpoint is cast (`FP32_SUFFIXES`)."""
+    return name.endswith(FP32_SUFFIXES)
+
+
 def is_matmul_weight(name: str, info: TensorInfo, shape: tuple[int, ...]) -> bool:
     """Whether recipe rules apply: the 2-D `.weight` of a linear or embedding module, or a 3-D
     fused expert tensor. Norm weights, biases and DeepSeek's e_score_correction_bias are not."""

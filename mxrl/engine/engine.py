@@ -33,6 +33,7 @@ from mxrl.engine.modules import (
     RolloutLinear,
     RolloutRMSNorm,
     RolloutRope,
+    RolloutSigmoidRouter,
     RolloutTopK,
 )
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams, per_request, resolve_seed
@@ -46,6 +47,7 @@ from mxrl.kernels import Backend
 from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
 from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
+from mxrl.models.mla import SigmoidRouter
 from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.recipe.schema import KVCacheFormat
@@ -119,6 +121,7 @@ class Engine(WeightLoading, GraphCapture):
         # the Triton paged attention on the triton backend, where the cache's shape allows it
         self._attention_kernel = (
             self.kernels.attention is Backend.TRITON
+            and not config.is_mla  # its values are narrower than its keys: the reference
             and _pow2_at_least_16(self.cache_options.block_size)
             and _pow2_at_least_16(config.head_dim)
         )
@@ -163,6 +166,9 @@ class Engine(WeightLoading, GraphCapture):
                 and module.num_experts <= MAX_ROUTE_EXPERTS  # larger routers: the reference
             ):
                 new = RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob)
+            elif isinstance(module, SigmoidRouter):
+                spec = self.plan[f"{name}.weight"]
+                new = RolloutSigmoidRouter(module, spec, self.kernels.rollout_gemm, self.tile)
             elif isinstance(module, nn.Linear):
                 spec = self.plan[f"{name}.weight"]
                 new = RolloutLinear(spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile)

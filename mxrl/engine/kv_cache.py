@@ -43,11 +43,21 @@ QUERY_TILE = 16
 _GATHER_BYTES = 256 << 20  # keys and values gathered for one batch of tiles, at most
 
 
+def cache_dims(c: ModelConfig) -> tuple[int, int, int]:
+    """(heads, key dim, value dim) a token's cache entry holds per layer: K x D keys and values;
+    for MLA (DeepSeek-V3) the expanded per-head keys (qk_nope + qk_rope) and values (v_head_dim)
+    of all N heads, not DeepSeek's latent (docs/models.md compares the sizes)."""
+    if c.is_mla:
+        return c.num_attention_heads, c.qk_nope_head_dim + c.head_dim, c.v_head_dim
+    return c.num_key_value_heads, c.head_dim, c.head_dim
+
+
 class KVCache:
-    """Keys and values of every layer, `[num_blocks, block_size, K, D]` each, zero-filled (a
-    block's unwritten slots are multiplied by exact zeros, never by garbage). dtype: the
-    compute dtype attention reads them in. fp8: held as E4M3 codes (`k`, `v`, uint8) with fp32
-    scales `[num_blocks, block_size, K]` (`k_scale`, `v_scale`), quantized on `backend`."""
+    """Keys and values of every layer, `[num_blocks, block_size, K, D]` and `[..., K, Dv]`
+    (Dv = D but for MLA), zero-filled (a block's unwritten slots are multiplied by exact zeros,
+    never by garbage). dtype: the compute dtype attention reads them in. fp8: held as E4M3 codes
+    (`k`, `v`, uint8) with fp32 scales `[num_blocks, block_size, K]` (`k_scale`, `v_scale`),
+    quantized on `backend`."""
 
     def __init__(
         self,
@@ -58,18 +68,20 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        v_head_dim: int | None = None,
         *,
         fp8: bool = False,
         backend: Kernels | None = None,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = (*shape[:3], head_dim if v_head_dim is None else v_head_dim)
         self.block_size, self.dtype, self.fp8, self.backend = block_size, dtype, fp8, backend
         held = KV_CODE_DTYPE if fp8 else dtype
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
             return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-        self.k, self.v = zeros(shape, held), zeros(shape, held)
+        self.k, self.v = zeros(shape, held), zeros(v_shape, held)
         self.k_scale = self.v_scale = None
         if fp8:
             self.k_scale, self.v_scale = (
@@ -84,15 +96,17 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        v_head_dim: int | None = None,
         fp8: bool = False,
     ) -> int:
         """Keys and values of one block in every layer (fp8: a code byte per element and a
-        4-byte scale per token slot and KV head)."""
+        4-byte scale per token slot and KV head, for keys and for values)."""
+        dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
         if fp8:
-            per_head = head_dim * KV_CODE_DTYPE.itemsize + KV_SCALE_DTYPE.itemsize
+            per_head = dims * KV_CODE_DTYPE.itemsize + 2 * KV_SCALE_DTYPE.itemsize
         else:
-            per_head = head_dim * torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * per_head
+            per_head = dims * torch.empty((), dtype=dtype).element_size()
+        return num_layers * block_size * num_kv_heads * per_head
 
     def write(self, layer: int, slots: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor):
         """Store a step's keys and values (after RoPE, in the compute dtype) at their slots."""
@@ -133,8 +147,9 @@ class KVCache:
         fit, the last `scratch` of them held back (the CUDA graphs' padding rows write there).
         fp8: the recipe's `kv_cache: fp8` (quantized on `backend`)."""
         c, opt = model_config, cache_options
+        heads, k_dim, v_dim = cache_dims(c)
         per_block = cls.bytes_per_block(
-            c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype, fp8
+            c.num_hidden_layers, opt.block_size, heads, k_dim, dtype, v_dim, fp8
         )
         budget = opt.kv_cache_bytes
         if budget is None and device.type == "cuda":
@@ -150,8 +165,8 @@ class KVCache:
                 "kv_cache_bytes or gpu_memory_fraction"
             )
         cache = cls(
-            c.num_hidden_layers, num_blocks + scratch, opt.block_size, c.num_key_value_heads,
-            c.head_dim, dtype, device, fp8=fp8, backend=backend,
+            c.num_hidden_layers, num_blocks + scratch, opt.block_size, heads, k_dim, dtype,
+            device, v_dim, fp8=fp8, backend=backend,
         )  # fmt: skip
         logger.info(
             "engine: KV cache of %d blocks x %d tokens (%.1f MiB%s)",
@@ -206,25 +221,32 @@ class PagedAttention:
         return self
 
     def __call__(
-        self, layer_idx: int, q_NTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor
+        self,
+        layer_idx: int,
+        q_NTD: torch.Tensor,
+        k_KTD: torch.Tensor,
+        v_KTD: torch.Tensor,
+        scale: float | None = None,
     ) -> torch.Tensor:
         cache = self.cache
         cache.write(layer_idx, self.slot_mapping, k_KTD, v_KTD)
-        d = q_NTD.shape[-1]
+        d, dv = q_NTD.shape[-1], cache.v[layer_idx].shape[-1]
+        scale = d**-0.5 if scale is None else scale
         if self.kernel:
             from mxrl.kernels.attention import paged_attention
 
+            assert dv == d, "the Triton paged attention takes values as wide as the keys"
             q = q_NTD.transpose(0, 1).to(cache.dtype)  # [T, N, D]
             kc, vc = cache.k[layer_idx], cache.v[layer_idx]
             scales = (cache.k_scale[layer_idx], cache.v_scale[layer_idx]) if cache.fp8 else None
-            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, d**-0.5, scales)
+            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, scale, scales)
             return o.transpose(0, 1).to(q_NTD.dtype)
         tiles = [
             (start + t0, min(QUERY_TILE, n - t0), kv_len - n + t0, table)
             for start, n, kv_len, table in self.requests
             for t0 in range(0, n, QUERY_TILE)
         ]
-        return _attend(q_NTD.to(cache.dtype), cache, layer_idx, tiles).to(q_NTD.dtype)
+        return _attend(q_NTD.to(cache.dtype), cache, layer_idx, tiles, scale).to(q_NTD.dtype)
 
 
 def _attend(
@@ -232,6 +254,7 @@ def _attend(
     cache: KVCache,
     layer: int,
     tiles: list[tuple[int, int, int, list[int]]],
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of every query tile — (first token's index in T, rows, the first
     token's position, the request's block table) — over its request's cached keys; returns
@@ -239,12 +262,13 @@ def _attend(
     to the batch's number of key blocks (padding blocks are masked: exact zeros, module
     docstring), so each score and value GEMM is one `[G*QT, D] x [D, B]` / `[G*QT, B] x [B, D]`
     matrix of a batched matmul."""
-    heads, _, d = q_NTD.shape
+    heads, num_tokens, d = q_NTD.shape
     _, bs, heads_kv, _ = cache.k[layer].shape
+    dv = cache.v[layer].shape[-1]
     g = heads // heads_kv
     dev = q_NTD.device
-    out = torch.empty_like(q_NTD)
-    per_tile_bytes = 2 * bs * heads_kv * d * q_NTD.element_size()  # one key block, k and v
+    out = q_NTD.new_empty((heads, num_tokens, dv))
+    per_tile_bytes = bs * heads_kv * (d + dv) * q_NTD.element_size()  # one key block, k and v
     start = 0
     while start < len(tiles):
         nb = 0
@@ -271,7 +295,6 @@ def _attend(
         values = cache.gather(layer, True, blocks).permute(0, 3, 1, 2, 4)
         row_pos = q_pos[:, None, :].expand(p, g, QUERY_TILE).reshape(p, 1, g * QUERY_TILE, 1)
         key_pos = torch.arange(bs, device=dev)
-        scale = d**-0.5
         scores = []
         for b in range(nb):
             kb = keys[:, :, b].reshape(p * heads_kv, bs, d)
@@ -282,13 +305,13 @@ def _attend(
         for s in scores[1:]:
             m = torch.maximum(m, s.amax(-1))
         denom = torch.zeros_like(m)
-        acc = torch.zeros((p * heads_kv, g * QUERY_TILE, d), dtype=q.dtype, device=dev)
+        acc = torch.zeros((p * heads_kv, g * QUERY_TILE, dv), dtype=q.dtype, device=dev)
         for b, s in enumerate(scores):
             e = invariant.exp(s - m[..., None])
             denom = denom + e.sum(-1)
-            vb = values[:, :, b].reshape(p * heads_kv, bs, d)
+            vb = values[:, :, b].reshape(p * heads_kv, bs, dv)
             acc = acc + torch.bmm(e.view(p * heads_kv, g * QUERY_TILE, bs), vb)
-        o = acc.view(p, heads_kv, g * QUERY_TILE, d) / denom[..., None]
-        o = o.view(p, heads_kv, g, QUERY_TILE, d).permute(1, 2, 0, 3, 4).reshape(heads, -1, d)
+        o = acc.view(p, heads_kv, g * QUERY_TILE, dv) / denom[..., None]
+        o = o.view(p, heads_kv, g, QUERY_TILE, dv).permute(1, 2, 0, 3, 4).reshape(heads, -1, dv)
         out[:, q_idx[valid]] = o[:, valid.reshape(-1)]
     return out

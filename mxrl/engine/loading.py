@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from mxrl.arch.names import keeps_fp32
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.weights import (
@@ -83,7 +84,8 @@ class WeightLoading:
         if isinstance(module, RolloutExperts):
             which = "gate_up" if attr == "gate_up_proj" else "down"
             return value, module.materialize(which, value)
-        return value, value.to(self.compute_dtype)
+        # the fp32 tensors (DeepSeek's router bias) stay fp32 (mxrl.arch.names.keeps_fp32)
+        return value, value.to(torch.float32 if keeps_fp32(name) else self.compute_dtype)
 
     def _installed(self, name: str) -> tuple | None:
         """What the forward reads for `name` now (None before the first load)."""

@@ -49,6 +49,7 @@ from mxrl.kernels.rowwise import (
     rope,
 )
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
+from mxrl.models.mla import GroupLimitedRouting, SigmoidRouter
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
@@ -213,6 +214,30 @@ class RolloutTopK(TopKSoftmax):
 
     def forward(self, logits_TE, dtype):
         return moe_route(logits_TE, self.top_k, self.norm_topk_prob, out_dtype=dtype)
+
+
+class RolloutSigmoidRouter(GroupLimitedRouting, RolloutLinear):
+    """DeepSeek-V3's router (`mxrl.models.mla.SigmoidRouter`): its weight held as an fp32
+    RolloutLinear, so the scores' GEMM is tiled as every engine GEMM (batch invariance) and in
+    fp32 as the trainer's; the selection and weights are the trainer's code
+    (`GroupLimitedRouting`); e_score_correction_bias is loaded in fp32."""
+
+    def __init__(
+        self, router: SigmoidRouter, spec: TensorSpec, backend: Backend, tile: int
+    ) -> None:
+        if spec.format is not Format.BF16:
+            raise ValueError(
+                f"{spec.name} is {spec.format} in the plan; the sigmoid router takes bf16 only "
+                "(keep kind router in bf16 in the recipe)"
+            )
+        RolloutLinear.__init__(self, spec, torch.float32, backend, tile)
+        for attr in ("num_experts", "top_k", "n_group", "topk_group", "norm_topk_prob", "scaling"):
+            setattr(self, attr, getattr(router, attr))
+        self.e_score_correction_bias = None
+
+    def scores(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """sigmoid(x W^T) in fp32, [T, E]."""
+        return invariant.sigmoid(RolloutLinear.forward(self, x_TH.float()))
 
 
 class RolloutExperts(nn.Module):

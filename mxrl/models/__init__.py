@@ -6,7 +6,8 @@ and the HF <-> model name mapping are `mxrl.arch`'s).
     logits, routing = model(input_ids, return_routing=True)
     save_pretrained(model, "out/step-100", max_shard_size="5GB")
 
-Families: qwen3 (dense), qwen3_moe, qwen2_moe (and qwen3_moe with a shared expert). Parameter
+Families: qwen3 (dense), qwen3_moe, qwen2_moe (and qwen3_moe with a shared expert), deepseek_v3
+(MLA and the sigmoid router, `mxrl.models.mla`). Parameter
 names are the canonical HF names of the fused expert layout. docs/models.md has the details.
 """
 

@@ -28,10 +28,17 @@ class RaggedAttention(Protocol):
     """What `Attention.forward` calls under a context (the engine's paged KV cache)."""
 
     def __call__(
-        self, layer_idx: int, q_NTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor
+        self,
+        layer_idx: int,
+        q_NTD: torch.Tensor,
+        k_KTD: torch.Tensor,
+        v_KTD: torch.Tensor,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """Store this step's keys/values (after RoPE) of layer `layer_idx`, then return the
-        attention output [N, T, D] of every new token over its own request's keys (causal)."""
+        attention output [N, T, Dv] of every new token over its own request's keys (causal).
+        scale: the softmax scale (None: 1/sqrt(D); MLA's: 1/sqrt(qk head dim) times yarn's
+        mscale^2, with values of another width Dv)."""
         ...
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +57,7 @@ _FIX_SHAPE = (
     "intermediate sizes?)"
 )
 _FIX_INDEX = f"re-save the checkpoint ({INDEX_NAME} must list exactly the tensors of each shard)"
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 _ALL = (-1, "all")  # coverage unit of a tensor that fills its whole parameter
 _SHOW = 5  # names listed per problem in an error
 
@@ -92,7 +94,12 @@ def from_pretrained(
     model = empty_model(config, dtype=dtype, device=device)
     params = dict(model.named_parameters())
     plan, tied_head, scales = _plan(
-        path, files, params, tied=config.tie_word_embeddings, fp8=fp8 is not None
+        path,
+        files,
+        params,
+        tied=config.tie_word_embeddings,
+        fp8=fp8 is not None,
+        unbuilt=_unbuilt_layers(config),
     )
     total = sum(len(items) for items in plan.values())
     rounded = 0  # fp8 tensors whose dequantized values `dtype` rounds
@@ -180,9 +187,11 @@ def _plan(
     *,
     tied: bool,
     fp8: bool = False,
+    unbuilt: frozenset[int] = frozenset(),
 ) -> tuple[dict[Path, list[tuple[str, Target]]], tuple[Path, str] | None, hf_fp8.Scales]:
     """Read every header; return (file -> [(key, target)], the tied lm_head to check, FP8
-    weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8."""
+    weight key -> (file, key) of its scale) or raise. fp8: config.json declares FP8. unbuilt:
+    layer indices whose tensors are skipped (`Family.unbuilt_layers`)."""
     plan: dict[Path, list[tuple[str, Target]]] = {}
     covered: dict[str, set[tuple[int, str]]] = {}
     seen: dict[str, Path] = {}
@@ -203,6 +212,7 @@ def _plan(
                     for k in gaps
                 ]
             items = plan.setdefault(file, [])
+            keys = _built_keys(keys, unbuilt, file)
             for key in keys:
                 if key in seen:
                     dups.append(f"{key} (in {seen[key].name} and {file.name})")
@@ -239,6 +249,12 @@ def _plan(
     missing = [_missing(name, p, covered.get(name, set())) for name, p in params.items()]
     missing = [m for m in missing if m]
     scales, fp8_problems = hf_fp8.pair_headers(fp8, fp8_weights, scale_entries)
+    _refuse(path, fp8_problems, unknown, missing, shapes, dups, index_gaps)
+    return plan, tied_head, scales
+
+
+def _refuse(path: Path, fp8_problems, unknown, missing, shapes, dups, index_gaps) -> None:
+    """One ValueError listing every problem `_plan` found, if any."""
     problems = [
         *(_list(*problem) for problem in fp8_problems),
         _list("unknown tensors", unknown, _FIX_UNKNOWN),
@@ -250,7 +266,23 @@ def _plan(
     problems = [p for p in problems if p]
     if problems:
         raise ValueError(f"cannot load {path}:\n" + "\n".join(problems))
-    return plan, tied_head, scales
+
+
+def _unbuilt_layers(config: ModelConfig) -> frozenset[int]:
+    from mxrl.arch import family
+
+    count = family(config.model_type).unbuilt_layers
+    first = config.num_hidden_layers
+    return frozenset(range(first, first + count(config.hf_config))) if count else frozenset()
+
+
+def _built_keys(keys: list[str], unbuilt: frozenset[int], file: Path) -> list[str]:
+    """`keys` without those of the `unbuilt` layers (logged)."""
+    built = [k for k in keys if (m := _LAYER_RE.match(k)) is None or int(m[1]) not in unbuilt]
+    if len(built) < len(keys):
+        logger.info("%s: skipped %d tensors of layers %s, which mxrl.models does not build "
+                    "(multi-token prediction)", file, len(keys) - len(built), sorted(unbuilt))  # fmt: skip
+    return built
 
 
 def _read_scale(

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from mxrl.arch.experts import hf_tensors
+from mxrl.arch.names import keeps_fp32
 from mxrl.models.hf_checkpoint import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME
 from mxrl.models.model import CausalLM
 
@@ -88,7 +89,7 @@ def _write_shards(
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = total = 0
     for name, t in tensors:
-        nbytes = t.numel() * (t.element_size() if dtype is None else dtype.itemsize)
+        nbytes = t.numel() * _dtype(name, t, dtype).itemsize
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -106,12 +107,19 @@ def _write_shards(
         list(zip(names, shards, strict=True)), desc="saving", disable=not show
     ):
         # Fresh contiguous CPU copies: safetensors refuses views sharing storage (expert slices).
-        data = {k: t.detach().to("cpu", dtype or t.dtype, copy=True).contiguous() for k, t in shard}
+        data = {
+            k: t.detach().to("cpu", _dtype(k, t, dtype), copy=True).contiguous() for k, t in shard
+        }
         save_file(data, str(out / fname), metadata={"format": "pt"})
     if n > 1:
         weight_map = {k: f for f, shard in zip(names, shards, strict=True) for k, _ in shard}
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The saved dtype: `dtype`, except for the fp32 tensors (DeepSeek's router bias)."""
+    return t.dtype if dtype is None or keeps_fp32(name) else dtype
 
 
 @contextmanager

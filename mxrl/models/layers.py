@@ -1,4 +1,5 @@
-"""Building blocks of the Qwen decoder: RMSNorm, RoPE, attention, SwiGLU MLP, sparse MoE block.
+"""Building blocks of the Qwen decoder: RMSNorm, RoPE, attention, SwiGLU MLP, sparse MoE block
+(DeepSeek-V3's MLA and sigmoid-routed MoE: `mxrl.models.mla`; `DecoderLayer` picks by config).
 
 Legend: B batch, S query length, L key/value length (S plus cached tokens), H hidden size,
 N query heads, K key/value heads, D head_dim, T = B*S tokens, E experts, k experts per token.
@@ -10,7 +11,8 @@ so `apply_plan` can swap modules in place by name; attribute names are the HF on
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from torch import nn
 
 from mxrl.arch.config import ModelConfig
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
+from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
 from mxrl.nn import GroupedExperts, invariant
 from mxrl.nn.kv_quant import fake_quant_kv
@@ -66,10 +69,15 @@ class RotaryEmbedding(nn.Module):
 
     TABLE_CHUNK = 256
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        # YaRN (mxrl.models.yarn; None: default RoPE): other frequencies, cos/sin scaled
+        self.scaling = dict(scaling) if scaling else None
+        self.attention_factor = yarn.attention_factor(scaling) if scaling else 1.0
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         # the CPU table, [positions, D] fp32, grown by whole chunks
         self._table_cos = self._table_sin = torch.empty(0, head_dim, device="cpu")
@@ -77,7 +85,10 @@ class RotaryEmbedding(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq:
             d = self.head_dim
-            inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            if self.scaling is not None:
+                inv = yarn.inv_freq(d, self.theta, self.scaling)
+            else:
+                inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
             self._inv_freq[device] = inv.to(device)
         return self._inv_freq[device]
 
@@ -105,6 +116,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cpu_table(position_ids_BS)
         else:
             cos, sin = self._angles(position_ids_BS)
+        if self.attention_factor != 1.0:  # transformers: emb.cos() * attention_scaling, in fp32
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
@@ -181,14 +194,7 @@ class Attention(nn.Module):
             return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        L = k.shape[2]
-        is_causal = attn_mask_BSL is None and S == L and S > 1
-        if attn_mask_BSL is None and 1 < S < L:
-            # SDPA's is_causal aligns top-left; cached prefixes need bottom-right alignment.
-            attn_mask_BSL = causal_mask(S, L, device=x_BSH.device)[None, None]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask_BSL, is_causal=is_causal, enable_gqa=True
-        )
+        out = attend(q, k, v, attn_mask_BSL)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -198,6 +204,31 @@ def _as_attended(x: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(device):
         return x.to(torch.get_autocast_dtype(device))
     return x
+
+
+def attend(
+    q_BNSD: torch.Tensor,
+    k_BKLD: torch.Tensor,
+    v_BKLD: torch.Tensor,
+    attn_mask_BSL: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA of S queries over L keys, [B, N, S, Dv]: the mask as given, else causal with the
+    queries the last S of the L positions. scale: None for SDPA's 1/sqrt(D)."""
+    S, L = q_BNSD.shape[2], k_BKLD.shape[2]
+    is_causal = attn_mask_BSL is None and S == L and S > 1
+    if attn_mask_BSL is None and 1 < S < L:
+        # SDPA's is_causal aligns top-left; cached prefixes need bottom-right alignment.
+        attn_mask_BSL = causal_mask(S, L, device=q_BNSD.device)[None, None]
+    return F.scaled_dot_product_attention(
+        q_BNSD,
+        k_BKLD,
+        v_BKLD,
+        attn_mask=attn_mask_BSL,
+        is_causal=is_causal,
+        enable_gqa=True,
+        scale=scale,
+    )
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -297,12 +328,20 @@ class DecoderLayer(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.is_moe = layer_idx in c.moe_layers
-        self.self_attn = Attention(c, layer_idx, dtype=dtype)
-        self.mlp: MLP | SparseMoeBlock = (
-            SparseMoeBlock(c, dtype=dtype)
-            if self.is_moe
-            else MLP(c.hidden_size, c.intermediate_size, dtype=dtype)
+        from mxrl.models.mla import DeepseekMoE, MLAttention  # which imports this file
+
+        self.self_attn: Attention | MLAttention = (
+            MLAttention(c, layer_idx, dtype=dtype)
+            if c.is_mla
+            else Attention(c, layer_idx, dtype=dtype)
         )
+        self.mlp: MLP | SparseMoeBlock | DeepseekMoE
+        if not self.is_moe:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=dtype)
+        elif c.scoring_func == "sigmoid":
+            self.mlp = DeepseekMoE(c, dtype=dtype)
+        else:
+            self.mlp = SparseMoeBlock(c, dtype=dtype)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
@@ -316,7 +355,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [B, S, H], expert ids [B, S, k] or None for a dense layer)."""
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), rope, attn_mask_BSL, kv_cache)
-        if isinstance(self.mlp, SparseMoeBlock):
+        if self.is_moe:
             mlp_out, ids = self.mlp(self.post_attention_layernorm(h), replay_ids_BSk)
             return h + mlp_out, ids
         return h + self.mlp(self.post_attention_layernorm(h)), None

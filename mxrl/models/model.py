@@ -21,6 +21,7 @@ from torch import nn
 
 from mxrl.arch.config import ModelConfig
 from mxrl.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, causal_mask
+from mxrl.models.mla import SigmoidRouter
 from mxrl.nn import GroupedExperts
 
 
@@ -35,7 +36,7 @@ class DecoderModel(nn.Module):
             DecoderLayer(c, i, dtype=dtype) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.rope_theta, dict(c.rope_scaling) or None)
         # recompute each decoder layer in the backward instead of keeping its activations
         # (training only; `CausalLM.set_training_options`)
         self.checkpoint_layers = False
@@ -127,7 +128,7 @@ def _default_positions(
 
 
 class CausalLM(nn.Module):
-    """Qwen3 / Qwen3-MoE / Qwen2-MoE causal LM. Build with `build_model` or `from_pretrained`."""
+    """Qwen3 / Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 causal LM. Build with `build_model` or `from_pretrained`."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -229,6 +230,9 @@ def init_weights(model: CausalLM, seed: int | None = None) -> None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
             normal_(module.weight)
+        elif isinstance(module, SigmoidRouter):
+            normal_(module.weight)
+            module.e_score_correction_bias.zero_()
         elif isinstance(module, GroupedExperts):
             normal_(module.gate_up_proj)
             normal_(module.down_proj)

@@ -136,15 +136,16 @@ def kv_cache_bytes(
     import torch
 
     from mxrl.engine.config import CacheOptions
-    from mxrl.engine.kv_cache import KVCache
+    from mxrl.engine.kv_cache import KVCache, cache_dims
 
     opt = CacheOptions()
     sequences = min(
         math.ceil(rl.prompts_per_step / ranks) * rl.samples_per_prompt, opt.max_num_seqs
     )
     dtype = torch.bfloat16 if compute == 2 else torch.float32
+    heads, k_dim, v_dim = cache_dims(c)  # MLA: the expanded per-head keys and values
     per_block = KVCache.bytes_per_block(
-        c.num_hidden_layers, opt.block_size, c.num_key_value_heads, c.head_dim, dtype, fp8
+        c.num_hidden_layers, opt.block_size, heads, k_dim, dtype, v_dim, fp8=fp8
     )
     blocks = sequences * math.ceil(seq / opt.block_size) + (1 if cuda else 0)
     return blocks * per_block

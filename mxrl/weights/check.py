@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mxrl.arch import ModelConfig
+from mxrl.arch.names import keeps_fp32
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import CausalLM
@@ -72,7 +73,7 @@ def check_record(
         raise ValueError(f"{name}: the plan stores {_what(spec)}, got {got}")
     if not quantized:
         assert isinstance(value, torch.Tensor)
-        want = plain_dtype
+        want = torch.float32 if keeps_fp32(name) and plain_dtype is not None else plain_dtype
         if tuple(value.shape) != spec.shape or (
             (value.dtype != want) if want is not None else not value.is_floating_point()
         ):

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from mxrl.arch.experts import hf_location
+from mxrl.arch.names import keeps_fp32
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.kernels import Backend, Kernels
 from mxrl.kernels import quantize as kernel_quantize
@@ -117,7 +118,9 @@ def quantized_values(
         w = params[name].detach()
         if spec.format is Format.BF16:
             # one copy, contiguous whatever the master's strides, never aliased
-            value: WeightValue = w.to(bf16_dtype, copy=True, memory_format=torch.contiguous_format)
+            # the fp32 tensors (DeepSeek's router bias) stay fp32 (mxrl.arch.names.keeps_fp32)
+            dtype = torch.float32 if keeps_fp32(name) else bf16_dtype
+            value: WeightValue = w.to(dtype, copy=True, memory_format=torch.contiguous_format)
         else:
             if w.device not in chosen:  # once per device
                 chosen[w.device] = backend_for(backend, w.device)
