@@ -81,6 +81,11 @@ MODULES = {
          "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",
          "tests/rl/test_micro_batch_edges.py"),
     ),
+    # the train-rollout mismatch metrics (k1, k3, |d|) and the gradient-spike detector
+    "rl.mismatch": Module(
+        ("mxrl/rl/mismatch.py",), ("tests/rl/test_mismatch.py", "tests/rl/test_mismatch_edges.py")
+    ),
+    "rl.stability": Module(("mxrl/rl/stability.py",), ("tests/rl/test_stability.py",)),
     # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
     "weights.served": Module(
         ("mxrl/weights/served.py", "mxrl/weights/served_config.py"),
