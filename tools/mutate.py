@@ -58,9 +58,15 @@ MODULES = {
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
         ("tests/engine",),
     ),
+    # node ids: test_scheduler.py's block-manager tests, not its engine runs (minutes each on
+    # two shared cores, run on every mutant they reach; `make test` runs them)
     "engine.block_manager": Module(
         ("mxrl/engine/block_manager.py",),
-        ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
+        ("tests/engine/test_block_manager.py",
+         "tests/engine/test_scheduler.py::test_blocks_are_counted_shared_and_reused_until_handed_out_again",
+         "tests/engine/test_scheduler.py::test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone",
+         "tests/engine/test_scheduler.py::test_taking_back_cached_blocks_does_not_scan_the_free_list",
+         "tests/engine/test_block_manager_edges.py"),
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
@@ -85,7 +91,10 @@ MODULES = {
     "rl.mismatch": Module(
         ("mxrl/rl/mismatch.py",), ("tests/rl/test_mismatch.py", "tests/rl/test_mismatch_edges.py")
     ),
-    "rl.stability": Module(("mxrl/rl/stability.py",), ("tests/rl/test_stability.py",)),
+    "rl.stability": Module(
+        ("mxrl/rl/stability.py",),
+        ("tests/rl/test_stability.py", "tests/rl/test_stability_edges.py"),
+    ),
     # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
     "weights.served": Module(
         ("mxrl/weights/served.py", "mxrl/weights/served_config.py"),
