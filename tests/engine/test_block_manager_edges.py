@@ -74,6 +74,25 @@ def test_a_block_hash_covers_every_token_before_it():
     assert block_hashes(x, 2, 1) == hx[:1]  # fewer than the sequence keeps: the first ones
 
 
+def test_a_growing_sequence_hashes_each_block_once_it_is_full():
+    # the hashes are kept on the sequence and extended as tokens are appended: a block's hash
+    # is taken over its full tokens, never over the part of it that existed earlier
+    seq = _seq(range(5))
+    assert len(block_hashes(seq, 4, 1)) == 1  # block 1 holds one token so far
+    seq.tokens += [5, 6, 7, 8]
+    assert block_hashes(seq, 4, 2) == block_hashes(_seq(range(9), 1), 4, 2)
+
+
+def test_blocks_never_handed_out_hold_no_reference():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    assert bm.ref_count == [0, 0, 0, 0]
+    a = _seq(range(6))
+    _take(bm, a)
+    assert bm.ref_count == [1, 1, 0, 0]
+    bm.release(a)
+    assert bm.ref_count == [0, 0, 0, 0] and list(bm.free) == [2, 3, 0, 1]
+
+
 # --- the prefix cache --------------------------------------------------------------------------
 
 
