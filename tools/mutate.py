@@ -68,6 +68,18 @@ MODULES = {
          "tests/engine/test_scheduler.py::test_taking_back_cached_blocks_does_not_scan_the_free_list",
          "tests/engine/test_block_manager_edges.py"),
     ),
+    # node ids: the file's tests but the 4000-request frequency test (48 s on two shared cores,
+    # row by row on the CPU; the race test holds each draw to the spec, request by request)
+    "engine.sampler": Module(
+        ("mxrl/engine/sampler.py",),
+        ("tests/engine/test_sampler.py::test_noise_is_exact_integer_arithmetic",
+         "tests/engine/test_sampler.py::test_noise_is_uniform_and_rows_differ",
+         "tests/engine/test_sampler.py::test_each_draw_is_the_race_of_its_own_noise",
+         "tests/engine/test_sampler.py::test_top_k_and_top_p_keep_the_hand_computed_sets",
+         "tests/engine/test_sampler.py::test_filters_on_random_rows_keep_the_spec_sets",
+         "tests/engine/test_sampler.py::test_a_row_does_not_depend_on_its_batch",
+         "tests/engine/test_sampler.py::test_top_k_keeps_the_k_largest"),
+    ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
     "rl": Module(
