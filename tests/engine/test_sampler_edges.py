@@ -112,3 +112,22 @@ def test_processed_logprobs_of_one_row():
     assert _finite(got) == [0] and got[0].item() == 0.0
     got = processed_logprobs(torch.tensor([0.5, 0.3, 0.2]).log(), SamplingParams(temperature=0))
     assert got.exp().tolist() == pytest.approx([0.5, 0.3, 0.2], rel=1e-6)
+
+
+def test_on_the_cpu_each_row_is_sampled_alone(monkeypatch):
+    # the module docstring: on the CPU a row is processed alone, as a [1, V] tensor (ATen's
+    # vector body and scalar tail round differently, so a row's bytes would depend on its batch)
+    from mxrl.engine import sampler
+
+    shapes = []
+    original = sampler._sample_rows
+
+    def spy(logits_RV, b):
+        shapes.append(tuple(logits_RV.shape))
+        return original(logits_RV, b)
+
+    monkeypatch.setattr(sampler, "_sample_rows", spy)
+    params = [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=2)]
+    tokens, _ = sample_batch(torch.randn(3, 11, generator=torch.Generator().manual_seed(0)),
+                             _batch(params))  # fmt: skip
+    assert shapes == [(1, 11)] * 3 and tokens.shape == (3,)
