@@ -58,9 +58,28 @@ MODULES = {
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
         ("tests/engine",),
     ),
+    # node ids: test_scheduler.py's block-manager tests, not its engine runs (minutes each on
+    # two shared cores, run on every mutant they reach; `make test` runs them)
     "engine.block_manager": Module(
         ("mxrl/engine/block_manager.py",),
-        ("tests/engine/test_block_manager.py", "tests/engine/test_scheduler.py"),
+        ("tests/engine/test_block_manager.py",
+         "tests/engine/test_scheduler.py::test_blocks_are_counted_shared_and_reused_until_handed_out_again",
+         "tests/engine/test_scheduler.py::test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone",
+         "tests/engine/test_scheduler.py::test_taking_back_cached_blocks_does_not_scan_the_free_list",
+         "tests/engine/test_block_manager_edges.py"),
+    ),
+    # node ids: the file's tests but the 4000-request frequency test (48 s on two shared cores,
+    # row by row on the CPU; the race test holds each draw to the spec, request by request)
+    "engine.sampler": Module(
+        ("mxrl/engine/sampler.py",),
+        ("tests/engine/test_sampler.py::test_noise_is_exact_integer_arithmetic",
+         "tests/engine/test_sampler.py::test_noise_is_uniform_and_rows_differ",
+         "tests/engine/test_sampler.py::test_each_draw_is_the_race_of_its_own_noise",
+         "tests/engine/test_sampler.py::test_top_k_and_top_p_keep_the_hand_computed_sets",
+         "tests/engine/test_sampler.py::test_filters_on_random_rows_keep_the_spec_sets",
+         "tests/engine/test_sampler.py::test_a_row_does_not_depend_on_its_batch",
+         "tests/engine/test_sampler.py::test_top_k_keeps_the_k_largest",
+         "tests/engine/test_sampler_edges.py"),
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
@@ -80,6 +99,14 @@ MODULES = {
          "tests/rl/test_micro_batch.py::test_combine_sums_maxima_and_token_weighted_means",
          "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",
          "tests/rl/test_micro_batch_edges.py"),
+    ),
+    # the train-rollout mismatch metrics (k1, k3, |d|) and the gradient-spike detector
+    "rl.mismatch": Module(
+        ("mxrl/rl/mismatch.py",), ("tests/rl/test_mismatch.py", "tests/rl/test_mismatch_edges.py")
+    ),
+    "rl.stability": Module(
+        ("mxrl/rl/stability.py",),
+        ("tests/rl/test_stability.py", "tests/rl/test_stability_edges.py"),
     ),
     # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
     "weights.served": Module(
