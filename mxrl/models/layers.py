@@ -272,7 +272,31 @@ class TopKSoftmax(nn.Module):
         return f"{self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}"
 
 
-class SparseMoeBlock(nn.Module):
+class RoutedBlock(nn.Module):
+    """The MoE block's forward, one for every family: `route`, the routed experts, then the
+    family's shared part (`add_shared`). Subclasses hold `experts` and define `route`."""
+
+    def route(
+        self, x_TH: torch.Tensor, replay_ids_Tk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def add_shared(self, x_TH: torch.Tensor, out_TH: torch.Tensor) -> torch.Tensor:
+        return out_TH
+
+    def forward(
+        self, x_BSH: torch.Tensor, replay_ids_BSk: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output [B, S, H], chosen expert ids [B, S, k])."""
+        B, S, H = x_BSH.shape
+        x_TH = x_BSH.reshape(-1, H)
+        replay = None if replay_ids_BSk is None else replay_ids_BSk.reshape(B * S, -1)
+        ids_Tk, weights_Tk = self.route(x_TH, replay)
+        out_TH = self.add_shared(x_TH, self.experts(x_TH, ids_Tk, weights_Tk))
+        return out_TH.reshape(B, S, H), ids_Tk.reshape(B, S, -1)
+
+
+class SparseMoeBlock(RoutedBlock):
     """Softmax top-k router + grouped routed experts (+ Qwen2-MoE shared expert with sigmoid gate)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype) -> None:
@@ -307,19 +331,12 @@ class SparseMoeBlock(nn.Module):
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
         return ids_Tk, weights_Tk.to(x_TH.dtype)
 
-    def forward(
-        self, x_BSH: torch.Tensor, replay_ids_BSk: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output [B, S, H], chosen expert ids [B, S, k])."""
-        B, S, H = x_BSH.shape
-        x_TH = x_BSH.reshape(-1, H)
-        replay = None if replay_ids_BSk is None else replay_ids_BSk.reshape(B * S, -1)
-        ids_Tk, weights_Tk = self.route(x_TH, replay)
-        out_TH = self.experts(x_TH, ids_Tk, weights_Tk)
-        if self.shared_expert is not None:
-            gate_T1 = invariant.sigmoid(self.shared_expert_gate(x_TH))
-            out_TH = out_TH + gate_T1 * self.shared_expert(x_TH)
-        return out_TH.reshape(B, S, H), ids_Tk.reshape(B, S, -1)
+    def add_shared(self, x_TH: torch.Tensor, out_TH: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's gated shared expert (none for Qwen3-MoE)."""
+        if self.shared_expert is None:
+            return out_TH
+        gate_T1 = invariant.sigmoid(self.shared_expert_gate(x_TH))
+        return out_TH + gate_T1 * self.shared_expert(x_TH)
 
 
 class DecoderLayer(nn.Module):

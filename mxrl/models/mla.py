@@ -21,7 +21,7 @@ from torch import nn
 from mxrl.arch.config import ModelConfig
 from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
-from mxrl.models.layers import MLP, KVCache, RMSNorm, attend
+from mxrl.models.layers import MLP, KVCache, RMSNorm, RoutedBlock, attend
 from mxrl.nn import GroupedExperts, invariant
 
 # transformers' DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm with RMSNorm's
@@ -207,7 +207,7 @@ class SigmoidRouter(GroupLimitedRouting, nn.Module):
         return self.routing_repr()
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(RoutedBlock):
     """Sigmoid router + grouped routed experts + the shared experts (one SwiGLU, no gate):
     out = experts(x) + shared_experts(x), as transformers' `DeepseekV3MoE`."""
 
@@ -234,14 +234,6 @@ class DeepseekMoE(nn.Module):
             ids_Tk = replay_ids_Tk.to(device=x_TH.device, dtype=torch.int64)
         return ids_Tk, self.gate.weights(scores_TE, ids_Tk).to(x_TH.dtype)
 
-    def forward(
-        self, x_BSH: torch.Tensor, replay_ids_BSk: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(output [B, S, H], chosen expert ids [B, S, k])."""
-        B, S, H = x_BSH.shape
-        x_TH = x_BSH.reshape(-1, H)
-        replay = None if replay_ids_BSk is None else replay_ids_BSk.reshape(B * S, -1)
-        ids_Tk, weights_Tk = self.route(x_TH, replay)
-        out_TH = self.experts(x_TH, ids_Tk, weights_Tk)
-        out_TH = out_TH + self.shared_experts(x_TH)
-        return out_TH.reshape(B, S, H), ids_Tk.reshape(B, S, -1)
+    def add_shared(self, x_TH: torch.Tensor, out_TH: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's shared experts, ungated."""
+        return out_TH + self.shared_experts(x_TH)
