@@ -294,8 +294,9 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     killed = count.get("killed", 0) + count.get("gpu", 0)
     timeout, equivalent = count.get("timeout", 0), count.get("equivalent", 0)
     survived = count.get("survived", 0)
-    other = len(mutants) - killed - timeout - equivalent - survived
-    scored = len(mutants) - equivalent - count.get("no tests", 0)
+    no_tests = count.get("no tests", 0)
+    other = len(mutants) - killed - timeout - equivalent - survived - no_tests
+    scored = len(mutants) - equivalent - no_tests
     rate = (killed + timeout) / scored if scored else 1.0
 
     def git(*cmd: str) -> str:
