@@ -31,7 +31,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
@@ -88,10 +87,12 @@ def response_lengths(count: int, longest: int, seed: int) -> list[int]:
 
 
 class FixedLengthTrainer(GRPOTrainer):
-    """The trainer with each request's `max_new_tokens` from the seeded table (the same for
-    every preset); everything else is `mxrl train`'s step."""
+    """The trainer with each request's `max_new_tokens` from the seeded table `lengths` (the
+    same for every preset); everything else is `mxrl train`'s step."""
 
-    lengths: ClassVar[list[int]] = []
+    def __init__(self, *args, lengths: list[int], **kwargs) -> None:
+        self.lengths = lengths
+        super().__init__(*args, **kwargs)
 
     def _sampling(self, step: int, index: int) -> SamplingParams:
         params = super()._sampling(step, index)
@@ -118,8 +119,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     )  # fmt: skip
     record = RunRecord.create(out, label.replace("+", "_"), config={})
     source = RandomPrompts(model.config.vocab_size, args.prompt, seed=0)
-    FixedLengthTrainer.lengths = lengths
-    trainer = FixedLengthTrainer(cfg, model, source, record)
+    trainer = FixedLengthTrainer(cfg, model, source, record, lengths=lengths)
     if args.kv_cache_gb:
         cache = trainer.engine.cache_options
         trainer.engine.cache_options = dataclasses.replace(

@@ -4,27 +4,20 @@ sections, and a preset or device that is not there stops the script with a messa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
+
 BATCHES = [1, 3]
 
 
 @pytest.fixture(scope="module")
 def engine_decode():
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))  # the script imports benchmarks/common.py
-        spec = importlib.util.spec_from_file_location(
-            "engine_decode", BENCHMARKS / "engine_decode.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_benchmark("engine_decode", mp)
 
 
 def test_tiny_cpu_run_writes_every_preset(engine_decode, tmp_path):

@@ -4,25 +4,15 @@ exactly the seeded response lengths, the results file keeping the other sections
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
 
 
-def _load(name: str, mp: pytest.MonkeyPatch):
-    mp.syspath_prepend(str(BENCHMARKS))  # the scripts import benchmarks/common.py
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_response_lengths_are_seeded_and_spread():
-    rl_step = _load("rl_step", pytest.MonkeyPatch())
+def test_response_lengths_are_seeded_and_spread(monkeypatch):
+    rl_step = load_benchmark("rl_step", monkeypatch)
     lengths = rl_step.response_lengths(512, 4096, seed=0)
     assert lengths == rl_step.response_lengths(512, 4096, seed=0)
     assert min(lengths) == 16 and max(lengths) == 4096  # a tail at the limit
@@ -31,7 +21,7 @@ def test_response_lengths_are_seeded_and_spread():
 
 
 def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
-    rl_step = _load("rl_step", monkeypatch)
+    rl_step = load_benchmark("rl_step", monkeypatch)
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"rollout": {"kept": True}}))
     args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--kv-fp8",

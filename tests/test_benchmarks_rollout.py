@@ -4,25 +4,13 @@ other sections; and profile_generate.py's RL-shaped profile."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-import pytest
-
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str, mp: pytest.MonkeyPatch):
-    mp.syspath_prepend(str(BENCHMARKS))  # the scripts import benchmarks/common.py
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_tiny_cpu_run_writes_decode_and_rl_rows(tmp_path, monkeypatch):
-    rollout = _load("rollout", monkeypatch)
+    rollout = load_benchmark("rollout", monkeypatch)
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"sync": {"kept": True}}))
     args = ["--tiny", "--device", "cpu", "--skip-hf", "--layers", "1", "--presets", "bf16",
@@ -47,7 +35,7 @@ def test_tiny_cpu_run_writes_decode_and_rl_rows(tmp_path, monkeypatch):
 
 
 def test_profile_generate_rl_prints_the_decode_steps_by_size(monkeypatch, capsys):
-    profile = _load("profile_generate", monkeypatch)
+    profile = load_benchmark("profile_generate", monkeypatch)
     args = ["--rl", "--tiny", "--device", "cpu", "--layers", "1", "--groups", "2",
             "--samples", "2", "--rl-prompt", "20", "--rl-new-tokens", "5", "--top", "3"]  # fmt: skip
     assert profile.main(args) == 0

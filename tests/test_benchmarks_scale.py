@@ -4,18 +4,13 @@ train, and the split run's engine holds the single run's bytes (equal sync diges
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_tiny_cpu_run_compares_split_with_single(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports benchmarks/common.py
-    spec = importlib.util.spec_from_file_location("scale_bench", BENCHMARKS / "scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("scale", monkeypatch, "scale_bench")
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"sync": {"kept": True}}))
     args = ["--tiny", "--device", "cpu", "--steps", "2", "--prompts", "2", "--samples", "2",

@@ -4,23 +4,18 @@ The bound itself is measured on the H200 (tests/weights/test_served_gpu.py, docs
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
 
 
 def test_tiny_cpu_run_records_every_comparison(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))
-        spec = importlib.util.spec_from_file_location("served_fp8", BENCHMARKS / "served_fp8.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_benchmark("served_fp8", mp)
     out = tmp_path / "r.json"
     args = ["--tiny", "--dequantize", "--layers", "2", "--vocab", "512", "--prompts", "4"]
     result = module.main([*args, "--prompt-len", "16", "--out", str(out)])

@@ -4,23 +4,17 @@ keeps the other sections."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sync_bench():
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))  # the script imports benchmarks/common.py
-        spec = importlib.util.spec_from_file_location("sync_bench", BENCHMARKS / "sync.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_benchmark("sync", mp, "sync_bench")
 
 
 def test_tiny_cpu_run_writes_every_preset(sync_bench, tmp_path):

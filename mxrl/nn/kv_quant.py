@@ -23,7 +23,6 @@ from mxrl.formats import codecs
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend, Kernels, quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
-from mxrl.kernels.backend import backend_for
 
 KV_CODE_DTYPE = torch.uint8  # E4M3 bytes
 KV_SCALE_DTYPE = torch.float32
@@ -37,8 +36,6 @@ def quantize_kv(
     d = x.shape[-1]
     if d not in KERNEL_FP8_BLOCK_SIZES:  # a head dim the Triton quantizer has no block for
         backend = Backend.REFERENCE
-    else:
-        backend = backend_for(backend, x.device)
     q = quantize(x.reshape(-1, d), Format.FP8_BLOCK, block=(1, d), backend=backend)
     return q.qdata.view(x.shape), q.scale.view(x.shape[:-1])
 

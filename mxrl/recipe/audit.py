@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from mxrl.formats.constants import BITS_PER_ELEMENT, Format
+from mxrl.recipe.schema import KVCacheFormat
 
 if TYPE_CHECKING:
     from mxrl.recipe.plan import Plan, TensorSpec
@@ -122,10 +123,11 @@ def _summary(plan: Plan) -> list[str]:
         acc[1] += numel
         acc[2] += numel * bits_per_element(s) / 8
         bf16_bytes += numel * BITS_PER_ELEMENT[Format.BF16] / 8
-    kv = plan.kv_cache.value
+    kv = plan.kv_cache
     lines = [
         f"summary: recipe {plan.recipe_name}, backward {plan.backward.value}, "
-        f"{plan.num_layers} layers" + (f", KV cache {kv}" if kv != "compute" else "")
+        f"{plan.num_layers} layers"
+        + (f", KV cache {kv.value}" if kv is not KVCacheFormat.COMPUTE else "")
     ]
     total_bytes = 0.0
     for fmt in Format:

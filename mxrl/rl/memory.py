@@ -201,7 +201,7 @@ def estimate_memory(
         train_weight_copies=train_copy_bytes(plan, model_cfg, master, compute, cuda) // train_ranks,
         engine_weights=engine_weight_bytes(plan, engine, cuda),
         kv_cache=kv_cache_bytes(
-            model_cfg, rl, seq, engine, cuda, rollout_ranks, plan.kv_cache.value == "fp8"
+            model_cfg, rl, seq, engine, cuda, rollout_ranks, plan.kv_cache == "fp8"
         ),
         activation_bytes_per_token=per_token,
         logits_chunk=logits_chunk_bytes(model_cfg.vocab_size, sequences * seq),

@@ -26,16 +26,22 @@ class Resolved:
 
     plan: the recipe resolved on the model's parameters (applied by the actor, served by the
       engine, printed and recorded by the CLI).
-    kernels: the `Kernels` record for the run's device (the quantizer, the engine's kernels).
-    compute_dtype: the engine's activations and KV cache, and the training forward's autocast.
     engine: the engine's options (device, compute dtype, GEMM tile, kernels); the rollout adds
-      the KV cache's size.
+      the KV cache's size. `kernels` and `compute_dtype` are read from it.
     """
 
     plan: Plan
-    kernels: Kernels
-    compute_dtype: torch.dtype
     engine: EngineConfig
+
+    @property
+    def kernels(self) -> Kernels:
+        """The `Kernels` record for the run's device (the quantizer, the engine's kernels)."""
+        return self.engine.backend
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The engine's activations and KV cache, and the training forward's autocast."""
+        return self.engine.compute_dtype
 
 
 def compute_dtype_on(choice: ComputeDtype | str, device: torch.device | str) -> torch.dtype:
@@ -53,9 +59,8 @@ def resolve_train(
     passes its own). A backend the device cannot run is refused here (ValueError)."""
     device = torch.device(device if device is not None else cfg.device)
     plan = resolve(cfg.recipe, {n: p.shape for n, p in model.named_parameters()})
-    kernels = Kernels.resolve(cfg.backend, device)
-    compute = compute_dtype_on(cfg.compute_dtype, device)
     engine = EngineConfig(
-        device=device, compute_dtype=compute, tile=cfg.engine_tile, backend=kernels
-    )
-    return Resolved(plan, kernels, compute, engine)
+        device=device, compute_dtype=compute_dtype_on(cfg.compute_dtype, device),
+        tile=cfg.engine_tile, backend=Kernels.resolve(cfg.backend, device),
+    )  # fmt: skip
+    return Resolved(plan, engine)

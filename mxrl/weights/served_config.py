@@ -11,6 +11,7 @@ from mxrl import __version__
 from mxrl.arch.names import Kind
 from mxrl.formats.constants import Format
 from mxrl.recipe import Plan
+from mxrl.recipe.schema import KVCacheFormat
 
 GATE_UP = ".mlp.experts.gate_up_proj"
 DOWN = ".mlp.experts.down_proj"
@@ -126,7 +127,7 @@ def precision_contract(plan: Plan) -> dict[str, Any]:
         "plan_hash": plan.hash(),
         "formats": formats,
     }
-    if plan.kv_cache.value != "compute":
+    if plan.kv_cache is not KVCacheFormat.COMPUTE:
         out["kv_cache"] = {
             "format": plan.kv_cache.value,
             "note": (
