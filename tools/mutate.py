@@ -111,7 +111,8 @@ MODULES = {
     # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
     "weights.served": Module(
         ("mxrl/weights/served.py", "mxrl/weights/served_config.py"),
-        ("tests/weights/test_served.py", "tests/weights/test_served_edges.py"),
+        ("tests/weights/test_served.py", "tests/weights/test_served_edges.py",
+         "tests/weights/test_served_config.py"),
     ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
