@@ -18,7 +18,8 @@ once from a seeded spread (exponential with mean `--new-tokens`/3, between 16 an
 `--new-tokens`: most short, a tail at the limit, as real rollouts) and given to the engine as its
 `max_new_tokens`; every preset generates exactly the same number of tokens. Step 1 is a warm-up
 (allocator, autotuning, CUDA-graph capture); the rows are the median of steps 2..1+`--steps`.
-`--kv-fp8` adds each preset once more with `kv_cache: fp8`. Writes the `rl_step` section.
+`--kv-fp8 [PRESET ...]` adds those presets (none named: every one) once more with `kv_cache: fp8`.
+Writes the `rl_step` section after each preset, so the rows measured survive a later failure.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
     row["generated_tokens"] = sum(lengths)
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
+    row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
@@ -146,6 +148,16 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return row
+
+
+def engine_limits(engine, longest: int) -> dict:
+    """What bounds the rollout's concurrency: the scheduler's cap on sequences per step
+    (`max_num_seqs`) and the KV cache's blocks (memory), as sequences of `longest` tokens."""
+    cache = engine.cache_options
+    blocks = engine._blocks.num_blocks if engine._blocks is not None else 0
+    per_sequence = -(-longest // cache.block_size)
+    return {"max_num_seqs": cache.max_num_seqs, "kv_blocks": blocks,
+            "kv_sequences_at_longest": blocks // per_sequence}  # fmt: skip
 
 
 def with_deltas(rows: list[dict]) -> list[dict]:
@@ -162,7 +174,12 @@ def with_deltas(rows: list[dict]) -> list[dict]:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(ARTICLE_PRESETS))
-    ap.add_argument("--kv-fp8", action="store_true", help="each preset again with kv_cache: fp8")
+    ap.add_argument(
+        "--kv-fp8",
+        nargs="*",
+        metavar="PRESET",
+        help="these presets (none named: every one) again with kv_cache: fp8",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--prompts", type=int, default=64)
@@ -179,6 +196,9 @@ def parse_args(argv):
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
     args = ap.parse_args(argv)
     check_presets(args.presets)
+    if args.kv_fp8 is not None:
+        check_presets(args.kv_fp8)
+        args.kv_fp8 = args.kv_fp8 or list(args.presets)
     for name in ("layers", "prompts", "samples", "prompt", "new_tokens", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -194,19 +214,27 @@ def main(argv=None) -> int:
     print(f"rl_step: {args.layers} layers, {args.prompts} x {args.samples} sequences, prompt "
           f"{args.prompt}, responses {min(lengths)}..{max(lengths)} tokens "
           f"(mean {sum(lengths) / count:.0f})", flush=True)  # fmt: skip
-    runs = [(p, False) for p in args.presets] + [(p, True) for p in args.presets if args.kv_fp8]
+    runs = [(p, False) for p in args.presets] + [(p, True) for p in args.kv_fp8 or ()]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         save_pretrained(build_model(config, dtype=torch.float32, seed=0), path)
         for preset, kv in runs:
             rows.append(run_preset(path, preset, kv, lengths, device, args, Path(tmp) / "runs"))
-    rows = with_deltas(rows)
+            write_section(rows, lengths, device, args)  # each row kept, should a later one fail
     columns = [("preset", "preset", "s")] + [
         c for k in STAGES for c in ((k, k.replace("_s", " s"), ".3f"),
                                     (f"{k[:-2]}_delta_pct", "Δ%", "+.1f"))
     ]  # fmt: skip
     print(format_table(rows, columns))
+    print(f"rl_step: written to {args.out}")
+    return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
+
+
+def write_section(rows: list[dict], lengths: list[int], device, args) -> None:
+    """The `rl_step` section of `--out` with the rows so far (their deltas against bf16)."""
+    count = len(lengths)
+    rows = with_deltas(rows)
     env = environment() if device.type == "cuda" else cpu_environment()
     section = {
         "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
@@ -223,8 +251,6 @@ def main(argv=None) -> int:
         "delta_note": "Δ% = 100 x (preset / bf16 - 1), per stage",
     }
     update_results(Path(args.out), "rl_step", section, {})
-    print(f"rl_step: written to {args.out}")
-    return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -42,3 +42,13 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
     assert rows["bf16"]["step_delta_pct"] == 0.0
     want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
     assert rows["bf16+kv-fp8"]["rollout_delta_pct"] == pytest.approx(want)
+
+
+def test_kv_fp8_takes_the_presets_it_repeats(monkeypatch):
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    presets = ["--presets", "bf16", "mxfp8", "fp8-block"]
+    assert rl_step.parse_args([*presets, "--kv-fp8", "fp8-block"]).kv_fp8 == ["fp8-block"]
+    assert rl_step.parse_args([*presets, "--kv-fp8"]).kv_fp8 == ["bf16", "mxfp8", "fp8-block"]
+    assert rl_step.parse_args(presets).kv_fp8 is None
+    with pytest.raises(SystemExit, match="unknown preset 'fp8-blok'"):
+        rl_step.parse_args([*presets, "--kv-fp8", "fp8-blok"])
