@@ -41,7 +41,9 @@ ensure_repo_on_path()
 
 from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
-from mxrl.rl.config import GRPOConfig  # noqa: E402
+from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
+from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
+from mxrl.rl.resolve import resolve_train  # noqa: E402
 from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
 from mxrl.runs import RunRecord  # noqa: E402
@@ -116,16 +118,15 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         recipe=recipe_of(preset, kv_fp8), steps=args.steps + 1, prompts_per_step=args.prompts,
         samples_per_prompt=args.samples, max_new_tokens=args.new_tokens, lr=1e-5, seed=0,
         device=str(device), verify_every=args.verify_every, engine_tile=args.tile,
-        max_tokens_per_micro_batch=args.micro_batch_tokens,
+        max_tokens_per_micro_batch=args.micro_batch_tokens or 0,
     )  # fmt: skip
     record = RunRecord.create(out, label.replace("+", "_"), config={})
     source = RandomPrompts(model.config.vocab_size, args.prompt, seed=0)
-    trainer = FixedLengthTrainer(cfg, model, source, record, lengths=lengths)
-    if args.kv_cache_gb:
-        cache = trainer.engine.cache_options
-        trainer.engine.cache_options = dataclasses.replace(
-            cache, kv_cache_bytes=int(args.kv_cache_gb * 2**30)
-        )
+    resolved = resolve_train(cfg, model, device)  # once, as `mxrl train` does
+    sizes = memory_sizes(path, model, cfg, resolved.plan, args)
+    trainer = FixedLengthTrainer(
+        cfg, model, source, record, lengths=lengths, resolved=resolved, **sizes
+    )
     rows = []
     for step in range(args.steps + 1):
         start = time.perf_counter()
@@ -140,6 +141,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["generated_tokens"] = sum(lengths)
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
+    row["micro_batch_tokens"] = trainer.micro_batch_tokens
+    row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
@@ -148,6 +151,20 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return row
+
+
+def memory_sizes(path: Path, model, cfg: GRPOConfig, plan, args) -> dict:
+    """What `mxrl train` hands its trainer from the memory estimate (`mxrl.rl.memory`, checked:
+    a batch that cannot fit is refused before the first step): the training pass's micro-batch
+    budget (unless `--micro-batch-tokens`) and the engine's KV cache (unless `--kv-cache-gb`)."""
+    train_cfg = TrainConfig(model=str(path), rl=cfg)
+    est = estimate_memory(
+        model.config, plan, train_cfg, prompt_tokens=args.prompt,
+        capacity=device_capacity(cfg.device),
+    )  # fmt: skip
+    est.check()
+    kv = int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else est.kv_cache
+    return {"micro_batch_tokens": est.micro_batch_tokens, "kv_cache_bytes": kv}
 
 
 def engine_limits(engine, longest: int) -> dict:
@@ -187,10 +204,12 @@ def parse_args(argv):
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=4096, help="the longest response")
     ap.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up")
-    ap.add_argument("--micro-batch-tokens", type=int, default=32768)
+    ap.add_argument("--micro-batch-tokens", type=int, help="default: the memory estimate's")
     ap.add_argument("--verify-every", type=int, default=0, help="deep sync check every N steps")
     ap.add_argument("--tile", type=int, default=128, help="the engine's GEMM tile")
-    ap.add_argument("--kv-cache-gb", type=float, help="the engine's KV cache (default: its own)")
+    ap.add_argument(
+        "--kv-cache-gb", type=float, help="the engine's KV cache (default: the estimate's)"
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
@@ -199,6 +218,8 @@ def parse_args(argv):
     if args.kv_fp8 is not None:
         check_presets(args.kv_fp8)
         args.kv_fp8 = args.kv_fp8 or list(args.presets)
+        if not set(args.kv_fp8) <= set(args.presets):
+            ap.error("--kv-fp8 names presets of --presets (each runs right after its own)")
     for name in ("layers", "prompts", "samples", "prompt", "new_tokens", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -214,7 +235,8 @@ def main(argv=None) -> int:
     print(f"rl_step: {args.layers} layers, {args.prompts} x {args.samples} sequences, prompt "
           f"{args.prompt}, responses {min(lengths)}..{max(lengths)} tokens "
           f"(mean {sum(lengths) / count:.0f})", flush=True)  # fmt: skip
-    runs = [(p, False) for p in args.presets] + [(p, True) for p in args.kv_fp8 or ()]
+    kv = set(args.kv_fp8 or ())  # each right after its preset: the pair a cut run keeps
+    runs = [(p, fp8) for p in args.presets for fp8 in (False, True) if not fp8 or p in kv]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
