@@ -429,6 +429,19 @@ def section_name(family: str) -> str:
     return "engine_decode" if family == "qwen3-moe" else "engine_decode_deepseek_v3"
 
 
+def model_section(config, args: argparse.Namespace, counts: dict) -> dict:
+    """The slice as the results record it: its family, depth, vocabulary, layer keys, counts."""
+    return {
+        "family": args.family,
+        "model_type": config.model_type,
+        **{k: getattr(config, k) for k in ("num_hidden_layers", "vocab_size")},
+        **family_layer(args.family, args.tiny),
+        **counts,
+        "master_dtype": "float32",
+        "init_seed": args.seed,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_presets(args.presets)
@@ -472,15 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy bandwidth (read + write) this run: {copy['gbps']:.0f} GB/s")
 
     section = {
-        "model": {
-            "family": args.family,
-            "model_type": config.model_type,
-            **{k: getattr(config, k) for k in ("num_hidden_layers", "vocab_size")},
-            **family_layer(args.family, args.tiny),
-            **counts,
-            "master_dtype": "float32",
-            "init_seed": args.seed,
-        },
+        "model": model_section(config, args, counts),
         "settings": {
             "device": str(device),
             "compute_dtype": "bfloat16",

@@ -3,6 +3,8 @@ same model, in one run: s/step, x our bf16, peak GPU memory, model TFLOP/s (issu
 
     python benchmarks/train_step.py                       # H200: 4-layer Qwen3-30B-A3B slice
     python benchmarks/train_step.py --tiny --device cpu   # the script's logic, in seconds
+    python benchmarks/train_step.py --family deepseek-v3 --layers 4 --shapes 4x1024 \
+        --presets bf16 fp8-block                          # H200: Moonlight-shaped, ~1.5 min
 
 Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
 32000, seeded random weights, fp32 master weights (`build_model`), `apply_plan(preset)`, bf16
@@ -21,6 +23,16 @@ Peak memory: `torch.cuda.max_memory_allocated` over the timed steps (parameters 
 included). HF peer: the same weights through `save_pretrained`, `AutoModelForCausalLM` with
 `experts_implementation="grouped_mm"`, (a) fp32 parameters under bf16 autocast and (b) bf16
 parameters. Writes the `train_step` section of the results JSON.
+
+`--family deepseek-v3`: a DeepSeek-V3 slice with Moonlight-16B-A3B's layers (benchmarks/families.py:
+MLA, the first layer dense, 64 experts top-6 and 2 shared experts; `--tiny`: its tiny layer,
+block-FP8 ready), the HF peer transformers' `DeepseekV3ForCausalLM` loaded the same way (if it
+refuses grouped_mm experts at load, the eager loop, named in the row's
+`experts_implementation`), rows in the `train_step_deepseek_v3` section (the Qwen section kept).
+Every preset keeps MLA, the routers and the shared experts bf16 (docs/models.md). TFLOP/s there
+counts 6 x the parameters a token uses (less the embedding) x tokens, plus causal attention with
+keys of qk_nope + qk_rope and values of v_head_dim. The slice's parameter count and the count
+active per token are printed at the start.
 """
 
 from __future__ import annotations
