@@ -99,3 +99,22 @@ def test_qwen_slice_is_qwen3_30b_a3b(families):
 def test_unknown_family_is_refused(families):
     with pytest.raises(ValueError, match="qwen3-moe, deepseek-v3"):
         families.model_config(layers=1, vocab=8, tiny=True, family="llama")
+
+
+def test_hf_peer_is_the_same_model(families, tmp_path):
+    """The HF columns' model: the tiny DeepSeek slice through save_pretrained, loaded by
+    transformers as the scripts load it, gives our logits (fp32, 1e-5)."""
+    import transformers
+
+    from mxrl.models import build_model, save_pretrained
+
+    config = families.model_config(layers=3, vocab=128, tiny=True, family="deepseek-v3")
+    model = build_model(config, seed=0).eval()
+    save_pretrained(model, tmp_path / "ck", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ck", dtype=torch.float32, experts_implementation="grouped_mm"
+    ).eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM" and hf.config.q_lora_rank is None
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
