@@ -57,11 +57,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
-import difflib
 import gc
 import math
-import platform
 import statistics
 import sys
 import time
@@ -70,7 +67,10 @@ from pathlib import Path
 import torch
 from common import (
     REPO_ROOT,
+    check_device,
+    check_presets,
     copy_bandwidth,
+    cpu_environment,
     ensure_repo_on_path,
     environment,
     format_table,
@@ -95,44 +95,12 @@ ensure_repo_on_path()
 from mxrl.engine import Engine, SamplingParams  # noqa: E402
 from mxrl.formats import QTensor  # noqa: E402
 from mxrl.models import build_model  # noqa: E402
-from mxrl.recipe import list_presets, resolve  # noqa: E402
+from mxrl.recipe import resolve  # noqa: E402
 from mxrl.weights import export_weights  # noqa: E402
 
 DEFAULT_PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized")
 BASELINE = "bf16"
 _BYTES = ("gpu_allocated_bytes", "held_bytes", "contract_bytes")  # the weight measures
-
-
-def check_presets(names: list[str]) -> None:
-    available = list_presets()
-    for name in names:
-        if name not in available:
-            close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
-            close += [p for p in available if p.startswith(name) and p not in close]
-            hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise SystemExit(
-                f"unknown preset {name!r}{hint} (available: {', '.join(available)}; "
-                "`mxrl recipe list` describes them)"
-            )
-
-
-def check_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise SystemExit(f"--device {name!r}: {err}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: torch sees no CUDA device; use --device cpu")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise SystemExit(
-                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise SystemExit(f"--device {name}: only cuda and cpu are supported")
-    return device
 
 
 def _tensors_in(obj: object, depth: int = 0):
@@ -364,15 +332,6 @@ def print_tables(weights: list[dict], rows: list[dict]) -> None:
     print(format_table(shown, WEIGHT_COLUMNS))
     print()
     print(format_table(rows, DECODE_COLUMNS))
-
-
-def cpu_environment() -> dict:
-    return {
-        "device": f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
