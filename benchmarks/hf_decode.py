@@ -6,6 +6,11 @@ The checkpoint is the master weights through `mxrl.models.save_pretrained` (bf16
 (transformers' fused MoE path); where transformers refuses that option at load, the eager
 experts loop, and the row says which ran (`experts_implementation`). Every request generates
 exactly N tokens (min_new_tokens = N), so the step count is the engine's.
+
+What HF's cache holds differs from the engine's for MLA: transformers 5.24's
+`DeepseekV3Attention` caches the latent (kv_lora_rank + the RoPE key per token and layer) and
+expands the whole context through `kv_b_proj` at every step; the engine caches the expanded
+per-head K/V. Each row records the transformers version it ran (the device's may differ).
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ from mxrl.models import save_pretrained  # noqa: E402
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def load_hf(path: Path, device: torch.device):
@@ -91,7 +102,7 @@ def hf_decode_rows(master, prompts: list[list[int]], device: torch.device, args)
         ids = torch.tensor(prompts[:b], device=device)
         row = hf_batch_row(model, ids, args.new_tokens, args.repeats)
         rows.append({"preset": "hf", "backend": "transformers", **row,
-                     "experts_implementation": impl})  # fmt: skip
+                     "experts_implementation": impl, "transformers": _version()})  # fmt: skip
         print(f"  hf ({impl}) B={b}: {row['tokens_per_s']:.1f} tok/s ({row['total_s']:.2f} s)")
     del model
     gc.collect()

@@ -243,7 +243,9 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
             impl = "eager"
         model = model.to(device).train()
         got = measure(make_step(model, ids, autocast, hf=True), device, args.warmup, args.repeats)
-        rows.append({"impl": name, "preset": name, "experts_implementation": impl, **got})
+        version = transformers.__version__
+        rows.append({"impl": name, "preset": name, "experts_implementation": impl,
+                     "transformers": version, **got})  # fmt: skip
         print(f"  {name} ({impl}) {tuple(ids.shape)}: {got['s_step']:.3f} s/step")
         del model
         _free(device)

@@ -84,6 +84,7 @@ def test_deepseek_tiny_cpu_run_has_hf_rows_and_the_mla_floor(engine_decode, tmp_
     hf = [r for r in section["rows"] if r["preset"] == "hf"]
     assert [r["batch"] for r in hf] == [1, 2]
     assert all(r["tokens_per_s"] > 0 and r["experts_implementation"] for r in hf)
+    assert all(r["transformers"] for r in hf)
     ours = [r for r in section["rows"] if r["preset"] != "hf"]
     assert [(r["preset"], r["batch"]) for r in ours] == [
         (p, b) for p in ("bf16", "fp8-block") for b in (1, 2)

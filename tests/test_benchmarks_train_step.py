@@ -29,4 +29,5 @@ def test_deepseek_tiny_cpu_run_writes_hf_and_mxrl_rows(tmp_path, monkeypatch):
     for r in rows.values():
         assert r["s_step"] > 0 and r["tflops"] > 0 and (r["B"], r["S"]) == (2, 8)
     assert rows["hf bf16"]["experts_implementation"] in ("grouped_mm", "eager")
+    assert rows["hf bf16"]["transformers"]
     assert rows["bf16"]["bf16_x_hf_bf16"] > 0 and rows["fp8-block"]["s_step_fresh"] > 0
