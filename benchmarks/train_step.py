@@ -6,7 +6,7 @@ same model, in one run: s/step, x our bf16, peak GPU memory, model TFLOP/s (issu
     python benchmarks/train_step.py --family deepseek-v3 --layers 4 --shapes 4x1024 \
         --presets bf16 fp8-block                          # H200: Moonlight-shaped, ~1.5 min
 
-Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers, vocab
 32000, seeded random weights, fp32 master weights (`build_model`), `apply_plan(preset)`, bf16
 compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the device gets by
 default (`mxrl.kernels.Kernels.resolve`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
@@ -24,7 +24,7 @@ included). HF peer: the same weights through `save_pretrained`, `AutoModelForCau
 `experts_implementation="grouped_mm"`, (a) fp32 parameters under bf16 autocast and (b) bf16
 parameters. Writes the `train_step` section of the results JSON.
 
-`--family deepseek-v3`: a DeepSeek-V3 slice with Moonlight-16B-A3B's layers (benchmarks/families.py:
+`--family deepseek-v3`: a DeepSeek-V3 slice with Moonlight-16B-A3B's layers (families.py:
 MLA, the first layer dense, 64 experts top-6 and 2 shared experts; `--tiny`: its tiny layer,
 block-FP8 ready), the HF peer transformers' `DeepseekV3ForCausalLM` loaded the same way (if it
 refuses grouped_mm experts at load, the eager loop, named in the row's
