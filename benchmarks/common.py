@@ -1,9 +1,11 @@
 """Shared helpers for the benchmark scripts: timing, the device's copy bandwidth, the results
-file (docs/design.md §9: achieved GB/s and the ratio to a baseline measured in the same run)."""
+file (docs/design.md §9: achieved GB/s and the ratio to a baseline measured in the same run),
+and the checks of `--presets` / `--device` every script makes."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import difflib
 import json
 import platform
 import statistics
@@ -134,3 +136,49 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def check_presets(names: list[str]) -> None:
+    """Stop with the close names (and the list) on a preset mxrl.recipe does not have."""
+    from mxrl.recipe import list_presets  # after ensure_repo_on_path, in the scripts
+
+    available = list_presets()
+    for name in names:
+        if name not in available:
+            close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
+            close += [p for p in available if p.startswith(name) and p not in close]
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            raise SystemExit(
+                f"unknown preset {name!r}{hint} (available: {', '.join(available)}; "
+                "`mxrl recipe list` describes them)"
+            )
+
+
+def check_device(name: str) -> torch.device:
+    """The torch device `--device` names, or stop with what is wrong (no CUDA, no such index)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise SystemExit(f"--device {name!r}: {err}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {name}: torch sees no CUDA device; use --device cpu")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise SystemExit(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise SystemExit(f"--device {name}: only cuda and cpu are supported")
+    return device
+
+
+def cpu_environment() -> dict:
+    """What `environment()` records, for a run on the CPU."""
+    return {
+        "device": f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }

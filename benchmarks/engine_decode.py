@@ -1,11 +1,24 @@
 """Rollout-engine decode (`mxrl.engine.Engine.generate`, greedy) under the bf16, mxfp8 and nvfp4
-presets, on a Qwen3-MoE model with Qwen3-30B-A3B layer shapes: weight bytes the engine holds and
-decode throughput, each as a ratio to the bf16 preset measured in the same run. Writes the
-`engine_decode` section of benchmarks/results/h200.json on CUDA (other sections are kept).
+presets, on a Qwen3-MoE model with Qwen3-30B-A3B layer shapes (or, `--family deepseek-v3`, a
+DeepSeek-V3 model with Moonlight-16B-A3B's layers: benchmarks/families.py): weight bytes the
+engine holds and decode throughput, each as a ratio to the bf16 preset measured in the same run.
+Writes the `engine_decode` section (DeepSeek: `engine_decode_deepseek_v3`) of
+benchmarks/results/h200.json on CUDA (other sections are kept).
 
-    python benchmarks/engine_decode.py [--layers 4] [--vocab 32000] [--batch 1 8 32]
-        [--prompt 16] [--new-tokens 32] [--repeats 3] [--presets bf16 mxfp8 nvfp4-dequantized]
-        [--device cuda] [--out PATH] [--quick] [--tiny]
+    python benchmarks/engine_decode.py [--family qwen3-moe] [--layers 4] [--vocab 32000]
+        [--batch 1 8 32] [--prompt 16] [--new-tokens 32] [--repeats 3]
+        [--presets bf16 mxfp8 nvfp4-dequantized] [--device cuda] [--out PATH] [--quick] [--tiny]
+        [--hf | --no-hf]
+
+DeepSeek-V3 (`--family deepseek-v3`): the first layer dense (its whole MLP is read every step),
+the others MoE with 2 shared experts; every preset keeps MLA, the routers and the shared experts
+in bf16 (docs/models.md), so only the dense MLP and the routed experts change format. The engine
+runs MLA with the expanded per-head K/V cache and the reference attention (no Triton paged
+attention, no CUDA-graph decode: docs/models.md), which these rows include. With `--hf` (the
+default for deepseek-v3) the rows of preset "hf" are transformers' `generate` on the same
+weights (benchmarks/hf_decode.py: bf16, `experts_implementation="grouped_mm"` where transformers
+takes it, else eager, named in the row), timed as the engine's, and each engine row gets
+`speedup_vs_hf`. At the start, the slice's parameter count and its parameters active per token.
 
 Model: hidden 2048, 32 query / 4 kv heads of 128, 128 experts (top-8) of intermediate 768, no
 shared expert (Qwen3-30B-A3B's layer), `--layers` layers, `--vocab` tokens, seeded random init
@@ -29,6 +42,13 @@ Per preset, the engine is built from the exported records of the same master wei
 - contract weight bytes one decode step must read (dense weights without the embedding, plus,
   per MoE layer, the experts the batch routed to at that step, from the completions' routing
   record) per second, against `dst.copy_(x)` bandwidth measured in this run (CUDA);
+- floor: those weight bytes plus the K/V bytes the step's attention reads (every layer, each
+  request's prompt and the tokens fed so far, its own included), `step_floor_bytes`, in the
+  cache the engine holds (bf16; MLA: the expanded per-head keys of qk_nope + qk_rope and values
+  of v_head_dim, `engine.kv_cache.cache_dims`); `step_floor_latent_bytes` (MLA only) with the
+  K/V term of a latent cache instead (kv_lora_rank + qk_rope_head_dim per token and layer: what
+  the engine would reach with one; it has none). On CUDA, `floor_ms` / `floor_latent_ms`: those
+  bytes at the copy bandwidth of this run;
 - determinism: greedy tokens (and logprobs, bitwise) identical across the warm-up and every
   repeat; batch invariance: the first requests' tokens identical at every batch size.
 """
@@ -37,11 +57,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
-import difflib
 import gc
 import math
-import platform
 import statistics
 import sys
 import time
@@ -50,102 +67,40 @@ from pathlib import Path
 import torch
 from common import (
     REPO_ROOT,
+    check_device,
+    check_presets,
     copy_bandwidth,
+    cpu_environment,
     ensure_repo_on_path,
     environment,
     format_table,
     gbps,
     update_results,
 )
+from families import (  # noqa: F401  (QWEN3_30B_A3B_LAYER, model_config: for the other scripts)
+    FAMILIES,
+    QWEN3_30B_A3B_LAYER,
+    add_floor_ms,
+    describe,
+    family_layer,
+    model_config,
+    param_counts,
+    step_kv_bytes,
+)
+from hf_decode import add_hf_ratios, hf_decode_rows
 from torch import nn
 
 ensure_repo_on_path()
 
-from mxrl.arch import ModelConfig  # noqa: E402
 from mxrl.engine import Engine, SamplingParams  # noqa: E402
 from mxrl.formats import QTensor  # noqa: E402
 from mxrl.models import build_model  # noqa: E402
-from mxrl.recipe import list_presets, resolve  # noqa: E402
+from mxrl.recipe import resolve  # noqa: E402
 from mxrl.weights import export_weights  # noqa: E402
 
 DEFAULT_PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized")
 BASELINE = "bf16"
 _BYTES = ("gpu_allocated_bytes", "held_bytes", "contract_bytes")  # the weight measures
-QWEN3_30B_A3B_LAYER = {  # Qwen3-30B-A3B's config.json, less the depth and the vocabulary
-    "hidden_size": 2048,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-}
-TINY_LAYER = {  # --tiny: exercises the script's logic on a CPU in seconds
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "rope_theta": 10_000.0,
-    "rms_norm_eps": 1e-6,
-}
-
-
-def model_config(
-    *, layers: int, vocab: int, tiny: bool, tiny_layer: dict | None = None
-) -> ModelConfig:
-    """The benchmarks' Qwen3-MoE config: Qwen3-30B-A3B layers, or `tiny_layer` (default
-    TINY_LAYER) with `tiny`, at `layers` depth and a `vocab`-token vocabulary."""
-    return ModelConfig.from_hf(
-        {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            **((tiny_layer or TINY_LAYER) if tiny else QWEN3_30B_A3B_LAYER),
-            "num_hidden_layers": layers,
-            "vocab_size": vocab,
-            "norm_topk_prob": True,
-            "tie_word_embeddings": False,
-            "max_position_embeddings": 4096,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-        }
-    )
-
-
-def check_presets(names: list[str]) -> None:
-    available = list_presets()
-    for name in names:
-        if name not in available:
-            close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
-            close += [p for p in available if p.startswith(name) and p not in close]
-            hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise SystemExit(
-                f"unknown preset {name!r}{hint} (available: {', '.join(available)}; "
-                "`mxrl recipe list` describes them)"
-            )
-
-
-def check_device(name: str) -> torch.device:
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise SystemExit(f"--device {name!r}: {err}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit(f"--device {name}: torch sees no CUDA device; use --device cpu")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise SystemExit(
-                f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise SystemExit(f"--device {name}: only cuda and cpu are supported")
-    return device
 
 
 def _tensors_in(obj: object, depth: int = 0):
@@ -260,6 +215,8 @@ def bench_batch(engine: Engine, prompts: list[list[int]], args) -> tuple[dict, l
         for o, f in zip(outs, first, strict=True)
     )
     step_bytes = step_weight_bytes(engine, first, args.prompt)
+    kv = step_kv_bytes(engine, b, args.prompt, n - 1)
+    latent = kv["kv_latent_bytes"]
     row = {
         "batch": b,
         "total_s": total_s,
@@ -269,6 +226,10 @@ def bench_batch(engine: Engine, prompts: list[list[int]], args) -> tuple[dict, l
         "decode_tokens_per_s": None if step_ms is None else b / (step_ms * 1e-3),
         "step_weight_bytes": step_bytes,
         "weight_gbps": None if step_ms is None else gbps(int(step_bytes), step_ms),
+        "step_kv_bytes": kv["kv_bytes"],
+        "step_kv_latent_bytes": latent,
+        "step_floor_bytes": step_bytes + kv["kv_bytes"],
+        "step_floor_latent_bytes": None if latent is None else step_bytes + latent,
         "deterministic": all(t == tokens[0] for t in tokens[1:]),
         "logprobs_identical": same_logprobs,
         "repeats": args.repeats,
@@ -356,6 +317,9 @@ DECODE_COLUMNS = [
     ("tokens_per_s", "tok/s (e2e)", ".1f"),
     ("speedup_vs_bf16", "x bf16", ".2f"),
     ("weight_gbps", "weight GB/s", ".2f"),
+    ("floor_ms", "floor ms", ".2f"),
+    ("floor_latent_ms", "latent floor ms", ".2f"),
+    ("speedup_vs_hf", "x HF", ".2f"),
     ("deterministic", "determ.", ""),
 ]
 
@@ -370,18 +334,18 @@ def print_tables(weights: list[dict], rows: list[dict]) -> None:
     print(format_table(rows, DECODE_COLUMNS))
 
 
-def cpu_environment() -> dict:
-    return {
-        "device": f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    ap.add_argument(
+        "--family", choices=FAMILIES, default="qwen3-moe", help="benchmarks/families.py"
+    )
+    ap.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        help="HF transformers generate rows on the same weights (default: on for deepseek-v3; "
+        "Qwen's HF decode comparison is benchmarks/rollout.py)",
+    )
     ap.add_argument("--layers", type=int, help="decoder layers (default 4; --quick/--tiny 2)")
     ap.add_argument("--vocab", type=int, help="vocabulary size (default 32000; --tiny 128)")
     ap.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8 32)")
@@ -413,7 +377,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.batch) < 1:
         ap.error("--batch sizes must be >= 1")
     args.batch = sorted(set(args.batch))
+    if args.hf is None:
+        args.hf = args.family == "deepseek-v3"
     return args
+
+
+def section_name(family: str) -> str:
+    """`engine_decode` for Qwen (its readers unchanged); the DeepSeek rows in a section of their
+    own, so neither run overwrites the other's."""
+    return "engine_decode" if family == "qwen3-moe" else "engine_decode_deepseek_v3"
+
+
+def model_section(config, args: argparse.Namespace, counts: dict) -> dict:
+    """The slice as the results record it: its family, depth, vocabulary, layer keys, counts."""
+    return {
+        "family": args.family,
+        "model_type": config.model_type,
+        **{k: getattr(config, k) for k in ("num_hidden_layers", "vocab_size")},
+        **family_layer(args.family, args.tiny),
+        **counts,
+        "master_dtype": "float32",
+        "init_seed": args.seed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,26 +408,28 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (
         str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
     )
-    config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny)
+    config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny, family=args.family)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     model = build_model(config, device=device, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, config.vocab_size, (max(args.batch), args.prompt), generator=gen)
     prompts = prompts.tolist()
-    num_params = sum(p.numel() for p in model.parameters())
+    counts = param_counts(model)
     print(
-        f"qwen3_moe, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_experts} experts top-{config.num_experts_per_tok}, vocab "
-        f"{config.vocab_size}: {num_params / 1e9:.3f} B params; {device}"
+        f"{describe(config, args.family)}: {counts['num_params'] / 1e9:.3f} B params, "
+        f"{counts['active_params_per_token'] / 1e9:.3f} B active per token; {device}"
     )
 
     weights, rows = [], []
+    if args.hf:
+        rows += hf_decode_rows(model, prompts, device, args)
     for preset in args.presets:
         info, preset_rows = bench_preset(model, preset, device, prompts, args)
         weights.append(info)
         rows += preset_rows
     add_ratios(weights, rows)
+    add_hf_ratios(rows)
     del model
 
     env = environment() if device.type == "cuda" else cpu_environment()
@@ -450,20 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     if copy is not None:
         for r in rows:
             r["weight_bw_vs_copy"] = r["weight_gbps"] and r["weight_gbps"] / copy["gbps"]
+            add_floor_ms(r, copy["gbps"])
     print(f"\n{env['device']}  torch {env['torch']}  backend {weights[0]['backend']}\n")
     print_tables(weights, rows)
     if copy is not None:
         print(f"copy bandwidth (read + write) this run: {copy['gbps']:.0f} GB/s")
 
     section = {
-        "model": {
-            "model_type": config.model_type,
-            **{k: getattr(config, k) for k in ("num_hidden_layers", "vocab_size")},
-            **(TINY_LAYER if args.tiny else QWEN3_30B_A3B_LAYER),
-            "num_params": num_params,
-            "master_dtype": "float32",
-            "init_seed": args.seed,
-        },
+        "model": model_section(config, args, counts),
         "settings": {
             "device": str(device),
             "compute_dtype": "bfloat16",
@@ -484,13 +465,16 @@ def main(argv: list[str] | None = None) -> int:
             "contract (exported) bytes; decode: wall clock between cuda.synchronize, one warm-up, "
             "median over repeats, ms/step = (t(N new) - t(1 new)) / (N - 1); weight GB/s = "
             "contract bytes one decode step reads (dense weights without the embedding + routed "
-            "experts active in the batch at that step) / step time"
+            "experts active in the batch at that step) / step time; floor: those weight bytes "
+            "+ the K/V bytes attention reads at that step (as the engine caches them: for MLA "
+            "the expanded per-head K/V; *_latent: a latent cache of kv_lora_rank + rope dim) "
+            "over the copy bandwidth; hf rows: transformers generate on the same weights (bf16)"
         ),
     }
     if out is None:
         print("\n(no --out given on the CPU: results not written)")
         return 0
-    update_results(Path(out), "engine_decode", section, env)
+    update_results(Path(out), section_name(args.family), section, env)
     print(f"\nwrote {out}")
     return 0
 

@@ -3,8 +3,10 @@ same model, in one run: s/step, x our bf16, peak GPU memory, model TFLOP/s (issu
 
     python benchmarks/train_step.py                       # H200: 4-layer Qwen3-30B-A3B slice
     python benchmarks/train_step.py --tiny --device cpu   # the script's logic, in seconds
+    python benchmarks/train_step.py --family deepseek-v3 --layers 4 --shapes 4x1024 \
+        --presets bf16 fp8-block                          # H200: Moonlight-shaped, ~1.5 min
 
-Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers, vocab
 32000, seeded random weights, fp32 master weights (`build_model`), `apply_plan(preset)`, bf16
 compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the device gets by
 default (`mxrl.kernels.Kernels.resolve`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
@@ -21,6 +23,16 @@ Peak memory: `torch.cuda.max_memory_allocated` over the timed steps (parameters 
 included). HF peer: the same weights through `save_pretrained`, `AutoModelForCausalLM` with
 `experts_implementation="grouped_mm"`, (a) fp32 parameters under bf16 autocast and (b) bf16
 parameters. Writes the `train_step` section of the results JSON.
+
+`--family deepseek-v3`: a DeepSeek-V3 slice with Moonlight-16B-A3B's layers (families.py:
+MLA, the first layer dense, 64 experts top-6 and 2 shared experts; `--tiny`: its tiny layer,
+block-FP8 ready), the HF peer transformers' `DeepseekV3ForCausalLM` loaded the same way (if it
+refuses grouped_mm experts at load, the eager loop, named in the row's
+`experts_implementation`), rows in the `train_step_deepseek_v3` section (the Qwen section kept).
+Every preset keeps MLA, the routers and the shared experts bf16 (docs/models.md). TFLOP/s there
+counts 6 x the parameters a token uses (less the embedding) x tokens, plus causal attention with
+keys of qk_nope + qk_rope and values of v_head_dim. The slice's parameter count and the count
+active per token are printed at the start.
 """
 
 from __future__ import annotations
@@ -34,12 +46,8 @@ from pathlib import Path
 
 import torch
 from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
-from engine_decode import (
-    check_device,
-    check_presets,
-    cpu_environment,
-    model_config,
-)
+from engine_decode import check_device, check_presets, cpu_environment
+from families import FAMILIES, describe, model_config, param_counts
 
 ensure_repo_on_path()
 
@@ -72,10 +80,18 @@ TINY_LAYER = {  # --tiny: every preset's shapes fit (fp8_block needs multiples o
 }
 
 
-def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
+def step_flops(config: ModelConfig, batch: int, seq: int, active: int | None = None) -> float:
     """Useful GEMM FLOPs of forward + backward: 6 x active matmul parameters x tokens, plus
-    causal attention (QK^T and PV: 2 x 2 x S^2/2 x N x D per sequence and layer, x3)."""
+    causal attention (QK^T and PV: 2 x 2 x S^2/2 x N x D per sequence and layer, x3). MLA
+    (`active`: the parameters one token uses, `families.param_counts`): its matmul parameters
+    are those less the embedding table, and its scores have keys of qk_nope + qk_rope and
+    values of v_head_dim."""
     c = config
+    if c.is_mla:
+        params = active - c.vocab_size * c.hidden_size  # the embedding is a gather
+        dims = c.qk_nope_head_dim + c.head_dim + c.v_head_dim
+        scores = 3 * seq * seq * c.num_attention_heads * dims * c.num_hidden_layers * batch
+        return 6.0 * params * batch * seq + scores
     attn = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
     attn += c.num_attention_heads * c.head_dim * c.hidden_size
     experts = c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
@@ -227,7 +243,9 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
             impl = "eager"
         model = model.to(device).train()
         got = measure(make_step(model, ids, autocast, hf=True), device, args.warmup, args.repeats)
-        rows.append({"impl": name, "preset": name, "experts_implementation": impl, **got})
+        version = transformers.__version__
+        rows.append({"impl": name, "preset": name, "experts_implementation": impl,
+                     "transformers": version, **got})  # fmt: skip
         print(f"  {name} ({impl}) {tuple(ids.shape)}: {got['s_step']:.3f} s/step")
         del model
         _free(device)
@@ -243,6 +261,9 @@ def _free(device: torch.device) -> None:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
+    ap.add_argument(
+        "--family", choices=FAMILIES, default="qwen3-moe", help="benchmarks/families.py"
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--shapes", nargs="+", default=["4x1024", "16x1024"], help="BxS token shapes")
@@ -278,12 +299,22 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_presets(args.presets)
     device = check_device(args.device)
+    qwen = args.family == "qwen3-moe"
     config = model_config(
-        layers=args.layers, vocab=args.vocab, tiny=args.tiny, tiny_layer=TINY_LAYER
+        layers=args.layers,
+        vocab=args.vocab,
+        tiny=args.tiny,
+        tiny_layer=TINY_LAYER if qwen else None,  # DeepSeek's tiny layer is block-FP8 ready
+        family=args.family,
     )
     base = build_model(config, seed=0)  # fp32 master weights, drawn on the CPU
     base_state = {k: v.detach() for k, v in base.state_dict().items()}
+    counts = param_counts(base)
     gemm = args.gemm or Kernels.resolve(None, device).train_gemm.value
+    print(
+        f"{describe(config, args.family)}: {counts['num_params'] / 1e9:.3f} B params, "
+        f"{counts['active_params_per_token'] / 1e9:.3f} B active per token"
+    )
     print(f"device {device}, gemm {gemm}, compute {args.compute}")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,7 +324,7 @@ def main(argv=None) -> int:
         for b, s in args.shapes:
             gen = torch.Generator().manual_seed(b * 100003 + s)
             ids = torch.randint(1, config.vocab_size, (b, s + 1), generator=gen).to(device)
-            flops = step_flops(config, b, s)
+            flops = step_flops(config, b, s, counts["active_params_per_token"])
             shape_rows = [] if args.skip_hf else hf_rows(Path(tmp), ids, device, args)
             for preset in args.presets:
                 row = mxrl_row(base_state, config, preset, ids, device, args)
@@ -314,7 +345,8 @@ def main(argv=None) -> int:
     ]))  # fmt: skip
     env = environment() if device.type == "cuda" else cpu_environment()
     section = {
-        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
+        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny}
+        | ({} if qwen else {"family": args.family, **counts}),
         "gemm": gemm,
         "compute": args.compute,
         "checkpoint_layers": args.checkpoint_layers,
@@ -326,8 +358,9 @@ def main(argv=None) -> int:
         str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
     )
     if out:
-        update_results(Path(out), "train_step", {**section, "environment": env}, {})
-        print(f"wrote the train_step section of {out}")
+        name = "train_step" if qwen else "train_step_deepseek_v3"  # neither overwrites the other
+        update_results(Path(out), name, {**section, "environment": env}, {})
+        print(f"wrote the {name} section of {out}")
     return 0
 
 

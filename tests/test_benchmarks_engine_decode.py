@@ -1,6 +1,7 @@
 """benchmarks/engine_decode.py end to end on the CPU, shrunk (--tiny --quick): every preset gets
 its weight and decode rows, greedy decoding is deterministic, the results file keeps the other
-sections, and a preset or device that is not there stops the script with a message."""
+sections, and a preset or device that is not there stops the script with a message; the
+DeepSeek-V3 slice (`--family deepseek-v3`) with its HF rows and MLA byte floor."""
 
 from __future__ import annotations
 
@@ -62,3 +63,40 @@ def test_unknown_preset_is_refused_with_the_close_names(engine_decode):
 def test_missing_cuda_is_refused(engine_decode):
     with pytest.raises(SystemExit, match="no CUDA device"):
         engine_decode.main(["--tiny", "--device", "cuda"])
+
+
+def test_deepseek_tiny_cpu_run_has_hf_rows_and_the_mla_floor(engine_decode, tmp_path):
+    """--family deepseek-v3: its own section (the Qwen one kept), transformers' rows on the same
+    weights, and the K/V floor of the expanded cache and of a latent one, from the shapes."""
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"engine_decode": {"kept": True}}))
+    args = ["--family", "deepseek-v3", "--tiny", "--quick", "--device", "cpu", "--layers", "3",
+            "--batch", "1", "2", "--prompt", "4", "--new-tokens", "3", "--presets", "bf16",
+            "fp8-block", "--out", str(out)]  # fmt: skip
+    assert engine_decode.main(args) == 0
+
+    data = json.loads(out.read_text())
+    assert data["engine_decode"] == {"kept": True}
+    section = data["engine_decode_deepseek_v3"]
+    model = section["model"]
+    assert model["family"] == "deepseek-v3" and model["model_type"] == "deepseek_v3"
+    assert 0 < model["active_params_per_token"] < model["num_params"]
+    hf = [r for r in section["rows"] if r["preset"] == "hf"]
+    assert [r["batch"] for r in hf] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 and r["experts_implementation"] for r in hf)
+    assert all(r["transformers"] for r in hf)
+    ours = [r for r in section["rows"] if r["preset"] != "hf"]
+    assert [(r["preset"], r["batch"]) for r in ours] == [
+        (p, b) for p in ("bf16", "fp8-block") for b in (1, 2)
+    ]
+    # per token and layer: 4 heads x (16 + 8 key + 16 value) bf16 expanded; 32 + 8 bf16 latent
+    expanded, latent = 4 * (16 + 8 + 16) * 2, (32 + 8) * 2
+    for r in ours:
+        tokens = r["batch"] * ((4 + 1) + (4 + 2)) / 2  # the 2 decode steps read 5, then 6
+        assert r["step_kv_bytes"] == pytest.approx(3 * tokens * expanded)
+        assert r["step_kv_latent_bytes"] == pytest.approx(3 * tokens * latent)
+        assert r["step_floor_bytes"] == pytest.approx(r["step_weight_bytes"] + r["step_kv_bytes"])
+        assert r["deterministic"] is True
+        hf_ms = next(h["ms_per_step"] for h in hf if h["batch"] == r["batch"])
+        if hf_ms and r["ms_per_step"]:  # None: CPU timing noise
+            assert r["speedup_vs_hf"] == pytest.approx(hf_ms / r["ms_per_step"])

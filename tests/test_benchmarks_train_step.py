@@ -1,0 +1,33 @@
+"""benchmarks/train_step.py end to end on the CPU, shrunk (--tiny): the DeepSeek-V3 slice
+(`--family deepseek-v3`) against transformers' DeepseekV3ForCausalLM on the same weights, in a
+section of its own (the Qwen `train_step` section kept)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.benchmark_scripts import load_benchmark
+
+
+def test_deepseek_tiny_cpu_run_writes_hf_and_mxrl_rows(tmp_path, monkeypatch):
+    train_step = load_benchmark("train_step", monkeypatch)
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps({"train_step": {"kept": True}}))
+    args = ["--family", "deepseek-v3", "--tiny", "--device", "cpu", "--layers", "2",
+            "--shapes", "2x8", "--presets", "bf16", "fp8-block", "--warmup", "1",
+            "--repeats", "1", "--out", str(out)]  # fmt: skip
+    assert train_step.main(args) == 0
+
+    data = json.loads(out.read_text())
+    assert data["train_step"] == {"kept": True}
+    section = data["train_step_deepseek_v3"]
+    model = section["model"]
+    assert model["family"] == "deepseek-v3" and model["layers"] == 2
+    assert 0 < model["active_params_per_token"] < model["num_params"]
+    rows = {r["preset"]: r for r in section["rows"]}
+    assert set(rows) == {"hf fp32+autocast", "hf bf16", "bf16", "fp8-block"}
+    for r in rows.values():
+        assert r["s_step"] > 0 and r["tflops"] > 0 and (r["B"], r["S"]) == (2, 8)
+    assert rows["hf bf16"]["experts_implementation"] in ("grouped_mm", "eager")
+    assert rows["hf bf16"]["transformers"]
+    assert rows["bf16"]["bf16_x_hf_bf16"] > 0 and rows["fp8-block"]["s_step_fresh"] > 0
