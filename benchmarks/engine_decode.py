@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     copy = copy_bandwidth(torch.empty(64 << 20, device=device)) if device.type == "cuda" else None
     if copy is not None:
         for r in rows:
-            r["weight_bw_vs_copy"] = r["weight_gbps"] and r["weight_gbps"] / copy["gbps"]
+            r["weight_bw_vs_copy"] = r.get("weight_gbps") and r["weight_gbps"] / copy["gbps"]
             add_floor_ms(r, copy["gbps"])
     print(f"\n{env['device']}  torch {env['torch']}  backend {weights[0]['backend']}\n")
     print_tables(weights, rows)
