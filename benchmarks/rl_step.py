@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import random
 import statistics
@@ -188,6 +189,34 @@ def with_deltas(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def plot_section(section: dict, path: Path) -> None:
+    """The section's rows as stacked bars (rollout, train, sync and the rest of the step's wall
+    time, seconds) with each step's Δ% against bf16 above its bar; a PNG at `path`."""
+    from matplotlib.figure import Figure
+
+    rows = section["rows"]
+    parts = {"rollout": [r["rollout_s"] for r in rows], "train": [r["train_s"] for r in rows],
+             "sync": [r["sync_s"] for r in rows]}  # fmt: skip
+    parts["other"] = [r["step_s"] - sum(p[i] for p in parts.values()) for i, r in enumerate(rows)]
+    fig = Figure(figsize=(1.2 * len(rows) + 2, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    x, bottom = range(len(rows)), [0.0] * len(rows)
+    for name, values in parts.items():
+        ax.bar(x, values, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for i, r in enumerate(rows):
+        if r.get("step_delta_pct") is not None:
+            ax.annotate(f"{r['step_delta_pct']:+.1f}%", (i, r["step_s"]), ha="center", va="bottom")
+    ax.set_xticks(list(x), [r["preset"].replace("+", "\n+") for r in rows], fontsize=8)
+    batch = section["batch"]
+    ax.set_title(f"GRPO step, {section['model']['layers']}-layer slice, {batch['prompts']} x "
+                 f"{batch['samples']}, prompt {batch['prompt_tokens']}, responses up to "
+                 f"{batch['longest_response']} (mean {batch['mean_response']:.0f})", fontsize=9)  # fmt: skip
+    ax.set_ylabel("seconds per step")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=list(ARTICLE_PRESETS))
@@ -213,6 +242,7 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
+    ap.add_argument("--plot", metavar="PNG", help="draw --out's rl_step section there; no run")
     args = ap.parse_args(argv)
     check_presets(args.presets)
     if args.kv_fp8 is not None:
@@ -228,6 +258,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        plot_section(json.loads(Path(args.out).read_text())["rl_step"], Path(args.plot))
+        print(f"rl_step: {args.plot}")
+        return 0
     device = check_device(args.device)
     config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny)
     count = args.prompts * args.samples

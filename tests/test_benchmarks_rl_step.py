@@ -42,6 +42,10 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
     assert rows["bf16"]["step_delta_pct"] == 0.0
     want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
     assert rows["bf16+kv-fp8"]["rollout_delta_pct"] == pytest.approx(want)
+    png = tmp_path / "step.png"
+    assert rl_step.main(["--plot", str(png), "--out", str(out)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(out.read_text()) == data  # drawing runs nothing and writes no results
 
 
 def test_kv_fp8_takes_the_presets_it_repeats(monkeypatch):
