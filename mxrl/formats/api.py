@@ -75,8 +75,9 @@ def quantize(
       A `global_amax` holding NaN/Inf or a negative value is refused, and so is one below the
       amax of the data it scales: 0 for data that is not all zero, or so far below that the
       E4M3 block scales would saturate and clip it (an amax more than ~3.6% above it; one read
-      back to the host for all: on a GPU a sync). `check_amax=False` skips these for an amax the caller
-      computed itself (`mxrl.recipe.quantize.weight_amax`), with no effect on the bytes.
+      back to the host for all: on a GPU a sync). `check_amax=False` skips these for an amax
+      the caller computed itself (`mxrl.recipe.quantize.weight_amax`), with no effect on the
+      bytes.
     fmt="fp8_block": `block=(128, 128)` (default; weights, over the last two dims) or `(1, 128)`
       (activations); scale_mode "fp32" (default) or "ue8m0" (power-of-two scales).
     check_finite=True raises on NaN/Inf, naming their count and the first index and value.

@@ -6,9 +6,10 @@ sha256 of canonical JSON (sorted keys, no whitespace, tensors sorted by name) of
 `{"schema": PLAN_SCHEMA_VERSION, "tensors": [{name, shape, format, activations, fuse_group,
 block}, ...]}` (a tensor with NVFP4's `scale_mode: 4over6` adds `"scale_mode": "4over6"` to its
 entry), plus `"kv_cache": "fp8"` for a recipe that quantizes the KV cache — exactly what
-decides the bytes a quantizer writes (a plan without either hashes as it always did). It leaves out rule provenance
-(two recipes that assign the same formats give the same hash), the recipe name, and `backward`,
-which changes how training computes gradients but not one byte of a weight or an activation.
+decides the bytes a quantizer writes (a plan without either hashes as it always did). It leaves
+out rule provenance (two recipes that assign the same formats give the same hash), the recipe
+name, and `backward`, which changes how training computes gradients but not one byte of a weight
+or an activation.
 """
 
 from __future__ import annotations
