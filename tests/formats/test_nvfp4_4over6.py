@@ -177,3 +177,16 @@ def test_scale_mode_is_checked():
         quantize(torch.ones(2, 32), "mxfp8", scale_mode="4over6")
     with pytest.raises(ValueError, match="fp8_block scale_mode"):
         quantize(torch.ones(2, 128), "fp8_block", block=(1, 128), scale_mode="4over6")
+
+
+def test_a_caller_amax_below_its_data_is_refused_as_for_the_standard():
+    """The amax checks are the standard ones: the global scale is the same (2688 / amax)."""
+    x = torch.ones(4, 64) * 2.0
+    with pytest.raises(ValueError, match="below the amax of the data"):
+        quantize(x, "nvfp4", global_amax=1.0, scale_mode="4over6")
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        quantize(x, "nvfp4", global_amax=float("nan"), scale_mode="4over6")
+    with pytest.raises(ValueError, match="non-finite"):
+        bad = x.clone()
+        bad[1, 3] = float("inf")
+        quantize(bad, "nvfp4", scale_mode="4over6", check_finite=True)
