@@ -235,8 +235,9 @@ def _block_sse(
 ) -> torch.Tensor:
     """Sum over each 16-block of fl(d * d), d = fl(e2m1 * s_block - u), u = fl(x * S_enc): the
     squared error of the dequantized block times S_enc^2 (a factor common to both candidates),
-    in fp32 without overflow or underflow at the ends of the range (|u| <= ~2688 for the
-    tensor's own amax). e2m1 * s_block is exact (<= 6 significant bits), so an FMA contraction
+    on a scale that does not move with the tensor's (|u| <= ~2688 for its own amax: no square
+    overflows, and only those of elements ~1e-19 below the amax go subnormal, IEEE in the
+    reference and the kernels alike). e2m1 * s_block is exact (<= 6 significant bits), so an FMA contraction
     in a kernel cannot change d. A NaN/Inf element counts as 0 (d = 0: what a 0 there gives),
     so its block decides as if it were 0. The 16 squares add as a pairwise tree of adjacent
     pairs, ((d0^2 + d1^2) + (d2^2 + d3^2)) + ..., the order the kernel adds them in."""
