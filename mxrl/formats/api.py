@@ -69,12 +69,15 @@ def quantize(
     fmt="nvfp4": 1x16 blocks, E4M3 block scale and one FP32 global encode scale per tensor, or
       per row with `per_token=True`, or from a caller's `global_amax` (gate+up share one): a
       scalar, or a tensor of x's rank with last dim 1 (per row, or per expert as [E, 1, 1]).
-      scale_mode "te" (default) or "torchao" (comparison only). A `global_amax` holding
-      NaN/Inf or a negative value is refused, and so is one below the amax of the data it
-      scales: 0 for data that is not all zero, or so far below that the E4M3 block scales
-      would saturate and clip it (an amax more than ~3.6% above it; one read back to the host
-      for all: on a GPU a sync). `check_amax=False` skips these for an amax the caller
-      computed itself (`mxrl.recipe.quantize.weight_amax`), with no effect on the bytes.
+      scale_mode "te" (default), "4over6" (per block, the block amax mapped to 6 or to 4,
+      whichever block has the lower squared error: docs/formats.md, "NVFP4 4over6"; the same
+      layout and global scale, any NVFP4 consumer reads it) or "torchao" (comparison only).
+      A `global_amax` holding NaN/Inf or a negative value is refused, and so is one below the
+      amax of the data it scales: 0 for data that is not all zero, or so far below that the
+      E4M3 block scales would saturate and clip it (an amax more than ~3.6% above it; one read
+      back to the host for all: on a GPU a sync). `check_amax=False` skips these for an amax
+      the caller computed itself (`mxrl.recipe.quantize.weight_amax`), with no effect on the
+      bytes.
     fmt="fp8_block": `block=(128, 128)` (default; weights, over the last two dims) or `(1, 128)`
       (activations); scale_mode "fp32" (default) or "ue8m0" (power-of-two scales).
     check_finite=True raises on NaN/Inf, naming their count and the first index and value.

@@ -79,6 +79,7 @@ RCP_448_BITS = 0x3B124925  # fl(1/448)
 RCP_6_BITS = 0x3E2AAAAB  # fl(1/6)
 RCP_448 = f32_from_bits(RCP_448_BITS)
 RCP_6 = f32_from_bits(RCP_6_BITS)
+RCP_4 = 0.25  # fl(1/4), exact: NVFP4 4over6's map-to-4 candidate (docs/formats.md)
 NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688 = 448 * 6, exact in fp32
 
 # --- blocks ----------------------------------------------------------------------------------

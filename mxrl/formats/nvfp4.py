@@ -9,6 +9,10 @@ Operation order is TransformerEngine's (§3.3), each step one fp32 op:
   s      = E4M3_satfinite(min(t, FLT_MAX))
   enc    = min(fl(1 / fl(s * S_dec)), FLT_MAX)    S_dec = fl(1 / S_enc)
   q      = E2M1_satfinite(fl(x * enc))
+`scale_mode="4over6"` (docs/formats.md, "NVFP4 4over6"): the same S_enc and the same steps for
+two candidates per block, the one above (block amax -> 6) and one with fl(1/4) in place of
+fl(1/6) (block amax -> 4; its t past 448 saturates to 448 as any E4M3 cast does), and keeps the
+block whose squared error is lower, measured in the encoded domain (`_block_sse`); a tie keeps 6.
 `scale_mode="torchao"` reproduces torchao's `nvfp4_quantize` instead (two divisions, block scale
 clamped to [2^-6, 448], §3.4-§3.5): for comparison only.
 
@@ -31,7 +35,7 @@ from mxrl.formats import constants as C
 from mxrl.formats.mxfp8 import block_amax
 from mxrl.formats.qtensor import QTensor
 
-SCALE_MODES = ("te", "torchao")
+SCALE_MODES = ("te", "4over6", "torchao")
 _E4M3_TINY = 2.0**-6  # torch.finfo(float8_e4m3fn).tiny: torchao's lower clamp (§3.4)
 
 
@@ -159,14 +163,9 @@ def quantize_nvfp4(
         g_amax = b_amax.amax() if b_amax.numel() else torch.zeros((), device=x.device)
     s_enc = global_encode_scale(g_amax)
 
-    if scale_mode == "te":
+    if scale_mode in ("te", "4over6"):
         s_dec = codecs.fdiv(1.0, s_enc)
-        t = b_amax * (s_enc * C.RCP_6)
-        t = torch.clamp(t, max=C.FLT_MAX)
-        scale_codes = codecs.e4m3_encode(t)
-        s_block = codecs.e4m3_decode(scale_codes)
-        enc = codecs.fdiv(1.0, s_block * s_dec)
-        enc = torch.clamp(enc, max=C.FLT_MAX)
+        scale_codes, s_block, enc = _te_block_scale(b_amax, s_enc, s_dec, C.RCP_6)
     else:
         # torchao nvfp4_quantize(per_tensor_scale = amax / (448 * 6)), §3.5; its decode scale is
         # kept as-is and stored as 1/decode so that dequantize reads one field for both modes.
@@ -181,7 +180,10 @@ def quantize_nvfp4(
     scaled = blocks_x * enc.unsqueeze(-1)
     if scale_mode == "torchao":
         scaled = torch.clamp(scaled, -C.E2M1_MAX, C.E2M1_MAX)
-    codes = codecs.e2m1_encode(scaled).reshape(shape)
+    codes = codecs.e2m1_encode(scaled)
+    if scale_mode == "4over6":
+        scale_codes, codes = _four_over_six(blocks_x, b_amax, s_enc, s_dec, codes, scale_codes)
+    codes = codes.reshape(shape)
     # A block holding NaN/Inf: its scale byte becomes E4M3 NaN (module docstring).
     block_bad = ~torch.isfinite(blocks_x).all(dim=-1)
     scale_codes = torch.where(block_bad, torch.full_like(scale_codes, C.E4M3_NAN_CODE), scale_codes)
@@ -192,6 +194,60 @@ def quantize_nvfp4(
         shape=shape,
         global_scale=s_enc.to(torch.float32).contiguous(),
     )
+
+
+def _te_block_scale(
+    b_amax: torch.Tensor, s_enc: torch.Tensor, s_dec: torch.Tensor, per_amax: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 scale bytes, their values, the element multiplier enc) of every block, in TE order
+    (§3.3): per_amax = fl(1/6) maps the block amax to 6 (the standard), 1/4 maps it to 4."""
+    t = b_amax * (s_enc * per_amax)
+    t = torch.clamp(t, max=C.FLT_MAX)
+    scale_codes = codecs.e4m3_encode(t)
+    s_block = codecs.e4m3_decode(scale_codes)
+    enc = codecs.fdiv(1.0, s_block * s_dec)
+    return scale_codes, s_block, torch.clamp(enc, max=C.FLT_MAX)
+
+
+def _four_over_six(
+    blocks_x: torch.Tensor,
+    b_amax: torch.Tensor,
+    s_enc: torch.Tensor,
+    s_dec: torch.Tensor,
+    codes_6: torch.Tensor,
+    scale_6: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4over6 (module docstring): the map-to-4 candidate of every block beside the standard one
+    (`scale_6`, `codes_6`), and per block the one of lower `_block_sse` (ties: 6). Returns
+    (scale bytes [..., K/16], codes [..., K/16, 16])."""
+    scale_4, s_block_4, enc_4 = _te_block_scale(b_amax, s_enc, s_dec, C.RCP_4)
+    codes_4 = codecs.e2m1_encode(blocks_x * enc_4.unsqueeze(-1))
+    u = blocks_x * (s_enc.unsqueeze(-1) if s_enc.dim() else s_enc)
+    finite = torch.isfinite(blocks_x)
+    s_block_6 = codecs.e4m3_decode(scale_6)
+    pick_4 = _block_sse(codes_4, s_block_4, u, finite) < _block_sse(codes_6, s_block_6, u, finite)
+    scale = torch.where(pick_4, scale_4, scale_6)
+    return scale, torch.where(pick_4.unsqueeze(-1), codes_4, codes_6)
+
+
+def _block_sse(
+    codes: torch.Tensor, s_block: torch.Tensor, u: torch.Tensor, finite: torch.Tensor
+) -> torch.Tensor:
+    """Sum over each 16-block of fl(d * d), d = fl(e2m1 * s_block - u), u = fl(x * S_enc): the
+    squared error of the dequantized block times S_enc^2 (a factor common to both candidates),
+    on a scale that does not move with the tensor's (|u| <= ~2688 for its own amax: no square
+    overflows, and only those of elements ~1e-19 below the amax go subnormal, IEEE in the
+    reference and the kernels alike). e2m1 * s_block is exact (<= 6 significant bits), so an FMA contraction
+    in a kernel cannot change d. A NaN/Inf element counts as 0 (d = 0: what a 0 there gives),
+    so its block decides as if it were 0. The 16 squares add as a pairwise tree of adjacent
+    pairs, ((d0^2 + d1^2) + (d2^2 + d3^2)) + ..., the order the kernel adds them in."""
+    p = codecs.e2m1_decode(codes) * s_block.unsqueeze(-1)
+    d = p - u
+    d = torch.where(finite, d, torch.zeros_like(d))
+    sq = d * d
+    while sq.shape[-1] > 1:
+        sq = sq[..., 0::2] + sq[..., 1::2]
+    return sq.squeeze(-1)
 
 
 def dequantize_nvfp4(q: QTensor, global_scale: bool = True) -> torch.Tensor:

@@ -7,7 +7,8 @@ The reference backend calls `mxrl.formats.quantize`; the triton backend calls th
 validation and error messages are the reference's own.
 
 Variants the kernels implement (the defaults): mxfp8 RCEIL (row-wise, and column-wise along
-dim -2), nvfp4 in TE order (per tensor, per token, or a caller's global amax), fp8_block with
+dim -2), nvfp4 in TE order, with the standard ("te") or the 4over6 block scales (per tensor,
+per token, or a caller's global amax), fp8_block with
 fp32 or ue8m0 scales and blocks (1, b) / (b, b) for b in 16, 32, 64, 128. The comparison-only
 modes of the reference (mxfp8 "floor", nvfp4 "torchao") and other axes raise ValueError on the
 triton backend: ask for backend "reference" for those.
@@ -27,7 +28,7 @@ from mxrl.formats.api import QuantizeOptions, check_request
 from mxrl.formats.nvfp4 import caller_amax
 from mxrl.kernels.backend import Backend, Kernels, backend_for, tracing
 
-KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te",)}
+KERNEL_SCALE_MODES = {C.Format.MXFP8: ("rceil",), C.Format.NVFP4: ("te", "4over6")}
 KERNEL_SCALE_MODES[C.Format.FP8_BLOCK] = ("fp32", "ue8m0")
 KERNEL_FP8_BLOCK_SIZES = (16, 32, 64, 128)
 
@@ -76,7 +77,7 @@ def quantize(
             # the check (check_amax=False, the hot paths' choice, skips both)
             data = _finite_magnitude(x) if opts.check_amax else None
             g = caller_amax(global_amax, x.shape, x.device, check=opts.check_amax, data_amax=data)
-        q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token)
+        q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token, mode == "4over6")
         return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
     br, bk = opts.block or C.FP8_BLOCK_WEIGHT
     if bk not in KERNEL_FP8_BLOCK_SIZES:

@@ -7,7 +7,8 @@ view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference'
 
   quantize_mxfp8(x, rowwise, colwise) -> (q_row [..., K], s_row [..., K/32],
                                           q_col [..., M, K], s_col [..., M/32, K])
-  quantize_nvfp4(x, global_amax?, per_token) -> (q [..., K/2], s [..., K/16], global_scale)
+  quantize_nvfp4(x, global_amax?, per_token, four_over_six) -> (q [..., K/2], s [..., K/16],
+                                                                global_scale)
   quantize_fp8_block(x, block_rows, block_k, ue8m0) -> (q [..., K], sf fp32)
 
 and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
@@ -76,11 +77,15 @@ def quantize_mxfp8(
 
 @_op
 def quantize_nvfp4(
-    x: torch.Tensor, global_amax: torch.Tensor | None, per_token: bool
+    x: torch.Tensor,
+    global_amax: torch.Tensor | None,
+    per_token: bool,
+    four_over_six: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """global_amax: None (per token, or per tensor computed here) or an fp32 tensor that is a
     scalar or of x's rank with last dim 1, broadcasting over x's leading dims ([rows, 1],
-    [E, 1, 1]); the global scale comes back in its shape."""
+    [E, 1, 1]); the global scale comes back in its shape. four_over_six: scale_mode "4over6"
+    (the same global scale, other block scales)."""
     x = _dense(x, "quantize_nvfp4")
     shape, k = x.shape, x.shape[-1]
     lead = shape[:-1]
@@ -88,16 +93,19 @@ def quantize_nvfp4(
     if per_token:
         if global_amax is not None:
             raise ValueError("mxrl::quantize_nvfp4: per_token and global_amax are exclusive")
-        q, s, gs = launch_nvfp4(x_MK, None)
+        q, s, gs = launch_nvfp4(x_MK, None, four_over_six=four_over_six)
         gs = gs.view(*lead, 1)
     elif global_amax is None:
-        q, s, gs = launch_nvfp4(x_MK, launch_global_amax(x_MK))
+        q, s, gs = launch_nvfp4(x_MK, launch_global_amax(x_MK), four_over_six=four_over_six)
     elif global_amax.dim() == 0:
-        q, s, gs = launch_nvfp4(x_MK, global_amax.to(torch.float32).contiguous())
+        g = global_amax.to(torch.float32).contiguous()
+        q, s, gs = launch_nvfp4(x_MK, g, four_over_six=four_over_six)
     else:
         g = global_amax.to(torch.float32).contiguous()
         amax_rows = g.expand(*lead, 1).reshape(-1).contiguous()
-        q, s, _ = launch_nvfp4(x_MK, amax_rows, write_global_scale=False)
+        q, s, _ = launch_nvfp4(
+            x_MK, amax_rows, write_global_scale=False, four_over_six=four_over_six
+        )
         gs = launch_encode_scale(g)
     return q.view(*lead, k // 2), s.view(*lead, k // 16), gs
 

@@ -27,8 +27,10 @@ for sm_90; where the two differ the kernels take a constexpr `HW` (True on CUDA)
   the output (the amaxes, hence the scales, are finite).
 - Every fp32 division is `tl.div_rn` (IEEE `div.rn.f32`; plain `/` lowers to the approximate
   `div.full.f32`), with operands of one shape (div_rn does not broadcast on the GPU). The
-  quantizers have no a*b+c except in `e2m1_encode`, where the product is exact, so FMA
-  contraction cannot change a result. No fp32 op is flushed to zero (no .ftz in the PTX).
+  quantizers have no a*b+c except in `e2m1_encode` and NVFP4 4over6's error (`e2m1 * s - u`),
+  where the product is exact, so FMA contraction cannot change a result; an inexact product
+  that feeds an add (4over6's u = x * S_enc and its squares) goes through `mul_rn`, which
+  the compiler cannot contract. No fp32 op is flushed to zero (no .ftz in the PTX).
 
 - Decoders (E4M3, E2M1) and the bf16 store serve the dequantize paths: exact values, one
   round to nearest even into bf16 (`store_bf16`).
@@ -258,6 +260,19 @@ def e2m1_encode(v):
     snapped = mag_bits.to(tl.float32, bitcast=True) * step_inv + RNE_MAGIC
     code = (snapped.to(tl.int32, bitcast=True) - RNE_MAGIC_BITS) + 2 * k
     return tl.where(bits <= F32_NEG_INF_BITS, code | 0x8, code)
+
+
+@triton.jit
+def mul_rn(a, b, HW: tl.constexpr):
+    """fl(a * b) for a, b of one shape, never fused with an add that uses it. HW: PTX
+    `mul.rn.f32` in inline asm (ptxas does not contract a multiply with an explicit rounding
+    mode, and LLVM does not see into the asm); the interpreter's NumPy multiply never fuses."""
+    if HW:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
 
 
 @triton.jit

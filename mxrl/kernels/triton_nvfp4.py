@@ -4,6 +4,11 @@ for byte, in TransformerEngine's operation order (spec §3.2-§3.4):
   S_enc = fl(2688 / amax) (0/Inf amax -> 1, cap FLT_MAX);  S_dec = fl(1 / S_enc)
   t     = fl(b_amax * fl(S_enc * fl(1/6)));  s = E4M3_satfinite(min(t, FLT_MAX))
   enc   = min(fl(1 / fl(s * S_dec)), FLT_MAX);  q = E2M1_satfinite(fl(x * enc))
+FOUR_OVER_SIX (`scale_mode="4over6"`, docs/formats.md "NVFP4 4over6"): a second candidate per
+block with s_enc_4 = S_enc * 0.25 in place of fl(S_enc * fl(1/6)), and per block the one whose
+squared error in the encoded domain is lower (ties: 6), as `nvfp4._four_over_six`:
+  u = fl(x * S_enc);  d = fl(e2m1 * s - u);  err = pairwise tree sum of fl(d * d) over the 16
+(adjacent pairs first; NaN/Inf elements count d = 0), the squares and u through `mul_rn`.
 Outputs: packed E2M1 [M, K/2] (even element in the low nibble), E4M3 block scales [M, K/16],
 S_enc per row [M] (per token) or one fp32 (per tensor).
 Non-finite inputs as the reference: every amax (block, row, tensor) is over the finite elements
@@ -27,6 +32,7 @@ from mxrl.kernels.triton_codecs import (
     E4M3_NAN_CODE,
     FLT_MAX,
     RCP_6,
+    e2m1_decode,
     e2m1_encode,
     e4m3_decode_nonneg,
     e4m3_encode,
@@ -34,6 +40,7 @@ from mxrl.kernels.triton_codecs import (
     finite_amax,
     is_finite,
     load_tile,
+    mul_rn,
     nvfp4_encode_scale,
     store_row_scales,
     store_tile,
@@ -55,21 +62,74 @@ def _block_amax(x, ROWS, BLOCK_K):
 
 
 @triton.jit
+def _block_scale(b_amax, s_enc_per, s_dec, HW):
+    """TE order (§3.3) for every block: (E4M3 scale byte, its value, element multiplier enc);
+    s_enc_per = fl(S_enc * fl(1/6)) maps the block amax to 6, S_enc * 0.25 maps it to 4."""
+    t = tl.minimum(b_amax * s_enc_per[:, None], FLT_MAX)
+    s_code = e4m3_encode(t, HW)
+    s_block = e4m3_decode_nonneg(s_code.to(tl.int32))
+    enc = tl.minimum(
+        tl.div_rn(tl.full(t.shape, 1.0, tl.float32), s_block * s_dec[:, None]), FLT_MAX
+    )
+    return s_code, s_block, enc
+
+
+@triton.jit
+def _pair_sum(v, ROWS, NUM_B, N):
+    """v [ROWS, NUM_B, N] -> [ROWS, NUM_B, N / 2]: elements 2i and 2i + 1 added."""
+    a, b = tl.split(tl.reshape(v, [ROWS, NUM_B, N // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def _block_sse(codes, s_block, u, finite, HW, ROWS, NUM_B):
+    """`nvfp4._block_sse`: sum over each 16-block of fl(d * d), d = fl(e2m1 * s - u) (0 where
+    x is NaN/Inf), as a pairwise tree of adjacent pairs -> [ROWS, NUM_B]."""
+    p = e2m1_decode(codes) * s_block[:, :, None]  # exact: contraction with - u is harmless
+    d = tl.where(finite, p - u, 0.0)
+    sq = mul_rn(d, d, HW)
+    sq = _pair_sum(sq, ROWS, NUM_B, 16)
+    sq = _pair_sum(sq, ROWS, NUM_B, 8)
+    sq = _pair_sum(sq, ROWS, NUM_B, 4)
+    sq = _pair_sum(sq, ROWS, NUM_B, 2)
+    return tl.reshape(sq, [ROWS, NUM_B])
+
+
+@triton.jit
 def _quantize_tile(
-    x, b_amax, rows, row_mask, k0, K, s_enc_6, s_dec, q_ptr, s_ptr, HW, EVEN, ROWS, BLOCK_K
+    x,
+    b_amax,
+    rows,
+    row_mask,
+    k0,
+    K,
+    s_enc,
+    s_dec,
+    q_ptr,
+    s_ptr,
+    HW,
+    EVEN,
+    FOUR_OVER_SIX,
+    ROWS,
+    BLOCK_K,
 ):
     """x [ROWS, BLOCK_K] fp32 (columns k0 .. k0 + BLOCK_K of its rows) and its block amax
     [ROWS, BLOCK_K / 16] (finite elements only) -> packed data and block scales; a block
     holding NaN/Inf stores scale 0x7F (its element codes are computed as for the others)."""
     NUM_B: tl.constexpr = BLOCK_K // NV_BLOCK
     blocks = tl.reshape(x, [ROWS, NUM_B, NV_BLOCK])
-    t = tl.minimum(b_amax * s_enc_6[:, None], FLT_MAX)
-    s_code = e4m3_encode(t, HW)
-    s_block = e4m3_decode_nonneg(s_code.to(tl.int32))
-    enc = tl.minimum(
-        tl.div_rn(tl.full(t.shape, 1.0, tl.float32), s_block * s_dec[:, None]), FLT_MAX
-    )
+    s_code, s_block, enc = _block_scale(b_amax, s_enc * RCP_6, s_dec, HW)
     codes = e2m1_encode(blocks * enc[:, :, None])
+    if FOUR_OVER_SIX:
+        s_code_4, s_block_4, enc_4 = _block_scale(b_amax, s_enc * 0.25, s_dec, HW)
+        codes_4 = e2m1_encode(blocks * enc_4[:, :, None])
+        u = mul_rn(blocks, tl.broadcast_to(s_enc[:, None, None], blocks.shape), HW)
+        finite = is_finite(blocks)
+        err_6 = _block_sse(codes, s_block, u, finite, HW, ROWS, NUM_B)
+        err_4 = _block_sse(codes_4, s_block_4, u, finite, HW, ROWS, NUM_B)
+        pick_4 = err_4 < err_6  # a tie (or NaN) keeps the standard map-to-6 block
+        codes = tl.where(pick_4[:, :, None], codes_4, codes)
+        s_code = tl.where(pick_4, s_code_4, s_code)
     lo, hi = tl.split(tl.reshape(codes, [ROWS, BLOCK_K // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
     all_finite = tl.min(is_finite(blocks).to(tl.int32), axis=2)
@@ -94,6 +154,7 @@ def _nvfp4_kernel(
     PER_TOKEN: tl.constexpr,
     WRITE_GS: tl.constexpr,
     HW: tl.constexpr,
+    FOUR_OVER_SIX: tl.constexpr,
     INDEX_64: tl.constexpr,
     EVEN: tl.constexpr,
     SINGLE_TILE: tl.constexpr,
@@ -127,7 +188,6 @@ def _nvfp4_kernel(
 
     s_enc = nvfp4_encode_scale(row_amax)
     s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
-    s_enc_6 = s_enc * RCP_6
     if WRITE_GS == GS_PER_ROW:
         store_tile(gs_ptr + rows, s_enc, row_mask, EVEN)
     if WRITE_GS == GS_SCALAR:
@@ -135,7 +195,21 @@ def _nvfp4_kernel(
 
     if SINGLE_TILE:
         _quantize_tile(
-            x, b_amax, rows, row_mask, 0, K, s_enc_6, s_dec, q_ptr, s_ptr, HW, EVEN, ROWS, BLOCK_K
+            x,
+            b_amax,
+            rows,
+            row_mask,
+            0,
+            K,
+            s_enc,
+            s_dec,
+            q_ptr,
+            s_ptr,
+            HW,
+            EVEN,
+            FOUR_OVER_SIX,
+            ROWS,
+            BLOCK_K,
         )
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -149,12 +223,13 @@ def _nvfp4_kernel(
                 row_mask,
                 k0,
                 K,
-                s_enc_6,
+                s_enc,
                 s_dec,
                 q_ptr,
                 s_ptr,
                 HW,
                 EVEN,
+                FOUR_OVER_SIX,
                 ROWS,
                 BLOCK_K,
             )
@@ -220,13 +295,15 @@ def launch_nvfp4(
     amax: torch.Tensor | None,
     *,
     write_global_scale: bool = True,
+    four_over_six: bool = False,
     hw: bool | None = None,
     config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed [M, K/2] u8, block scales [M, K/16] u8, S_enc) for x_MK contiguous [M, K].
 
     amax None: per token (S_enc [M]). amax fp32 [] (one for the tensor: S_enc []) or [M] (one per
-    row; S_enc [M] when write_global_scale, else an empty tensor)."""
+    row; S_enc [M] when write_global_scale, else an empty tensor). four_over_six: the 4over6
+    block scales (module docstring; the same S_enc)."""
     assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
     m, k = x_MK.shape
     assert k % 16 == 0, k
@@ -270,6 +347,7 @@ def launch_nvfp4(
         PER_TOKEN=per_token,
         WRITE_GS=gs_mode,
         HW=x_MK.is_cuda if hw is None else hw,
+        FOUR_OVER_SIX=four_over_six,
         INDEX_64=x_MK.numel() >= 2**31,
         EVEN=m % rows == 0 and k % block_k == 0,
         SINGLE_TILE=single,

@@ -22,8 +22,11 @@ _HEADER = ("name", "shape", "kind", "layer", "format", "rule")
 
 
 def format_label(spec: TensorSpec) -> str:
-    """`nvfp4 act=per_token fuse=gate+up`, `fp8_block 128x128`, `mxfp8`, `bf16`."""
+    """`nvfp4 act=per_token fuse=gate+up`, `nvfp4 4over6 act=per_token`, `fp8_block 128x128`,
+    `mxfp8`, `bf16`."""
     parts = [spec.format.value]
+    if spec.scale_mode is not None:
+        parts.append(spec.scale_mode)
     if spec.block is not None:
         parts.append(f"{spec.block[0]}x{spec.block[1]}")
     if spec.activations is not None:

@@ -4,10 +4,12 @@
 The plan hash is the precision contract trainer and engine compare before any exchange. It is the
 sha256 of canonical JSON (sorted keys, no whitespace, tensors sorted by name) of
 `{"schema": PLAN_SCHEMA_VERSION, "tensors": [{name, shape, format, activations, fuse_group,
-block}, ...]}`, plus `"kv_cache": "fp8"` for a recipe that quantizes the KV cache — exactly what
-decides the bytes a quantizer writes (a plan with the default KV cache hashes as it always did). It leaves out rule provenance
-(two recipes that assign the same formats give the same hash), the recipe name, and `backward`,
-which changes how training computes gradients but not one byte of a weight or an activation.
+block}, ...]}` (a tensor with NVFP4's `scale_mode: 4over6` adds `"scale_mode": "4over6"` to its
+entry), plus `"kv_cache": "fp8"` for a recipe that quantizes the KV cache — exactly what
+decides the bytes a quantizer writes (a plan without either hashes as it always did). It leaves
+out rule provenance (two recipes that assign the same formats give the same hash), the recipe
+name, and `backward`, which changes how training computes gradients but not one byte of a weight
+or an activation.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class TensorSpec:
       `gate_up_proj` tensor is its own group; when None, its gate and up halves get separate
       scales, as the per-expert layout would.
     block: fp8_block weight block (activations use (1, block[1])); None for other formats.
+    scale_mode: NVFP4's block-scale rule for the weight and its activation: None (the standard,
+      TE's) or "4over6" (docs/formats.md); hashed only when set.
     rule: provenance for audits ("rules[2] {kind: routed_expert}", "default",
       "not a matmul weight"); not part of the hash.
     """
@@ -58,6 +62,7 @@ class TensorSpec:
     fuse_group: str | None = None
     block: tuple[int, int] | None = None
     rule: str = DEFAULT_RULE
+    scale_mode: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -78,10 +83,16 @@ class TensorSpec:
             )
         if (self.format is Format.FP8_BLOCK) != (self.block is not None):
             raise ValueError(f"{self.name}: block is set exactly when format is fp8_block")
+        if self.scale_mode not in (None, "4over6") or (self.scale_mode and not nvfp4):
+            raise ValueError(
+                f"{self.name}: scale_mode is None or '4over6', and '4over6' only for nvfp4; "
+                f"got {self.scale_mode!r} for {self.format}"
+            )
 
     def contract(self) -> dict[str, Any]:
-        """The hashed fields: what decides the bytes a quantizer writes for this tensor."""
-        return {
+        """The hashed fields: what decides the bytes a quantizer writes for this tensor
+        (`scale_mode` only when set, so that every plan without it keeps its hash)."""
+        out = {
             "name": self.name,
             "shape": list(self.shape),
             "format": self.format.value,
@@ -89,6 +100,9 @@ class TensorSpec:
             "fuse_group": self.fuse_group,
             "block": list(self.block) if self.block is not None else None,
         }
+        if self.scale_mode is not None:
+            out["scale_mode"] = self.scale_mode
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = self.contract()

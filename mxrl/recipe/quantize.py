@@ -141,6 +141,8 @@ def weight_quantizer_kwargs(
         # weight_amax's values are finite and >= 0 (over finite elements, or after the caller's
         # NaN/Inf check): no host read to check them again (one sync per tensor on a GPU)
         kwargs["check_amax"] = False
+        if spec.scale_mode is not None:
+            kwargs["scale_mode"] = spec.scale_mode
     elif spec.format is Format.FP8_BLOCK:
         kwargs["block"] = spec.block
     elif axis != -1:
@@ -159,9 +161,12 @@ def quantize_weight(
 
 def activation_quantizer_kwargs(spec: TensorSpec) -> dict:
     """quantize() options for the activation entering this weight's GEMM (1x32 MXFP8 rows,
-    NVFP4 per token or per tensor, 1x128 block FP8)."""
+    NVFP4 per token or per tensor with the spec's block-scale rule, 1x128 block FP8)."""
     if spec.format is Format.NVFP4:
-        return {"per_token": spec.activations == "per_token"}
+        kwargs: dict = {"per_token": spec.activations == "per_token"}
+        if spec.scale_mode is not None:
+            kwargs["scale_mode"] = spec.scale_mode
+        return kwargs
     if spec.format is Format.FP8_BLOCK:
         assert spec.block is not None
         return {"block": (1, spec.block[1])}

@@ -58,7 +58,7 @@ def resolve(
     for name, shape in shapes.items():
         info = infos[name]
         if not is_matmul_weight(name, info, shape):
-            specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL))
+            specs.append(_spec(name, shape, info, Format.BF16, None, None, None, NOT_MATMUL, None))
             continue
         hits = []
         for i, r in enumerate(recipe.rules):
@@ -74,15 +74,17 @@ def resolve(
             assigned[first] += 1
             fmt, provenance = rule.format, provenances[first]
             acts, block, fuse = rule.activations, rule.block, rule.fuse is not None
+            scale_mode = rule.scale_mode
         else:
             fmt, provenance, acts, block, fuse = recipe.default, DEFAULT_RULE, None, None, False
+            scale_mode = None
             if fmt is Format.NVFP4:
                 acts = "per_token"
             elif fmt is Format.FP8_BLOCK:
                 block = FP8_BLOCK_WEIGHT
         group = gate_up_group(name, info) if fuse else None
         _check_block(name, shape, fmt, block, provenance)
-        specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance))
+        specs.append(_spec(name, shape, info, fmt, acts, group, block, provenance, scale_mode))
     _check_fuse_groups(specs)
     problems = _problems(recipe, provenances, selected, assigned, globbed, specs)
     plan = Plan(recipe.name, recipe.backward, num_layers, tuple(specs), problems, recipe.kv_cache)
@@ -133,7 +135,7 @@ def _problems(
     return tuple(out)
 
 
-def _spec(name, shape, info: TensorInfo, fmt, acts, group, block, rule) -> TensorSpec:
+def _spec(name, shape, info: TensorInfo, fmt, acts, group, block, rule, scale_mode) -> TensorSpec:
     return TensorSpec(
         name=name,
         shape=shape,
@@ -146,6 +148,7 @@ def _spec(name, shape, info: TensorInfo, fmt, acts, group, block, rule) -> Tenso
         fuse_group=group,
         block=block,
         rule=rule,
+        scale_mode=scale_mode,
     )
 
 
@@ -189,7 +192,12 @@ def _check_fuse_groups(specs: list[TensorSpec]) -> None:
             )
         a, b = pair
         assert a is not None and b is not None
-        if (a.format, a.activations, a.fuse_group) != (b.format, b.activations, b.fuse_group):
+        if (a.format, a.activations, a.fuse_group, a.scale_mode) != (
+            b.format,
+            b.activations,
+            b.fuse_group,
+            b.scale_mode,
+        ):
             raise ValueError(
                 f"fuse: [gate, up] needs {a.name!r} and {b.name!r} in one format, but they "
                 f"resolved to {_describe(a)} ({a.rule}) and {_describe(b)} ({b.rule}). Fix: give "
@@ -199,6 +207,8 @@ def _check_fuse_groups(specs: list[TensorSpec]) -> None:
 
 def _describe(s: TensorSpec) -> str:
     parts = [s.format.value]
+    if s.scale_mode:
+        parts.append(s.scale_mode)
     if s.activations:
         parts.append(s.activations)
     parts.append("fused" if s.fuse_group else "not fused")

@@ -11,13 +11,14 @@ rules:
     format: nvfp4
     activations: per_token
     fuse: [gate, up]
+    scale_mode: 4over6           # optional, nvfp4 only: te (default) | 4over6
 ```
 
 Recipe keys: name (defaults to the file stem when loaded from a file), description (optional, one
 line, shown by `mxrl recipe list`), backward (default high_precision), default (default bf16),
 kv_cache (default compute: keys and values in the compute dtype; fp8: E4M3 with one fp32 scale per
 token and KV head, the rollout engine's cache and the trainer's attention alike), rules (default
-[]). Rule keys: match, format, activations, fuse, block. Match keys: name, kind,
+[]). Rule keys: match, format, activations, fuse, block, scale_mode. Match keys: name, kind,
 layers. Unknown keys and bad values raise ValueError naming the key, where it is, and the fix.
 """
 
@@ -53,9 +54,13 @@ class KVCacheFormat(StrEnum):
 
 
 ACTIVATIONS = ("per_token", "per_tensor")
+# NVFP4 block-scale rules a recipe may choose (`mxrl.formats.quantize`'s scale_mode; the
+# reference's comparison-only "torchao" is not one): "te" is the default and is stored as None,
+# so it hashes as a rule without the key; "4over6" applies to the weights and the activations.
+NVFP4_SCALE_MODES = ("te", "4over6")
 FUSE_GATE_UP = ("gate", "up")
 RECIPE_KEYS = ("name", "description", "backward", "default", "kv_cache", "rules")
-RULE_KEYS = ("match", "format", "activations", "fuse", "block")
+RULE_KEYS = ("match", "format", "activations", "fuse", "block", "scale_mode")
 MATCH_KEYS = ("name", "kind", "layers")
 _QUANTIZED_BACKWARD_FORMATS = (Format.BF16, Format.MXFP8, Format.FP8_BLOCK)
 E = TypeVar("E", bound=StrEnum)
@@ -146,10 +151,12 @@ class Rule:
     activations: str | None = None
     fuse: tuple[str, ...] | None = None
     block: tuple[int, int] | None = None
+    scale_mode: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "format", _coerce(Format, self.format, "format", "format"))
         nvfp4 = self.format is Format.NVFP4
+        object.__setattr__(self, "scale_mode", _parse_scale_mode(self.scale_mode, self.format))
         if self.activations is not None and not nvfp4:
             raise ValueError(
                 f"activations: only nvfp4 has an activation global scale (this rule is "
@@ -183,6 +190,24 @@ class Rule:
 
     def describe(self, index: int) -> str:
         return f"rules[{index}] {self.match.describe()}"
+
+
+def _parse_scale_mode(scale_mode: object, fmt: Format) -> str | None:
+    """None (the default block scales) or "4over6"; refused for a format other than nvfp4."""
+    if scale_mode is None:
+        return None
+    if fmt is not Format.NVFP4:
+        raise ValueError(
+            f"scale_mode: only nvfp4 has a block-scale rule a recipe chooses (te, 4over6); "
+            f"this rule is {fmt}. Remove 'scale_mode' or set format: nvfp4"
+        )
+    if scale_mode not in NVFP4_SCALE_MODES:
+        raise ValueError(
+            f"scale_mode: {scale_mode!r} is not one of {', '.join(NVFP4_SCALE_MODES)}; te is the "
+            "standard NVFP4 block scale (the default), 4over6 maps each 16-value block's amax "
+            "to 6 or to 4, whichever gives the lower error (docs/formats.md, NVFP4 4over6)"
+        )
+    return None if scale_mode == "te" else str(scale_mode)
 
 
 def _parse_block(block: object) -> tuple[int, int]:

@@ -17,6 +17,8 @@ VARIANTS = [
     ("mxfp8", {"scale_mode": "floor"}, cases.SHAPES_MXFP8),
     ("nvfp4", {}, cases.SHAPES_NVFP4),
     ("nvfp4", {"per_token": True}, cases.SHAPES_NVFP4),
+    ("nvfp4", {"scale_mode": "4over6"}, cases.SHAPES_NVFP4),
+    ("nvfp4", {"per_token": True, "scale_mode": "4over6"}, cases.SHAPES_NVFP4),
     ("fp8_block", {}, cases.SHAPES_FP8_BLOCK),
     ("fp8_block", {"block": (1, 128)}, cases.SHAPES_FP8_BLOCK),
     ("fp8_block", {"scale_mode": "ue8m0"}, cases.SHAPES_FP8_BLOCK),

@@ -33,6 +33,8 @@ CONFIGS = [
     ("nvfp4-token", "nvfp4", {"per_token": True}, None),
     ("nvfp4-amax-scalar", "nvfp4", {}, "scalar"),
     ("nvfp4-amax-rows", "nvfp4", {}, "rows"),
+    ("nvfp4-4over6-tensor", "nvfp4", {"scale_mode": "4over6"}, None),
+    ("nvfp4-4over6-token", "nvfp4", {"per_token": True, "scale_mode": "4over6"}, None),
     ("fp8-1x128", "fp8_block", {"block": (1, 128)}, None),
     ("fp8-1x128-ue8m0", "fp8_block", {"block": (1, 128), "scale_mode": "ue8m0"}, None),
     ("fp8-128x128", "fp8_block", {}, None),

@@ -20,6 +20,7 @@ PATTERNS = {
     "rcp_approx": r"rcp\.approx",
     "ftz": r"\.ftz",
     "fma_f32": r"\bfma\.rn\.f32",
+    "mul_rn_f32": r"\bmul\.rn\.f32",
 }
 
 
@@ -70,7 +71,7 @@ def _variants():
     nv_sig = ["x_ptr:*bf16", "amax_ptr:*fp32", "amax_stride:i32", "q_ptr:*u8", "s_ptr:*u8"]
     nv_sig += ["gs_ptr:*fp32"]
     fb_sig = ["x_ptr:*bf16", "q_ptr:*u8", "s_ptr:*fp32"]
-    nv_const = {"PER_TOKEN": True, "WRITE_GS": 1, "ROWS": 1, **common}
+    nv_const = {"PER_TOKEN": True, "WRITE_GS": 1, "ROWS": 1, "FOUR_OVER_SIX": False, **common}
     yield (
         "mxfp8_row_col",
         mx._mxfp8_kernel,
@@ -90,6 +91,21 @@ def _variants():
         nv._nvfp4_kernel,
         [*nv_sig, "M:i32", "K:i32"],
         {**nv_const, "SINGLE_TILE": False, "BLOCK_K": 4096},
+        4,
+    )
+    nv_46 = {**nv_const, "FOUR_OVER_SIX": True}
+    yield (
+        "nvfp4_4over6_per_token",
+        nv._nvfp4_kernel,
+        [*nv_sig, "M:i32", "K:i32"],
+        {**nv_46, "SINGLE_TILE": True, "BLOCK_K": 8192},
+        4,
+    )
+    yield (
+        "nvfp4_4over6_two_pass",
+        nv._nvfp4_kernel,
+        [*nv_sig, "M:i32", "K:i32"],
+        {**nv_46, "SINGLE_TILE": False, "BLOCK_K": 4096},
         4,
     )
     yield (

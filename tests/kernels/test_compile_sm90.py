@@ -23,6 +23,8 @@ def test_every_kernel_compiles_for_sm90(ptx_report):
         "mxfp8_row_col",
         "nvfp4_per_token",
         "nvfp4_two_pass",
+        "nvfp4_4over6_per_token",
+        "nvfp4_4over6_two_pass",
         "fp8_block_1x128",
         "fp8_block_128x128_ue8m0",
     }
@@ -47,3 +49,17 @@ def test_fma_only_where_exact(ptx_report):
     for name, counts in ptx_report.items():
         if not name.startswith("nvfp4"):
             assert counts["fma_f32"] == 0, name
+
+
+def test_4over6_contracts_only_exact_products(ptx_report):
+    """NVFP4 4over6: per element, the standard kernel has one FMA (e2m1_encode's exact product);
+    4over6 has four (two e2m1_encode, two `e2m1 * s - u`, whose product is exact too) and three
+    `mul.rn.f32` (u = x * S_enc and the two squares, which must not contract)."""
+    for standard, four in (
+        ("nvfp4_per_token", "nvfp4_4over6_per_token"),
+        ("nvfp4_two_pass", "nvfp4_4over6_two_pass"),
+    ):
+        per_element = ptx_report[standard]["fma_f32"]
+        assert per_element > 0 and ptx_report[standard]["mul_rn_f32"] == 0
+        assert ptx_report[four]["fma_f32"] == 4 * per_element, four
+        assert ptx_report[four]["mul_rn_f32"] == 3 * per_element, four

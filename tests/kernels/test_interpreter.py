@@ -196,15 +196,17 @@ def test_finite_abs_is_the_reference_block_amax_input(codec_kernel):
 # --- launcher paths the suite does not reach with default configs --------------------------------
 
 
+@pytest.mark.parametrize("scale_mode", ["te", "4over6"])
 @pytest.mark.parametrize("dtype", cases.DTYPES)
-def test_nvfp4_two_pass_rows(dtype):
+def test_nvfp4_two_pass_rows(dtype, scale_mode):
     """K wider than one tile: the program reads its rows twice (amax, then quantize)."""
     from mxrl.kernels.triton_nvfp4 import launch_nvfp4
 
     x = cases.randn((6, 208), dtype, seed=3, scale=5.0)
-    ref = V.run_reference(V.Variant("t", "nvfp4", {"per_token": True}), x)
+    kwargs = {"per_token": True, "scale_mode": scale_mode}
+    ref = V.run_reference(V.Variant("t", "nvfp4", kwargs), x)
     cfg = {"TILE_ELEMS": 32, "LOOP_BLOCK_K": 64}
-    q, s, gs = launch_nvfp4(x, None, config=cfg)
+    q, s, gs = launch_nvfp4(x, None, config=cfg, four_over_six=scale_mode == "4over6")
     assert_bytes_equal(q, ref.qdata, "qdata")
     assert_bytes_equal(s, ref.scale.view(torch.uint8), "scale")
     assert_bytes_equal(gs.view(6, 1), ref.global_scale, "global_scale")

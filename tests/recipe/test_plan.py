@@ -273,3 +273,46 @@ def test_an_nvfp4_preset_on_a_dense_model_quantizes_nothing():
     assert not plan.quantized
     assert any("quantizes nothing" in p for p in plan.problems)
     assert Plan.from_json(plan.to_json()).problems == plan.problems  # kept in the record
+
+
+# --- NVFP4 4over6 (scale_mode) -----------------------------------------------------------------
+
+
+def test_4over6_round_trips_shows_and_reaches_the_quantizer():
+    """The preset's experts carry scale_mode 4over6 through JSON, the audit and the quantizer
+    options of the weight and of its activation (the same rule for both); other tensors and
+    nvfp4-hp's keep none."""
+    from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
+
+    plan = _plan("nvfp4-4over6-hp")
+    experts = [s for s in plan.values() if s.format is Format.NVFP4]
+    assert experts and all(s.scale_mode == "4over6" for s in experts)
+    assert all(s.scale_mode is None for s in plan.values() if s.format is not Format.NVFP4)
+    assert all(s.scale_mode is None for s in _plan("nvfp4-hp").values())
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "nvfp4 4over6 act=per_token fuse=gate+up" in plan.table()
+    spec = experts[0]
+    import torch
+
+    w = torch.randn(spec.shape)
+    assert weight_quantizer_kwargs(w, spec)["scale_mode"] == "4over6"
+    assert activation_quantizer_kwargs(spec) == {"per_token": True, "scale_mode": "4over6"}
+    plain = next(s for s in _plan("nvfp4-hp").values() if s.format is Format.NVFP4)
+    assert "scale_mode" not in weight_quantizer_kwargs(w, plain)
+    assert activation_quantizer_kwargs(plain) == {"per_token": True}
+
+
+def test_4over6_is_nvfp4_only_in_a_spec_and_fuse_partners_must_agree():
+    base = dict(name="x.weight", shape=(4, 32), kind="attention", layer=0, expert=None, role="q")
+    with pytest.raises(ValueError, match="scale_mode"):
+        TensorSpec(**base, format="mxfp8", scale_mode="4over6")
+    with pytest.raises(ValueError, match="scale_mode"):
+        TensorSpec(**base, format="nvfp4", activations="per_token", scale_mode="te")
+    tensors = tensors_from_hf_config(builtin_config(), "per_expert")
+    nvfp4 = {"format": "nvfp4", "fuse": ["gate", "up"]}
+    split = _recipe(
+        {"match": {"name": "*.gate_proj.weight"}, **nvfp4, "scale_mode": "4over6"},
+        {"match": {"kind": "routed_expert"}, **nvfp4},
+    )
+    with pytest.raises(ValueError, match=r"fuse: .*4over6 per_token fused"):
+        resolve(split, tensors)

@@ -35,23 +35,27 @@ PINNED = {
         "bf16": "28fd440c5d06c4823a9e44dd5f0e8b2753cada143412735531843814bc4fa086",
         "mxfp8": "1635300f3b74e7d1307f8f33e3d4d592c6eb75f7d90ec01b0d5bffb1b9679087",
         "nvfp4": "46867b25a1678904ad8946e4f1917f3f522d13fdda0f69a815ef0de6493785a8",
+        "nvfp4-4over6": "68f6751073e67d1d2fc1353addf62b33a2dc05b32963685a947018f9a95988df",
     },
     ("tiny-moe", "fused"): {
         "bf16": "cbe7c15892747932463beb36e149f640d2e2d9225e98c8f6cb2ccdec4d1a15ab",
         "mxfp8": "c5fa852fe933c046f3a35f87fe9bce78438e6b3fa6c982a3113d6831621fe9bc",
         "nvfp4": "751efb36d1d3871d82664592d8caec42af3a1c005003690d39957354614abba9",
+        "nvfp4-4over6": "bafb31c44f74356f9ef05370d23733a9731e166952a866d26aee621b040266b2",
     },
     ("qwen3-30b-a3b", "per_expert"): {
         "bf16": "de1e728289589e969eaddd7cde82832baf3dcec31d9227de0b3837ef0f38d08c",
         "mxfp8": "1411f8e39037df2b1cbc896eba8b0f9ee9fefef1d8cda207f7addafadf15fe48",
         "nvfp4": "797eb5112838b97661225f151cd0224ffb82893b81b297dee6758af524c0784d",
         "fp8-block": "7aa5ff0955dfedbfb0132ccbddfe2d2655378f40883c3044d5713e532f200e7b",
+        "nvfp4-4over6": "48d0280afdfc00a0966e1cb8bb9d7abc6c967551f9d378af79881e2b9b011440",
     },
     ("qwen3-30b-a3b", "fused"): {
         "bf16": "a518b43159b82bb01e7cbd7924f74acc3ecfe341f5f7963c59cc6de5da6d1d52",
         "mxfp8": "78c39803e1afeea94c14a4e1052d59d978cfc9eb70e0843e18f31c44fb086d1e",
         "nvfp4": "fc389dd69b536a2d62d0a9cad45baaaa06a2849f1084ed25555eac7bfbbf1aef",
         "fp8-block": "2059e0ce459caa4bcc983b87bc7f7a8ab32d870ef7a2085b5ef49a95066d5c7c",
+        "nvfp4-4over6": "b7b1c64bce97d7e5f3c2357e0e57f7c9423b88fec6cb32dbea693e41f886fddf",
     },
 }
 # preset -> its contract family in PINNED
@@ -62,6 +66,7 @@ FAMILY = {
     "mxfp8-dequantized": "mxfp8",
     "nvfp4-hp": "nvfp4",
     "nvfp4-dequantized": "nvfp4",
+    "nvfp4-4over6-hp": "nvfp4-4over6",
     "fp8-block": "fp8-block",
     "fp8-block-quantized": "fp8-block",
 }
@@ -76,7 +81,7 @@ def _plan(model: str, layout: str, preset: str) -> Plan:
 def _documented_hash(plan: Plan) -> str:
     """The definition written out: sha256 of canonical JSON (sorted keys, no whitespace) of the
     schema version and, per tensor sorted by name, name, shape, format, activations,
-    fuse_group, block."""
+    fuse_group, block, and scale_mode where it is set (NVFP4 4over6)."""
     tensors = [
         {
             "name": s.name,
@@ -85,6 +90,7 @@ def _documented_hash(plan: Plan) -> str:
             "activations": s.activations,
             "fuse_group": s.fuse_group,
             "block": None if s.block is None else list(s.block),
+            **({} if s.scale_mode is None else {"scale_mode": s.scale_mode}),
         }
         for s in sorted(plan.values(), key=lambda s: s.name)
     ]
@@ -133,12 +139,14 @@ def test_every_hashed_field_changes_the_hash():
         "block columns": _swap(fp8, Q, block=(128, 64)),
         "format": _swap(mxfp8, Q, format="bf16"),
         "activation scale": _swap(nvfp4, EXPERTS, activations="per_tensor"),
+        "block-scale rule": _swap(nvfp4, EXPERTS, scale_mode="4over6"),
         "fuse group": _swap(nvfp4, EXPERTS, fuse_group=None),
         "shape": _swap(mxfp8, Q, shape=(128, 256)),
         "name": _swap(mxfp8, Q, name="model.layers.0.self_attn.q_proj.weight2"),
     }
     base = {"block rows": fp8, "block columns": fp8, "format": mxfp8, "activation scale": nvfp4,
-            "fuse group": nvfp4, "shape": mxfp8, "name": mxfp8}  # fmt: skip
+            "block-scale rule": nvfp4, "fuse group": nvfp4, "shape": mxfp8,
+            "name": mxfp8}  # fmt: skip
     for what, plan in changed.items():
         assert plan.hash() != base[what].hash(), what
         assert plan.hash() == _documented_hash(plan), what

@@ -15,6 +15,7 @@ PRESETS = [
     "mxfp8",
     "mxfp8-dequantized",
     "mxfp8-hp",
+    "nvfp4-4over6-hp",
     "nvfp4-dequantized",
     "nvfp4-hp",
 ]
@@ -53,6 +54,7 @@ def test_preset_backward_modes():
         "mxfp8": Backward.QUANTIZED,
         "mxfp8-dequantized": Backward.DEQUANTIZED,
         "mxfp8-hp": Backward.HIGH_PRECISION,
+        "nvfp4-4over6-hp": Backward.HIGH_PRECISION,
         "nvfp4-dequantized": Backward.DEQUANTIZED,
         "nvfp4-hp": Backward.HIGH_PRECISION,
     }
@@ -143,6 +145,18 @@ def test_defaults_and_normalisation():
             ["rules[0]", "fuse", "mxfp8", "format: nvfp4"],
         ),
         (_recipe({"format": "mxfp8", "block": [32, 32]}), ["rules[0]", "block", "fp8_block"]),
+        (
+            _recipe({"format": "nvfp4", "scale_mode": "4/6"}),
+            ["rules[0]", "scale_mode", "'4/6'", "te, 4over6"],
+        ),
+        (
+            _recipe({"format": "nvfp4", "scale_mode": "torchao"}),
+            ["rules[0]", "scale_mode", "'torchao'", "te, 4over6"],
+        ),
+        (
+            _recipe({"format": "mxfp8", "scale_mode": "4over6"}),
+            ["rules[0]", "scale_mode", "only nvfp4", "mxfp8", "format: nvfp4"],
+        ),
         (_recipe({"format": "fp8_block", "block": [1, 128]}), ["rules[0]", "block", "[128, 128]"]),
         (_recipe({"match": {"kind": "router"}}), ["rules[0]", "missing 'format'"]),
         (_recipe({"match": {"name": []}, "format": "bf16"}), ["rules[0]", "match.name"]),
@@ -157,6 +171,21 @@ def test_validation_errors_name_the_culprit(data, needles):
     msg = _error(data)
     for needle in needles:
         assert needle in msg, (needle, msg)
+
+
+def test_nvfp4_scale_mode_4over6_and_the_default_spelled_out():
+    """4over6 is kept; `te` (the default written out) is stored as no key, so that a recipe
+    that spells it hashes as one that does not."""
+    rule = {"match": {"kind": "routed_expert"}, "format": "nvfp4"}
+    four = load_recipe(_recipe({**rule, "scale_mode": "4over6"}))
+    assert four.rules[0].scale_mode == "4over6"
+    assert load_recipe(_recipe({**rule, "scale_mode": "te"})).rules[0].scale_mode is None
+    assert load_recipe(_recipe(rule)).rules[0].scale_mode is None
+    preset = load_recipe("nvfp4-4over6-hp")
+    hp = load_recipe("nvfp4-hp")
+    assert preset.rules[-1].scale_mode == "4over6"
+    assert preset.rules[:-1] == hp.rules[:-1]
+    assert preset.rules[-1] == Rule(**{**vars(hp.rules[-1]), "scale_mode": "4over6"})
 
 
 def test_backward_quantized_is_mxfp8_and_block_fp8_only():
