@@ -12,6 +12,7 @@ so `apply_plan` can swap modules in place by name; attribute names are the HF on
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +35,22 @@ class KVCache(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's keys/values (after RoPE); return all of them, [B, K, L, D]."""
         ...
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What every decoder layer of one forward reads besides its hidden states, made once per
+    forward by `DecoderModel.forward`.
+
+    rope: (cos, sin) [B, S, D] for the query positions (MLA: [B, S, Dr]).
+    mask_BSL: bool [B, 1, S, L], True = attend; None = causal, with the S queries being the
+      last S of the L positions (prefill: S == L; decode: S == 1, attend to all).
+    kv_cache: None, or an object with `update(layer_idx, k, v) -> (k_all, v_all)`.
+    """
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask_BSL: torch.Tensor | None = None
+    kv_cache: KVCache | None = None
 
 
 class RMSNorm(nn.Module):
@@ -163,19 +180,8 @@ class Attention(nn.Module):
         # engine's FP8 cache gives back (mxrl.nn.kv_quant)
         self.kv_fp8 = False
 
-    def forward(
-        self,
-        x_BSH: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_mask_BSL: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """rope: (cos, sin) [B, S, D] for the query positions.
-
-        attn_mask_BSL: bool [B, 1, S, L], True = attend; None = causal, with the S queries
-        being the last S of the L positions (prefill: S == L; decode: S == 1, attend to all).
-        kv_cache: None, or an object with `update(layer_idx, k, v) -> (k_all, v_all)`.
-        """
+    def forward(self, x_BSH: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """Attention of the S new tokens [B, S, H] (`LayerInputs`: RoPE, mask, KV cache)."""
         B, S, _ = x_BSH.shape
         q = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)
@@ -183,7 +189,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = self.rope(q, k, *rope)
+        q, k = self.rope(q, k, *inputs.rope)
         ctx = get_forward_context()
         if self.kv_fp8 and ctx is None:  # (the engine quantizes them as it writes its cache)
             k, v = fake_quant_kv(_as_attended(k)), fake_quant_kv(_as_attended(v))
@@ -192,9 +198,9 @@ class Attention(nn.Module):
                 raise ValueError(f"under a forward context the batch is one ragged row, got B={B}")
             out = ctx.attention(self.layer_idx, q[0], k[0], v[0])  # [N, T, D]
             return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = attend(q, k, v, attn_mask_BSL)
+        if inputs.kv_cache is not None:
+            k, v = inputs.kv_cache.update(self.layer_idx, k, v)
+        out = attend(q, k, v, inputs.mask_BSL)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -363,15 +369,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
 
     def forward(
-        self,
-        x_BSH: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_mask_BSL: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        replay_ids_BSk: torch.Tensor | None = None,
+        self, x_BSH: torch.Tensor, inputs: LayerInputs, replay_ids_BSk: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [B, S, H], expert ids [B, S, k] or None for a dense layer)."""
-        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), rope, attn_mask_BSL, kv_cache)
+        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), inputs)
         if self.is_moe:
             mlp_out, ids = self.mlp(self.post_attention_layernorm(h), replay_ids_BSk)
             return h + mlp_out, ids

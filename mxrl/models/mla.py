@@ -21,7 +21,7 @@ from torch import nn
 from mxrl.arch.config import ModelConfig
 from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
-from mxrl.models.layers import MLP, KVCache, RMSNorm, RoutedBlock, attend
+from mxrl.models.layers import MLP, LayerInputs, RMSNorm, RoutedBlock, attend
 from mxrl.nn import GroupedExperts, invariant
 
 # transformers' DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm with RMSNorm's
@@ -103,14 +103,8 @@ class MLAttention(nn.Module):
         k[..., self.nope_dim :].copy_(k_rot_B1SD.expand(-1, k_nope.shape[1], -1, -1))
         return k, v
 
-    def forward(
-        self,
-        x_BSH: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        attn_mask_BSL: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        """As `mxrl.models.layers.Attention.forward`; rope: (cos, sin) [B, S, Dr]."""
+    def forward(self, x_BSH: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        """As `mxrl.models.layers.Attention.forward`; inputs.rope: (cos, sin) [B, S, Dr]."""
         B, S, _ = x_BSH.shape
         q = self._query(x_BSH).view(B, S, -1, self.nope_dim + self.rope_dim).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [self.nope_dim, self.rope_dim], dim=-1)
@@ -119,7 +113,7 @@ class MLAttention(nn.Module):
         )
         latent = self.kv_a_layernorm(latent)
         k_rot = k_rot.view(B, 1, S, self.rope_dim)
-        q_rot, k_rot = self._rope(q_rot, k_rot, rope)
+        q_rot, k_rot = self._rope(q_rot, k_rot, inputs.rope)
         q = torch.cat((q_pass, q_rot), dim=-1)
         k, v = self._expand(latent, k_rot)
         ctx = get_forward_context()
@@ -128,9 +122,9 @@ class MLAttention(nn.Module):
                 raise ValueError(f"under a forward context the batch is one ragged row, got B={B}")
             out = ctx.attention(self.layer_idx, q[0], k[0], v[0], scale=self.scaling)  # [N, T, Dv]
             return self.o_proj(out.transpose(0, 1).reshape(1, S, -1))
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = attend(q, k, v, attn_mask_BSL, scale=self.scaling)
+        if inputs.kv_cache is not None:
+            k, v = inputs.kv_cache.update(self.layer_idx, k, v)
+        out = attend(q, k, v, inputs.mask_BSL, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -20,7 +20,14 @@ import torch.utils.checkpoint
 from torch import nn
 
 from mxrl.arch.config import ModelConfig
-from mxrl.models.layers import DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, causal_mask
+from mxrl.models.layers import (
+    DecoderLayer,
+    KVCache,
+    LayerInputs,
+    RMSNorm,
+    RotaryEmbedding,
+    causal_mask,
+)
 from mxrl.models.mla import SigmoidRouter
 from mxrl.nn import GroupedExperts
 
@@ -50,7 +57,18 @@ class DecoderModel(nn.Module):
         kv_cache: KVCache | None = None,
         replay_routing: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(final hidden states [B, S, H] after the norm, expert ids [B, S, k] per MoE layer)."""
+        """(final hidden states [B, S, H] after the norm, expert ids [B, S, k] per MoE layer).
+
+        input_ids: int [B, S]. position_ids: int [B, S] (or [1, S]); default: arange(S), or the
+        count of real tokens before each position when a 2-D attention_mask is given (left
+        padding). Required with a kv_cache.
+        attention_mask: [B, L] with 1 = token, 0 = padding (L = cached + new tokens), or bool
+        [B, 1, S, L] with True = attend; None = causal.
+        kv_cache: anything with `update(layer_idx, k, v) -> (k_all, v_all)` (see layers.KVCache).
+        replay_routing: one int64 [B, S, k] tensor of expert ids per MoE layer, in layer order,
+        to force those experts (routing replay); their weights come from this model's router
+        probabilities.
+        """
         B, S = input_ids.shape
         if kv_cache is not None and position_ids is None:
             raise ValueError(
@@ -67,7 +85,9 @@ class DecoderModel(nn.Module):
                 f"{len(moe_layers)} MoE layers (one [B, S, k] tensor of expert ids per MoE layer)"
             )
         h = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(position_ids.expand(B, S), h.dtype)
+        inputs = LayerInputs(
+            self.rotary_emb(position_ids.expand(B, S), h.dtype), mask_BSL, kv_cache
+        )
         routing: list[torch.Tensor] = []
         for layer in self.layers:
             replay = None
@@ -75,10 +95,10 @@ class DecoderModel(nn.Module):
                 replay = replay_routing[len(routing)]
             if self.checkpoint_layers and self.training and torch.is_grad_enabled():
                 h, ids = torch.utils.checkpoint.checkpoint(
-                    layer, h, rope, mask_BSL, kv_cache, replay, use_reentrant=False
+                    layer, h, inputs, replay, use_reentrant=False
                 )
             else:
-                h, ids = layer(h, rope, mask_BSL, kv_cache, replay)
+                h, ids = layer(h, inputs, replay)
             if ids is not None:
                 routing.append(ids)
         return self.norm(h), routing
@@ -175,37 +195,21 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
         return_routing: bool = False,
-        replay_routing: Sequence[torch.Tensor] | None = None,
         return_hidden: bool = False,
+        **inputs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """Logits [B, S, V] in the model dtype; with `return_routing`, (logits, routing);
         with `return_hidden`, the final hidden states [B, S, H] instead of the logits (the
         lm_head left to `logits`: a caller that needs the logits of a few tokens at a time; a
         call of `forward` still, so FSDP2's hooks gather and free the parameters).
 
-        input_ids: int [B, S]. position_ids: int [B, S] (or [1, S]); default: arange(S), or the
-        count of real tokens before each position when a 2-D attention_mask is given (left
-        padding). Required with a kv_cache.
-        attention_mask: [B, L] with 1 = token, 0 = padding (L = cached + new tokens), or bool
-        [B, 1, S, L] with True = attend; None = causal.
-        kv_cache: anything with `update(layer_idx, k, v) -> (k_all, v_all)` (see layers.KVCache).
-        routing: one int64 [B, S, k] tensor of chosen expert ids per MoE layer, in layer order
-        (`moe_layer_indices`); empty for a dense model.
-        replay_routing: the same structure, to force those experts (routing replay); their
-        weights come from this model's router probabilities.
+        inputs: `DecoderModel.forward`'s keywords (position_ids, attention_mask, kv_cache,
+        replay_routing), passed on. routing: one int64 [B, S, k] tensor of chosen expert ids
+        per MoE layer, in layer order (`moe_layer_indices`); empty for a dense model.
         """
         with self.autocast(input_ids.device.type):
-            hidden, routing = self.model(
-                input_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                kv_cache=kv_cache,
-                replay_routing=replay_routing,
-            )
+            hidden, routing = self.model(input_ids, **inputs)
             out = hidden if return_hidden else self.logits(hidden)
         return (out, routing) if return_routing else out
 

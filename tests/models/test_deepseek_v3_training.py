@@ -29,6 +29,7 @@ PRESETS = [
     "mxfp8-dequantized",
     "nvfp4-hp",
     "nvfp4-dequantized",
+    "nvfp4-4over6-hp",
     "fp8-block",
     "fp8-block-quantized",
 ]

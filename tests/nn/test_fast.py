@@ -20,6 +20,7 @@ from mxrl.arch import builtin_config
 from mxrl.formats import dequantize, quantize
 from mxrl.kernels import Backend, Gemm, Kernels
 from mxrl.models import build_model
+from mxrl.models.layers import LayerInputs
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
 from mxrl.nn.gemm import resolved_gemm, set_gemm
 from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
@@ -126,7 +127,7 @@ def test_a_moe_layer_first_step_reads_nothing_back(preset):
     h = torch.randn(3, 40, model.config.hidden_size, requires_grad=True)
     rope = model.model.rotary_emb(torch.arange(40)[None].expand(3, 40), h.dtype)
     with HostReads() as reads:
-        out, _ = layer(h, rope)
+        out, _ = layer(h, LayerInputs(rope))
         out.float().square().mean().backward()
     assert not reads.ops, reads.ops
 

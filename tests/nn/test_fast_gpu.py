@@ -18,6 +18,7 @@ import torch
 from mxrl.arch import builtin_config
 from mxrl.kernels import Gemm
 from mxrl.models import build_model
+from mxrl.models.layers import LayerInputs
 from mxrl.nn import apply_plan, set_gemm
 from mxrl.recipe import resolve
 from tests.nn.test_fast import CASES, FP8_MMA, assert_within, check_grouped_projection
@@ -139,7 +140,7 @@ def test_a_decoder_layer_step_makes_no_host_sync(preset):
 
     def step():
         with torch.autocast("cuda", dtype=BF16):
-            out, _ = layer(h, rope)
+            out, _ = layer(h, LayerInputs(rope))
         out.float().square().mean().backward()
 
     step()  # the first step compiles the kernels and quantizes the weights (once per optimizer step)
