@@ -158,15 +158,20 @@ class QExperts(GroupedExperts):
     def _grouped_specs(self) -> dict:
         return {k: None if s.format is Format.BF16 else s for k, s in self.specs.items()}
 
-    def _tensor_core(self, which: str) -> TensorCoreWeight:
+    def _held(self, which: str, caches: dict, holder: type) -> TensorCoreWeight | QuantizedWeight:
+        """Projection `which`'s weight as `holder` builds it (TensorCoreWeight or
+        QuantizedWeight), from `caches` until the parameter changes. A column-wise copy only
+        for MXFP8's quantized backward: block FP8's grouped dgrad reads the forward's codes
+        transposed in place (strides)."""
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         spec = self.specs[which]
-        # block FP8's grouped dgrad reads the forward's codes transposed in place (strides)
         with_col = self.backward_mode is Backward.QUANTIZED and spec.format is Format.MXFP8
-        return self._tc_caches[which].get(
-            (param,),
-            lambda: TensorCoreWeight.build(param, spec, with_col=with_col, backend=self.backend),
+        return caches[which].get(
+            (param,), lambda: holder.build(param, spec, with_col=with_col, backend=self.backend)
         )
+
+    def _tensor_core(self, which: str) -> TensorCoreWeight:
+        return self._held(which, self._tc_caches, TensorCoreWeight)
 
     def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
         spec = self.specs[which]
@@ -179,13 +184,7 @@ class QExperts(GroupedExperts):
             return GroupedLinear.apply(x_sorted, param, layout, tw, spec, mode, backend)
 
     def _quantized(self, which: str) -> QuantizedWeight:
-        param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        spec = self.specs[which]
-        with_col = self.backward_mode is Backward.QUANTIZED and spec.format is Format.MXFP8
-        return self._caches[which].get(
-            (param,),
-            lambda: QuantizedWeight.build(param, spec, with_col=with_col, backend=self.backend),
-        )
+        return self._held(which, self._caches, QuantizedWeight)
 
     def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         spec = self.specs[which]
