@@ -116,6 +116,6 @@ def paged_attention(
         scale,
         G=group, D=d, BLOCK_M=block_m(group), BLOCK_N=bs,
         IEEE=q.dtype == torch.float32, FP8=fp8_scales is not None, HEADS_KV=heads_kv,
-        num_warps=4,
+        HW=q.is_cuda, num_warps=4,
     )  # fmt: skip
     return out

@@ -22,7 +22,8 @@ floating-point rounding (exp2 approximation, summation order); tests state the b
 FP8 cache (`FP8`, a recipe's `kv_cache: fp8`): the cache holds E4M3 bytes and one fp32 scale per
 token slot and KV head; a loaded key or value is fl(fp32(code) * scale) cast to q's dtype, the
 bytes `mxrl.nn.kv_quant.dequantize_kv` gives, so the kernel attends to exactly the values of the
-reference's dequantized cache.
+reference's dequantized cache. On a GPU (`HW`) the codes are decoded by the hardware's E4M3
+conversion, under the interpreter by integer arithmetic: the same exact values.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def paged_attention_kernel(
     IEEE: tl.constexpr,  # fp32 operands: full-precision dot (no TF32)
     FP8: tl.constexpr,  # the cache holds E4M3 codes and scales
     HEADS_KV: tl.constexpr,
+    HW: tl.constexpr,  # on a GPU: E4M3 decoded by the cvt instruction (exact, as the arithmetic)
 ):
     tile = tl.program_id(0)
     head_kv = tl.program_id(1)
@@ -95,10 +97,10 @@ def paged_attention_kernel(
             s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
             k_sf = tl.load(k_scale_ptr + s_off)
             v_sf = tl.load(v_scale_ptr + s_off)
-            k_codes = tl.load(k_cache_ptr + k_off).to(tl.int32)
-            v_codes = tl.load(v_cache_ptr + v_off).to(tl.int32)
-            k = (e4m3_decode(k_codes) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
-            v = (e4m3_decode(v_codes) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
+            k_vals = _e4m3_values(tl.load(k_cache_ptr + k_off), HW)
+            v_vals = _e4m3_values(tl.load(v_cache_ptr + v_off), HW)
+            k = (k_vals * k_sf[:, None]).to(q_ptr.dtype.element_ty)
+            v = (v_vals * v_sf[:, None]).to(q_ptr.dtype.element_ty)
         else:
             k = tl.load(k_cache_ptr + k_off)
             v = tl.load(v_cache_ptr + v_off)
@@ -122,3 +124,15 @@ def paged_attention_kernel(
     out = acc / l_i[:, None]
     o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _e4m3_values(codes, HW: tl.constexpr):
+    """uint8 E4M3 codes -> their exact fp32 values. On a GPU the hardware conversion (sm_89+:
+    one cvt per pair of bytes; every E4M3 value, subnormals included, is exact in fp16 and
+    fp32); under the interpreter the integer decode of `triton_codecs` (the same values: its
+    NaN for 0x7F / 0xFF too). The arithmetic decode costs ~15 integer operations an element,
+    for every key and value of every block the kernel reads."""
+    if HW:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return e4m3_decode(codes.to(tl.int32))

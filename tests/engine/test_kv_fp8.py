@@ -19,6 +19,7 @@ from mxrl.models import build_model
 from mxrl.nn import apply_plan
 from mxrl.nn.kv_quant import dequantize_kv, fake_quant_kv, quantize_kv
 from mxrl.recipe import Recipe, load_recipe, resolve
+from tests.engine.test_engine import tiny
 from tests.numerics import assert_bytes_equal
 
 pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests/numeric_env.py)
@@ -123,6 +124,31 @@ def test_the_engine_serves_the_fp8_cache_batch_invariant_and_with_shared_prefixe
     # and it is not the compute-dtype cache: the same weights serve other logprobs there
     other = Engine(_model(), _plan(model, "compute"), tile=8).generate(PROMPTS, params)
     assert any(not torch.equal(a.logprobs, b.logprobs) for a, b in zip(batch, other, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["bf16", "fp8-block", "nvfp4-dequantized"])
+def test_the_fp8_cache_on_cuda_graphs_and_alone_give_the_eager_bytes(preset):
+    """On a GPU, in bf16 as users run it: the Triton paged attention on the FP8 cache (its
+    hardware E4M3 decode), CUDA-graph decode against eager, and a request alone against its
+    batch, byte for byte."""
+    model = tiny(preset)  # wide enough for fp8-block's 128-blocks
+    plan = _plan(model, "fp8", preset)
+    params = [_params(100 + i) for i in range(len(PROMPTS))]
+    outs = {}
+    for graphs in (False, True):
+        engine = Engine(
+            model, plan, device="cuda", compute_dtype=torch.bfloat16, cuda_graphs=graphs
+        )
+        assert engine._attention_kernel
+        outs[graphs] = engine.generate(PROMPTS, params)
+        assert (engine.runner.num_graph_steps > 0) == graphs
+    for i, (eager, graph) in enumerate(zip(outs[False], outs[True], strict=True)):
+        assert eager.tokens == graph.tokens, f"request {i}"
+        assert_bytes_equal(eager.logprobs, graph.logprobs, f"request {i} logprobs")
+    alone = engine.generate([PROMPTS[2]], [params[2]])[0]
+    assert alone.tokens == outs[True][2].tokens
+    assert_bytes_equal(alone.logprobs, outs[True][2].logprobs, "alone")
 
 
 # --- the trainer -----------------------------------------------------------------------------

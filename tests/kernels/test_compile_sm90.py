@@ -63,3 +63,12 @@ def test_4over6_contracts_only_exact_products(ptx_report):
         assert per_element > 0 and ptx_report[standard]["mul_rn_f32"] == 0
         assert ptx_report[four]["fma_f32"] == 4 * per_element, four
         assert ptx_report[four]["mul_rn_f32"] == 3 * per_element, four
+
+
+def test_the_fp8_cache_attention_decodes_e4m3_in_hardware():
+    """On a GPU the paged attention reads an FP8 cache through the E4M3 cvt instruction, not
+    the interpreter's integer decode (which costs ~15 integer operations an element)."""
+    report = report_in_subprocess("tests.kernels.compile_attention_sm90", timeout=600)
+    assert report["fp8_hw_True"]["cvt_from_e4m3"] > 0
+    assert report["fp8_hw_False"]["cvt_from_e4m3"] == 0
+    assert report["fp8_hw_True"]["shl_b32"] < report["fp8_hw_False"]["shl_b32"]
