@@ -13,6 +13,12 @@ each other's threads.
 
 import os
 
+# The Triton interpreter computes tl.dot with NumPy's OpenBLAS, whose kernel (and so its
+# summation order) depends on the CPU: one SSE3 kernel on every x86-64 CPU keeps the kernels'
+# bytes the same everywhere (the Makefile's Triton tier sets it too). Read when NumPy loads,
+# so before anything imports it; a value already in the environment is kept.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Prescott")
+
 import pytest
 import torch
 from hypothesis import settings
