@@ -10,7 +10,14 @@ Importing this package does not import triton (CI has none): the kernels load on
 the triton backend. docs/kernels.md lists each kernel and the reference it matches.
 """
 
-from mxrl.kernels.api import dequantize, qdq_mxfp8, quantize, quantize_mxfp8_both, to_float32
+from mxrl.kernels.api import (
+    dequantize,
+    error_sums,
+    qdq_mxfp8,
+    quantize,
+    quantize_mxfp8_both,
+    to_float32,
+)
 from mxrl.kernels.backend import (
     Backend,
     Gemm,
@@ -34,6 +41,7 @@ __all__ = [
     "Kernels",
     "default_kernels",
     "dequantize",
+    "error_sums",
     "grouped_low_bit_linear",
     "grouped_low_bit_matmul",
     "low_bit_linear",

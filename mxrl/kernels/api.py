@@ -146,6 +146,31 @@ def dequantize(
     return reference_dequantize(q, global_scale=global_scale).to(dtype)
 
 
+def error_sums(
+    q: QTensor, master: torch.Tensor, *, backend: Kernels | Backend | str | None = None
+) -> torch.Tensor:
+    """float64 [sum w^2, sum (w - dequantize(q))^2] of the master weight `master` against its
+    quantization `q` (the SQNR's two terms, `mxrl.weights.event`). The reference: the fp32
+    dequantization, then float64 sums of fp32 squares. The triton backend (a layout its dequant
+    kernel takes): one pass reading both, fp32 sums per tile added in float64 (the same terms
+    up to fp32 rounding inside a tile: a relative 1e-6, far below what a dB value shows)."""
+    chosen = backend_for(backend, q.device)
+    if chosen is not Backend.REFERENCE and master.dtype in (torch.float32, torch.bfloat16):
+        block = _dequant_block(q)
+        if block is not None:
+            s_dec = decode_global_scale(q) if q.fmt is C.Format.NVFP4 else None
+            scale = q.scale if q.fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
+            code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[q.fmt]
+            return _kernel("dequantize_error_sums")(
+                q.qdata, scale, s_dec, code, list(q.shape), *block, master.detach()
+            )
+    ref = master.detach().float()
+    err = ref - reference_dequantize(q).to(device=ref.device, dtype=torch.float32)
+    return torch.stack(
+        [ref.square().sum(dtype=torch.float64), err.square().sum(dtype=torch.float64)]
+    )
+
+
 def qdq_mxfp8(
     x: torch.Tensor,
     *,

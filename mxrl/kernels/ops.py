@@ -14,6 +14,7 @@ view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference'
 and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
 
   dequantize_bf16(qdata, scale, decode_scale?, fmt, shape, block_rows, block_k) -> bf16 [shape]
+  dequantize_error_sums(same, master) -> float64 [sum w^2, sum (w - dequantized)^2], one pass
   widen_bf16(x bf16) -> fp32, exact (bf16 values are fp32 values)
   qdq_mxfp8(x, rowwise, colwise) -> (bf16 row-wise deq, bf16 column-wise deq), one pass
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
-from mxrl.kernels.triton_dequant import launch_dequant, launch_widen_bf16
+from mxrl.kernels.triton_dequant import launch_dequant, launch_error_sums, launch_widen_bf16
 from mxrl.kernels.triton_fp8_block import launch_fp8_block
 from mxrl.kernels.triton_mxfp8 import launch_mxfp8
 from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
@@ -149,6 +150,30 @@ def dequantize_bf16(
         qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
     )
     return out.view(shape)
+
+
+@_op
+def dequantize_error_sums(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    decode_scale: torch.Tensor | None,
+    fmt: int,
+    shape: list[int],
+    block_rows: int,
+    block_k: int,
+    master: torch.Tensor,
+) -> torch.Tensor:
+    """float64 [sum w^2, sum (w - dequantize(q))^2] of `master` (shape, fp32 or bf16) against
+    the quantization given as `dequantize_bf16` takes it: one pass over both."""
+    k = shape[-1]
+    m = qdata.numel() // (k // 2 if fmt == 1 else k) if k else 0
+    rows = None
+    if decode_scale is not None:
+        rows = decode_scale.to(torch.float32).expand(*shape[:-1], 1).reshape(-1).contiguous()
+    return launch_error_sums(
+        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k),
+        master.contiguous().view(m, k),
+    )  # fmt: skip
 
 
 @_op

@@ -38,22 +38,22 @@ from mxrl.kernels.triton_codecs import (
 DEFAULT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 8}
 
 
-@triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(
+@triton.jit
+def _tile_values(
     q_ptr,
     s_ptr,
     g_ptr,
-    out_ptr,
     M,
     K,
     FMT: tl.constexpr,
     SR: tl.constexpr,
     SK: tl.constexpr,
     HAS_G: tl.constexpr,
-    HW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """The program's tile of dequantized values, fp32 [BLOCK_M, BLOCK_K], exactly as the
+    reference computes them (module docstring), with its rows, columns and mask."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
@@ -86,7 +86,96 @@ def _dequant_kernel(
     value = tl.reshape(blocks, [BLOCK_M, BLOCK_K])
     if HAS_G:
         value = value * tl.load(g_ptr + rows, mask=rows < M, other=1.0)[:, None]
+    return value, rows, cols, mask
+
+
+@triton.jit(do_not_specialize=["M"])
+def _dequant_kernel(
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    out_ptr,
+    M,
+    K,
+    FMT: tl.constexpr,
+    SR: tl.constexpr,
+    SK: tl.constexpr,
+    HAS_G: tl.constexpr,
+    HW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    value, rows, cols, mask = _tile_values(
+        q_ptr, s_ptr, g_ptr, M, K, FMT, SR, SK, HAS_G, BLOCK_M, BLOCK_K
+    )
     store_bf16(out_ptr + rows[:, None] * K + cols[None, :], value, mask, HW)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _error_sums_kernel(
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    w_ptr,
+    part_ptr,
+    M,
+    K,
+    FMT: tl.constexpr,
+    SR: tl.constexpr,
+    SK: tl.constexpr,
+    HAS_G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One program's (sum w^2, sum (w - dequantized)^2) over its tile, fp32, into part_ptr
+    [programs, 2]: the SQNR's sums in one read of the master tile and the packed bytes."""
+    value, rows, cols, mask = _tile_values(
+        q_ptr, s_ptr, g_ptr, M, K, FMT, SR, SK, HAS_G, BLOCK_M, BLOCK_K
+    )
+    w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    d = tl.where(mask, w - value, 0.0)
+    part = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(part_ptr + 2 * part, tl.sum(tl.sum(w * w, axis=1), axis=0))
+    tl.store(part_ptr + 2 * part + 1, tl.sum(tl.sum(d * d, axis=1), axis=0))
+
+
+def _tile_config(block: tuple[int, int], config: dict | None) -> dict:
+    """The launch config: a tile holds whole scale blocks (BLOCK_M a multiple of SR, BLOCK_K of
+    SK, powers of two), at most 8192 elements."""
+    sr, sk = block
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg["BLOCK_M"], cfg["BLOCK_K"] = max(cfg["BLOCK_M"], sr), max(cfg["BLOCK_K"], sk)
+    if cfg["BLOCK_M"] * cfg["BLOCK_K"] > 8192:
+        cfg["BLOCK_K"] = max(sk, 8192 // cfg["BLOCK_M"])
+    return cfg
+
+
+def launch_error_sums(
+    qdata_MP: torch.Tensor,
+    scale: torch.Tensor,
+    decode_rows: torch.Tensor | None,
+    fmt: int,
+    m: int,
+    k: int,
+    block: tuple[int, int],
+    master_MK: torch.Tensor,
+) -> torch.Tensor:
+    """float64 [sum w^2, sum (w - dequantize(q))^2] of a contiguous master [M, K] (fp32, bf16)
+    against its quantization (arguments as `launch_dequant`): each program's fp32 sums over its
+    tile, then added in float64 in program order (deterministic)."""
+    assert master_MK.is_contiguous() and tuple(master_MK.shape) == (m, k), (master_MK.shape, m, k)
+    assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
+    assert k % block[1] == 0 and m % block[0] == 0, (m, k, block)
+    cfg = _tile_config(block, None)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    parts = torch.zeros((grid[0] * grid[1], 2), dtype=torch.float32, device=qdata_MP.device)
+    if m and k:
+        launcher(_error_sums_kernel, qdata_MP)[grid](
+            qdata_MP, scale, decode_rows if decode_rows is not None else scale, master_MK, parts,
+            m, k, FMT=fmt, SR=block[0], SK=block[1], HAS_G=decode_rows is not None,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return parts.sum(dim=0, dtype=torch.float64)
 
 
 def launch_dequant(
@@ -108,11 +197,7 @@ def launch_dequant(
     assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
     assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
     assert sr & (sr - 1) == 0 and sk & (sk - 1) == 0, f"blocks of powers of two, got {block}"
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
-    # a tile holds whole scale blocks: BLOCK_M a multiple of SR, BLOCK_K of SK (powers of two)
-    cfg["BLOCK_M"], cfg["BLOCK_K"] = max(cfg["BLOCK_M"], sr), max(cfg["BLOCK_K"], sk)
-    if cfg["BLOCK_M"] * cfg["BLOCK_K"] > 8192:
-        cfg["BLOCK_K"] = max(sk, 8192 // cfg["BLOCK_M"])
+    cfg = _tile_config(block, config)
     hw = qdata_MP.is_cuda if hw is None else hw
     out = torch.empty((m, k), dtype=torch.bfloat16, device=qdata_MP.device)
     if m == 0 or k == 0:

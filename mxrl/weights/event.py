@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from mxrl.formats import QTensor, dequantize
+from mxrl.formats import QTensor
+from mxrl.kernels import error_sums
 
 OTHER = "other"  # sqnr_db key of tensors without a decoder layer (embedding, lm_head)
 _SQNR_ELEMENTS = 1 << 24  # elements dequantized at once (3-D tensors: whole experts)
@@ -101,11 +102,9 @@ def _squared_sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
 
 
 def _sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
-    ref = master.float()
-    err = ref - dequantize(q).to(device=ref.device, dtype=torch.float32)
-    return torch.stack(
-        [ref.square().sum(dtype=torch.float64), err.square().sum(dtype=torch.float64)]
-    )
+    """[sum w^2, sum (w - dequantize(q))^2] on the device's default kernels: one fused pass on a
+    GPU (`mxrl.kernels.error_sums`), the fp32 dequantization and float64 sums on the CPU."""
+    return error_sums(q, master)
 
 
 def _experts(q: QTensor, start: int, stop: int) -> QTensor:
