@@ -132,7 +132,11 @@ def write_ablation_report(
     lines += _time_section(numbers)
     lines += _runs_section(runs)
     lines += ["## Figures", ""]
-    for name, fig in comparison.figures.items():
+    figures = dict(comparison.figures)
+    logp = plot_logp_diff(runs, out / "logp_diff.png")
+    if logp is not None:
+        figures["logp_diff"] = logp
+    for name, fig in figures.items():
         lines += [f"![{name}]({fig.relative_to(out)})", ""]
     lines += ["## Side by side", "", comparison.table, ""]
     path = out / "report.md"
@@ -294,6 +298,40 @@ def _runs_section(runs: list[RunRecord]) -> list[str]:
             f"{len(summary.spike_steps)} | {'yes' if summary.syncs_verified else 'NO'} |"
         )
     return [*lines, ""]
+
+
+def plot_logp_diff(runs: list[RunRecord], path: Path) -> Path | None:
+    """|Δlogp| per step (mean over tokens, and the largest token), per recipe the mean over its
+    seeds: the mismatch beside `compare`'s k1 and k3 figure."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    keys = ("mismatch/logp_abs_diff_mean", "mismatch/logp_abs_diff_max")
+    fig = Figure(figsize=(12.0, 4.0), layout="constrained")
+    axes = fig.subplots(1, 2)
+    drawn = False
+    for i, (recipe, recs) in enumerate(_groups(runs).items()):
+        for ax, key in zip(axes, keys, strict=True):
+            per_step: dict[int, list[float]] = {}
+            for rec in recs:
+                for row in rec.metrics():
+                    if key in row and math.isfinite(float(row[key])):
+                        per_step.setdefault(row["step"], []).append(float(row[key]))
+            if per_step:
+                steps = sorted(per_step)
+                means = [_mean(per_step[s]) for s in steps]
+                ax.plot(steps, means, color=colormaps["tab10"](i % 10), label=recipe, linewidth=1.2)
+                drawn = True
+    if not drawn:
+        return None
+    for ax, key in zip(axes, keys, strict=True):
+        ax.set_title(key + " (mean over seeds)")
+        ax.set_xlabel("GRPO step")
+        ax.set_yscale("symlog", linthresh=1e-6)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    return path
 
 
 def _mean(xs: list[float]) -> float:

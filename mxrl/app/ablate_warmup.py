@@ -80,12 +80,13 @@ def _train(config: dict, task: MultiStepTask, settings: AblationSettings):
         model.set_training_options(compute_dtype=torch.bfloat16)
     fresh = task.fresh()
     dev = fresh.dev_problems()
-    cache = CacheOptions(kv_cache_bytes=settings.kv_cache_bytes)
+    # each check builds an engine: no CUDA graphs to capture for 5 decode steps of 200 prompts
+    engine = {"cache": CacheOptions(kv_cache_bytes=settings.kv_cache_bytes), "cuda_graphs": False}
     checks: list[list] = []  # [step, dev accuracy]
     t0 = time.perf_counter()
 
     def stop(step: int) -> bool:
-        accuracy = greedy_accuracy(model, fresh, problems=dev, cache=cache)
+        accuracy = greedy_accuracy(model, fresh, problems=dev, **engine)
         checks.append([step, accuracy])
         seconds = time.perf_counter() - t0
         logger.info("ablate: warm-up step %d, dev accuracy %.2f (%.0f s)", step, accuracy, seconds)
@@ -96,7 +97,7 @@ def _train(config: dict, task: MultiStepTask, settings: AblationSettings):
         stop=stop, stop_every=settings.warmup_check_every,
     )  # fmt: skip
     if not checks or checks[-1][0] != len(losses):
-        checks.append([len(losses), greedy_accuracy(model, fresh, problems=dev, cache=cache)])
+        checks.append([len(losses), greedy_accuracy(model, fresh, problems=dev, **engine)])
     model.set_training_options(compute_dtype=None)  # the trainer sets its own
     info = {
         "steps": len(losses),

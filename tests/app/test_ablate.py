@@ -35,7 +35,7 @@ def test_tiny_runs_every_recipe_and_writes_the_report(tmp_path, capsys):
     for recipe in ablate_mod.ABLATION_RECIPES:
         assert f"| {recipe} | 1 |" in text  # its accuracy row
     assert "BF16 lowest" in text and "NVFP4 starts higher than MXFP8" in text
-    for png in ("heldout", "reward", "mismatch", "grad_norm", "step_time"):
+    for png in ("heldout", "reward", "mismatch", "grad_norm", "step_time", "logp_diff"):
         assert (out / f"{png}.png").stat().st_size > 1000
         assert f"]({png}.png)" in text
     runs = sorted((out / "runs").iterdir())
