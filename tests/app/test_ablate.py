@@ -43,9 +43,12 @@ def test_tiny_runs_every_recipe_and_writes_the_report(tmp_path, capsys):
 
 
 def test_seeds_are_grouped_and_a_correction_is_recorded(tmp_path):
+    """Two worker processes (as on the GPU): each reads the warmed weights from the cache file
+    and builds its task from the pickled settings."""
     report = ablate_mod.run_ablation(
-        tmp_path / "a", recipes=("bf16", "nvfp4-hp"), seeds=2, tiny=True, correction="tis"
-    )
+        tmp_path / "a", recipes=("bf16", "nvfp4-hp"), seeds=2, tiny=True, correction="tis",
+        workers=2,
+    )  # fmt: skip
     text = report.read_text()
     assert "| bf16 | 2 |" in text and "| nvfp4-hp | 2 |" in text
     assert "Rollout correction: tis" in text
