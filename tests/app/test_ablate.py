@@ -160,3 +160,12 @@ def test_warm_up_settings_key_the_cache(tmp_path):
     assert meta["steps"] == len(meta["checks"]) * settings.warmup_check_every
     other, info2 = warm_start(config, task, replace(settings, warmup_lr=1e-3))
     assert other != path and info2["source"] == "trained"
+
+
+def test_an_unwritable_out_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["ablate", "--tiny", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mxrl: error: --out") and "a file, not a folder" in err
+    assert err.count("\n") == 1
