@@ -36,7 +36,7 @@ from mxrl.app.progress import Progress
 from mxrl.arch import builtin_config
 from mxrl.rl.choices import Correction
 from mxrl.rl.config import GRPOConfig
-from mxrl.runs import RunRecord, compare
+from mxrl.runs import RunRecord, compare, is_run_dir
 
 logger = logging.getLogger("mxrl.app.demo")  # the demo's progress logger: one set of lines
 
@@ -160,12 +160,14 @@ def run_ablation(
     correction: Correction | None = None,
     tiny: bool = False,
     settings: AblationSettings | None = None,
+    baseline: str | Path | None = None,
 ) -> Path:
     """The ablation into `out`; returns the path of report.md. settings: every number (default
     the GPU ablation's, TINY with `tiny`); steps: GRPO steps per run (settings.steps);
     workers: runs at once, one process each (default: every run at once on a GPU, one at a
     time in this process with `tiny`); correction: TIS or MIS in every run (the article's
-    runs had none)."""
+    runs had none); baseline: an earlier ablation's folder whose BF16 runs the report takes as
+    its baseline (the TIS / MIS reruns of one recipe do not train BF16 again)."""
     settings = settings or (TINY if tiny else AblationSettings())
     if steps is not None:
         settings = replace(settings, steps=steps)
@@ -174,18 +176,33 @@ def run_ablation(
     if seeds < 1 or not recipes:
         raise ValueError(f"need >= 1 seed and >= 1 recipe, got {seeds} and {recipes}")
     jobs = [(recipe, seed) for recipe in recipes for seed in range(seeds)]
+    earlier = baseline_runs(baseline) if baseline is not None else []
     workers = workers or (1 if tiny else len(jobs))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the demo's reason: one thread per run, the runs side by side
     try:
-        return _run(out, settings, jobs, workers, correction)
+        return _run(out, settings, jobs, workers, correction, earlier)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out: Path, settings: AblationSettings, jobs, workers: int, correction) -> Path:
+def baseline_runs(folder: str | Path) -> list[RunRecord]:
+    """The BF16 runs of an earlier ablation's folder (DIR/runs/*), oldest first; ValueError
+    when it holds none."""
+    runs_dir = Path(folder) / "runs"
+    paths = sorted(p for p in runs_dir.iterdir() if is_run_dir(p)) if runs_dir.is_dir() else []
+    runs = [rec for rec in map(RunRecord.open, paths) if rec.recipe == "bf16"]
+    if not runs:
+        raise ValueError(
+            f"--baseline {str(folder)!r} holds no BF16 run under runs/; pass the --out of an "
+            "earlier `mxrl ablate` that ran bf16"
+        )
+    return runs
+
+
+def _run(out: Path, settings: AblationSettings, jobs, workers: int, correction, earlier) -> Path:
     t0 = time.perf_counter()
     config = model_config(settings.model)
     weights, warm = warm_start(config, ablation_task(settings, -1), settings)
@@ -211,7 +228,7 @@ def _run(out: Path, settings: AblationSettings, jobs, workers: int, correction) 
     else:
         paths = train_in_workers(str(weights), configs, jobs, common, progress, workers)
     runs_s = time.perf_counter() - t_runs
-    runs = [RunRecord.open(path) for path in paths]
+    runs = [*earlier, *(RunRecord.open(path) for path in paths)]
     comparison = compare(runs, out)
     times = {"total": time.perf_counter() - t0, "warmup": warm_s, "runs": runs_s}
     path = write_ablation_report(out, runs, comparison, config, warm, settings, times, workers)

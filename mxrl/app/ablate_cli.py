@@ -43,6 +43,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="rollout correction in every run (default: none, as the article)",
     )
+    ablate.add_argument("--baseline", metavar="DIR", type=Path, default=None,
+                        help="an earlier ablation's --out: its BF16 runs are this report's "
+                             "baseline (for TIS / MIS reruns of one recipe)")  # fmt: skip
     ablate.add_argument("--tiny", action="store_true",
                         help="the whole pipeline on the CPU in seconds with the tiny model (a "
                              "test of the code path; its numbers mean nothing)")  # fmt: skip
@@ -51,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def checked(args: argparse.Namespace) -> tuple[str, ...]:
     """The recipes to run; ValueError (one `mxrl: error:` line) for a bad argument, and without
     a GPU unless --tiny: all before anything is written."""
-    from mxrl.app.ablate import ABLATION_RECIPES, require_gpu
+    from mxrl.app.ablate import ABLATION_RECIPES, baseline_runs, require_gpu
     from mxrl.recipe import list_presets
 
     for flag in ("seeds", "steps", "workers"):
@@ -67,6 +70,8 @@ def checked(args: argparse.Namespace) -> tuple[str, ...]:
                 f"--recipes {args.recipes!r}: unknown preset(s) {unknown}; the presets are "
                 f"{', '.join(list_presets())} (mxrl recipe list)"
             )
+    if args.baseline is not None:
+        baseline_runs(args.baseline)  # reads only
     if not args.tiny:
         require_gpu()
     return recipes
@@ -77,5 +82,5 @@ def run(args: argparse.Namespace, recipes: tuple[str, ...]) -> Path:
 
     return run_ablation(
         args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, workers=args.workers,
-        correction=args.correction, tiny=args.tiny,
+        correction=args.correction, tiny=args.tiny, baseline=args.baseline,
     )  # fmt: skip

@@ -125,8 +125,8 @@ def write_ablation_report(
 ) -> Path:
     numbers = recipe_numbers(runs)
     bf16 = next((n.result for n in numbers if n.recipe == "bf16"), None)
-    lines = _header(runs, config, warm, settings, times, workers)
-    lines += _accuracy_section(numbers, bf16)
+    lines = _header(out, runs, config, warm, settings, times, workers)
+    lines += _accuracy_section(numbers, bf16, out)
     lines += _mismatch_section(numbers)
     lines += _gradient_section(numbers)
     lines += _time_section(numbers)
@@ -144,20 +144,28 @@ def write_ablation_report(
     return path
 
 
-def _header(runs, config, warm, settings, times, workers) -> list[str]:
-    cfg = runs[0].config if runs else {}
+def _header(out, runs, config, warm, settings, times, workers) -> list[str]:
+    cfg = runs[-1].config if runs else {}  # this invocation's (a baseline's runs come first)
     seeds = max((len(g) for g in _groups(runs).values()), default=0)
     correction = cfg.get("correction") or "none"
-    return [
+    borrowed = [r for r in runs if out.resolve() not in r.path.resolve().parents]
+    lines = [
         "# mxrl ablate: GRPO under the article's recipes",
         "",
-        f"Model `{settings.model}` ({num_params(config) / 1e6:.1f}M parameters), the multi-step arithmetic task "
-        f"(operands 0-{settings.max_operand}, {settings.eval_size} held-out problems), warmed "
-        f"up by {warm['steps']} SFT steps to {warm['dev_accuracy']:.0%} greedy accuracy on the "
-        f"dev split ({warm['source']}), then {settings.steps} steps of synchronous GRPO from "
-        f"the same weights under each recipe, {seeds} seed(s) each, on {settings.device} "
-        f"({workers} run(s) at a time). Rollout correction: {correction}.",
+        f"Model `{settings.model}` ({num_params(config) / 1e6:.1f}M parameters), the multi-step "
+        f"arithmetic task (operands 0-{settings.max_operand}, {settings.eval_size} held-out "
+        f"problems), warmed up by {warm['steps']} SFT steps to {warm['dev_accuracy']:.0%} greedy "
+        f"accuracy on the dev split ({warm['source']}), then {settings.steps} steps of "
+        f"synchronous GRPO from the same weights under each recipe, {seeds} seed(s) each, on "
+        f"{settings.device} ({workers} run(s) at a time). Rollout correction: {correction}.",
         "",
+    ]
+    if borrowed:
+        folders = sorted({str(r.path.parent.parent) for r in borrowed})
+        lines += [f"BF16 baseline: {len(borrowed)} run(s) of an earlier ablation "
+                  f"({', '.join(folders)}), without this call's correction.", ""]  # fmt: skip
+    return [
+        *lines,
         f"GRPO: {settings.prompts_per_step} prompts x {settings.samples_per_prompt} samples per "
         f"step, AdamW lr {settings.lr:g} ({cfg.get('lr_schedule', 'constant')}), temperature "
         f"{cfg.get('temperature', 1.0):g}, no KL or entropy term.",
@@ -175,7 +183,9 @@ def num_params(config: dict) -> int:
     return sum(math.prod(shape) for _, shape in tensors_from_hf_config(config))
 
 
-def _accuracy_section(numbers: list[RecipeNumbers], bf16: RecipeResult | None) -> list[str]:
+def _accuracy_section(
+    numbers: list[RecipeNumbers], bf16: RecipeResult | None, out: Path
+) -> list[str]:
     lines = [
         "## Held-out accuracy",
         "",
@@ -202,19 +212,21 @@ def _accuracy_section(numbers: list[RecipeNumbers], bf16: RecipeResult | None) -
             f"{r.gain:+.3f} | {'yes' if learns else 'NO'} | {within} | {band} | "
             f"{'yes' if r.syncs_ok == r.syncs else 'NO'} ({r.syncs_ok}/{r.syncs}) |"
         )
-    lines += ["", *_verdict(failing, bf16), ""]
+    lines += ["", *_verdict(failing, bf16, out), ""]
     return lines
 
 
-def _verdict(failing: list[RecipeResult], bf16: RecipeResult | None) -> list[str]:
+def _verdict(failing: list[RecipeResult], bf16: RecipeResult | None, out: Path) -> list[str]:
     if not failing:
         return [f"**Every recipe learns (gain >= {MIN_GAIN}) and every low-precision recipe "
                 f"ends within {TOLERANCE} of BF16.**"]  # fmt: skip
     names = ", ".join(r.recipe for r in failing)
     low = [r for r in failing if bf16 is None or r.recipe != bf16.recipe]
     if not low:
-        return [f"**Not met by: {names}.** BF16 itself gains less than {MIN_GAIN}: the settings "
-                "(warm-up, steps, learning rate) leave RL too little, whatever the format."]  # fmt: skip
+        return [
+            f"**Not met by: {names}.** BF16 itself gains less than {MIN_GAIN}: the settings "
+            "(warm-up, steps, learning rate) leave RL too little, whatever the format."
+        ]
     ref = bf16.final if bf16 is not None else math.nan
     worst = max(low, key=lambda r: (abs(r.final - ref) if bf16 else 0.0, -r.gain))
     return [
@@ -222,8 +234,11 @@ def _verdict(failing: list[RecipeResult], bf16: RecipeResult | None) -> list[str
         f"gap comes with a larger mismatch or with spikes. The worst is {worst.recipe}; run it "
         "with TIS and with MIS (docs/ablation.md):",
         "",
-        f"    mxrl ablate --recipes {worst.recipe} --correction tis --out ablate-tis",
-        f"    mxrl ablate --recipes {worst.recipe} --correction mis --out ablate-mis",
+        *(
+            f"    mxrl ablate --recipes {worst.recipe} --correction {c} --baseline {out} "
+            f"--out {out}-{c}"
+            for c in ("tis", "mis")
+        ),
     ]
 
 

@@ -169,3 +169,18 @@ def test_an_unwritable_out_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("mxrl: error: --out") and "a file, not a folder" in err
     assert err.count("\n") == 1
+
+
+def test_a_rerun_with_tis_takes_bf16_from_an_earlier_ablation(tmp_path, capsys):
+    first, rerun = tmp_path / "first", tmp_path / "rerun"
+    ablate_mod.run_ablation(first, recipes=("bf16",), seeds=1, tiny=True)
+    args = ["ablate", "--tiny", "--seeds", "1", "--recipes", "mxfp8", "--correction", "tis"]
+    assert main([*args, "--baseline", str(first), "--out", str(rerun)]) == 0
+    text = (rerun / "report.md").read_text()
+    assert "| bf16 | 1 |" in text and "| mxfp8 | 1 |" in text
+    assert "Rollout correction: tis" in text and "BF16 baseline: 1 run(s) of an earlier" in text
+    assert len(list((rerun / "runs").iterdir())) == 1  # BF16 was not trained again
+    capsys.readouterr()
+    assert main([*args, "--baseline", str(rerun / "runs"), "--out", str(tmp_path / "x")]) == 2
+    assert "holds no BF16 run" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
