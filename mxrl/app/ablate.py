@@ -188,6 +188,26 @@ def run_ablation(
         torch.set_num_threads(threads)
 
 
+def rewrite_report(out: str | Path, settings: AblationSettings | None = None) -> Path:
+    """report.md and the figures again from the run records under out/runs/ (the ones an
+    interrupted call left, say: every run writes its record as it goes), on any device."""
+    out = Path(out)
+    runs_dir = out / "runs"
+    paths = sorted(p for p in runs_dir.iterdir() if is_run_dir(p)) if runs_dir.is_dir() else []
+    runs = [RunRecord.open(p) for p in paths]
+    runs = [rec for rec in runs if rec.metrics()]  # a run that never logged a step has no data
+    order = {recipe: i for i, recipe in enumerate(ABLATION_RECIPES)}  # the article's, bf16 first
+    runs.sort(key=lambda rec: (order.get(rec.recipe or "", len(order)), rec.recipe, rec.run_id))
+    if not runs:
+        raise ValueError(f"{str(runs_dir)!r} holds no run with metrics; pass an ablation's --out")
+    cfg = runs[-1].config
+    settings = settings or AblationSettings()
+    settings = replace(settings, steps=int(cfg.get("steps", settings.steps)))
+    config = model_config(settings.model)
+    comparison = compare(runs, out)
+    return write_ablation_report(out, runs, comparison, config, cfg["warmup"], settings, {}, 0)
+
+
 def baseline_runs(folder: str | Path) -> list[RunRecord]:
     """The BF16 runs of an earlier ablation's folder (DIR/runs/*), oldest first; ValueError
     when it holds none."""

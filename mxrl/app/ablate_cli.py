@@ -46,6 +46,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     ablate.add_argument("--baseline", metavar="DIR", type=Path, default=None,
                         help="an earlier ablation's --out: its BF16 runs are this report's "
                              "baseline (for TIS / MIS reruns of one recipe)")  # fmt: skip
+    ablate.add_argument("--report-only", action="store_true",
+                        help="write report.md and the figures again from the run records under "
+                             "--out/runs (an interrupted call's, say); trains nothing")  # fmt: skip
     ablate.add_argument("--tiny", action="store_true",
                         help="the whole pipeline on the CPU in seconds with the tiny model (a "
                              "test of the code path; its numbers mean nothing)")  # fmt: skip
@@ -70,15 +73,20 @@ def checked(args: argparse.Namespace) -> tuple[str, ...]:
                 f"--recipes {args.recipes!r}: unknown preset(s) {unknown}; the presets are "
                 f"{', '.join(list_presets())} (mxrl recipe list)"
             )
+    if args.report_only and not (args.out / "runs").is_dir():
+        raise ValueError(f"--report-only: {str(args.out / 'runs')!r} is not a folder of runs")
     if args.baseline is not None:
         baseline_runs(args.baseline)  # reads only
-    if not args.tiny:
+    if not (args.tiny or args.report_only):
         require_gpu()
     return recipes
 
 
 def run(args: argparse.Namespace, recipes: tuple[str, ...]) -> Path:
-    from mxrl.app.ablate import run_ablation
+    from mxrl.app.ablate import TINY, rewrite_report, run_ablation
+
+    if args.report_only:
+        return rewrite_report(args.out, TINY if args.tiny else None)
 
     return run_ablation(
         args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, workers=args.workers,

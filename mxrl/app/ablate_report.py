@@ -157,7 +157,8 @@ def _header(out, runs, config, warm, settings, times, workers) -> list[str]:
         f"problems), warmed up by {warm['steps']} SFT steps to {warm['dev_accuracy']:.0%} greedy "
         f"accuracy on the dev split ({warm['source']}), then {settings.steps} steps of "
         f"synchronous GRPO from the same weights under each recipe, {seeds} seed(s) each, on "
-        f"{settings.device} ({workers} run(s) at a time). Rollout correction: {correction}.",
+        f"{settings.device}{f' ({workers} run(s) at a time)' if workers else ''}. Rollout "
+        f"correction: {correction}.",
         "",
     ]
     if borrowed:
@@ -171,7 +172,9 @@ def _header(out, runs, config, warm, settings, times, workers) -> list[str]:
         f"{cfg.get('temperature', 1.0):g}, no KL or entropy term.",
         "",
         f"Time: {times['total']:.0f} s in all (warm-up {times['warmup']:.0f} s, runs "
-        f"{times['runs']:.0f} s, the rest setup and this report).",
+        f"{times['runs']:.0f} s, the rest setup and this report)."
+        if times
+        else "Time: not measured (this report was rewritten from the run records).",
         "",
     ]
 

@@ -40,6 +40,14 @@ def test_tiny_runs_every_recipe_and_writes_the_report(tmp_path, capsys):
         assert f"]({png}.png)" in text
     runs = sorted((out / "runs").iterdir())
     assert len(runs) == len(ablate_mod.ABLATION_RECIPES) == 6
+    # the report again from the records alone (what an interrupted GPU call leaves)
+    (out / "report.md").unlink()
+    (out / "heldout.png").unlink()
+    assert main(["ablate", "--tiny", "--report-only", "--out", str(out)]) == 0
+    again = (out / "report.md").read_text()
+    assert "Time: not measured" in again and (out / "heldout.png").exists()
+    assert again.split("## Held-out accuracy")[1] == text.split("## Held-out accuracy")[1]
+    assert main(["ablate", "--report-only", "--out", str(tmp_path / "none")]) == 2
 
 
 def test_seeds_are_grouped_and_a_correction_is_recorded(tmp_path):
