@@ -203,13 +203,13 @@ def _accuracy_section(
         "inside BF16's band | syncs verified |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    failing = []
+    failing: list[RecipeNumbers] = []
     for n in numbers:
         r = n.result
         within, band = equivalence(r, bf16)
         learns = r.gain >= MIN_GAIN
         if not learns or within.startswith("NO"):
-            failing.append(r)
+            failing.append(n)
         lines.append(
             f"| {r.recipe} | {r.num_seeds} | {r.start:.3f} | {r.final:.3f} ± {r.final_se:.3f} | "
             f"{r.gain:+.3f} | {'yes' if learns else 'NO'} | {within} | {band} | "
@@ -219,12 +219,12 @@ def _accuracy_section(
     return lines
 
 
-def _verdict(failing: list[RecipeResult], bf16: RecipeResult | None, out: Path) -> list[str]:
+def _verdict(failing: list[RecipeNumbers], bf16: RecipeResult | None, out: Path) -> list[str]:
     if not failing:
         return [f"**Every recipe learns (gain >= {MIN_GAIN}) and every low-precision recipe "
                 f"ends within {TOLERANCE} of BF16.**"]  # fmt: skip
     names = ", ".join(r.recipe for r in failing)
-    low = [r for r in failing if bf16 is None or r.recipe != bf16.recipe]
+    low = [n.result for n in failing if bf16 is None or n.recipe != bf16.recipe]
     if not low:
         return [
             f"**Not met by: {names}.** BF16 itself gains less than {MIN_GAIN}: the settings "
@@ -232,10 +232,20 @@ def _verdict(failing: list[RecipeResult], bf16: RecipeResult | None, out: Path) 
         ]
     ref = bf16.final if bf16 is not None else math.nan
     worst = max(low, key=lambda r: (abs(r.final - ref) if bf16 else 0.0, -r.gain))
+    why = []
+    for n in failing:
+        r = n.result
+        k3 = f"{r.k3 / bf16.k3:.1f}x BF16's" if bf16 and bf16.k3 > 0 else f"{r.k3:.2e}"
+        why.append(f"- {r.recipe}: gain {r.gain:+.3f}, final {r.final - ref:+.3f} from BF16; "
+                   f"mismatch k3 {k3}, |Δlogp| max {n.logp_diff_max:.2f}; {r.spikes} "
+                   f"gradient spike(s), largest norm {n.grad_norm_max:.3g}")  # fmt: skip
     return [
-        f"**Not met by: {names}.** The mismatch and gradient sections below show whether the "
-        f"gap comes with a larger mismatch or with spikes. The worst is {worst.recipe}; run it "
-        "with TIS and with MIS (docs/ablation.md):",
+        f"**Not met by: {names}.** What comes with the gap (the sections below have the rest):",
+        "",
+        *why,
+        "",
+        f"The worst is {worst.recipe}; run it with TIS and with MIS against these BF16 runs "
+        "(docs/ablation.md):",
         "",
         *(
             f"    mxrl ablate --recipes {worst.recipe} --correction {c} --baseline {out} "
