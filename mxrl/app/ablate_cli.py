@@ -68,6 +68,8 @@ def checked(args: argparse.Namespace) -> tuple[str, ...]:
     if args.recipes is not None:
         recipes = tuple(name.strip() for name in args.recipes.split(",") if name.strip())
         unknown = [name for name in recipes if name not in list_presets()]
+        if len(set(recipes)) != len(recipes):
+            raise ValueError(f"--recipes {args.recipes!r} names a preset twice; name each once")
         if unknown or not recipes:
             raise ValueError(
                 f"--recipes {args.recipes!r}: unknown preset(s) {unknown}; the presets are "

@@ -88,6 +88,9 @@ def test_refuses_without_a_gpu_before_writing(tmp_path, monkeypatch, capsys):
         (["--workers", "0"], "--workers must be >= 1"),
         (["--recipes", "bf16,nvfp5"], "unknown preset(s) ['nvfp5']"),
         (["--recipes", ","], "unknown preset"),
+        (["--recipes", "bf16,mxfp8,bf16"], "names a preset twice"),
+        (["--report-only"], "is not a folder of runs"),
+        (["--baseline", "/nonexistent"], "holds no BF16 run"),
     ],
 )
 def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, capsys, args, words):
