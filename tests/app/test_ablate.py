@@ -118,6 +118,9 @@ def test_the_model_is_the_issues_size_with_the_articles_bf16_exceptions():
                 assert spec.format is Format.BF16, spec.name
         quantized = {s.kind.value for s in plan.values() if s.format is not Format.BF16}
         assert "routed_expert" in quantized
+        experts = {s.layer for s in plan.values() if s.kind.value == "routed_expert"
+                   and s.format is not Format.BF16}  # fmt: skip
+        assert experts == set(range(6))  # "last 15%" of 8 layers is 2: 6 and 7 stay bf16
     # the task's answers fit the model's positions: BOS + the longest prompt + the answer
     task = ablate_mod.ablation_task(ablate_mod.AblationSettings(), 0)
     assert 1 + len("12*12*12=") + task.max_new_tokens <= config["max_position_embeddings"]
