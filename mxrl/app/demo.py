@@ -28,8 +28,8 @@ from mxrl.app.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.app.sources import TaskSource
 from mxrl.app.task import ArithmeticTask
 from mxrl.app.warmup import warmed_up_model
-from mxrl.arch import builtin_config
-from mxrl.models import CausalLM, build_model
+from mxrl.arch import ModelConfig, builtin_config
+from mxrl.models import CausalLM, build_model, empty_model
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.resolve import resolve_train
 from mxrl.rl.trainer import GRPOTrainer
@@ -244,9 +244,12 @@ def _train_run(
     parent: the run seeds everything it draws from, and each process has one intra-op thread.
     setup: the model, task and settings of the runs (None: the demo's)."""
     setup = setup or RunSetup()
-    if isinstance(base, dict | str | Path):
+    if isinstance(base, str | Path):  # allocated where it trains, no random init to overwrite
+        model = empty_model(ModelConfig.from_hf(setup.model), device=cfg.device)
+        model.load_state_dict(load_file(str(base), device=str(cfg.device)))
+    elif isinstance(base, dict):
         model = build_model(setup.model, seed=0)
-        model.load_state_dict(base if isinstance(base, dict) else load_file(str(base)))
+        model.load_state_dict(base)
     else:
         model = copy.deepcopy(base)
     recipe, seed, device = cfg.recipe, cfg.seed, cfg.device
