@@ -75,7 +75,7 @@ def warm_start(config: dict, task: MultiStepTask, settings: AblationSettings) ->
 
 def _train(config: dict, task: MultiStepTask, settings: AblationSettings):
     device = torch.device(settings.device)
-    model = build_model(config, seed=0).to(device)
+    model = build_model(config, seed=0, device=device)  # initialised where it trains
     if device.type == "cuda":
         model.set_training_options(compute_dtype=torch.bfloat16)
     fresh = task.fresh()
