@@ -5,6 +5,8 @@
                      [--json]
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
               [--tensorboard]
+    mxrl ablate [--out DIR] [--recipes A,B] [--seeds N] [--steps N] [--workers N]
+                [--correction tis|mis] [--baseline DIR] [--report-only] [--tiny]
     mxrl train --config FILE [--tensorboard]
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB]
                  [--overwrite] [--allow-unmatched]
@@ -85,6 +87,9 @@ def _build_parser() -> argparse.ArgumentParser:
                            "it to --out)")  # fmt: skip
     demo.add_argument("--tensorboard", action="store_true", help=TENSORBOARD_HELP)
 
+    from mxrl.app import ablate_cli  # argparse only, as runs' below
+
+    ablate_cli.add_parser(commands)
     train = commands.add_parser("train", help="a GRPO run from a YAML config (mxrl/app/train.py)")
     train.add_argument("--config", required=True, type=Path, metavar="FILE")
     train.add_argument("--tensorboard", action="store_true",
@@ -206,6 +211,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
     )
     print(f"mxrl demo: report at {report}")
+    return 0
+
+
+def _cmd_ablate(args: argparse.Namespace) -> int:
+    from mxrl.app import ablate_cli
+
+    recipes = ablate_cli.checked(args)  # arguments and the GPU: before --out is created
+    _writable_dir(args.out, "--out")
+    _progress_logging()
+    print(f"mxrl ablate: report at {ablate_cli.run(args, recipes)}")
     return 0
 
 
@@ -333,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_recipe_show(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "ablate":
+            return _cmd_ablate(args)
         if args.command == "train":
             return _cmd_train(args)
         if args.command == "convert":

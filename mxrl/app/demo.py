@@ -17,18 +17,19 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from mxrl.app.demo_report import write_report
 from mxrl.app.progress import Progress, ReportingRecord, message, run_in_workers
 from mxrl.app.sources import TaskSource
 from mxrl.app.task import ArithmeticTask
 from mxrl.app.warmup import warmed_up_model
-from mxrl.arch import builtin_config
-from mxrl.models import CausalLM, build_model
+from mxrl.arch import ModelConfig, builtin_config
+from mxrl.models import CausalLM, build_model, empty_model
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.resolve import resolve_train
 from mxrl.rl.trainer import GRPOTrainer
@@ -76,6 +77,21 @@ def demo_task(seed: int) -> ArithmeticTask:
     return ArithmeticTask(seed=seed + 1, **DEMO_TASK)
 
 
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run of the demo and a run of `mxrl ablate` (mxrl.app.ablate) set apart: the model
+    config, the task of each RL seed (a module-level function: a worker process unpickles it),
+    the task's settings and the learning-rate schedule as the record states them, the engine's
+    KV cache and the word the log lines start with. The defaults are the demo's."""
+
+    model: dict = field(default_factory=lambda: builtin_config("tiny-moe"))
+    task: Callable[[int], object] = demo_task
+    task_settings: dict = field(default_factory=lambda: dict(DEMO_TASK))
+    lr_schedule: str = LR_SCHEDULE
+    kv_cache_bytes: int = KV_CACHE_BYTES
+    name: str = "demo"
+
+
 def demo_config(device: str) -> GRPOConfig:
     """The demo's RL settings: 32 prompts x 4 samples per step, 140 steps, lr 5e-4 (decayed over
     the second half: `lr_factor`), held-out accuracy every 10 steps, the engine's GEMMs over
@@ -120,7 +136,7 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if workers is None:
-        workers = _usable_cpus()
+        workers = usable_cpus()
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     threads = torch.get_num_threads()
@@ -164,9 +180,9 @@ def _run_demo(
         every=PROGRESS_EVERY,
     )
     if workers == 1:
-        paths = _train_here(base, configs, jobs, (out, warm, tensorboard), progress)
+        paths = train_here(base, configs, jobs, (out, warm, tensorboard), progress)
     else:
-        paths = _train_in_workers(base, configs, jobs, (out, warm, tensorboard), progress, workers)
+        paths = train_in_workers(base, configs, jobs, (out, warm, tensorboard), progress, workers)
     runs = [RunRecord.open(path) for path in paths]
     report = compare(runs, out)
     seconds = time.perf_counter() - t0
@@ -175,9 +191,9 @@ def _run_demo(
     return path
 
 
-def _train_here(base, configs, jobs, common, progress: Progress) -> list[Path]:
+def train_here(base, configs, jobs, common, progress: Progress) -> list[Path]:
     """Every run in this process, one after the other, each step reported to `progress`.
-    common: `_train_run`'s last arguments (out, warm, tensorboard)."""
+    common: `_train_run`'s last arguments (out, warm, tensorboard[, setup])."""
     global _progress_sink
     _progress_sink = progress.update
     try:
@@ -186,18 +202,21 @@ def _train_here(base, configs, jobs, common, progress: Progress) -> list[Path]:
         _progress_sink = None
 
 
-def _train_in_workers(base, configs, jobs, common, progress: Progress, workers) -> list[Path]:
+def train_in_workers(base, configs, jobs, common, progress: Progress, workers) -> list[Path]:
     """Each run in a worker process of its own (`workers` at a time), the slowest recipes
-    first, so the last runs to finish are short ones; their steps become progress lines."""
-    logger.info("demo: %d runs, %d at a time (one process and thread each)", len(jobs), workers)
-    weights = base.state_dict()
+    first, so the last runs to finish are short ones; their steps become progress lines.
+    base: the warmed model (its state dict goes to each worker) or the path of its
+    safetensors file (each worker reads it: a large model is not pickled once per run)."""
+    name = common[3].name if len(common) > 3 else "demo"
+    logger.info("%s: %d runs, %d at a time (one process and thread each)", name, len(jobs), workers)
+    weights = base if isinstance(base, str | Path) else base.state_dict()
     order = sorted(jobs, key=lambda job: -RECIPE_COST.get(job[0], 1.0))
     calls = {job: (weights, configs[job], *common) for job in order}
     results = run_in_workers(_train_run, calls, workers, _init_worker, progress)
     return [results[job] for job in jobs]
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):  # Linux: the cores this process may run on
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
@@ -213,17 +232,23 @@ def _init_worker(queue=None) -> None:
 
 
 def _train_run(
-    base: CausalLM | dict[str, torch.Tensor],
+    base: CausalLM | dict[str, torch.Tensor] | str | Path,
     cfg: GRPOConfig,
     out: Path,
     warm: dict,
     tensorboard: bool = False,
+    setup: RunSetup | None = None,
 ) -> Path:
-    """One GRPO run from the warmed weights (a model, or its state dict in a worker process);
-    returns its record's folder. The same numbers in a worker as in the parent: the run seeds
-    everything it draws from, and each process has one intra-op thread."""
-    if isinstance(base, dict):
-        model = build_model(builtin_config("tiny-moe"), seed=0)
+    """One GRPO run from the warmed weights (a model, or its state dict or safetensors file in
+    a worker process); returns its record's folder. The same numbers in a worker as in the
+    parent: the run seeds everything it draws from, and each process has one intra-op thread.
+    setup: the model, task and settings of the runs (None: the demo's)."""
+    setup = setup or RunSetup()
+    if isinstance(base, str | Path):  # allocated where it trains, no random init to overwrite
+        model = empty_model(ModelConfig.from_hf(setup.model), device=cfg.device)
+        model.load_state_dict(load_file(str(base), device=str(cfg.device)))
+    elif isinstance(base, dict):
+        model = build_model(setup.model, seed=0)
         model.load_state_dict(base)
     else:
         model = copy.deepcopy(base)
@@ -233,7 +258,8 @@ def _train_run(
     plan = resolved.plan
     record = ReportingRecord.create(
         out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
-        config={**plain(cfg), "warmup": warm, "task": DEMO_TASK, "lr_schedule": LR_SCHEDULE},
+        config={**plain(cfg), "warmup": warm, "task": setup.task_settings,
+                "lr_schedule": setup.lr_schedule},
         plan_json=plan, backend=str(resolved.kernels.quantizer),
     )  # fmt: skip
     if tensorboard:
@@ -242,16 +268,16 @@ def _train_run(
     if sink is not None:  # each metrics row, as it is written, to the parent's progress lines
         record.sink = lambda step, metrics: sink(*message(recipe, seed, step, metrics))
     with record.guard(lambda: 0):  # a failure before step 1 is recorded too
-        trainer = GRPOTrainer(cfg, model, TaskSource(demo_task(seed)), record, resolved=resolved)
+        trainer = GRPOTrainer(cfg, model, TaskSource(setup.task(seed)), record, resolved=resolved)
     # LambdaLR's k is the number of optimizer steps taken: step k + 1's learning rate
     schedule = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda k: lr_factor(k + 1, cfg.steps))
     trainer.opt.register_step_post_hook(lambda *_: schedule.step())
     # the engine allocates its KV cache at the first generate()
     trainer.engine.cache_options = replace(
-        trainer.engine.cache_options, kv_cache_bytes=KV_CACHE_BYTES
+        trainer.engine.cache_options, kv_cache_bytes=setup.kv_cache_bytes
     )
     t0 = time.perf_counter()
-    logger.info("demo: %s seed %d (%d steps)", recipe, seed, cfg.steps)
+    logger.info("%s: %s seed %d (%d steps)", setup.name, recipe, seed, cfg.steps)
     trainer.run()
-    logger.info("demo: %s seed %d done (%.0f s)", recipe, seed, time.perf_counter() - t0)
+    logger.info("%s: %s seed %d done (%.0f s)", setup.name, recipe, seed, time.perf_counter() - t0)
     return record.path

@@ -69,6 +69,7 @@ class Progress:
     done: dict[Job, int] = field(default_factory=dict)
     rewards: dict[Job, list[float]] = field(default_factory=dict)
     heldout: dict[Job, tuple[int, float]] = field(default_factory=dict)
+    name: str = "demo"  # the word each line starts with (`mxrl ablate`: "ablate")
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -93,7 +94,7 @@ class Progress:
         recipe, seed = job
         rewards = self.rewards.get(job) or [math.nan]
         parts = [
-            f"demo: {recipe} seed {seed}",
+            f"{self.name}: {recipe} seed {seed}",
             f"step {step}/{total}",
             f"reward {sum(rewards) / len(rewards):.2f}",
         ]

@@ -3,17 +3,36 @@ prompt dataset file with a tokenizer and a reward function (`mxrl.rl.source.Prom
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from mxrl.app.data import PromptDataset, decode_tokens, encode_prompt
-from mxrl.app.task import ArithmeticTask
 from mxrl.rl.source import PromptBatch
 
 
-class TaskSource:
-    """The embedded arithmetic task (no model hub needed)."""
+class Task(Protocol):
+    """What a generated task gives the RL loop (`TaskSource`) and the SFT warm-up
+    (`mxrl.app.warmup`): the demo's `ArithmeticTask` and the ablation's `MultiStepTask`."""
 
-    def __init__(self, task: ArithmeticTask) -> None:
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def max_new_tokens(self) -> int: ...
+    def sample(self, n: int) -> list[Any]: ...
+    def eval_problems(self) -> list[Any]: ...
+    def encode_prompt(self, problem: Any) -> list[int]: ...
+    def decode_response(self, token_ids: Sequence[int]) -> str: ...
+    def reward(self, response_text: str, problem: Any) -> float: ...
+    def supervised_examples(self, n: int) -> list[Any]: ...
+    def fresh(self) -> Task: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TaskSource:
+    """A generated task (no model hub needed): the embedded arithmetic task, or any `Task`."""
+
+    def __init__(self, task: Task) -> None:
         self.task = task
         self.stop_token_ids = task.stop_token_ids
 

@@ -17,14 +17,16 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch.nn.utils.rnn import pad_sequence
 
 from mxrl import __version__
-from mxrl.app.task import ArithmeticTask
+from mxrl.app.sources import Task
 from mxrl.engine import Engine, SamplingParams
 from mxrl.models import CausalLM, build_model
 
@@ -38,9 +40,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MXRL_CACHE", Path.home() / ".cache" / "mxrl"))
 
 
-def warmup_key(
-    config: dict, task: ArithmeticTask, steps: int, seed: int, batch_size: int, lr: float
-) -> str:
+def warmup_key(config: dict, task: Task, steps: int, seed: int, batch_size: int, lr: float) -> str:
     """The warm-up's cache key: a hash of everything its weights depend on (and the version)."""
     key_src = json.dumps(
         {"config": config, "task": task.state_dict() | {"pos": None}, "steps": steps,
@@ -51,9 +51,18 @@ def warmup_key(
 
 
 def sft(
-    model: CausalLM, task: ArithmeticTask, steps: int, batch_size: int = 64, lr: float = 3e-3
+    model: CausalLM,
+    task: Task,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    *,
+    stop: Callable[[int], bool] | None = None,
+    stop_every: int = 0,
 ) -> list[float]:
-    """Cross-entropy on the answer tokens (prompt tokens masked), AdamW; returns the losses."""
+    """Cross-entropy on the answer tokens (prompt tokens masked), AdamW; returns the losses.
+    stop: asked after every `stop_every`-th step (with the steps done); True ends the SFT there
+    (`mxrl ablate` stops its warm-up at a dev-split accuracy)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     device = next(model.parameters()).device
@@ -78,16 +87,26 @@ def sft(
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
+        if stop is not None and len(losses) % stop_every == 0 and stop(len(losses)):
+            break
+        model.train()  # the stop check may have put it in eval mode
     # The optimizer dies here: leave no gradients behind for whatever trains the model next.
     opt.zero_grad(set_to_none=True)
     return losses
 
 
 @torch.no_grad()
-def greedy_accuracy(model: CausalLM, task: ArithmeticTask, recipe: str = "bf16") -> float:
-    """Accuracy on the task's fixed eval problems, greedy, through an engine."""
-    engine = Engine(model, recipe, weight_dtype=torch.float32)
-    problems = task.eval_problems()
+def greedy_accuracy(
+    model: CausalLM,
+    task: Task,
+    recipe: str = "bf16",
+    problems: Sequence[Any] | None = None,
+    **engine_options: Any,
+) -> float:
+    """Accuracy on the task's fixed eval problems (or `problems`), greedy, through an engine
+    (`engine_options`: EngineConfig fields, e.g. its `cache`)."""
+    engine = Engine(model, recipe, weight_dtype=torch.float32, **engine_options)
+    problems = task.eval_problems() if problems is None else list(problems)
     outs = engine.generate(
         [task.encode_prompt(p) for p in problems],
         SamplingParams(temperature=0.0, max_new_tokens=task.max_new_tokens,
@@ -101,7 +120,7 @@ def greedy_accuracy(model: CausalLM, task: ArithmeticTask, recipe: str = "bf16")
 
 def warmed_up_model(
     config: dict,
-    task: ArithmeticTask,
+    task: Task,
     steps: int,
     *,
     seed: int = 0,
