@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mxrl.app.demo_report import FINAL_EVALS, RecipeResult, mean_and_stderr, recipe_results
+from mxrl.app.demo_report import (
+    FINAL_EVALS,
+    RecipeResult,
+    mean_and_stderr,
+    recipe_results,
+    run_line,
+)
 from mxrl.runs import RunRecord, summarize
 
 # the bars: every recipe gains this much held-out accuracy over the warm-up (mean over
@@ -316,14 +322,10 @@ def _runs_section(runs: list[RunRecord]) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for rec in runs:
-        summary = summarize(rec)
-        rows = rec.metrics()
-        rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
-        evals = [row["eval/accuracy"] for row in rows if "eval/accuracy" in row]
-        held = f"{evals[0]:.3f} → {evals[-1]:.3f}" if evals else "—"
+        run = run_line(rec, digits=3)
         lines.append(
-            f"| {rec.run_id} | {held} | {_mean(rewards[:10]):.3f} | {_mean(rewards[-10:]):.3f} | "
-            f"{len(summary.spike_steps)} | {'yes' if summary.syncs_verified else 'NO'} |"
+            f"| {rec.run_id} | {run.held} | {run.reward_first:.3f} | {run.reward_last:.3f} | "
+            f"{len(run.summary.spike_steps)} | {'yes' if run.summary.syncs_verified else 'NO'} |"
         )
     return [*lines, ""]
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from mxrl.runs import RunRecord, summarize
+from mxrl.runs import RunRecord, RunSummary, summarize
 
 # "Final" held-out accuracy of a run: the mean of its last 3 evaluations (steps 120, 130, 140).
 # One evaluation of 100 problems has a binomial standard error of ~0.05, as large as the
@@ -144,14 +144,11 @@ def write_report(
         "|---|---|---|---|---|---|---|---|",
     ]
     for rec in runs:
-        summary = summarize(rec)
-        rows = rec.metrics()
-        rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
-        evals = [row["eval/accuracy"] for row in rows if "eval/accuracy" in row]
-        held = f"{evals[0]:.2f} → {evals[-1]:.2f}" if evals else "—"
+        run = run_line(rec, digits=2)
+        summary = run.summary
         lines.append(
-            f"| {rec.run_id} | {summary.recipe} | {held} | {_mean(rewards[:10]):.3f} | "
-            f"{_mean(rewards[-10:]):.3f} | {summary.mean.get('mismatch/k3', math.nan):.2e} | "
+            f"| {rec.run_id} | {summary.recipe} | {run.held} | {run.reward_first:.3f} | "
+            f"{run.reward_last:.3f} | {summary.mean.get('mismatch/k3', math.nan):.2e} | "
             f"{len(summary.spike_steps)} | {'yes' if summary.syncs_verified else 'NO'} "
             f"({summary.num_syncs}) |"
         )
@@ -174,6 +171,26 @@ def _settings_line(runs: list[RunRecord]) -> str:
         f"AdamW lr {cfg['lr']:g} ({cfg.get('lr_schedule', 'constant')}), temperature "
         f"{cfg['temperature']:g}, no KL or entropy term."
     )
+
+
+@dataclass(frozen=True)
+class RunLine:
+    """What a report's row for one run reads of its record."""
+
+    summary: RunSummary
+    held: str  # held-out accuracy at the first and the last evaluation ("—" without any)
+    reward_first: float  # mean reward over the first 10 steps
+    reward_last: float  # and over the last 10
+
+
+def run_line(rec: RunRecord, digits: int) -> RunLine:
+    """The run's summary, held-out accuracy first -> last (to `digits` places) and the mean
+    reward of its first and last 10 steps."""
+    rows = rec.metrics()
+    rewards = [row["reward/mean"] for row in rows if "reward/mean" in row]
+    evals = [row["eval/accuracy"] for row in rows if "eval/accuracy" in row]
+    held = f"{evals[0]:.{digits}f} → {evals[-1]:.{digits}f}" if evals else "—"
+    return RunLine(summarize(rec), held, _mean(rewards[:10]), _mean(rewards[-10:]))
 
 
 def _mean(xs: list[float]) -> float:
