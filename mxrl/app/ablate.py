@@ -1,8 +1,9 @@
 """`mxrl ablate`: the article's ablation on one GPU, in one device call (docs/ablation.md).
 
-The six configurations (bf16; MXFP8 end to end; MXFP8 forward with high-precision or
+The article's six configurations (bf16; MXFP8 end to end; MXFP8 forward with high-precision or
 dequantized backward; NVFP4 routed experts with per-token activation scales, high-precision or
-dequantized backward) x 3 seeds of synchronous GRPO on a 113M-parameter Qwen3-MoE-style model
+dequantized backward) and a seventh, NVFP4 "4 over 6" (adaptive block scales, docs/formats.md)
+with the high-precision backward, x 3 seeds of synchronous GRPO on a 113M-parameter Qwen3-MoE-style model
 (`mxrl/arch/configs/ablate-moe.json`: 8 layers, 32 routed experts top-4, a shared expert) and a
 multi-step arithmetic task (`mxrl.app.multistep`), from one SFT warm-up (trained on the GPU
 until a dev split reaches `warmup_target`, cached), every run side by side on the one GPU (a
@@ -40,8 +41,9 @@ from mxrl.runs import RunRecord, compare, is_run_dir
 
 logger = logging.getLogger("mxrl.app.demo")  # the demo's progress logger: one set of lines
 
-# The article's six configurations, BF16 first: every other one is compared with it. A seventh
-# configuration is one more preset name on its own line here (or `--recipes` for one call).
+# The article's six configurations, BF16 first: every other one is compared with it; then
+# NVFP4 "4 over 6" (issue 31's seventh). One more is a preset name on its own line here (or
+# `--recipes` for one call).
 ABLATION_RECIPES: tuple[str, ...] = (
     "bf16",
     "mxfp8",
@@ -49,6 +51,7 @@ ABLATION_RECIPES: tuple[str, ...] = (
     "mxfp8-dequantized",
     "nvfp4-hp",
     "nvfp4-dequantized",
+    "nvfp4-4over6-hp",
 )
 ABLATION_SEEDS = 3
 LR_SCHEDULE = f"constant for the first half, then linear to {LR_FINAL_FRACTION} x lr at the end"
@@ -60,7 +63,7 @@ class AblationSettings:
 
     # 113M parameters (8 layers, hidden 512, 32 experts of 256 top-4, a shared expert of 512):
     # the issue's floor of 100M, >= 32 experts, top-k >= 4, >= 8 layers, and no larger, since
-    # 18 runs share one GPU for about 7 minutes
+    # 21 runs share one GPU for about 8 minutes
     model: str = "ablate-moe"
     # a<op>b<op>c= with operands 0..12: 19,773 problems, answers of 1 to 4 digits and a sign
     max_operand: int = 12
@@ -144,7 +147,7 @@ def require_gpu() -> None:
     """ValueError (one `mxrl: error:` line) without CUDA: the ablation is sized for a GPU."""
     if not torch.cuda.is_available():
         raise ValueError(
-            "ablate needs a CUDA GPU (18 runs of a 113M-parameter model; torch sees none); "
+            "ablate needs a CUDA GPU (21 runs of a 113M-parameter model; torch sees none); "
             "run `mxrl ablate --tiny` to try the pipeline on the CPU, or `mxrl demo` for the "
             "CPU-sized ablation"
         )

@@ -9,7 +9,8 @@ from pathlib import Path
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     ablate = commands.add_parser(
-        "ablate", help="the article's six recipes x 3 seeds on a 113M MoE, on one GPU (report)"
+        "ablate",
+        help="the article's six recipes and NVFP4 4over6 x 3 seeds on a 113M MoE, one GPU (report)",
     )
     ablate.add_argument(
         "--out",
@@ -22,7 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--recipes",
         default=None,
         metavar="A,B",
-        help="comma-separated presets (default: the article's six)",
+        help="comma-separated presets (default: the article's six and nvfp4-4over6-hp)",
     )
     ablate.add_argument("--seeds", type=int, default=3, help="seeds per recipe (default 3)")
     ablate.add_argument(

@@ -39,7 +39,7 @@ def test_tiny_runs_every_recipe_and_writes_the_report(tmp_path, capsys):
         assert (out / f"{png}.png").stat().st_size > 1000
         assert f"]({png}.png)" in text
     runs = sorted((out / "runs").iterdir())
-    assert len(runs) == len(ablate_mod.ABLATION_RECIPES) == 6
+    assert len(runs) == len(ablate_mod.ABLATION_RECIPES) == 7
     # the report again from the records alone (what an interrupted GPU call leaves)
     (out / "report.md").unlink()
     (out / "heldout.png").unlink()
@@ -127,7 +127,7 @@ def test_the_model_is_the_issues_size_with_the_articles_bf16_exceptions():
 
 
 def test_a_seventh_configuration_is_one_name():
-    assert ablate_mod.ABLATION_RECIPES[0] == "bf16" and len(ablate_mod.ABLATION_RECIPES) == 6
+    assert ablate_mod.ABLATION_RECIPES[0] == "bf16" and len(ablate_mod.ABLATION_RECIPES) == 7
     settings = ablate_mod.AblationSettings()
     cfg = ablate_mod.grpo_config(settings, "nvfp4-hp", 2, None)
     assert (cfg.recipe, cfg.seed, cfg.steps, cfg.device) == ("nvfp4-hp", 2, settings.steps, "cuda")
