@@ -4,7 +4,7 @@ against bf16, every preset on the same model, prompts and response lengths, in o
     python benchmarks/rl_step.py                      # H200: Qwen3-30B-A3B layers, 64 x 8
     python benchmarks/rl_step.py --tiny --device cpu  # the script's logic, in seconds
 
-Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers, vocab
 32000, seeded random weights, the same master for every preset. A step is `GRPOTrainer.
 train_step` as `mxrl train` runs it: rollout of `--prompts` x `--samples` sequences (GRPO groups
 sharing their prompt's KV blocks, temperature 1) on the engine, rewards, the training pass in

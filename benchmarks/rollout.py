@@ -20,7 +20,7 @@ mxrl, which gives sequence lengths spread geometrically as real rollouts are (ea
 its own tokens; the report gives the tokens each generated). tokens/s = generated tokens / wall
 time of the whole call, prefill included; peak KV memory against the tokens it held then.
 
-Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers, vocab
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers, vocab
 32000, seeded random weights, written once as a HF checkpoint that both sides load (transformers
 in bf16; mxrl through `from_pretrained`, the engine computing in bf16). Decode step time is
 (t(N new tokens) - t(1 new token)) / (N - 1), greedy, every request generating exactly N tokens

@@ -5,7 +5,7 @@ device's copy bandwidth measured in the same run (issue 13).
     torchrun --nproc-per-node 2 benchmarks/sync.py --nccl       # 2 GPUs: cuda:0 -> cuda:1
     python benchmarks/sync.py --tiny --device cpu               # the script's logic, in seconds
 
-Model: Qwen3-30B-A3B's layer shapes (benchmarks/engine_decode.py), `--layers` layers (4), vocab
+Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers (4), vocab
 151936, seeded fp32 master weights on the device. A sync is what the GRPO loop runs after each
 optimizer step: `InProcessTransport(engine).send(export(model, plan, step=s))`, trainer and
 engine on the same GPU (the engine computing in bf16, its default backend); in --nccl mode
