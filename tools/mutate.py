@@ -114,6 +114,19 @@ MODULES = {
         ("tests/weights/test_served.py", "tests/weights/test_served_edges.py",
          "tests/weights/test_served_config.py"),
     ),
+    # the record checksum (name, header, every field's digest) and the weights digest; node ids:
+    # test_digest.py but its export test (a tiny model exported, 3 s a mutant: export.py's use
+    # of checksum, not the checksum) and its GPU tests (skipped on the CPU)
+    "weights.digest": Module(
+        ("mxrl/weights/digest.py",),
+        ("tests/weights/test_digest.py::test_any_flipped_bit_changes_the_checksum",
+         "tests/weights/test_digest.py::test_reordered_rows_bytes_and_experts_change_it",
+         "tests/weights/test_digest.py::test_dtype_shape_and_length_are_bound",
+         "tests/weights/test_digest.py::test_every_byte_of_every_field_of_every_format_counts",
+         "tests/weights/test_digest.py::test_the_name_is_bound",
+         "tests/weights/test_digest.py::test_the_gemm_and_the_elementwise_path_give_the_same_integers",
+         "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
