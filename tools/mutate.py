@@ -125,7 +125,8 @@ MODULES = {
          "tests/weights/test_digest.py::test_every_byte_of_every_field_of_every_format_counts",
          "tests/weights/test_digest.py::test_the_name_is_bound",
          "tests/weights/test_digest.py::test_the_gemm_and_the_elementwise_path_give_the_same_integers",
-         "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one"),
+         "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
+         "tests/weights/test_digest_edges.py"),
     ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
