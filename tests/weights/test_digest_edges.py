@@ -8,7 +8,6 @@ The field digests come from `mxrl.kernels.digest.field_digest_reference` (its ow
 tests/kernels/test_digest_kernel.py, hold it to its algorithm): what is under test here is how
 mxrl/weights/digest.py frames them, not the digest of one tensor."""
 
-import dataclasses
 import hashlib
 import importlib
 
@@ -73,7 +72,9 @@ def test_an_mxfp8_column_wise_checksum_binds_its_axis():
 
 def test_a_name_is_json_quoted_in_the_header():
     x = torch.zeros(1)
-    head = b'mxrl-checksum-v2\nname|"a\\"b\\n\\u00e9"\ntensor|torch.float32|(1,)\n|torch.float32|(1,)'
+    head = (
+        b'mxrl-checksum-v2\nname|"a\\"b\\n\\u00e9"\ntensor|torch.float32|(1,)\n|torch.float32|(1,)'
+    )
     assert digest.header('a"b\n\u00e9', x) == head
     assert checksum('a"b\n\u00e9', x) == expected(head, x)
 
@@ -168,3 +169,28 @@ def test_weights_digest_is_sha256_of_the_sorted_pairs():
     assert digest.weights_digest(pairs) == want
     assert digest.weights_digest(iter(dict(pairs).items())) == want  # any iterable, any order
     assert digest.weights_digest([]) == hashlib.sha256(b"").hexdigest()
+
+
+def test_a_tensor_without_bytes_has_no_checksum():
+    """A device other than the CPU and CUDA has its digests copied to the host; a meta tensor
+    (no data) is refused there, by that copy, rather than read or given a checksum."""
+    with pytest.raises(NotImplementedError):
+        checksum("w", torch.zeros(3, device="meta"))
+
+
+@pytest.mark.gpu
+def test_values_on_another_gpu_than_the_current_one_are_read_after_their_copy():
+    """The digests of values on cuda:1, taken while cuda:0 is the current device: the event
+    the host waits on is recorded on cuda:1's stream, behind the copy (an event on cuda:0's
+    stream would let the host read the pinned buffer before the copy is done)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    g = torch.Generator().manual_seed(4)
+    host = [
+        torch.randint(0, 256, (64 * 2**20 + i,), dtype=torch.uint8, generator=g) for i in range(3)
+    ]
+    names = ["a", "b", "c"]
+    want = checksums(names, host)
+    with torch.cuda.device(0):
+        for _ in range(3):
+            assert checksums(names, [t.to("cuda:1") for t in host]) == want
