@@ -128,6 +128,11 @@ MODULES = {
          "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
          "tests/weights/test_digest_edges.py"),
     ),
+    # the bucketed live export (boundaries, exact fits, oversize records, the event)
+    "weights.buckets": Module(
+        ("mxrl/weights/buckets.py",),
+        ("tests/weights/test_buckets.py", "tests/sync/test_export.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
