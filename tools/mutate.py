@@ -133,6 +133,13 @@ MODULES = {
         ("mxrl/weights/buckets.py",),
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py"),
     ),
+    # the checks of a record against the plan (fields, global scales, a checkpoint's config);
+    # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
+    # mutant): check_config's refusals are called directly by test_check_edges.py
+    "weights.check": Module(
+        ("mxrl/weights/check.py",),
+        ("tests/weights/test_check.py", "tests/weights/test_check_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip

@@ -25,7 +25,7 @@ PLAN = resolve(MIXED, SHAPES)
 RECORDS = {r.name: r for r in export_weights(MODEL.named_parameters(), PLAN)}
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # mxfp8 (64, 64)
-O = "model.layers.0.self_attn.o_proj.weight"  # fp8_block (64, 64) in 32x32 blocks
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # fp8_block (64, 64) in 32x32 blocks
 GATE = "model.layers.0.mlp.shared_expert.gate_proj.weight"  # nvfp4 per tensor, fuse pair
 UP = "model.layers.0.mlp.shared_expert.up_proj.weight"
 EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"  # nvfp4 (8, 64, 64) per expert
@@ -46,7 +46,7 @@ def refused(record, message, plain_dtype=None, spec=None):
 
 def test_the_plan_is_the_one_worked_out_here():
     assert (PLAN[Q].format.value, PLAN[Q].shape) == ("mxfp8", (64, 64))
-    assert (PLAN[O].format.value, PLAN[O].block) == ("fp8_block", (32, 32))
+    assert (PLAN[O_PROJ].format.value, PLAN[O_PROJ].block) == ("fp8_block", (32, 32))
     assert PLAN[GATE].fuse_group == PLAN[UP].fuse_group is not None
     assert PLAN[EXPERTS].shape == PLAN[HALVES].shape == (8, 64, 64)
     for record in RECORDS.values():  # the export is what the plan stores
@@ -70,8 +70,8 @@ def test_a_quantized_value_of_another_format_or_shape():
         f"{Q}: the plan stores mxfp8 (64, 64) row-wise, got a mxfp8 QTensor of shape (32, 64)",
     )
     refused(
-        with_value(O, quantize(torch.ones(64, 64), "mxfp8")),
-        f"{O}: the plan stores fp8_block (64, 64) row-wise, (32, 32) blocks, got a mxfp8 "
+        with_value(O_PROJ, quantize(torch.ones(64, 64), "mxfp8")),
+        f"{O_PROJ}: the plan stores fp8_block (64, 64) row-wise, (32, 32) blocks, got a mxfp8 "
         "QTensor of shape (64, 64)",
     )
     refused(
@@ -109,8 +109,8 @@ def test_each_field_is_held_to_the_plans_layout():
     )
     blocks = quantize(torch.ones(64, 64), "fp8_block", block=(64, 64))  # scale [1, 1]
     refused(
-        with_value(O, blocks),
-        f"{O}: scale must be float32 (2, 2) for fp8_block (64, 64) row-wise, (32, 32) blocks, "
+        with_value(O_PROJ, blocks),
+        f"{O_PROJ}: scale must be float32 (2, 2) for fp8_block (64, 64) row-wise, (32, 32) blocks, "
         "got float32 (1, 1)",
     )
     per_tensor = quantize(torch.ones(8, 64, 64), "nvfp4")  # global_scale [] for a per-half spec
@@ -188,7 +188,7 @@ def test_the_first_bad_global_scale_is_named_with_its_first_bad_index():
     )
     zero_d = torch.tensor(float("nan"))  # a per-tensor scale: index ()
     global_scales_refused(
-        [RECORDS[O], scaled(GATE, zero_d), scaled(EXPERTS, gs)],  # GATE comes first
+        [RECORDS[O_PROJ], scaled(GATE, zero_d), scaled(EXPERTS, gs)],  # GATE comes first
         re.escape(f"{GATE}: global_scale must be finite and positive")
         + r".*one global scale per tensor, got nan at index \(\)",
     )
