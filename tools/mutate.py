@@ -131,7 +131,8 @@ MODULES = {
     # the bucketed live export (boundaries, exact fits, oversize records, the event)
     "weights.buckets": Module(
         ("mxrl/weights/buckets.py",),
-        ("tests/weights/test_buckets.py", "tests/sync/test_export.py"),
+        ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
+         "tests/weights/test_buckets_edges.py"),
     ),
     # the checks of a record against the plan (fields, global scales, a checkpoint's config);
     # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
