@@ -270,3 +270,68 @@ def test_a_shape_names_every_field_that_would_fit():
 def test_a_config_that_builds_no_model_is_refused_naming_the_file():
     with pytest.raises(ValueError, match="^" + re.escape(f"{FILE}: ")):
         check_config(FILE, {**CONFIG, "model_type": "llama"}, PLAN)
+
+
+def test_fields_that_each_would_fit_are_all_named_in_config_order():
+    """num_key_value_heads 1 (the plan's 2) gives k_proj (16, 64) for (32, 64): 1 scaled by
+    32/16 is 2, and head_dim 16 scaled by 32/16 is 32 (k_proj 1 x 32): both would fit."""
+    k = "model.layers.0.self_attn.k_proj.weight"
+    config_refused(
+        f"{FILE}: field num_key_value_heads or head_dim gives {k} the shape (16, 64), but the "
+        f"plan holds it as (32, 64); {FIX}",
+        num_key_value_heads=1,
+    )
+
+
+def test_a_try_that_builds_no_model_does_not_stop_the_search():
+    """num_key_value_heads 4 gives k_proj (64, 64) for (32, 64): halving num_attention_heads
+    (4 -> 2, fewer heads than key/value heads) builds no model and is skipped; halving
+    num_key_value_heads or head_dim, later in the config, would fit."""
+    k = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(ValueError):
+        check_config(FILE, {**CONFIG, "num_attention_heads": 2, "num_key_value_heads": 4}, PLAN)
+    config_refused(
+        f"{FILE}: field num_key_value_heads or head_dim gives {k} the shape (64, 64), but the "
+        f"plan holds it as (32, 64); {FIX}",
+        num_key_value_heads=4,
+    )
+
+
+def test_no_one_field_fits_two_edited_dims():
+    config_refused(
+        f"{FILE}: a field gives model.embed_tokens.weight the shape (96, 96), but the plan holds "
+        f"it as (64, 64); {FIX}",
+        hidden_size=96,
+        vocab_size=96,
+    )
+
+
+def test_a_fuse_pair_of_scales_below_one_is_named_as_a_pair():
+    """Scales in (0, 1] are usable (2688/amax for amax >= 2688): unequal ones in a fuse pair
+    are refused as a pair, not as unusable values."""
+    gate, up = scaled(GATE, torch.tensor(0.5)), scaled(UP, torch.tensor(0.25))
+    global_scales_refused(
+        [gate, up],
+        re.escape(
+            f"{GATE} and {UP}: gate and up share one NVFP4 global scale (fuse group "
+            f"{PLAN[GATE].fuse_group}), got 0.5 and 0.25"
+        ),
+    )
+
+
+@pytest.mark.gpu
+def test_global_scales_on_two_devices_are_checked_per_device():
+    """An update split between the CPU and the GPU, each fuse pair across the two (gate on the
+    CPU and up on the GPU in layer 0, the reverse in layer 1): accepted, and an unequal pair
+    still refused by name."""
+    gate1, up1 = GATE.replace("layers.0", "layers.1"), UP.replace("layers.0", "layers.1")
+    on_gpu = {UP, gate1, EXPERTS}
+    records = [
+        with_value(r.name, r.value.to("cuda")) if r.name in on_gpu else r for r in RECORDS.values()
+    ]
+    check_global_scales(records, PLAN)
+    v = RECORDS[UP].value
+    unequal = with_value(UP, dataclasses.replace(v, global_scale=v.global_scale * 2).to("cuda"))
+    with pytest.raises(ValueError, match=re.escape(f"{GATE} and {UP}: gate and up share one")):
+        check_global_scales([r if r.name != UP else unequal for r in records], PLAN)
+    assert PLAN[gate1].fuse_group == PLAN[up1].fuse_group is not None
