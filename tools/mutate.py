@@ -114,6 +114,33 @@ MODULES = {
         ("tests/weights/test_served.py", "tests/weights/test_served_edges.py",
          "tests/weights/test_served_config.py"),
     ),
+    # the record checksum (name, header, every field's digest) and the weights digest; node ids:
+    # test_digest.py but its export test (a tiny model exported, 3 s a mutant: export.py's use
+    # of checksum, not the checksum) and its GPU tests (skipped on the CPU)
+    "weights.digest": Module(
+        ("mxrl/weights/digest.py",),
+        ("tests/weights/test_digest.py::test_any_flipped_bit_changes_the_checksum",
+         "tests/weights/test_digest.py::test_reordered_rows_bytes_and_experts_change_it",
+         "tests/weights/test_digest.py::test_dtype_shape_and_length_are_bound",
+         "tests/weights/test_digest.py::test_every_byte_of_every_field_of_every_format_counts",
+         "tests/weights/test_digest.py::test_the_name_is_bound",
+         "tests/weights/test_digest.py::test_the_gemm_and_the_elementwise_path_give_the_same_integers",
+         "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
+         "tests/weights/test_digest_edges.py"),
+    ),
+    # the bucketed live export (boundaries, exact fits, oversize records, the event)
+    "weights.buckets": Module(
+        ("mxrl/weights/buckets.py",),
+        ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
+         "tests/weights/test_buckets_edges.py"),
+    ),
+    # the checks of a record against the plan (fields, global scales, a checkpoint's config);
+    # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
+    # mutant): check_config's refusals are called directly by test_check_edges.py
+    "weights.check": Module(
+        ("mxrl/weights/check.py",),
+        ("tests/weights/test_check.py", "tests/weights/test_check_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
