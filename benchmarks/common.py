@@ -80,6 +80,38 @@ def _bench_events(fn: Callable[[], object], *, warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
+def load_hf(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[object, str]:
+    """(transformers model on the CPU, experts implementation) of the checkpoint at `path`:
+    grouped_mm experts where this transformers takes the option, else its eager experts (said
+    on stdout)."""
+    import transformers
+
+    kwargs = {"dtype": dtype, "experts_implementation": "grouped_mm"}
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs), "grouped_mm"
+    except (TypeError, ValueError) as err:
+        print(f"  (transformers refused experts_implementation=grouped_mm: {err}; eager)")
+        kwargs.pop("experts_implementation")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs), "eager"
+
+
+def decode_timing(t_n: list[float], t_1: list[float], batch: int, new_tokens: int) -> dict:
+    """A decode row's timing from the timed calls of `new_tokens` and of one token (medians):
+    the decode step by difference, None where timing noise exceeds the decode time (a loaded
+    CPU: no estimate rather than a wild one)."""
+    total_s, prefill_s = statistics.median(t_n), statistics.median(t_1)
+    n = new_tokens
+    step_ms = (total_s - prefill_s) / (n - 1) * 1e3 if total_s > prefill_s else None
+    return {
+        "batch": batch,
+        "total_s": total_s,
+        "prefill_plus_one_s": prefill_s,
+        "ms_per_step": step_ms,
+        "tokens_per_s": batch * n / total_s,
+        "decode_tokens_per_s": None if step_ms is None else batch / (step_ms * 1e-3),
+    }
+
+
 def gbps(num_bytes: int, ms: float) -> float:
     return num_bytes / (ms * 1e-3) / 1e9
 

@@ -59,7 +59,6 @@ import argparse
 import dataclasses
 import gc
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,6 +70,7 @@ from common import (
     check_presets,
     copy_bandwidth,
     cpu_environment,
+    decode_timing,
     ensure_repo_on_path,
     environment,
     format_table,
@@ -204,10 +204,8 @@ def bench_batch(engine: Engine, prompts: list[list[int]], args) -> tuple[dict, l
         t_n.append(t)
         runs.append(outs)
         t_1.append(timed_generate(engine, prompts, 1)[0])
-    total_s, prefill_s = statistics.median(t_n), statistics.median(t_1)
-    # None where timing noise exceeds the decode time (a loaded CPU): no estimate, not a wild one
-    step_ms = (total_s - prefill_s) / (n - 1) * 1e3 if total_s > prefill_s else None
-    b = len(prompts)
+    timing = decode_timing(t_n, t_1, len(prompts), n)
+    b, step_ms = timing["batch"], timing["ms_per_step"]
     tokens = [[o.tokens for o in outs] for outs in runs]
     same_logprobs = all(
         torch.equal(o.logprobs, f.logprobs)
@@ -218,12 +216,7 @@ def bench_batch(engine: Engine, prompts: list[list[int]], args) -> tuple[dict, l
     kv = step_kv_bytes(engine, b, args.prompt, n - 1)
     latent = kv["kv_latent_bytes"]
     row = {
-        "batch": b,
-        "total_s": total_s,
-        "prefill_plus_one_s": prefill_s,
-        "ms_per_step": step_ms,
-        "tokens_per_s": b * n / total_s,
-        "decode_tokens_per_s": None if step_ms is None else b / (step_ms * 1e-3),
+        **timing,
         "step_weight_bytes": step_bytes,
         "weight_gbps": None if step_ms is None else gbps(int(step_bytes), step_ms),
         "step_kv_bytes": kv["kv_bytes"],

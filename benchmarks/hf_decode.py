@@ -16,13 +16,12 @@ per-head K/V. Each row records the transformers version it ran (the device's may
 from __future__ import annotations
 
 import gc
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from common import ensure_repo_on_path
+from common import decode_timing, ensure_repo_on_path, load_hf
 
 ensure_repo_on_path()
 
@@ -38,22 +37,6 @@ def _version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def load_hf(path: Path, device: torch.device):
-    """(model, experts implementation): bf16, grouped_mm experts where transformers takes it."""
-    import transformers
-
-    kwargs = {"dtype": torch.bfloat16, "experts_implementation": "grouped_mm"}
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        impl = "grouped_mm"
-    except (TypeError, ValueError) as err:
-        print(f"  (transformers refused experts_implementation=grouped_mm: {err}; eager)")
-        kwargs.pop("experts_implementation")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        impl = "eager"
-    return model.to(device).eval(), impl
 
 
 def _generate_s(model, ids: torch.Tensor, new_tokens: int) -> float:
@@ -77,18 +60,7 @@ def hf_batch_row(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> dic
     for _ in range(repeats):
         t_n.append(_generate_s(model, ids, n))
         t_1.append(_generate_s(model, ids, 1))
-    total_s, prefill_s = statistics.median(t_n), statistics.median(t_1)
-    step_ms = (total_s - prefill_s) / (n - 1) * 1e3 if total_s > prefill_s else None
-    b = ids.shape[0]
-    return {
-        "batch": b,
-        "total_s": total_s,
-        "prefill_plus_one_s": prefill_s,
-        "ms_per_step": step_ms,
-        "tokens_per_s": b * n / total_s,
-        "decode_tokens_per_s": None if step_ms is None else b / (step_ms * 1e-3),
-        "repeats": repeats,
-    }
+    return {**decode_timing(t_n, t_1, ids.shape[0], n), "repeats": repeats}
 
 
 def hf_decode_rows(master, prompts: list[list[int]], device: torch.device, args) -> list[dict]:
@@ -96,7 +68,8 @@ def hf_decode_rows(master, prompts: list[list[int]], device: torch.device, args)
     the `master` model's weights written once as a bf16 checkpoint."""
     with tempfile.TemporaryDirectory() as tmp:
         save_pretrained(master, tmp, dtype=torch.bfloat16, progress=False)
-        model, impl = load_hf(Path(tmp), device)
+        model, impl = load_hf(Path(tmp))
+        model = model.to(device).eval()
     rows = []
     for b in args.batch:
         ids = torch.tensor(prompts[:b], device=device)

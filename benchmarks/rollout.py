@@ -47,6 +47,7 @@ from common import (
     ensure_repo_on_path,
     environment,
     format_table,
+    load_hf,
     update_results,
 )
 from engine_decode import (
@@ -85,17 +86,7 @@ def _median_s(fn, device: torch.device, repeats: int) -> float:
 
 
 def hf_rows(path: Path, prompts: list[list[int]], device, args) -> tuple[list[dict], str]:
-    import transformers
-
-    kwargs = {"dtype": torch.bfloat16, "experts_implementation": "grouped_mm"}
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        impl = "grouped_mm"
-    except (TypeError, ValueError) as err:
-        print(f"  (transformers refused experts_implementation=grouped_mm: {err}; eager)")
-        kwargs.pop("experts_implementation")
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        impl = "eager"
+    model, impl = load_hf(path)
     model = model.to(device).eval()
     rows = []
     for b in args.batch:

@@ -45,7 +45,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
+from common import (
+    REPO_ROOT,
+    ensure_repo_on_path,
+    environment,
+    format_table,
+    load_hf,
+    update_results,
+)
 from engine_decode import check_device, check_presets, cpu_environment
 from families import FAMILIES, describe, model_config, param_counts
 
@@ -232,15 +239,7 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
         ("hf fp32+autocast", torch.float32, torch.bfloat16),
         ("hf bf16", torch.bfloat16, None),
     ):
-        kwargs = {"dtype": dtype, "experts_implementation": "grouped_mm"}
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            impl = "grouped_mm"
-        except (TypeError, ValueError) as err:
-            print(f"  (transformers refused experts_implementation=grouped_mm: {err}; eager)")
-            kwargs.pop("experts_implementation")
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-            impl = "eager"
+        model, impl = load_hf(path, dtype)
         model = model.to(device).train()
         got = measure(make_step(model, ids, autocast, hf=True), device, args.warmup, args.repeats)
         version = transformers.__version__
