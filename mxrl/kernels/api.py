@@ -134,16 +134,24 @@ def dequantize(
     mxfp8 copy along another axis, fp8_block blocks that overhang the tensor) run the reference:
     the same bytes, without the speed."""
     chosen = backend_for(backend, q.device)
-    fmt = q.fmt
-    shape = list(q.shape)
-    if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(shape) >= 1:
-        block = _dequant_block(q)
-        if block is not None:
-            s_dec = decode_global_scale(q) if fmt is C.Format.NVFP4 and global_scale else None
-            scale = q.scale if fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
-            code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[fmt]
-            return _kernel("dequantize_bf16")(q.qdata, scale, s_dec, code, shape, *block)
+    if chosen is not Backend.REFERENCE and dtype == torch.bfloat16 and len(q.shape) >= 1:
+        operands = _dequant_operands(q, global_scale)
+        if operands is not None:
+            return _kernel("dequantize_bf16")(*operands)
     return reference_dequantize(q, global_scale=global_scale).to(dtype)
+
+
+def _dequant_operands(q: QTensor, global_scale: bool) -> tuple | None:
+    """The dequant kernel's arguments for `q` (qdata, scale bytes, NVFP4's S_dec or None, the
+    format code, shape, block rows and columns), or None where it does not take the layout."""
+    block = _dequant_block(q)
+    if block is None:
+        return None
+    fmt = q.fmt
+    s_dec = decode_global_scale(q) if fmt is C.Format.NVFP4 and global_scale else None
+    scale = q.scale if fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
+    code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[fmt]
+    return q.qdata, scale, s_dec, code, list(q.shape), *block
 
 
 def error_sums(
@@ -156,14 +164,9 @@ def error_sums(
     up to fp32 rounding inside a tile: a relative 1e-6, far below what a dB value shows)."""
     chosen = backend_for(backend, q.device)
     if chosen is not Backend.REFERENCE and master.dtype in (torch.float32, torch.bfloat16):
-        block = _dequant_block(q)
-        if block is not None:
-            s_dec = decode_global_scale(q) if q.fmt is C.Format.NVFP4 else None
-            scale = q.scale if q.fmt is C.Format.FP8_BLOCK else q.scale.view(torch.uint8)
-            code = {C.Format.MXFP8: 0, C.Format.NVFP4: 1, C.Format.FP8_BLOCK: 2}[q.fmt]
-            return _kernel("dequantize_error_sums")(
-                q.qdata, scale, s_dec, code, list(q.shape), *block, master.detach()
-            )
+        operands = _dequant_operands(q, global_scale=True)
+        if operands is not None:
+            return _kernel("dequantize_error_sums")(*operands, master.detach())
     ref = master.detach().float()
     err = ref - reference_dequantize(q).to(device=ref.device, dtype=torch.float32)
     return torch.stack(

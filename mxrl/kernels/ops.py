@@ -141,15 +141,23 @@ def dequantize_bf16(
     """fmt: 0 mxfp8, 1 nvfp4, 2 fp8_block (`triton_codecs.FMT_*`); scale as uint8 codes (or
     fp32 for fp8_block); decode_scale: NVFP4's fp32 S_dec ([] or [..., 1]) to multiply by, or
     None; (block_rows, block_k): one scale's block in the [prod(shape[:-1]), K] view."""
+    m, k, rows = _rows_and_decode_scale(qdata, decode_scale, fmt, shape)
+    out = launch_dequant(
+        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
+    )
+    return out.view(shape)
+
+
+def _rows_and_decode_scale(
+    qdata: torch.Tensor, decode_scale: torch.Tensor | None, fmt: int, shape: list[int]
+) -> tuple[int, int, torch.Tensor | None]:
+    """(M, K) of the [prod(shape[:-1]), K] view and NVFP4's S_dec per row (fp32 [M]) or None."""
     k = shape[-1]
     m = qdata.numel() // (k // 2 if fmt == 1 else k) if k else 0
     rows = None
     if decode_scale is not None:
         rows = decode_scale.to(torch.float32).expand(*shape[:-1], 1).reshape(-1).contiguous()
-    out = launch_dequant(
-        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
-    )
-    return out.view(shape)
+    return m, k, rows
 
 
 @_op
@@ -165,11 +173,7 @@ def dequantize_error_sums(
 ) -> torch.Tensor:
     """float64 [sum w^2, sum (w - dequantize(q))^2] of `master` (shape, fp32 or bf16) against
     the quantization given as `dequantize_bf16` takes it: one pass over both."""
-    k = shape[-1]
-    m = qdata.numel() // (k // 2 if fmt == 1 else k) if k else 0
-    rows = None
-    if decode_scale is not None:
-        rows = decode_scale.to(torch.float32).expand(*shape[:-1], 1).reshape(-1).contiguous()
+    m, k, rows = _rows_and_decode_scale(qdata, decode_scale, fmt, shape)
     return launch_error_sums(
         qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k),
         master.contiguous().view(m, k),

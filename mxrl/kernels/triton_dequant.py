@@ -150,6 +150,16 @@ def _tile_config(block: tuple[int, int], config: dict | None) -> dict:
     return cfg
 
 
+def _check_operands(
+    qdata_MP: torch.Tensor, scale: torch.Tensor, m: int, k: int, block: tuple[int, int]
+) -> None:
+    """Dense packed bytes and scales, whole blocks of powers of two (the tiles hold whole ones)."""
+    sr, sk = block
+    assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
+    assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
+    assert sr & (sr - 1) == 0 and sk & (sk - 1) == 0, f"blocks of powers of two, got {block}"
+
+
 def launch_error_sums(
     qdata_MP: torch.Tensor,
     scale: torch.Tensor,
@@ -164,8 +174,7 @@ def launch_error_sums(
     against its quantization (arguments as `launch_dequant`): each program's fp32 sums over its
     tile, then added in float64 in program order (deterministic)."""
     assert master_MK.is_contiguous() and tuple(master_MK.shape) == (m, k), (master_MK.shape, m, k)
-    assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
-    assert k % block[1] == 0 and m % block[0] == 0, (m, k, block)
+    _check_operands(qdata_MP, scale, m, k, block)
     cfg = _tile_config(block, None)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
     parts = torch.zeros((grid[0] * grid[1], 2), dtype=torch.float32, device=qdata_MP.device)
@@ -193,10 +202,7 @@ def launch_dequant(
     """bf16 [M, K] from contiguous packed bytes qdata_MP ([M, K] or [M, K/2] for nvfp4), a
     contiguous scale of M/SR x K/SK elements (uint8 codes, or fp32 for fp8_block) and, for
     nvfp4 with its global scale, decode_rows: fp32 [M] S_dec per row."""
-    sr, sk = block
-    assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
-    assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
-    assert sr & (sr - 1) == 0 and sk & (sk - 1) == 0, f"blocks of powers of two, got {block}"
+    _check_operands(qdata_MP, scale, m, k, block)
     cfg = _tile_config(block, config)
     hw = qdata_MP.is_cuda if hw is None else hw
     out = torch.empty((m, k), dtype=torch.bfloat16, device=qdata_MP.device)
@@ -211,8 +217,8 @@ def launch_dequant(
         m,
         k,
         FMT=fmt,
-        SR=sr,
-        SK=sk,
+        SR=block[0],
+        SK=block[1],
         HAS_G=decode_rows is not None,
         HW=hw,
         BLOCK_M=cfg["BLOCK_M"],

@@ -96,15 +96,9 @@ def _squared_sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
         total = torch.zeros(2, dtype=torch.float64, device=master.device)
         for start in range(0, master.shape[0], step):
             stop = min(start + step, master.shape[0])
-            total += _sums(master[start:stop], _experts(q, start, stop))
+            total += error_sums(_experts(q, start, stop), master[start:stop])
         return total
-    return _sums(master, q)
-
-
-def _sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
-    """[sum w^2, sum (w - dequantize(q))^2] on the device's default kernels: one fused pass on a
-    GPU (`mxrl.kernels.error_sums`), the fp32 dequantization and float64 sums on the CPU."""
-    return error_sums(q, master)
+    return error_sums(q, master)  # the device's default: one fused pass on a GPU
 
 
 def _experts(q: QTensor, start: int, stop: int) -> QTensor:
