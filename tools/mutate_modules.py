@@ -1,0 +1,121 @@
+"""The modules `tools/mutate.py` mutates: each one's files and the tests that judge its mutants
+(docs/mutation/README.md has the table and why some tests are left out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Module:
+    files: tuple[str, ...]  # globs, relative to the repository
+    tests: tuple[str, ...]  # pytest paths or node ids (file::test)
+
+
+# The contract's critical paths (the issue on mutation testing). Dotted names are one file of a
+# module with its own tests: quicker runs while working on that file.
+MODULES = {
+    "formats": Module(("mxrl/formats/*.py",), ("tests/formats",)),
+    "recipe": Module(
+        ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
+         "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),
+        ("tests/recipe", "tests/arch", "tests/test_cli.py"),
+    ),
+    "nn": Module(
+        ("mxrl/nn/qlinear.py", "mxrl/nn/qmatmul.py", "mxrl/nn/gemm.py", "mxrl/nn/grouped.py",
+         "mxrl/nn/experts.py", "mxrl/nn/apply.py"),
+        ("tests/nn",),
+    ),
+    "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),
+    "sync": Module(("mxrl/sync/*.py",), ("tests/sync",)),
+    "engine": Module(
+        ("mxrl/engine/block_manager.py", "mxrl/engine/scheduler.py", "mxrl/engine/sampler.py",
+         "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
+        ("tests/engine",),
+    ),
+    # node ids: test_scheduler.py's block-manager tests, not its engine runs (minutes each on
+    # two shared cores, run on every mutant they reach; `make test` runs them)
+    "engine.block_manager": Module(
+        ("mxrl/engine/block_manager.py",),
+        ("tests/engine/test_block_manager.py",
+         "tests/engine/test_scheduler.py::test_blocks_are_counted_shared_and_reused_until_handed_out_again",
+         "tests/engine/test_scheduler.py::test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone",
+         "tests/engine/test_scheduler.py::test_taking_back_cached_blocks_does_not_scan_the_free_list",
+         "tests/engine/test_block_manager_edges.py"),
+    ),
+    # node ids: the file's tests but the 4000-request frequency test (48 s on two shared cores,
+    # row by row on the CPU; the race test holds each draw to the spec, request by request)
+    "engine.sampler": Module(
+        ("mxrl/engine/sampler.py",),
+        ("tests/engine/test_sampler.py::test_noise_is_exact_integer_arithmetic",
+         "tests/engine/test_sampler.py::test_noise_is_uniform_and_rows_differ",
+         "tests/engine/test_sampler.py::test_each_draw_is_the_race_of_its_own_noise",
+         "tests/engine/test_sampler.py::test_top_k_and_top_p_keep_the_hand_computed_sets",
+         "tests/engine/test_sampler.py::test_filters_on_random_rows_keep_the_spec_sets",
+         "tests/engine/test_sampler.py::test_a_row_does_not_depend_on_its_batch",
+         "tests/engine/test_sampler.py::test_top_k_keeps_the_k_largest",
+         "tests/engine/test_sampler_edges.py"),
+    ),
+    "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
+                       ("tests/parallel",)),
+    "rl": Module(
+        ("mxrl/rl/grpo.py", "mxrl/rl/mismatch.py", "mxrl/rl/stability.py", "mxrl/rl/logprobs.py"),
+        ("tests/rl",),
+    ),
+    "rl.grpo": Module(("mxrl/rl/grpo.py",), ("tests/rl/test_grpo.py", "tests/rl/test_grpo_edges.py")),
+    "rl.logprobs": Module(
+        ("mxrl/rl/logprobs.py",), ("tests/rl/test_logprobs.py", "tests/rl/test_logprobs_edges.py")
+    ),
+    # node ids: the file's tests but its trainer step (a minute a mutant) and its GPU test
+    "rl.micro_batch": Module(
+        ("mxrl/rl/micro_batch.py",),
+        ("tests/rl/test_micro_batch.py::test_split_cuts_in_request_order_by_padded_tokens",
+         "tests/rl/test_micro_batch.py::test_every_rank_runs_as_many_forwards",
+         "tests/rl/test_micro_batch.py::test_combine_sums_maxima_and_token_weighted_means",
+         "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",
+         "tests/rl/test_micro_batch_edges.py"),
+    ),
+    # the train-rollout mismatch metrics (k1, k3, |d|) and the gradient-spike detector
+    "rl.mismatch": Module(
+        ("mxrl/rl/mismatch.py",), ("tests/rl/test_mismatch.py", "tests/rl/test_mismatch_edges.py")
+    ),
+    "rl.stability": Module(
+        ("mxrl/rl/stability.py",),
+        ("tests/rl/test_stability.py", "tests/rl/test_stability_edges.py"),
+    ),
+    # the served-checkpoint export (`mxrl convert --to hf`) and its config.json
+    "weights.served": Module(
+        ("mxrl/weights/served.py", "mxrl/weights/served_config.py"),
+        ("tests/weights/test_served.py", "tests/weights/test_served_edges.py",
+         "tests/weights/test_served_config.py"),
+    ),
+    # the record checksum (name, header, every field's digest) and the weights digest; node ids:
+    # test_digest.py but its export test (a tiny model exported, 3 s a mutant: export.py's use
+    # of checksum, not the checksum) and its GPU tests (skipped on the CPU)
+    "weights.digest": Module(
+        ("mxrl/weights/digest.py",),
+        ("tests/weights/test_digest.py::test_any_flipped_bit_changes_the_checksum",
+         "tests/weights/test_digest.py::test_reordered_rows_bytes_and_experts_change_it",
+         "tests/weights/test_digest.py::test_dtype_shape_and_length_are_bound",
+         "tests/weights/test_digest.py::test_every_byte_of_every_field_of_every_format_counts",
+         "tests/weights/test_digest.py::test_the_name_is_bound",
+         "tests/weights/test_digest.py::test_the_gemm_and_the_elementwise_path_give_the_same_integers",
+         "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
+         "tests/weights/test_digest_edges.py"),
+    ),
+    # the bucketed live export (boundaries, exact fits, oversize records, the event)
+    "weights.buckets": Module(
+        ("mxrl/weights/buckets.py",),
+        ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
+         "tests/weights/test_buckets_edges.py"),
+    ),
+    # the checks of a record against the plan (fields, global scales, a checkpoint's config);
+    # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
+    # mutant): check_config's refusals are called directly by test_check_edges.py
+    "weights.check": Module(
+        ("mxrl/weights/check.py",),
+        ("tests/weights/test_check.py", "tests/weights/test_check_edges.py"),
+    ),
+    # routing replay lives in the model code (forward under checkpointing, the router)
+    "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
+}  # fmt: skip
