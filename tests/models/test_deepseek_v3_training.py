@@ -21,6 +21,7 @@ from mxrl.nn import QExperts, QLinear, apply_plan
 from mxrl.recipe import resolve
 from mxrl.recipe.plan import NOT_MATMUL
 from tests.models.deepseek_reference import CONFIGS
+from tests.nn.test_apply_plan import training_losses
 
 PRESETS = [
     "bf16",
@@ -77,16 +78,7 @@ def test_every_preset_trains_and_keeps_the_exceptions(preset):
     assert isinstance(dense, QLinear) == (preset != "bf16" and not preset.startswith("nvfp4"))
     biases = [m.gate.e_score_correction_bias for m in model.modules() if isinstance(m, DeepseekMoE)]
     before = [b.clone() for b in biases]
-    ids = torch.randint(1, 64, (4, 24), generator=torch.Generator().manual_seed(2))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        logits = model(ids[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = training_losses(model)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5, losses
     for b, b0 in zip(biases, before, strict=True):
