@@ -23,7 +23,11 @@ FP8 cache (`FP8`, a recipe's `kv_cache: fp8`): the cache holds E4M3 bytes and on
 token slot and KV head; a loaded key or value is fl(fp32(code) * scale) cast to q's dtype, the
 bytes `mxrl.nn.kv_quant.dequantize_kv` gives, so the kernel attends to exactly the values of the
 reference's dequantized cache. On a GPU (`HW`) the codes are decoded by the hardware's E4M3
-conversion, under the interpreter by integer arithmetic: the same exact values.
+conversion, under the interpreter by integer arithmetic: the same exact values. The output equals
+this kernel's output on a cache holding those values byte for byte with fp32 operands; with bf16
+operands on a GPU, within one unit in the last place, as the compiler may choose another
+tensor-core summation order for keys decoded in registers than for keys loaded from memory
+(tests/kernels/test_attention_gpu.py). Either way one path per recipe: batch invariance holds.
 """
 
 from __future__ import annotations
