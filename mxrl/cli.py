@@ -5,7 +5,7 @@
                      [--json]
     mxrl demo [--out DIR] [--all] [--seeds N] [--steps N] [--workers N] [--local-warmup] [--plan-only]
               [--tensorboard]
-    mxrl ablate [--out DIR] [--recipes A,B] [--seeds N] [--steps N] [--workers N]
+    mxrl ablate [--out DIR] [--recipes A,B] [--seeds N] [--steps N] [--lr LR] [--workers N]
                 [--correction tis|mis] [--baseline DIR] [--report-only] [--tiny]
     mxrl train --config FILE [--tensorboard]
     mxrl convert --recipe RECIPE --model HF_DIR --out DIR [--to mxrl|hf] [--shard-size 2GB]

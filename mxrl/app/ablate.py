@@ -159,6 +159,7 @@ def run_ablation(
     recipes: tuple[str, ...] = ABLATION_RECIPES,
     seeds: int = ABLATION_SEEDS,
     steps: int | None = None,
+    lr: float | None = None,
     workers: int | None = None,
     correction: Correction | None = None,
     tiny: bool = False,
@@ -166,14 +167,16 @@ def run_ablation(
     baseline: str | Path | None = None,
 ) -> Path:
     """The ablation into `out`; returns the path of report.md. settings: every number (default
-    the GPU ablation's, TINY with `tiny`); steps: GRPO steps per run (settings.steps);
-    workers: runs at once, one process each (default: every run at once on a GPU, one at a
+    the GPU ablation's, TINY with `tiny`); steps, lr: GRPO steps per run and AdamW's learning
+    rate (settings.steps, settings.lr); workers: runs at once, one process each (default: every run at once on a GPU, one at a
     time in this process with `tiny`); correction: TIS or MIS in every run (the article's
     runs had none); baseline: an earlier ablation's folder whose BF16 runs the report takes as
     its baseline (the TIS / MIS reruns of one recipe do not train BF16 again)."""
     settings = settings or (TINY if tiny else AblationSettings())
     if steps is not None:
         settings = replace(settings, steps=steps)
+    if lr is not None:
+        settings = replace(settings, lr=lr)  # __post_init__ refuses lr <= 0
     if settings.device.startswith("cuda"):
         require_gpu()  # before anything is written
     if seeds < 1 or not recipes:
@@ -205,7 +208,10 @@ def rewrite_report(out: str | Path, settings: AblationSettings | None = None) ->
         raise ValueError(f"{str(runs_dir)!r} holds no run with metrics; pass an ablation's --out")
     cfg = runs[-1].config
     settings = settings or AblationSettings()
-    settings = replace(settings, steps=int(cfg.get("steps", settings.steps)))
+    task = cfg.get("task") or {}
+    settings = replace(settings, steps=int(cfg.get("steps", settings.steps)),
+                       lr=float(cfg.get("lr", settings.lr)),
+                       eval_size=int(task.get("eval_size", settings.eval_size)))  # fmt: skip
     config = model_config(settings.model)
     comparison = compare(runs, out)
     return write_ablation_report(out, runs, comparison, config, cfg["warmup"], settings, {}, 0)

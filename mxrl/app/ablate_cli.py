@@ -33,6 +33,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="GRPO steps per run (default: docs/ablation.md's settings)",
     )
     ablate.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="GRPO's AdamW learning rate, held for half the run then decayed to a fifth "
+        "(default: docs/ablation.md's settings)",
+    )
+    ablate.add_argument(
         "--workers",
         type=int,
         default=None,
@@ -65,6 +72,8 @@ def checked(args: argparse.Namespace) -> tuple[str, ...]:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1, got {value}")
+    if args.lr is not None and not 0.0 < args.lr < 1.0:  # NaN fails both
+        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     recipes = ABLATION_RECIPES
     if args.recipes is not None:
         recipes = tuple(name.strip() for name in args.recipes.split(",") if name.strip())
@@ -92,6 +101,7 @@ def run(args: argparse.Namespace, recipes: tuple[str, ...]) -> Path:
         return rewrite_report(args.out, TINY if args.tiny else None)
 
     return run_ablation(
-        args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, workers=args.workers,
+        args.out, recipes=recipes, seeds=args.seeds, steps=args.steps, lr=args.lr,
+        workers=args.workers,
         correction=args.correction, tiny=args.tiny, baseline=args.baseline,
     )  # fmt: skip

@@ -55,11 +55,20 @@ def test_seeds_are_grouped_and_a_correction_is_recorded(tmp_path):
     and builds its task from the pickled settings."""
     report = ablate_mod.run_ablation(
         tmp_path / "a", recipes=("bf16", "nvfp4-hp"), seeds=2, tiny=True, correction="tis",
-        workers=2,
+        workers=2, lr=7e-4,
     )  # fmt: skip
     text = report.read_text()
     assert "| bf16 | 2 |" in text and "| nvfp4-hp | 2 |" in text
     assert "Rollout correction: tis" in text
+    # lr= reaches every run (TINY's own is 5e-4), and a report rewritten from the records alone
+    # says the runs' learning rate and held-out size, not the settings' defaults
+    assert ablate_mod.TINY.lr != 7e-4 and "AdamW lr 0.0007 (" in text
+    for run in (tmp_path / "a" / "runs").iterdir():
+        assert "\nlr: 0.0007\n" in (run / "config.yaml").read_text()
+    again = ablate_mod.rewrite_report(tmp_path / "a").read_text()
+    assert "AdamW lr 0.0007 (" in again
+    assert f"{ablate_mod.TINY.eval_size} held-out problems" in again
+    assert ablate_mod.AblationSettings().eval_size != ablate_mod.TINY.eval_size
     # the second invocation reads the cached warm-up
     settings = ablate_mod.TINY
     task = ablate_mod.ablation_task(settings, -1)
@@ -86,6 +95,9 @@ def test_refuses_without_a_gpu_before_writing(tmp_path, monkeypatch, capsys):
         (["--seeds", "0"], "--seeds must be >= 1"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--workers", "0"], "--workers must be >= 1"),
+        (["--lr", "0"], "--lr must be in (0, 1)"),
+        (["--lr", "nan"], "--lr must be in (0, 1)"),
+        (["--lr", "3"], "--lr must be in (0, 1)"),
         (["--recipes", "bf16,nvfp5"], "unknown preset(s) ['nvfp5']"),
         (["--recipes", ","], "unknown preset"),
         (["--recipes", "bf16,mxfp8,bf16"], "names a preset twice"),
