@@ -26,7 +26,7 @@ from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
 from mxrl.engine.config import EngineConfig
 from mxrl.engine.graph import DecodeGraphs, GraphCapture
-from mxrl.engine.kv_cache import KVCache
+from mxrl.engine.kv_cache import KVCache, cache_dims
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
 from mxrl.engine.modules import (
     RolloutExperts,
@@ -119,11 +119,11 @@ class Engine(WeightLoading, GraphCapture):
         self.weights_version = 0
         self.weights_step: int | None = None  # the step of the last update loaded (loading.py)
         # the Triton paged attention on the triton backend, where the cache's shape allows it
+        # (any head dims >= 16, MLA's keys and narrower values included: padded in the kernel)
         self._attention_kernel = (
             self.kernels.attention is Backend.TRITON
-            and not config.is_mla  # its values are narrower than its keys: the reference
             and _pow2_at_least_16(self.cache_options.block_size)
-            and _pow2_at_least_16(config.head_dim)
+            and min(cache_dims(config)[1:]) >= 16
         )
         # the one-launch sampler for rows without top-k / top-p (mxrl.kernels.sampling)
         self.fused_sampler = self.kernels.sampler is Backend.TRITON
@@ -137,6 +137,8 @@ class Engine(WeightLoading, GraphCapture):
             and self.device.type == "cuda"
             and self._attention_kernel
             and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
+            # MLA's decode has not been captured on a GPU yet (docs/models.md): eager until it is
+            and not config.is_mla
         )
         self._graphs: DecodeGraphs | None = None
 

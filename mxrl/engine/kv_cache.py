@@ -235,7 +235,6 @@ class PagedAttention:
         if self.kernel:
             from mxrl.kernels.attention import paged_attention
 
-            assert dv == d, "the Triton paged attention takes values as wide as the keys"
             q = q_NTD.transpose(0, 1).to(cache.dtype)  # [T, N, D]
             kc, vc = cache.k[layer_idx], cache.v[layer_idx]
             scales = (cache.k_scale[layer_idx], cache.v_scale[layer_idx]) if cache.fp8 else None

@@ -69,18 +69,23 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every new token over its request's cached keys (already written).
 
-    k_cache / v_cache [num_blocks, B, K, D] (B a power of two >= 16); block_tables int32
-    [R, max_blocks]; q [T, N, D] in the cache's dtype. fp8_scales: an FP8 cache (k_cache and
-    v_cache uint8 E4M3 codes) and its (key, value) scales, fp32 [num_blocks, B, K], contiguous;
-    q is then in the dtype the cache is read as. Returns [T, N, D]."""
+    k_cache [num_blocks, B, K, DK], v_cache [num_blocks, B, K, DV] (B a power of two >= 16; the
+    head dims any width >= 16, DV = DK but for MLA); block_tables int32 [R, max_blocks]; q
+    [T, N, DK] in the cache's dtype. fp8_scales: an FP8 cache (k_cache and v_cache uint8 E4M3
+    codes) and its (key, value) scales, fp32 [num_blocks, B, K], contiguous; q is then in the
+    dtype the cache is read as. Returns [T, N, DV]."""
+    import triton
+
     from mxrl.kernels.triton_attention import paged_attention_kernel
 
     _, heads, d = q_TND.shape
     _, bs, heads_kv, d_cache = k_cache.shape
-    if heads % heads_kv or d != d_cache or v_cache.shape != k_cache.shape:
+    dv = v_cache.shape[-1]
+    if heads % heads_kv or d != d_cache or v_cache.shape[:-1] != k_cache.shape[:-1]:
         raise ValueError(
             f"paged_attention: q {tuple(q_TND.shape)} does not fit the cache "
-            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} ([T, N, D] with N a multiple of K)"
+            f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)} ([T, N, DK] with N a multiple of "
+            f"K, keys [..., K, DK], values [..., K, DV])"
         )
     if fp8_scales is not None:
         k_scale, v_scale = fp8_scales
@@ -97,13 +102,14 @@ def paged_attention(
         raise ValueError(f"paged_attention: q is {q_TND.dtype}, the cache {k_cache.dtype}")
     else:
         k_scale = v_scale = k_cache  # unused
-    if bs < 16 or bs & (bs - 1) or d < 16 or d & (d - 1):
+    if bs < 16 or bs & (bs - 1) or d < 16 or dv < 16:
         raise ValueError(
-            f"paged_attention needs power-of-two block size and head dim >= 16, got {bs}, {d}"
+            f"paged_attention needs a power-of-two block size >= 16 and head dims >= 16, got "
+            f"{bs}, {d} / {dv}"
         )
     group = heads // heads_kv
     q = q_TND.contiguous()
-    out = torch.empty_like(q)
+    out = q.new_empty((q.shape[0], heads, dv))
     if tiles.num_tiles == 0:
         return out
     paged_attention_kernel[(tiles.num_tiles, heads_kv)](
@@ -114,7 +120,8 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         scale,
-        G=group, D=d, BLOCK_M=block_m(group), BLOCK_N=bs,
+        G=group, DK=d, DV=dv, BLOCK_DK=triton.next_power_of_2(d),
+        BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m(group), BLOCK_N=bs,
         IEEE=q.dtype == torch.float32, FP8=fp8_scales is not None, HEADS_KV=heads_kv,
         HW=q.is_cuda, num_warps=4,
     )  # fmt: skip

@@ -1,8 +1,12 @@
 """Paged attention over a ragged batch, one launch per layer (prefill, chunked prefill and
 decode alike), batch-invariant by construction.
 
-Legend: T new tokens of the step, N / K query / key-value heads, G = N / K, D head dim,
-B cache block size (= BLOCK_N), M = BLOCK_M rows of a program.
+Legend: T new tokens of the step, N / K query / key-value heads, G = N / K, DK / DV key and
+value head dims (equal but for MLA, DeepSeek-V3's qk_nope + qk_rope keys and v_head_dim values),
+B cache block size (= BLOCK_N), M = BLOCK_M rows of a program. A head dim that is not a power of
+two (MLA's 192) is padded to the next one inside the kernel with masked loads: the padded query
+and key columns are exact zeros, so every score is the unpadded dot's; padded value columns are
+never stored.
 
 Work split: one program per (query tile, key-value head). A query tile is up to QT = M / G
 consecutive new tokens of one request; its rows are (token, query head of that KV head) pairs,
@@ -10,8 +14,8 @@ so GQA shares every key block load across the G heads. The program walks the req
 block by block through its block table, in order, with the online softmax.
 
 Why a row's bytes depend on nothing but its query and its request's keys up to its position:
-- a row of `tl.dot` is computed from that row alone (the MMA reduces over D in an order fixed by
-  the compiled kernel, whose shape — BLOCK_M, BLOCK_N, D, warps — never changes);
+- a row of `tl.dot` is computed from that row alone (the MMA reduces over DK in an order fixed by
+  the compiled kernel, whose shape — BLOCK_M, BLOCK_N, DK, DV, warps — never changes);
 - key blocks are visited in one fixed order from position 0, the same for any tile or step;
 - blocks past a row's position are masked to -inf: its running max stays, the rescale factor is
   exp(0) = 1 and the added terms are exact zeros, so how far the program walks (set by the last
@@ -40,12 +44,12 @@ from mxrl.kernels.triton_codecs import e4m3_decode
 
 @triton.jit
 def paged_attention_kernel(
-    q_ptr,  # [T, N, D]
-    k_cache_ptr,  # [num_blocks, B, K, D] (FP8: uint8 E4M3 codes)
-    v_cache_ptr,
+    q_ptr,  # [T, N, DK]
+    k_cache_ptr,  # [num_blocks, B, K, DK] (FP8: uint8 E4M3 codes)
+    v_cache_ptr,  # [num_blocks, B, K, DV]
     k_scale_ptr,  # FP8: fp32 [num_blocks, B, K], contiguous (else unused)
     v_scale_ptr,
-    o_ptr,  # [T, N, D]
+    o_ptr,  # [T, N, DV]
     block_tables_ptr,  # int32 [R, max_blocks]
     tile_token_ptr,  # int32 [tiles]: index in T of the tile's first token
     tile_rows_ptr,  # int32 [tiles]: tokens in the tile (<= QT)
@@ -64,7 +68,10 @@ def paged_attention_kernel(
     stride_bt,
     scale,
     G: tl.constexpr,
-    D: tl.constexpr,
+    DK: tl.constexpr,  # key (and query) head dim
+    DV: tl.constexpr,  # value head dim (DK but for MLA)
+    BLOCK_DK: tl.constexpr,  # DK, or the next power of two (>= 16): the rest masked, exact zeros
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: full-precision dot (no TF32)
@@ -83,31 +90,35 @@ def paged_attention_kernel(
     qi = m_idx // G  # token of the tile
     head = head_kv * G + m_idx % G  # query head
     valid = qi < rows
-    d = tl.arange(0, D)
-    q_off = (t0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q_off = (t0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + dk[None, :]
+    if BLOCK_DK == DK:
+        q = tl.load(q_ptr + q_off, mask=valid[:, None], other=0.0)
+    else:  # padded columns hold exact zeros: every score is the unpadded dot's
+        q = tl.load(q_ptr + q_off, mask=valid[:, None] & (dk < DK)[None, :], other=0.0)
     q_pos = pos0 + qi
 
     n_idx = tl.arange(0, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     num_blocks = (pos0 + rows - 1) // BLOCK_N + 1
     for b in range(0, num_blocks):
         block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
-        k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + d[None, :]
-        v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + d[None, :]
+        k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + dk[None, :]
+        v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + dv[None, :]
+        k_raw = _load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
+        v_raw = _load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
         if FP8:
             s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
             k_sf = tl.load(k_scale_ptr + s_off)
             v_sf = tl.load(v_scale_ptr + s_off)
-            k_vals = _e4m3_values(tl.load(k_cache_ptr + k_off), HW)
-            v_vals = _e4m3_values(tl.load(v_cache_ptr + v_off), HW)
-            k = (k_vals * k_sf[:, None]).to(q_ptr.dtype.element_ty)
-            v = (v_vals * v_sf[:, None]).to(q_ptr.dtype.element_ty)
+            k = (_e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
+            v = (_e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
         else:
-            k = tl.load(k_cache_ptr + k_off)
-            v = tl.load(v_cache_ptr + v_off)
+            k = k_raw
+            v = v_raw
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -126,8 +137,22 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
-    o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dv[None, :]
+    if BLOCK_DV == DV:
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=valid[:, None])
+    else:
+        o_mask = valid[:, None] & (dv < DV)[None, :]
+        tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _load_cols(ptrs, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """A cache block's rows: every column when the head dim is a power of two (the unmasked
+    load the kernel always made), else its WIDTH columns and zeros up to BLOCK (an FP8 code 0
+    decodes to +0: the padding is exact zeros either way)."""
+    if BLOCK == WIDTH:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(cols < WIDTH)[None, :], other=0)
 
 
 @triton.jit

@@ -118,3 +118,81 @@ def test_kernel_on_an_fp8_cache_attends_to_its_dequantized_values(group):
     ref = _attend_cached(fp8, requests, q, kernel=False, group=group)
     assert_bytes_equal(ref, _attend_cached(plain, requests, q, False, group), "reference")
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def _mla_cache(dk, dv, fp8=False, seed=0):
+    """A cache whose keys (DK) and values (DV) differ in width, as MLA's do (DeepSeek-V3:
+    qk_nope + qk_rope = 192, v_head_dim 128), written with random keys and values."""
+    cache = KVCache(1, 12, BS, KV_HEADS, dk, torch.float32, torch.device("cpu"), dv, fp8=fp8)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(KV_HEADS, 12 * BS, dk, generator=g) * 2
+    v = torch.randn(KV_HEADS, 12 * BS, dv, generator=g)
+    cache.write(0, torch.arange(12 * BS), k, v)
+    return cache
+
+
+def _attend_mla(cache, requests, q, kernel):
+    """_attend_cached for a cache of narrower values: the step's own write goes to the scratch
+    block 11 (never read)."""
+    t = q.shape[1]
+    slots = torch.full((t,), 11 * BS, dtype=torch.long)
+    dk, dv = cache.k[0].shape[-1], cache.v[0].shape[-1]
+    att = PagedAttention(cache, slots, requests, group=1, kernel=kernel)
+    return att(0, q, torch.zeros(KV_HEADS, t, dk), torch.zeros(KV_HEADS, t, dv), scale=dk**-0.4)
+
+
+# (DK, DV): MLA-like widths that are not powers of two (padded inside the kernel), and a power
+# of two for keys only
+MLA_DIMS = [(24, 16), (48, 20), (32, 16)]
+
+
+@interpreter
+@pytest.mark.parametrize(("dk", "dv"), MLA_DIMS)
+def test_kernel_takes_keys_and_values_of_other_widths(dk, dv):
+    """MLA's cache: keys DK wide, values DV, neither need be a power of two; the kernel's
+    output is [T, N, DV], close to the reference, and a request's bytes are the same alone,
+    beside another one and in chunks."""
+    cache = _mla_cache(dk, dv)
+    g = torch.Generator().manual_seed(4)
+    requests = [(0, 37, 37, [0, 1, 2]), (37, 1, 21, [3, 4]), (38, 5, 45, [5, 6, 7])]
+    q = torch.randn(KV_HEADS, 43, dk, generator=g)
+    want = _attend_mla(cache, requests, q, kernel=False)
+    got = _attend_mla(cache, requests, q, kernel=True)
+    assert got.shape == want.shape == (KV_HEADS, 43, dv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = _attend_mla(cache, [(0, 37, 37, [0, 1, 2])], q[:, :37], kernel=True)
+    assert_bytes_equal(got[:, :37], alone, "beside others")
+    chunk = _attend_mla(cache, [(0, 20, 32, [0, 1])], q[:, 12:32], kernel=True)
+    assert_bytes_equal(chunk, alone[:, 12:32], "a chunk at 12..31")
+
+
+@interpreter
+@pytest.mark.parametrize(("dk", "dv"), MLA_DIMS[:2])
+def test_kernel_on_an_fp8_cache_of_other_widths_reads_its_dequantized_values(dk, dv):
+    """The FP8 cache with MLA's widths: the padded columns decode to zeros, so the kernel gives
+    what it gives on a cache holding the dequantized values, byte for byte."""
+    fp8 = _mla_cache(dk, dv, fp8=True)
+    plain = KVCache(1, 12, BS, KV_HEADS, dk, torch.float32, torch.device("cpu"), dv)
+    everything = torch.arange(12)
+    plain.k[0].copy_(fp8.gather(0, False, everything))
+    plain.v[0].copy_(fp8.gather(0, True, everything))
+    g = torch.Generator().manual_seed(5)
+    requests = [(0, 37, 37, [0, 1, 2]), (37, 1, 21, [3, 4])]
+    q = torch.randn(KV_HEADS, 38, dk, generator=g)
+    got = _attend_mla(fp8, requests, q, kernel=True)
+    assert_bytes_equal(got, _attend_mla(plain, requests, q, kernel=True), "fp8 vs dequantized")
+    torch.testing.assert_close(got, _attend_mla(fp8, requests, q, kernel=False), rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernel_refuses_what_does_not_fit():
+    from mxrl.kernels.attention import attention_tiles, paged_attention
+
+    tiles = attention_tiles([(0, 1, 1)], 1, torch.device("cpu"))
+    tables = torch.zeros((1, 1), dtype=torch.int32)
+    k = torch.zeros(2, BS, KV_HEADS, 24)
+    with pytest.raises(ValueError, match="does not fit the cache"):  # q's width is not the keys'
+        paged_attention(torch.zeros(1, KV_HEADS, 16), k, torch.zeros(2, BS, KV_HEADS, 16), tables, tiles, 1.0)
+    with pytest.raises(ValueError, match="does not fit the cache"):  # values of other blocks
+        paged_attention(torch.zeros(1, KV_HEADS, 24), k, torch.zeros(3, BS, KV_HEADS, 16), tables, tiles, 1.0)
+    with pytest.raises(ValueError, match="head dims >= 16"):
+        paged_attention(torch.zeros(1, KV_HEADS, 24), k, torch.zeros(2, BS, KV_HEADS, 8), tables, tiles, 1.0)
