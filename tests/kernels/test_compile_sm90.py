@@ -72,3 +72,4 @@ def test_the_fp8_cache_attention_decodes_e4m3_in_hardware():
     assert report["fp8_hw_True"]["cvt_from_e4m3"] > 0
     assert report["fp8_hw_False"]["cvt_from_e4m3"] == 0
     assert report["fp8_hw_True"]["shl_b32"] < report["fp8_hw_False"]["shl_b32"]
+    assert report["mla_bf16"]["cvt_from_e4m3"] == 0  # compiled: a bf16 cache, nothing to decode
