@@ -8,7 +8,7 @@ output (`mm_f32`), then the global scales as `mxrl.kernels.emulated` applies the
 GEMM up to the fp32 summation order. Block FP8 (N, K multiples of 128, CUDA): `torch._scaled_mm`
 blockwise on FP8 tensor cores (`mxrl.kernels.fp8_gemm`, within its bound); otherwise the fp32
 emulated GEMM.
-Backward (bf16 operands, fp32 output), by mode:
+Backward (bf16 operands, fp32 output), by mode (the operands through `mxrl.nn.operands`):
   high_precision  dx = dy @ w           dw = dy^T @ x             (w, x, dy rounded to bf16)
   dequantized     dx = dy @ deq(Qw(w))  dw = dy^T @ deq(Qa(x))    (deq rounded to bf16: exact
                                                                    for MXFP8, not for NVFP4's
@@ -44,6 +44,7 @@ from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
+from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
@@ -192,16 +193,29 @@ def fp8_block_gemm(aq: QTensor, bq: QTensor, spec: TensorSpec) -> torch.Tensor:
 def fp8_block_backward(ctx, dy: torch.Tensor):
     """The block-FP8 quantized backward (module docstring): dx and dw in x's and w's dtypes,
     None where not needed. ctx holds spec, tw (with its w^T copy), backend, x_col (x^T in
-    1x128 along T) and the dtypes."""
+    1x128 along T) and the dtypes. Its COL operands are QTensors in the layout the FP8 GEMM
+    reads (dy^T, x^T, w^T: `fp8_block_gemm` multiplies a @ b^T); each is made only where its
+    GEMM runs."""
+    spec, tw, backend = ctx.spec, ctx.tw, ctx.backend
+    ops = BackwardOperands(
+        Backward.QUANTIZED,
+        {
+            (Operand.BWD_GRAD, Form.ROW): lambda: fp8_block_row(dy, spec, backend),
+            (Operand.BWD_GRAD, Form.COL): lambda: fp8_block_col(dy, spec, backend),
+            # w^T's square blocks, on the first backward; None where the FP8 GEMM does not run
+            (Operand.FWD_WEIGHT, Form.COL): lambda: tw.col,
+            (Operand.FWD_INPUT, Form.COL): lambda: ctx.x_col,
+        },
+    )
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dyq = fp8_block_row(dy, ctx.spec, ctx.backend)
-        if ctx.tw.col is not None:
-            dx = fp8_block_gemm(dyq, ctx.tw.col, ctx.spec)
-        else:  # N not whole blocks, or off CUDA: the reference's formula
-            dx = dequantize(dyq)[:, : dy.shape[1]] @ dequantize(ctx.tw.q)
+        dyq, w_col = ops.of(GemmKind.DGRAD)
+        if w_col is not None:
+            dx = fp8_block_gemm(dyq, w_col, spec)
+        else:  # N not whole blocks, or off CUDA: the reference's formula, on w's own blocks
+            dx = dequantize(dyq)[:, : dy.shape[1]] @ dequantize(tw.q)
     if ctx.needs_input_grad[1]:  # padded token columns are zeros in both: nothing to cut
-        dw = fp8_block_gemm(fp8_block_col(dy, ctx.spec, ctx.backend), ctx.x_col, ctx.spec)
+        dw = fp8_block_gemm(*ops.of(GemmKind.WGRAD), spec)
     return (
         None if dx is None else dx.to(ctx.x_dtype),
         None if dw is None else dw.to(ctx.w_dtype),
@@ -213,7 +227,8 @@ class TensorCoreQMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, tw: TensorCoreWeight, spec: TensorSpec, mode: Backward, backend):
-        if spec.format is Format.MXFP8 and mode is not Backward.DEQUANTIZED:
+        x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
+        if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
             # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
             lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
             y, xq = mm_f32(lp_x, tw.lp().t()), None
@@ -222,9 +237,10 @@ class TensorCoreQMatmul(torch.autograd.Function):
             y = forward_gemm(xq, tw, spec)
         ctx.mode, ctx.tw, ctx.x_dtype, ctx.w_dtype = mode, tw, x.dtype, w.dtype
         ctx.spec, ctx.backend, ctx.rows = spec, backend, x.shape[0]
-        if mode is Backward.HIGH_PRECISION:
+        # what the backward keeps of x: the form its WGRAD reads
+        if x_form is Form.HP:
             ctx.save_for_backward(x, w)
-        elif mode is Backward.DEQUANTIZED:
+        elif x_form is Form.DEQ:
             ctx.xq = xq  # a QTensor: its bytes, not a fp32 copy
             ctx.save_for_backward(w)
         elif spec.format is Format.FP8_BLOCK:
@@ -240,21 +256,38 @@ class TensorCoreQMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        tw: TensorCoreWeight = ctx.tw
-        rows = ctx.rows
         if ctx.mode is Backward.QUANTIZED and ctx.spec.format is Format.FP8_BLOCK:
             return *fp8_block_backward(ctx, dy), None, None, None, None
-        if ctx.mode is Backward.HIGH_PRECISION:
-            x, w = ctx.saved_tensors
-            w_op, dy_op, x_op, dyt_op = w.to(BF16), dy.to(BF16), x.to(BF16), dy.to(BF16)
-        elif ctx.mode is Backward.DEQUANTIZED:
-            w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = kernel_dequantize(ctx.xq, backend=ctx.backend)
-        else:
-            row, col = qdq_mxfp8(pad_rows(dy, MXFP8_BLOCK), colwise=True, backend=ctx.backend)
-            w_op = tw.col_bf16()
-            dy_op, dyt_op = row[:rows], col[:rows]
-            x_op = kernel_dequantize(ctx.x_col, backend=ctx.backend)[:rows]
+        ops = BackwardOperands(ctx.mode, _bf16_operands(ctx, dy))
+        (dy_op, w_op), (dyt_op, x_op) = ops.of(GemmKind.DGRAD), ops.of(GemmKind.WGRAD)
         dx = mm_f32(dy_op, w_op).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = mm_f32(dyt_op.t(), x_op).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None, None, None
+
+
+def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
+    """TensorCoreQMatmul's makers of each (operand, form) (`mxrl.nn.operands`) but block FP8's
+    quantized ones: bf16, in the tensors' own layouts (dy [T, N], w [N, K], x [T, K]). Saved:
+    (x, w) where the WGRAD reads x itself, else (w,). Both GEMMs' operands are made before
+    either runs: MXFP8's column-wise weight copy is made (or refused) whichever gradients are
+    asked for."""
+    tw: TensorCoreWeight = ctx.tw
+    rows, backend = ctx.rows, ctx.backend
+    # read only where a form needs x or w: reading checks their versions, and a weight
+    # written since the forward must be refused by the column-wise copy's own message
+    saved = functools.cache(lambda: ctx.saved_tensors)
+    # MXFP8: both copies of dy from one read
+    dy_row_and_col = functools.cache(
+        lambda: qdq_mxfp8(pad_rows(dy, MXFP8_BLOCK), colwise=True, backend=backend)
+    )
+    return {
+        (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
+        (Operand.FWD_WEIGHT, Form.HP): lambda: saved()[-1].to(BF16),
+        (Operand.FWD_INPUT, Form.HP): lambda: saved()[0].to(BF16),
+        (Operand.FWD_WEIGHT, Form.DEQ): tw.deq_bf16,
+        (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
+        (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0][:rows],
+        (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1][:rows],
+        (Operand.FWD_WEIGHT, Form.COL): tw.col_bf16,
+        (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend)[:rows],
+    }

@@ -6,7 +6,8 @@ output / input features, E experts, P rows of the 32-aligned padded layout.
 The R rows are sorted by expert (a stable sort, as the loop's); expert e owns rows
 starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torch._grouped_mm`
 (bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @ [E, N, K]; wgrad
-[N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes:
+[N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes
+(through the table in `mxrl.nn.operands`):
   bf16 experts    x, w cast to bf16 (w re-cast in the backward: no bf16 weight copy is kept)
   quantized fwd   lp(Qa(x)) and lp(Qw(w)) exact in bf16; the NVFP4 global scales (per token,
                   per expert) multiply the bf16 output rows
@@ -26,6 +27,7 @@ per token), so sorting the rows leaves their bytes as the loop's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,7 @@ from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wg
 from mxrl.nn import invariant
 from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
 from mxrl.nn.gemm import grouped_mm
+from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
 from mxrl.recipe import Backward, TensorSpec
 
@@ -158,7 +161,8 @@ class GroupedLinear(torch.autograd.Function):
             y = grouped_mm(a, w.to(BF16).transpose(-2, -1), layout.ends)
             ctx.save_for_backward(a, w)
             return y
-        if spec.format is Format.MXFP8 and mode is not Backward.DEQUANTIZED:
+        x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
+        if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
             # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
             lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
             y, xq = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends), None
@@ -172,9 +176,10 @@ class GroupedLinear(torch.autograd.Function):
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
             if scale is not None:
                 y = (y.float() * scale).to(BF16)
-        if mode is Backward.HIGH_PRECISION:
+        # what the backward keeps of x: the form its WGRAD reads
+        if x_form is Form.HP:
             ctx.save_for_backward(x.to(BF16), w)
-        elif mode is Backward.DEQUANTIZED:
+        elif x_form is Form.DEQ:
             ctx.xq = xq
             ctx.save_for_backward(w)
         elif spec.format is Format.FP8_BLOCK:
@@ -191,50 +196,81 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         lay: ExpertLayout = ctx.layout
-        tw: TensorCoreWeight | None = ctx.tw
         dy = dy.contiguous()
-        ends = lay.ends
         spec = ctx.spec
-        if ctx.mode is Backward.QUANTIZED and spec is not None and spec.format is Format.FP8_BLOCK:
+        mode = Backward.HIGH_PRECISION if spec is None else ctx.mode  # bf16 experts: x and w
+        if mode is Backward.QUANTIZED and spec.format is Format.FP8_BLOCK:
             return _fp8_block_backward(ctx, dy)
-        if spec is None or ctx.mode is Backward.HIGH_PRECISION:
-            x_op, w = ctx.saved_tensors
-            w_op, dy_op, dyt_op = w.to(BF16), dy.to(BF16), dy.to(BF16)
-        elif ctx.mode is Backward.DEQUANTIZED:
-            w_op, dy_op, dyt_op = tw.deq_bf16(), dy.to(BF16), dy.to(BF16)
-            x_op = kernel_dequantize(ctx.xq, backend=ctx.backend)
-        else:
-            assert tw is not None, "quantized backward needs the quantized weight"
-            pad: PaddedLayout = ctx.padded
-            row, dyt_op = qdq_mxfp8(pad.scatter(dy), colwise=True, backend=ctx.backend)
-            w_op = tw.col_bf16()
-            dy_op = row.index_select(0, pad.dest)
-            x_op = kernel_dequantize(ctx.x_col, backend=ctx.backend)
-            ends = pad.ends  # the wgrad runs over the padded rows (zeros add nothing)
+        ops = BackwardOperands(mode, _bf16_operands(ctx, dy))
+        (dy_op, w_op), (dyt_op, x_op) = ops.of(GemmKind.DGRAD), ops.of(GemmKind.WGRAD)
+        # the COL copies hold each expert's rows from a 32-aligned start (zeros add nothing)
+        x_col = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT) is Form.COL
+        wgrad_ends = ctx.padded.ends if x_col else lay.ends
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = _widen(grouped_mm(dy_op, w_op, lay.ends), ctx.x_dtype, ctx.backend)
         if ctx.needs_input_grad[1]:
-            dw = _widen(grouped_mm(dyt_op.t(), x_op, ends), ctx.w_dtype, ctx.backend)
+            dw = _widen(grouped_mm(dyt_op.t(), x_op, wgrad_ends), ctx.w_dtype, ctx.backend)
         return dx, dw, None, None, None, None, None
+
+
+def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
+    """GroupedLinear's makers of each (operand, form) (`mxrl.nn.operands`) but block FP8's
+    quantized ones: bf16, in the tensors' own layouts (dy [R, N], w [E, N, K], x [R, K]), the
+    quantized backward's COL copies of dy and x in the padded layout (`PaddedLayout`). Saved:
+    (bf16 x, w) where the WGRAD reads x itself, else (w,). Both GEMMs' operands are made before
+    either runs."""
+    tw: TensorCoreWeight | None = ctx.tw
+    backend = ctx.backend
+    # read only where a form needs x or w: reading checks their versions, and a weight
+    # written since the forward must be refused by the column-wise copy's own message
+    saved = functools.cache(lambda: ctx.saved_tensors)
+
+    @functools.cache
+    def dy_row_and_col():  # MXFP8: both copies of dy from one read, in the padded layout
+        assert tw is not None, "quantized backward needs the quantized weight"
+        return qdq_mxfp8(ctx.padded.scatter(dy), colwise=True, backend=backend)
+
+    return {
+        (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
+        (Operand.FWD_WEIGHT, Form.HP): lambda: saved()[-1].to(BF16),
+        (Operand.FWD_INPUT, Form.HP): lambda: saved()[0],
+        (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.deq_bf16(),
+        (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
+        (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0].index_select(0, ctx.padded.dest),
+        (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
+        (Operand.FWD_WEIGHT, Form.COL): lambda: tw.col_bf16(),
+        (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend),
+    }
 
 
 def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
     """GroupedLinear's block-FP8 quantized backward (module docstring), on FP8 codes: dgrad
     through the forward kernel on w's codes transposed, wgrad grouped along the tokens (FP8
-    MMA)."""
+    MMA). Its operands are QTensors, each made only where its GEMM runs: COL of w is the
+    forward's square blocks, which the dgrad kernel reads transposed; COL of dy and x are
+    dy^T and x^T in the padded layout."""
     lay: ExpertLayout = ctx.layout
     pad: PaddedLayout = ctx.padded
     spec, tw, backend = ctx.spec, ctx.tw, ctx.backend
+    ops = BackwardOperands(
+        Backward.QUANTIZED,
+        {
+            (Operand.BWD_GRAD, Form.ROW): lambda: fp8_block_row(dy, spec, backend),
+            (Operand.BWD_GRAD, Form.COL): lambda: fp8_block_col(pad.scatter(dy), spec, backend),
+            (Operand.FWD_WEIGHT, Form.COL): lambda: tw.q,
+            (Operand.FWD_INPUT, Form.COL): lambda: ctx.x_col,
+        },
+    )
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dyq = fp8_block_row(dy, spec, backend)
+        dyq, wq = ops.of(GemmKind.DGRAD)
         dx = grouped_fp8_block_matmul(
-            dyq, tw.q, lay.offsets(), out_dtype=BF16, transpose_w=True, **DGRAD_TILE
+            dyq, wq, lay.offsets(), out_dtype=BF16, transpose_w=True, **DGRAD_TILE
         ).to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        dy_col = fp8_block_col(pad.scatter(dy), spec, backend)
-        dw = grouped_fp8_block_wgrad(dy_col, ctx.x_col, pad.offsets(), **WGRAD_TILE)
+        dy_col, x_col = ops.of(GemmKind.WGRAD)
+        dw = grouped_fp8_block_wgrad(dy_col, x_col, pad.offsets(), **WGRAD_TILE)
         dw = dw.to(ctx.w_dtype)
     return dx, dw, None, None, None, None, None
 

@@ -8,7 +8,7 @@ where lp(.) is the dequantized operand *without* NVFP4's FP32 global scale (e2m1
 e4m3 * 2^k products are exact in fp32) and s_x [T, 1], s_w (scalar or [1, N]) the decode global
 scales (1 for formats without one). This is the native GEMM up to summation order.
 
-Backward, by mode:
+Backward, by mode (the operands through the table in `mxrl.nn.operands`):
   high_precision  dx = dy @ w              dw = dy^T @ x          (the original operands)
   dequantized     dx = dy @ deq(Qw(w))     dw = dy^T @ deq(Qa(x)) (what the forward really used)
   quantized       dx = deq(Qrow(dy)) @ deq(Qcol(w))
@@ -32,6 +32,7 @@ Every backend quantizes to the same bytes, so the backend never changes a gradie
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import Backend, quantize_mxfp8_both
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import emulated_gemm
+from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
 
@@ -205,33 +207,62 @@ class QMatmul(torch.autograd.Function):
         y, xq = emulated_matmul(x, wq, spec, backend)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
         ctx.spec, ctx.backend = spec, backend  # the quantized backward quantizes dy and x too
-        # dequantized mode keeps the forward's activation operand, not the original
-        ctx.save_for_backward(dequantize(xq) if mode is Backward.DEQUANTIZED else x, w)
+        # the dequantized backward's WGRAD reads the forward's activation operand, not x
+        x_deq = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT) is Form.DEQ
+        ctx.save_for_backward(dequantize(xq) if x_deq else x, w)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x_saved, w = ctx.saved_tensors
-        wq: QuantizedWeight = ctx.wq
-        dy32 = dy.float()
-        if ctx.mode is Backward.HIGH_PRECISION:
-            w_op, dy_op, x_op, dyt_op = w.float(), dy32, x_saved.float(), dy32
-        elif ctx.mode is Backward.DEQUANTIZED:
-            w_op, dy_op, x_op, dyt_op = wq.deq, dy32, x_saved, dy32
-        elif ctx.spec.format is Format.FP8_BLOCK:
-            rows, n = dy.shape
-            w_op = wq.deq  # the square blocks of w^T are w's (module docstring)
-            dy_op = dequantize(fp8_block_row(dy, ctx.spec, ctx.backend))[:, :n]
-            dyt_op = dequantize(fp8_block_col(dy, ctx.spec, ctx.backend))[:, :rows].t()
-            x_op = dequantize(fp8_block_col(x_saved, ctx.spec, ctx.backend))[:, :rows].t()
-        else:
-            assert wq.col is not None, "quantized backward needs the column-wise weight copy"
-            w_op = wq.col
-            # dy and x in their own dtype: the quantizers read fp32, bf16 and fp16 exactly
-            dy_op, dyt_op = _mxfp8_row_and_col(dy, ctx.backend)
-            x_op = _mxfp8_col(x_saved, ctx.backend)
+        ops = BackwardOperands(ctx.mode, _reference_operands(ctx, dy, x_saved, w))
+        (dy_op, w_op), (dyt_op, x_op) = ops.of(GemmKind.DGRAD), ops.of(GemmKind.WGRAD)
         dx = dy_op @ w_op if ctx.needs_input_grad[0] else None
         dw = dyt_op.t() @ x_op if ctx.needs_input_grad[1] else None
         dx = None if dx is None else dx.to(ctx.x_dtype)
         dw = None if dw is None else dw.to(ctx.w_dtype)
         return dx, dw, None, None, None, None
+
+
+def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.Tensor) -> dict:
+    """QMatmul's makers of each (operand, form) (`mxrl.nn.operands`): fp32, in the tensors' own
+    layouts (dy [T, N], w [N, K], x [T, K]). x_saved is x, or deq(Qa(x)) where the WGRAD reads
+    that (QMatmul.forward). Both GEMMs' operands are made before either runs."""
+    wq: QuantizedWeight = ctx.wq
+    spec, backend = ctx.spec, ctx.backend
+    rows, n = dy.shape
+    makers = {
+        (Operand.BWD_GRAD, Form.HP): dy.float,
+        (Operand.FWD_WEIGHT, Form.HP): w.float,
+        (Operand.FWD_INPUT, Form.HP): x_saved.float,
+        (Operand.FWD_WEIGHT, Form.DEQ): lambda: wq.deq,
+        (Operand.FWD_INPUT, Form.DEQ): lambda: x_saved,
+    }
+    if spec.format is Format.FP8_BLOCK:
+
+        def dy_row() -> torch.Tensor:  # dy in 1 x b blocks along N
+            return dequantize(fp8_block_row(dy, spec, backend))[:, :n]
+
+        def col(t: torch.Tensor) -> torch.Tensor:  # t^T in 1 x b blocks, back in t's layout
+            return dequantize(fp8_block_col(t, spec, backend))[:, :rows].t()
+
+        return makers | {
+            (Operand.BWD_GRAD, Form.ROW): dy_row,
+            (Operand.BWD_GRAD, Form.COL): lambda: col(dy),
+            # the square blocks of w^T are w's (module docstring)
+            (Operand.FWD_WEIGHT, Form.COL): lambda: wq.deq,
+            (Operand.FWD_INPUT, Form.COL): lambda: col(x_saved),
+        }
+    # MXFP8; dy and x in their own dtype: the quantizers read fp32, bf16 and fp16 exactly
+    dy_row_and_col = functools.cache(lambda: _mxfp8_row_and_col(dy, backend))
+    return makers | {
+        (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0],
+        (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
+        (Operand.FWD_WEIGHT, Form.COL): lambda: _weight_col(wq),
+        (Operand.FWD_INPUT, Form.COL): lambda: _mxfp8_col(x_saved, backend),
+    }
+
+
+def _weight_col(wq: QuantizedWeight) -> torch.Tensor:
+    assert wq.col is not None, "quantized backward needs the column-wise weight copy"
+    return wq.col
