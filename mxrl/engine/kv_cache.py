@@ -230,7 +230,7 @@ class PagedAttention:
     ) -> torch.Tensor:
         cache = self.cache
         cache.write(layer_idx, self.slot_mapping, k_KTD, v_KTD)
-        d, dv = q_NTD.shape[-1], cache.v[layer_idx].shape[-1]
+        d = q_NTD.shape[-1]
         scale = d**-0.5 if scale is None else scale
         if self.kernel:
             from mxrl.kernels.attention import paged_attention

@@ -25,7 +25,9 @@ def _trainer():
     with torch.no_grad():  # a bias that moves choices (init_weights zeroes it)
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+                m.e_score_correction_bias.normal_(
+                    0.0, 0.05, generator=torch.Generator().manual_seed(1)
+                )
     return model
 
 

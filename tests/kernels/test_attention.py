@@ -181,7 +181,9 @@ def test_kernel_on_an_fp8_cache_of_other_widths_reads_its_dequantized_values(dk,
     q = torch.randn(KV_HEADS, 38, dk, generator=g)
     got = _attend_mla(fp8, requests, q, kernel=True)
     assert_bytes_equal(got, _attend_mla(plain, requests, q, kernel=True), "fp8 vs dequantized")
-    torch.testing.assert_close(got, _attend_mla(fp8, requests, q, kernel=False), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        got, _attend_mla(fp8, requests, q, kernel=False), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_the_kernel_refuses_what_does_not_fit():
@@ -191,8 +193,14 @@ def test_the_kernel_refuses_what_does_not_fit():
     tables = torch.zeros((1, 1), dtype=torch.int32)
     k = torch.zeros(2, BS, KV_HEADS, 24)
     with pytest.raises(ValueError, match="does not fit the cache"):  # q's width is not the keys'
-        paged_attention(torch.zeros(1, KV_HEADS, 16), k, torch.zeros(2, BS, KV_HEADS, 16), tables, tiles, 1.0)
+        paged_attention(
+            torch.zeros(1, KV_HEADS, 16), k, torch.zeros(2, BS, KV_HEADS, 16), tables, tiles, 1.0
+        )
     with pytest.raises(ValueError, match="does not fit the cache"):  # values of other blocks
-        paged_attention(torch.zeros(1, KV_HEADS, 24), k, torch.zeros(3, BS, KV_HEADS, 16), tables, tiles, 1.0)
+        paged_attention(
+            torch.zeros(1, KV_HEADS, 24), k, torch.zeros(3, BS, KV_HEADS, 16), tables, tiles, 1.0
+        )
     with pytest.raises(ValueError, match="head dims >= 16"):
-        paged_attention(torch.zeros(1, KV_HEADS, 24), k, torch.zeros(2, BS, KV_HEADS, 8), tables, tiles, 1.0)
+        paged_attention(
+            torch.zeros(1, KV_HEADS, 24), k, torch.zeros(2, BS, KV_HEADS, 8), tables, tiles, 1.0
+        )

@@ -77,7 +77,9 @@ def test_the_kernel_reads_an_fp8_cache_as_its_dequantized_values_on_cuda(dtype, 
     # every output at most one unit in the last place away, and few of them
     ulps = _bf16_ulps_apart(got, want)
     assert int(ulps.max()) <= 1, f"group {group}: {int(ulps.max())} units apart"
-    assert int((ulps > 0).sum()) <= got.numel() // 100, f"group {group}: {int((ulps > 0).sum())} differ"
+    assert int((ulps > 0).sum()) <= got.numel() // 100, (
+        f"group {group}: {int((ulps > 0).sum())} differ"
+    )
 
 
 def _bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
