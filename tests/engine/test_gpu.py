@@ -258,3 +258,32 @@ def test_fused_sampler_rows_do_not_depend_on_the_batch_on_cuda():
         t, lp = sample_batch(logits[lo:hi], sub, fused=True)
         assert torch.equal(t, tokens[lo:hi]), (lo, hi)
         assert_bytes_equal(lp, lps[lo:hi], f"rows {lo}:{hi}")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_cuda_step_without_sampling_rows_samples_nothing_on_cuda(fused):
+    """A step where no sequence samples (chunked prefill): empty tokens and logprobs on the
+    logits' device, as the engine's step concatenates and copies them with the CUDA results."""
+    from mxrl.engine.sampler import SamplingBatch, sample_batch
+
+    dev = torch.device("cuda")
+    tokens, lps = sample_batch(
+        torch.zeros(0, 151936, device=dev), SamplingBatch.build([], [], [], dev), fused=fused
+    )
+    assert tokens.device.type == "cuda" and lps.device.type == "cuda"
+    assert tokens.shape == (0,) and tokens.dtype == torch.int64
+    assert lps.shape == (0,) and lps.dtype == torch.float32
+
+
+@pytest.mark.parametrize("vocab", [32, 64, 4096, 1 << 17])
+def test_top_p_breaks_ties_by_vocabulary_index_on_cuda(vocab):
+    """filter_logits' docstring: ties in the sort are broken by vocabulary index (stable). CUDA's
+    unstable sort (bitonic for short rows, others for longer ones) may put any of the tied tokens
+    first. V equal logits, V a power of two: each probability is exactly 1/V and the mass before
+    the i-th of the sort exactly i/V, so p = 1/2 and 1/4 keep the first V/2 and V/4 tokens."""
+    from mxrl.engine.sampler import filter_logits
+
+    logits = torch.zeros(2, vocab, device="cuda")
+    got = filter_logits(logits, top_p_N=torch.tensor([0.5, 0.25], device="cuda")).cpu()
+    assert torch.isfinite(got[0]).nonzero()[:, 0].tolist() == list(range(vocab // 2))
+    assert torch.isfinite(got[1]).nonzero()[:, 0].tolist() == list(range(vocab // 4))
