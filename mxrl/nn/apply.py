@@ -7,8 +7,6 @@ the plan: a mismatch means the plan was resolved for another model, and is an er
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -17,18 +15,9 @@ from mxrl.kernels import Backend, Kernels
 from mxrl.kernels.backend import backend_for
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
+from mxrl.nn.swap import Swap
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.schema import KVCacheFormat
-
-
-@dataclass(frozen=True)
-class Swap:
-    """One module replaced by apply_plan (the audit)."""
-
-    module: str
-    new_type: str
-    tensors: tuple[str, ...]
-    formats: tuple[str, ...]
 
 
 def apply_plan(
