@@ -48,7 +48,8 @@ from mxrl.kernels.rowwise import MAX_ROUTE_EXPERTS
 from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.models.mla import SigmoidRouter
-from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.experts import EXPERT_PARAMS, GroupedExperts
+from mxrl.nn.swap import Replacement, SwapRule, swap_modules
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.recipe.schema import KVCacheFormat
 from mxrl.weights import WeightRecord, export_weights, read_quantized_checkpoint
@@ -146,44 +147,53 @@ class Engine(WeightLoading, GraphCapture):
     def _build(self) -> CausalLM:
         with torch.device("meta"):
             net = CausalLM(self.config, dtype=self.compute_dtype)
-        for name, module in list(net.named_modules()):
-            if isinstance(module, GroupedExperts):
-                specs = {
-                    "gate_up": self.plan[f"{name}.gate_up_proj"],
-                    "down": self.plan[f"{name}.down_proj"],
-                }
-                new = RolloutExperts(
-                    module, specs, self.compute_dtype, self.tile, self.kernels.rollout_gemm
-                )
-            elif isinstance(module, RMSNorm) and self.kernels.rowwise is Backend.TRITON:
-                with torch.device("meta"):
-                    new = RolloutRMSNorm(
-                        module.weight.shape[0], module.eps, dtype=self.compute_dtype
-                    )
-            elif isinstance(module, ApplyRope) and self.kernels.rowwise is Backend.TRITON:
-                new = RolloutRope()
-            elif (
-                isinstance(module, TopKSoftmax)
-                and self.kernels.rowwise is Backend.TRITON
-                and module.num_experts <= MAX_ROUTE_EXPERTS  # larger routers: the reference
-            ):
-                new = RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob)
-            elif isinstance(module, SigmoidRouter):
-                spec = self.plan[f"{name}.weight"]
-                new = RolloutSigmoidRouter(module, spec, self.kernels.rollout_gemm, self.tile)
-            elif isinstance(module, nn.Linear):
-                spec = self.plan[f"{name}.weight"]
-                new = RolloutLinear(spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile)
-            else:
-                continue
-            parent, _, child = name.rpartition(".")
-            setattr(net.get_submodule(parent) if parent else net, child, new)
+        swap_modules(net, self._swap_rules())
         if net.lm_head is None:  # tied: the logits GEMM reads the embedding, on tiles too
             spec = self.plan[TIED_EMBEDDING]
             net.lm_head = RolloutLinear(
                 spec, self.compute_dtype, self.kernels.rollout_gemm, self.tile
             )
         return net.eval()
+
+    def _swap_rules(self) -> list[SwapRule]:
+        """The engine's modules for the model's: weights held as the plan says (experts, router,
+        linears); on the triton row-wise backend the fused RMSNorm, RoPE and top-k too."""
+        dtype, gemm, tile = self.compute_dtype, self.kernels.rollout_gemm, self.tile
+
+        def experts(name: str, module: GroupedExperts) -> Replacement:
+            specs = {role: self.plan[f"{name}.{param}"] for role, param in EXPERT_PARAMS.items()}
+            return RolloutExperts(module, specs, dtype, tile, gemm), tuple(specs.values())
+
+        def rms_norm(name: str, module: RMSNorm) -> Replacement:
+            with torch.device("meta"):
+                return RolloutRMSNorm(module.weight.shape[0], module.eps, dtype=dtype), ()
+
+        def top_k(name: str, module: TopKSoftmax) -> Replacement | None:
+            if module.num_experts > MAX_ROUTE_EXPERTS:  # larger routers: the reference
+                return None
+            return RolloutTopK(module.num_experts, module.top_k, module.norm_topk_prob), ()
+
+        def router(name: str, module: SigmoidRouter) -> Replacement:
+            spec = self.plan[f"{name}.weight"]
+            return RolloutSigmoidRouter(module, spec, gemm, tile), (spec,)
+
+        def linear(name: str, module: nn.Linear) -> Replacement:
+            spec = self.plan[f"{name}.weight"]
+            return RolloutLinear(spec, dtype, gemm, tile), (spec,)
+
+        rowwise = []
+        if self.kernels.rowwise is Backend.TRITON:
+            rowwise = [
+                SwapRule(RMSNorm, rms_norm),
+                SwapRule(ApplyRope, lambda name, module: (RolloutRope(), ())),
+                SwapRule(TopKSoftmax, top_k),
+            ]
+        return [
+            SwapRule(GroupedExperts, experts),
+            *rowwise,
+            SwapRule(SigmoidRouter, router),
+            SwapRule(nn.Linear, linear),
+        ]
 
     # --- generation ----------------------------------------------------------------------------
     def _cache(self) -> tuple[KVCache, BlockManager]:

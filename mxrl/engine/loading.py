@@ -27,6 +27,7 @@ from torch import nn
 from mxrl.arch.names import keeps_fp32
 from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
+from mxrl.nn.experts import EXPERT_PARAMS
 from mxrl.weights import (
     VerifiedRecord,
     WeightRecord,
@@ -40,6 +41,7 @@ from mxrl.weights import (
 logger = logging.getLogger(__name__)
 
 TIED_EMBEDDING = "model.embed_tokens.weight"
+_EXPERT_ROLE = {param: role for role, param in EXPERT_PARAMS.items()}  # gate_up_proj -> gate_up
 
 
 class WeightLoading:
@@ -82,8 +84,7 @@ class WeightLoading:
         if isinstance(module, RolloutLinear) and attr == "weight":
             return value, module.materialize(value)
         if isinstance(module, RolloutExperts):
-            which = "gate_up" if attr == "gate_up_proj" else "down"
-            return value, module.materialize(which, value)
+            return value, module.materialize(_EXPERT_ROLE[attr], value)
         # the fp32 tensors (DeepSeek's router bias) stay fp32 (mxrl.arch.names.keeps_fp32)
         return value, value.to(torch.float32 if keeps_fp32(name) else self.compute_dtype)
 
@@ -95,7 +96,7 @@ class WeightLoading:
         if isinstance(module, RolloutLinear) and attr == "weight":
             held = {k: getattr(module, k) for k in ("qweight", "wq", "weight")}
         elif isinstance(module, RolloutExperts):
-            held = module.values["gate_up" if attr == "gate_up_proj" else "down"]
+            held = module.values[_EXPERT_ROLE[attr]]
         else:
             held = getattr(module, attr)
         return self.weights[name], held
@@ -108,7 +109,7 @@ class WeightLoading:
             for key, v in held.items():
                 setattr(module, key, v)
         elif isinstance(module, RolloutExperts):
-            module.values["gate_up" if attr == "gate_up_proj" else "down"] = held
+            module.values[_EXPERT_ROLE[attr]] = held
         elif isinstance(module, RolloutLinear):
             setattr(module, attr, held)
         else:

@@ -5,11 +5,12 @@ swaps = apply_plan(model, resolve("mxfp8", {n: p.shape for n, p in model.named_p
 set_gemm(model, "reference")   # the fp32 reference GEMMs (`mxrl.kernels.Gemm`) (default on the CPU; docs/nn.md)
 """
 
-from mxrl.nn.apply import Swap, apply_plan, swap_table
+from mxrl.nn.apply import apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache, weights_changed
+from mxrl.nn.swap import Swap
 
 __all__ = [
     "GroupedExperts",

@@ -7,28 +7,17 @@ the plan: a mismatch means the plan was resolved for another model, and is an er
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend, Kernels
 from mxrl.kernels.backend import backend_for
-from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.experts import EXPERT_PARAMS, GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
+from mxrl.nn.swap import Replacement, Swap, SwapRule, swap_modules
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.schema import KVCacheFormat
-
-
-@dataclass(frozen=True)
-class Swap:
-    """One module replaced by apply_plan (the audit)."""
-
-    module: str
-    new_type: str
-    tensors: tuple[str, ...]
-    formats: tuple[str, ...]
 
 
 def apply_plan(
@@ -45,31 +34,42 @@ def apply_plan(
     chosen = backend_for(backend, device)
     _check_names(params, plan)
     canonical = {id(p): name for name, p in params.items()}
-    swaps: list[Swap] = []
-    for name, module in list(model.named_modules()):
-        if isinstance(module, QLinear | QExperts):
-            raise ValueError(f"{name} is already quantized: apply_plan runs once per model")
-        if isinstance(module, GroupedExperts):
-            gu, down = plan[f"{name}.gate_up_proj"], plan[f"{name}.down_proj"]
-            if gu.format is Format.BF16 and down.format is Format.BF16:
-                continue
-            _replace(model, name, QExperts.from_experts(module, gu, down, plan.backward, chosen))
-            swaps.append(Swap(name, "QExperts", (gu.name, down.name), (gu.format, down.format)))
-        elif isinstance(module, nn.Linear):
-            spec = plan[canonical[id(module.weight)]]
-            if spec.format is Format.BF16:
-                continue
-            if spec.name != f"{name}.weight":
-                raise ValueError(
-                    f"{name}.weight is tied to {spec.name}, which the plan makes {spec.format}; "
-                    "a tied weight cannot be quantized for one use only: keep it bf16"
-                )
-            _replace(model, name, QLinear.from_linear(module, spec, plan.backward, chosen))
-            swaps.append(Swap(name, "QLinear", (spec.name,), (spec.format,)))
+    swaps = swap_modules(model, _trainer_rules(plan, chosen, canonical))
     _check_unsupported(model, plan, canonical)
     _link_fuse_partners(model)
     _set_kv_cache(model, plan)
     return swaps
+
+
+def _trainer_rules(plan: Plan, backend: Backend, canonical: dict[int, str]) -> list[SwapRule]:
+    """nn.Linear -> QLinear, GroupedExperts -> QExperts where the plan quantizes their tensors;
+    a module quantized already is an error."""
+
+    def refuse(name: str, module: nn.Module) -> None:
+        raise ValueError(f"{name} is already quantized: apply_plan runs once per model")
+
+    def experts(name: str, module: GroupedExperts) -> Replacement | None:
+        gu, down = (plan[f"{name}.{param}"] for param in EXPERT_PARAMS.values())
+        if gu.format is Format.BF16 and down.format is Format.BF16:
+            return None
+        return QExperts.from_experts(module, gu, down, plan.backward, backend), (gu, down)
+
+    def linear(name: str, module: nn.Linear) -> Replacement | None:
+        spec = plan[canonical[id(module.weight)]]
+        if spec.format is Format.BF16:
+            return None
+        if spec.name != f"{name}.weight":
+            raise ValueError(
+                f"{name}.weight is tied to {spec.name}, which the plan makes {spec.format}; "
+                "a tied weight cannot be quantized for one use only: keep it bf16"
+            )
+        return QLinear.from_linear(module, spec, plan.backward, backend), (spec,)
+
+    return [
+        SwapRule((QLinear, QExperts), refuse),
+        SwapRule(GroupedExperts, experts),
+        SwapRule(nn.Linear, linear),
+    ]
 
 
 def _set_kv_cache(model: nn.Module, plan: Plan) -> None:
@@ -147,9 +147,3 @@ def _link_fuse_partners(model: nn.Module) -> None:
         a, b = members
         a.set_fuse_partner(b.weight)
         b.set_fuse_partner(a.weight)
-
-
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)

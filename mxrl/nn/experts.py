@@ -23,6 +23,10 @@ from mxrl.nn import invariant
 from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
 
+# The two expert projections by role (the keys QExperts and the engine keep their specs under)
+# and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.
+EXPERT_PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
+
 
 class GroupedExperts(nn.Module):
     def __init__(
