@@ -117,6 +117,35 @@ MODULES = {
         ("mxrl/weights/check.py",),
         ("tests/weights/test_check.py", "tests/weights/test_check_edges.py"),
     ),
+    # the plan, its hash (plan.py) and the resolution of a recipe into it; node ids: test_plan.py
+    # but its two-subprocess hash-seed test (4 s a mutant: sha256 of sorted JSON, which the pinned
+    # hashes hold), and test_plan_hash.py but the docs' printed hashes (the CLI and a model build
+    # per documented command, 3 s a mutant: the hash they print is the pinned one's)
+    "recipe.plan": Module(
+        ("mxrl/recipe/plan.py", "mxrl/recipe/resolver.py"),
+        ("tests/recipe/test_plan.py::test_hash_does_not_depend_on_tensor_order",
+         "tests/recipe/test_plan.py::test_json_round_trip",
+         "tests/recipe/test_plan.py::test_from_json_rejects_tampering_and_other_schemas",
+         "tests/recipe/test_plan.py::test_hash_ignores_provenance_and_backward_but_not_formats",
+         "tests/recipe/test_plan.py::test_mapping_interface",
+         "tests/recipe/test_plan.py::test_table_groups_experts_and_summarises",
+         "tests/recipe/test_plan.py::test_table_spells_out_split_expert_groups",
+         "tests/recipe/test_plan.py::test_table_bytes",
+         "tests/recipe/test_plan.py::test_tensor_spec_validation",
+         "tests/recipe/test_plan.py::test_a_name_glob_that_matches_nothing_is_a_problem_even_for_bf16",
+         "tests/recipe/test_plan.py::test_every_glob_of_a_name_list_must_match_something",
+         "tests/recipe/test_plan.py::test_low_precision_rules_that_take_nothing_are_problems",
+         "tests/recipe/test_plan.py::test_bf16_exceptions_for_kinds_a_model_lacks_are_fine",
+         "tests/recipe/test_plan.py::test_an_nvfp4_preset_on_a_dense_model_quantizes_nothing",
+         "tests/recipe/test_plan.py::test_4over6_round_trips_shows_and_reaches_the_quantizer",
+         "tests/recipe/test_plan.py::test_4over6_is_nvfp4_only_in_a_spec_and_fuse_partners_must_agree",
+         "tests/recipe/test_plan_hash.py::test_every_preset_has_a_pinned_family",
+         "tests/recipe/test_plan_hash.py::test_plan_hashes_are_pinned",
+         "tests/recipe/test_plan_hash.py::test_every_hashed_field_changes_the_hash",
+         "tests/recipe/test_plan_hash.py::test_provenance_name_and_backward_do_not_change_the_hash",
+         "tests/recipe/test_resolve.py", "tests/recipe/test_plan_edges.py",
+         "tests/recipe/test_resolver_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
