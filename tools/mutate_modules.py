@@ -16,6 +16,13 @@ class Module:
 # module with its own tests: quicker runs while working on that file.
 MODULES = {
     "formats": Module(("mxrl/formats/*.py",), ("tests/formats",)),
+    # the NVFP4 reference quantizer (TE order, 4over6, torchao, caller amaxes, non-finite
+    # blocks): its own test files (19 s plain on two shared cores, 2 s more for the edges)
+    "formats.nvfp4": Module(
+        ("mxrl/formats/nvfp4.py",),
+        ("tests/formats/test_nvfp4.py", "tests/formats/test_nvfp4_4over6.py",
+         "tests/formats/test_nvfp4_edges.py"),
+    ),
     "recipe": Module(
         ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
          "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),
