@@ -112,7 +112,8 @@ def recipe_of(preset: str, kv_fp8: bool) -> str | dict:
 
 
 def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out: Path) -> dict:
-    """One preset's steps; its row (median seconds per stage, tokens, peak memory)."""
+    """One preset's steps; its row (median seconds per stage and each timed step's, tokens, peak
+    memory)."""
     model = from_pretrained(path, dtype=torch.float32).to(device)
     label = f"{preset}+kv-fp8" if kv_fp8 else preset
     cfg = GRPOConfig(
@@ -139,6 +140,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
                          "response_len": metrics["response_len/mean"]})  # fmt: skip
         print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
+    # every timed step's seconds per stage: the spread between steps, beside the median
+    row["per_step"] = {k: [r[k] for r in rows] for k in STAGES}
     row["generated_tokens"] = sum(lengths)
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))

@@ -39,6 +39,8 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert all(r[k] > 0 for k in ("rollout_s", "train_s", "sync_s", "step_s"))
         assert r["step_s"] >= r["rollout_s"] + r["train_s"] + r["sync_s"]
         assert r["response_len_mean"] == sum(lengths) / 4  # the seeded lengths, every preset
+        # each timed step's seconds (one here, so the median is that step's)
+        assert r["per_step"] == {k: [r[k]] for k in ("rollout_s", "train_s", "sync_s", "step_s")}
     assert rows["bf16"]["step_delta_pct"] == 0.0
     want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
     assert rows["bf16+kv-fp8"]["rollout_delta_pct"] == pytest.approx(want)
