@@ -24,8 +24,9 @@ pytestmark = pytest.mark.capability  # byte-exact on every CPU capability (tests
 PROMPTS = [[5, 9, 2, 7, 1, 33, 12], [3, 4], [60, 61, 62, 63, 1], [8] * 11]
 
 
-def _trainer(name: str, seed: int = 0):
-    model = build_model(CONFIGS[name], seed=seed)
+def _trainer(name: str | dict, seed: int = 0):
+    """A tiny DeepSeek-V3 (a name of CONFIGS, or a config) with a random router bias."""
+    model = build_model(CONFIGS[name] if isinstance(name, str) else name, seed=seed)
     with torch.no_grad():  # a bias that moves choices (init_weights zeroes it)
         for m in model.modules():
             if hasattr(m, "e_score_correction_bias"):

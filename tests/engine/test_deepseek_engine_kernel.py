@@ -10,8 +10,7 @@ import torch
 
 from mxrl.app.probe import measure_mismatch
 from mxrl.engine import Engine, SamplingParams
-from mxrl.models import build_model
-from tests.engine.test_deepseek_engine import PROMPTS, _prompts
+from tests.engine.test_deepseek_engine import PROMPTS, _prompts, _trainer
 from tests.kernels.test_decode_gemm import interpreter
 from tests.models.deepseek_reference import CONFIGS
 from tests.numerics import assert_bytes_equal
@@ -20,20 +19,9 @@ from tests.numerics import assert_bytes_equal
 CONFIG = {**CONFIGS["qlora-grouped-shared1"], "v_head_dim": 16}
 
 
-def _trainer():
-    model = build_model(CONFIG, seed=0)
-    with torch.no_grad():  # a bias that moves choices (init_weights zeroes it)
-        for m in model.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(
-                    0.0, 0.05, generator=torch.Generator().manual_seed(1)
-                )
-    return model
-
-
 @interpreter
 def test_mla_attends_with_the_kernel_as_the_trainer_does():
-    trainer = _trainer()
+    trainer = _trainer(CONFIG)
     engine = Engine(trainer, "bf16", backend="triton", weight_dtype=torch.float32, tile=8)
     assert engine._attention_kernel
     assert CONFIG["qk_nope_head_dim"] + CONFIG["qk_rope_head_dim"] == 24
