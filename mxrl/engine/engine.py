@@ -138,8 +138,6 @@ class Engine(WeightLoading, GraphCapture):
             and self.device.type == "cuda"
             and self._attention_kernel
             and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
-            # MLA's decode has not been captured on a GPU yet (docs/models.md): eager until it is
-            and not config.is_mla
         )
         self._graphs: DecodeGraphs | None = None
 

@@ -148,8 +148,10 @@ def test_a_seventh_configuration_is_one_name():
         replace(settings, samples_per_prompt=1)
 
 
-def _result(recipe: str, final: float, se: float = 0.01, k3: float = 1e-4) -> RecipeResult:
-    return RecipeResult(recipe, 3, 0.3, final, se, k3, 0, 300, 300)
+def _result(
+    recipe: str, final: float, se: float = 0.01, k3: float = 1e-4, start: float = 0.3
+) -> RecipeResult:
+    return RecipeResult(recipe, 3, start, final, se, k3, 0, 300, 300)
 
 
 def test_equivalence_is_within_003_of_bf16_and_the_band_is_two_standard_errors():
@@ -174,6 +176,26 @@ def test_the_mismatch_ordering_names_what_breaks_it():
               numbers("nvfp4-hp", 2e-3, 5e-3)]  # fmt: skip
     lines = mismatch_ordering(broken)
     assert lines[1].endswith(": NO") and ": NO (" in lines[2]
+
+
+def test_the_worst_is_the_lowest_and_a_short_bf16_is_said(tmp_path):
+    """TIS / MIS go to the recipe that ends lowest (not to one that ends above BF16's band,
+    which fails the equivalence too); when BF16 itself gains less than the bar, the verdict
+    says the settings, not a format, fall short."""
+    from mxrl.app.ablate_report import _verdict
+
+    def numbers(recipe, start, final):
+        return RecipeNumbers(_result(recipe, final, start=start), 0, 0, 0, 0, 0, [], {})
+
+    bf16 = numbers("bf16", 0.30, 0.37)
+    failing = [bf16, numbers("nvfp4-hp", 0.30, 0.41), numbers("mxfp8-hp", 0.30, 0.355)]
+    text = "\n".join(_verdict(failing, bf16.result, tmp_path / "a"))
+    assert "The worst is mxfp8-hp;" in text
+    assert f"--recipes mxfp8-hp --correction tis --baseline {tmp_path / 'a'}" in text
+    assert "BF16 itself gains less than 0.15" in text
+    learning = numbers("bf16", 0.20, 0.40)
+    text = "\n".join(_verdict([numbers("mxfp8", 0.2, 0.3)], learning.result, tmp_path))
+    assert "The worst is mxfp8;" in text and "BF16 itself" not in text
 
 
 def test_warm_up_settings_key_the_cache(tmp_path):

@@ -2,9 +2,11 @@
 kernel decodes with there (`HW`), times the slot's scale and cast to the compute dtype, gives
 byte for byte the keys and values the reference reads back, every code included. The attention
 over them then equals the kernel's attention over a cache holding those dequantized values: byte
-for byte in fp32 (an IEEE dot), and within one bf16 unit in the last place in bf16, where the
-tensor-core dot the compiler picks for keys decoded in registers and for keys loaded from
-memory sums in another order (measured on an H200: 1 to 67 of 22,016 outputs one unit apart).
+for byte in fp32 (an IEEE dot); in bf16 the tensor-core dot the compiler picks for keys decoded
+in registers and for keys loaded from memory sums in another order, and a score's last bits can
+move a bf16-rounded softmax weight by one unit, so outputs are held to the bound that follows
+from that (2^-7 max|v| plus the final rounding; measured on an H200: up to 40 units of an output
+near zero, 1 to 67 of 22,016 outputs moved).
 GPU tier (the interpreter's integer decode: tests/kernels/test_attention.py)."""
 
 from __future__ import annotations
@@ -73,24 +75,27 @@ def test_the_kernel_reads_an_fp8_cache_as_its_dequantized_values_on_cuda(dtype, 
     if dtype == torch.float32:
         assert_bytes_equal(got, want, f"{dtype} group {group}")
         return
-    # bf16: the same values through another tensor-core summation order (module docstring):
-    # every output at most one unit in the last place away, and few of them
-    ulps = _bf16_ulps_apart(got, want)
-    assert int(ulps.max()) <= 1, f"group {group}: {int(ulps.max())} units apart"
-    assert int((ulps > 0).sum()) <= got.numel() // 100, (
-        f"group {group}: {int((ulps > 0).sum())} differ"
-    )
+    # bf16: the same values through another summation order of the scores' tensor-core dot
+    # (module docstring). The kernel rounds the softmax weights p to bf16 for the P @ V dot, so
+    # a score that differs in its last fp32 bits can move a weight across a bf16 rounding
+    # boundary: one unit in its last place, at most 2^-7 of p. Over a row (weights summing to
+    # 1 after the normalization, which sums them in fp32 from the unrounded values) that moves
+    # an output by at most 2^-7 max|v|, and each side's final rounding to bf16 adds at most half
+    # a unit of the output. On an H200: 1 to 67 of 22,016 outputs moved, by 1 to 40 units of
+    # outputs near zero (a stale decode, a wrong scale or code would move them by ~max|v|).
+    v_max = plain.v.float().abs().amax()
+    bound = 2.0**-7 * v_max + _bf16_ulp(torch.maximum(got.abs(), want.abs()))
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= bound).all()), f"group {group}: {float((diff - bound).max())} past"
+    moved = int((diff > 0).sum())
+    assert moved <= got.numel() // 20, f"group {group}: {moved} of {got.numel()} outputs moved"
 
 
-def _bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """|a - b| in bf16 units in the last place, elementwise (bit patterns mapped onto one
-    ordered integer line, so a step across zero counts too)."""
-
-    def ordered(x):
-        bits = x.view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -32768 - bits, bits)
-
-    return (ordered(a) - ordered(b)).abs()
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 unit in the last place at |x| (fp32): 2^(e - 7) for |x| in [2^e, 2^(e+1)), the
+    subnormal spacing below the normals."""
+    e = torch.floor(torch.log2(x.float().clamp_min(2.0**-126)))
+    return torch.exp2(e - 7)
 
 
 @triton.jit
