@@ -11,7 +11,10 @@ Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers,
 compute (`CausalLM.set_training_options(compute_dtype=bf16)`), the GEMMs the device gets by
 default (`mxrl.kernels.Kernels.resolve`: tensor cores on an sm_90 GPU) or `--gemm`. A step is
 `cross_entropy(model(ids).float(), targets).backward()` on B x S random tokens, gradients set to
-None between steps (no optimizer: its cost is the same for every preset). Timed: median of
+None between steps, or with `--optimizer` the trainers' fused AdamW step after it (the full
+trainer step; the HF rows' AdamW on their own parameters: fp32, or bf16 with no master).
+`--breakdown` profiles one step per mxrl preset and splits its GPU time by operation
+(benchmarks/step_breakdown.py). Timed: median of
 `--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator), twice:
 with the quantized weights cached (the micro-batches after the first of one optimizer step), and
 "fresh": every step the first after an optimizer step (`mxrl.nn.weights_changed()` before it, as
@@ -55,6 +58,7 @@ from common import (
 )
 from engine_decode import check_device, check_presets, cpu_environment
 from families import FAMILIES, describe, model_config, param_counts
+from step_breakdown import OPTIMIZER_RANGE, profile_breakdown
 
 ensure_repo_on_path()
 
@@ -137,7 +141,13 @@ def measure(step, device: torch.device, warmup: int, repeats: int) -> dict:
     }
 
 
-def make_step(model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool = False):
+def make_step(
+    model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool = False, optimizer=None
+):
+    """Forward, loss, backward; then `optimizer`'s step (inside the breakdown's optimizer range)
+    and its zero_grad, or without one the gradients set to None."""
+    from torch.profiler import record_function
+
     inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
 
     def step():
@@ -148,11 +158,26 @@ def make_step(model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool =
             logits = out.logits if hf else out
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
         loss.backward()
-        for p in model.parameters():
-            p.grad = None
+        if optimizer is None:
+            for p in model.parameters():
+                p.grad = None
+            return loss
+        with record_function(OPTIMIZER_RANGE):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss
 
     return step
+
+
+def _optimizer(model, args):
+    """`--optimizer`: the trainers' AdamW (fused) on the model's parameters (fp32 masters for
+    mxrl and HF's autocast row, bf16 for HF's bf16 row), a learning rate too small to matter."""
+    if not args.optimizer:
+        return None
+    from mxrl.rl.optim import adamw
+
+    return adamw([p for p in model.parameters() if p.requires_grad], lr=1e-7)
 
 
 def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
@@ -165,17 +190,22 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     compute = None if args.compute == "fp32" else torch.bfloat16
     model.set_training_options(compute_dtype=compute, checkpoint_layers=args.checkpoint_layers)
     model.train()
-    step = make_step(model, ids, None)
+    step = make_step(model, ids, None, optimizer=_optimizer(model, args))
     got = measure(step, device, args.warmup, args.repeats)
 
     def fresh_step():
         weights_changed()  # what the optimizer's post-step hook does
         return step()
 
-    fresh = measure(fresh_step, device, 1, args.repeats)
-    got.update(s_step_fresh=fresh["s_step"], peak_bytes_fresh=fresh["peak_bytes"])
+    if not args.optimizer:  # with it, every step is the first after an optimizer step
+        fresh = measure(fresh_step, device, 1, args.repeats)
+        got.update(s_step_fresh=fresh["s_step"], peak_bytes_fresh=fresh["peak_bytes"])
     if args.profile:
         got["profile"] = profile_step(step, device, f"{preset} {tuple(ids.shape)}", args.profile)
+    if args.breakdown:
+        got["breakdown_ms"] = profile_breakdown(step, model, device)
+        print(f"  {preset} {tuple(ids.shape)} by operation (ms): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in got["breakdown_ms"].items()))  # fmt: skip
     del model
     _free(device)
     return {"impl": "mxrl", "preset": preset, **got}
@@ -241,7 +271,8 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
     ):
         model, impl = load_hf(path, dtype)
         model = model.to(device).train()
-        got = measure(make_step(model, ids, autocast, hf=True), device, args.warmup, args.repeats)
+        step = make_step(model, ids, autocast, hf=True, optimizer=_optimizer(model, args))
+        got = measure(step, device, args.warmup, args.repeats)
         version = transformers.__version__
         rows.append({"impl": name, "preset": name, "experts_implementation": impl,
                      "transformers": version, **got})  # fmt: skip
@@ -280,6 +311,16 @@ def parse_args(argv):
         default=0,
         metavar="TOP",
         help="profile one step per preset and print its TOP kernels",
+    )
+    ap.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="each step ends with the trainers' fused AdamW step (the full trainer step)",
+    )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="profile one step per mxrl preset: ms by operation (benchmarks/step_breakdown.py)",
     )
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
     args = ap.parse_args(argv)
@@ -349,6 +390,7 @@ def main(argv=None) -> int:
         "gemm": gemm,
         "compute": args.compute,
         "checkpoint_layers": args.checkpoint_layers,
+        "optimizer": "adamw fused (mxrl.rl.optim)" if args.optimizer else None,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "rows": rows,
