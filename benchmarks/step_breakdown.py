@@ -205,7 +205,8 @@ def profile_breakdown(step, model: nn.Module, device: torch.device) -> dict[str,
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    # the CPU ops too on CUDA: a kernel is found through the CPU op that launched it
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with module_ranges(model), profile(activities=activities) as p:
         step()
         if cuda:

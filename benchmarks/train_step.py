@@ -113,6 +113,18 @@ def step_flops(config: ModelConfig, batch: int, seq: int, active: int | None = N
     return 6.0 * params * tokens + scores
 
 
+# dense bf16 tensor-core peaks in TFLOP/s (SXM, no sparsity), by device name: the MFU's
+# denominator (the model FLOPs of `step_flops` over it)
+DENSE_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}
+
+
+def dense_bf16_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DENSE_BF16_TFLOPS.items() if k in name), None)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -356,6 +368,7 @@ def main(argv=None) -> int:
         f"{counts['active_params_per_token'] / 1e9:.3f} B active per token"
     )
     print(f"device {device}, gemm {gemm}, compute {args.compute}")
+    peak = dense_bf16_peak(device)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_hf:
@@ -372,12 +385,13 @@ def main(argv=None) -> int:
                 shape_rows.append(row)
             for row in shape_rows:
                 row.update(B=b, S=s, tokens=b * s, tflops=flops / row["s_step"] / 1e12)
+                row["mfu"] = row["tflops"] / peak if peak else None
             _ratios(shape_rows)
             rows += shape_rows
     print(format_table(rows, [
         ("preset", "run", ""), ("B", "B", "d"), ("S", "S", "d"), ("s_step", "s/step", ".3f"),
         ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
-        ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"),
+        ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
         ("host_s", "host s", ".3f"), ("s_step_fresh", "fresh s/step", ".3f"),
         ("x_bf16_fresh", "fresh x bf16", ".2f"), ("peak_gb_fresh", "fresh GB", ".1f"),
         ("mem_x_bf16_fresh", "fresh x mem", ".2f"),
