@@ -213,10 +213,29 @@ def rewrite_report(out: str | Path, settings: AblationSettings | None = None) ->
     task = cfg.get("task") or {}
     settings = replace(settings, steps=int(cfg.get("steps", settings.steps)),
                        lr=float(cfg.get("lr", settings.lr)),
-                       eval_size=int(task.get("eval_size", settings.eval_size)))  # fmt: skip
+                       eval_size=int(task.get("eval_size", settings.eval_size)),
+                       model=cfg.get("model") or _model_of(runs[-1], settings.model))  # fmt: skip
     config = model_config(settings.model)
     comparison = compare(runs, out)
     return write_ablation_report(out, runs, comparison, config, cfg["warmup"], settings, {}, 0)
+
+
+def _model_of(run: RunRecord, default: str) -> str:
+    """The shipped model a run trained, for records written before the config named it: the
+    one whose layer count and embedding shape the run's plan holds (`default` if none does)."""
+    try:
+        plan = json.loads((run.path / "plan.json").read_text())
+    except (OSError, ValueError):
+        return default
+    shapes = {t["name"]: t["shape"] for t in plan.get("tensors", [])}
+    for name in (default, "ablate-moe", "tiny-moe"):
+        c = model_config(name)
+        embed = [c["vocab_size"], c["hidden_size"]]
+        if plan.get("num_layers") == c["num_hidden_layers"] and (
+            shapes.get("model.embed_tokens.weight") == embed
+        ):
+            return name
+    return default
 
 
 def baseline_runs(folder: str | Path) -> list[RunRecord]:
@@ -246,6 +265,7 @@ def _run(out: Path, settings: AblationSettings, jobs, workers: int, correction, 
                        "eval_fraction": settings.eval_fraction,
                        "eval_size": settings.eval_size, "split_seed": 0},
         lr_schedule=LR_SCHEDULE, kv_cache_bytes=settings.kv_cache_bytes, name="ablate",
+        model_name=settings.model,
     )  # fmt: skip
     configs = {job: grpo_config(settings, *job, correction) for job in jobs}
     progress = Progress(

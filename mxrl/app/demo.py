@@ -90,6 +90,7 @@ class RunSetup:
     lr_schedule: str = LR_SCHEDULE
     kv_cache_bytes: int = KV_CACHE_BYTES
     name: str = "demo"
+    model_name: str = "tiny-moe"  # the run config's `model` (a report rewritten from it reads it)
 
 
 def demo_config(device: str) -> GRPOConfig:
@@ -259,7 +260,7 @@ def _train_run(
     record = ReportingRecord.create(
         out / "runs", f"{recipe}-seed{seed}-{time.strftime('%Y%m%dT%H%M%S')}",
         config={**plain(cfg), "warmup": warm, "task": setup.task_settings,
-                "lr_schedule": setup.lr_schedule},
+                "lr_schedule": setup.lr_schedule, "model": setup.model_name},
         plan_json=plan, backend=str(resolved.kernels.quantizer),
     )  # fmt: skip
     if tensorboard:

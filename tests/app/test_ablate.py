@@ -48,6 +48,16 @@ def test_tiny_runs_every_recipe_and_writes_the_report(tmp_path, capsys):
     assert "Time: not measured" in again and (out / "heldout.png").exists()
     assert again.split("## Held-out accuracy")[1] == text.split("## Held-out accuracy")[1]
     assert main(["ablate", "--report-only", "--out", str(tmp_path / "none")]) == 2
+    # without --tiny the model comes from the records: named in their config, or (records from
+    # before it was) recognised by the plan's layers and embedding
+    assert main(["ablate", "--report-only", "--out", str(out)]) == 0
+    assert "Model `tiny-moe`" in (out / "report.md").read_text()
+    for config in (out / "runs").glob("*/config.yaml"):
+        lines = config.read_text().splitlines(keepends=True)
+        assert "model: tiny-moe\n" in lines
+        config.write_text("".join(x for x in lines if x != "model: tiny-moe\n"))
+    assert main(["ablate", "--report-only", "--out", str(out)]) == 0
+    assert "Model `tiny-moe`" in (out / "report.md").read_text()
 
 
 def test_seeds_are_grouped_and_a_correction_is_recorded(tmp_path):
