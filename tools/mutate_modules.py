@@ -35,6 +35,12 @@ MODULES = {
         ("mxrl/formats/fp8_block.py",),
         ("tests/formats/test_fp8_block.py",),
     ),
+    # the element and scale codecs (E4M3 with its top-scale cap, E2M1 and its nibbles, E8M0
+    # RCEIL/FLOOR codes and their values, fdiv): their own test files
+    "formats.codecs": Module(
+        ("mxrl/formats/codecs.py",),
+        ("tests/formats/test_codecs.py", "tests/formats/test_codecs_edges.py"),
+    ),
     "recipe": Module(
         ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
          "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),
