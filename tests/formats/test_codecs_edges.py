@@ -86,7 +86,8 @@ def test_e4m3_decode_takes_float8_bytes_as_they_are():
     """A float8_e4m3fn tensor decodes to its own values: 0x38 = 1.0, 0x7E = 448, 0xF4 = -1.5 *
     2^7 = -192, 0x01 = 2^-9 (the smallest subnormal: 1/8 * 2^-6)."""
     codes = torch.tensor([0x38, 0x7E, 0xF4, 0x01], dtype=torch.uint8).view(torch.float8_e4m3fn)
-    assert codecs.e4m3_decode(codes).tolist() == [1.0, 448.0, -192.0, 2.0**-9]
+    got = codecs.e4m3_decode(codes)
+    assert got.dtype == torch.float32 and got.tolist() == [1.0, 448.0, -192.0, 2.0**-9]
 
 
 def test_pack_nibbles_refuses_an_odd_count():
@@ -154,4 +155,17 @@ def test_ceil_e8m0_of_inf_and_nan_and_the_top():
     2^127 and is capped at 254 too. 2^127 is exactly 254, 1.5 * 2^126 rounds up to it, and
     2^126 is exactly 253."""
     a = torch.tensor([math.inf, math.nan, FLT_MAX, 2.0**127, 2.0**126 * 1.5, 2.0**126])
-    assert codecs.ceil_e8m0(a).tolist() == [254, 255, 254, 254, 254, 253]
+    got = codecs.ceil_e8m0(a)
+    assert got.dtype == torch.uint8 and got.tolist() == [254, 255, 254, 254, 254, 253]
+
+
+def test_the_e2m1_table_is_built_once_per_device():
+    """e2m1_decode looks its 16 values up in a table kept per device: built once, not per call
+    (on a GPU each build is a host-to-device copy). The table is spec §1.2's: 0, 0.5, 1, 1.5, 2,
+    3, 4, 6 and their negatives, code 8 being -0.0."""
+    cpu = torch.device("cpu")
+    table = codecs._e2m1_table(cpu)
+    assert codecs._e2m1_table(cpu) is table
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    assert table.dtype == torch.float32 and table.tolist() == want + [-v for v in want]
+    assert math.copysign(1.0, table[8].item()) == -1.0

@@ -106,9 +106,11 @@ def test_a_partial_row_block_takes_its_amax_from_the_rows_it_has():
     assert_bytes_equal(dequantize_fp8_block(q), x, "dequantized")
 
 
-def test_dequantize_a_hand_built_qtensor():
-    """Codes 0x38 (1.0) everywhere, in (2, 2) blocks of a [4, 4] tensor, scales [[1, 2], [4, 8]]:
-    each element is its block's scale (the transpose-free path: 4 rows divide into blocks of 2)."""
+def test_dequantize_hand_built_qtensors_with_and_without_a_partial_row_block():
+    """Codes 0x38 (1.0) everywhere, in (2, 2) blocks, so each element is its block's scale.
+    [4, 4] with scales [[1, 2], [4, 8]]: the rows divide into blocks (the transpose-free path).
+    [5, 4] with scales [[1, 2], [4, 8], [16, 32]]: row 4 is a block of one row (5 % 2 = 1;
+    the padded path), which must take the third row of scales."""
     q = QTensor(
         qdata=torch.full((4, 4), 0x38, dtype=torch.uint8),
         scale=torch.tensor([[1.0, 2.0], [4.0, 8.0]]),
@@ -117,3 +119,12 @@ def test_dequantize_a_hand_built_qtensor():
     )
     want = torch.tensor([[1.0, 1.0, 2.0, 2.0]] * 2 + [[4.0, 4.0, 8.0, 8.0]] * 2)
     assert_bytes_equal(dequantize_fp8_block(q), want, "dequantized")
+    q = QTensor(
+        qdata=torch.full((5, 4), 0x38, dtype=torch.uint8),
+        scale=torch.tensor([[1.0, 2.0], [4.0, 8.0], [16.0, 32.0]]),
+        fmt="fp8_block",
+        shape=(5, 4),
+    )
+    assert q.block == (2, 2)
+    want = torch.cat([want, torch.tensor([[16.0, 16.0, 32.0, 32.0]])])
+    assert_bytes_equal(dequantize_fp8_block(q), want, "dequantized, partial")
