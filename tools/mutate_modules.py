@@ -33,7 +33,7 @@ MODULES = {
     # row blocks, the square-block transpose): its own test files
     "formats.fp8_block": Module(
         ("mxrl/formats/fp8_block.py",),
-        ("tests/formats/test_fp8_block.py",),
+        ("tests/formats/test_fp8_block.py", "tests/formats/test_fp8_block_edges.py"),
     ),
     # the element and scale codecs (E4M3 with its top-scale cap, E2M1 and its nibbles, E8M0
     # RCEIL/FLOOR codes and their values, fdiv): their own test files
