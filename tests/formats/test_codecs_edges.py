@@ -169,3 +169,27 @@ def test_the_e2m1_table_is_built_once_per_device():
     want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
     assert table.dtype == torch.float32 and table.tolist() == want + [-v for v in want]
     assert math.copysign(1.0, table[8].item()) == -1.0
+
+
+@pytest.mark.gpu
+def test_fdiv_on_the_gpu_is_numpys_ieee_division_for_every_operand_on_any_device():
+    """CUDA evaluates `tensor / host_scalar` as `tensor * (1 / scalar)`, two roundings
+    (docs/formats.md: 55% of `a / 448.0` differed on the H200). fdiv fills a Python number, and
+    moves a tensor operand, onto the numerator tensor's device as fp32 first: a Python 448, a
+    host 0-d 448 or a host vector of divisors beside CUDA numerators all give NumPy's fp32
+    division, on the GPU; a host vector numerator takes a CUDA denominator to the host."""
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal(10_000) * 10.0 ** rng.integers(-20, 20, 10_000)).astype(np.float32)
+    d = (rng.random(10_000) * 1000 + 1).astype(np.float32)
+    cuda, host = torch.from_numpy(a).cuda(), torch.from_numpy(d)
+    for got, want in (
+        (codecs.fdiv(cuda, 448.0), _ieee(a, 448.0)),
+        (codecs.fdiv(cuda, torch.tensor(448.0)), _ieee(a, 448.0)),
+        (codecs.fdiv(cuda, host), _ieee(a, d)),
+        (codecs.fdiv(2688.0, cuda), _ieee(2688.0, a)),
+    ):
+        assert got.device.type == "cuda"
+        assert_bytes_equal(got.cpu(), want)
+    back = codecs.fdiv(host, cuda)
+    assert back.device.type == "cpu"
+    assert_bytes_equal(back, _ieee(d, a))
