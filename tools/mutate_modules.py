@@ -23,6 +23,24 @@ MODULES = {
         ("tests/formats/test_nvfp4.py", "tests/formats/test_nvfp4_4over6.py",
          "tests/formats/test_nvfp4_edges.py"),
     ),
+    # the MXFP8 reference quantizer (RCEIL and FLOOR scales, the column-wise copy, the top
+    # scale's 240 cap, non-finite elements): its own test files
+    "formats.mxfp8": Module(
+        ("mxrl/formats/mxfp8.py",),
+        ("tests/formats/test_mxfp8.py", "tests/formats/test_mxfp8_edges.py"),
+    ),
+    # DeepSeek-style block FP8 ((128, 128) and (1, 128) blocks, fp32 and ue8m0 scales, partial
+    # row blocks, the square-block transpose): its own test files
+    "formats.fp8_block": Module(
+        ("mxrl/formats/fp8_block.py",),
+        ("tests/formats/test_fp8_block.py", "tests/formats/test_fp8_block_edges.py"),
+    ),
+    # the element and scale codecs (E4M3 with its top-scale cap, E2M1 and its nibbles, E8M0
+    # RCEIL/FLOOR codes and their values, fdiv): their own test files
+    "formats.codecs": Module(
+        ("mxrl/formats/codecs.py",),
+        ("tests/formats/test_codecs.py", "tests/formats/test_codecs_edges.py"),
+    ),
     "recipe": Module(
         ("mxrl/recipe/plan.py", "mxrl/recipe/schema.py", "mxrl/recipe/layers.py",
          "mxrl/arch/names.py", "mxrl/recipe/quantize.py", "mxrl/arch/hf.py"),

@@ -78,10 +78,9 @@ def dequantize_fp8_block(q: QTensor) -> torch.Tensor:
     block = q.block
     br, bk = block
     values = codecs.e4m3_decode(q.qdata)
-    rows, k = values.shape[-2], values.shape[-1]
-    if br > 1 and rows % br == 0:
+    if br > 1 and values.shape[-2] % br == 0:  # br > 1: x has rows (a (1, b) x may be 1-D)
         # the same products without the block transposes: [.., R/br, br, K/bk, bk] x scale
-        lead = values.shape[:-2]
+        lead, (rows, k) = values.shape[:-2], values.shape[-2:]
         view = values.reshape(*lead, rows // br, br, k // bk, bk)
         return (view * q.scale[..., :, None, :, None]).reshape(values.shape)
     blocks, pad = _blocked(values, block)
