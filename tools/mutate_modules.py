@@ -76,6 +76,12 @@ MODULES = {
          "tests/engine/test_scheduler.py::test_next_token_logits_are_the_first_samples_logits",
          "tests/engine/test_overlap.py::test_every_decode_step_but_the_first_is_queued_ahead_across_block_boundaries"),
     ),
+    # the CUDA-graph decode's host side (buckets, metadata rows, turns, lazy capture, the
+    # fall-back, table widths); capture and replay need CUDA: test_gpu.py's graph tests
+    "engine.graph": Module(
+        ("mxrl/engine/graph.py",),
+        ("tests/engine/test_graph.py", "tests/engine/test_graph_edges.py"),
+    ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
     "rl": Module(
