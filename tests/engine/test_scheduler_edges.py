@@ -394,3 +394,35 @@ def test_schedule_ahead_leaves_out_rows_of_finished_requests():
     (_, b, _), step = _decoding(sched, [[1], [2], [3]])
     sched.finish(b, "stop")
     assert _rows(sched.schedule_ahead(step)) == [(0, 2, 1), (2, 2, 1)]
+
+
+def test_schedule_ahead_opens_one_block_for_one_position():
+    """Blocks of 1 token: every position opens a block. A (2 tokens) decodes at position 2
+    (its third block, 2); the step after feeds position 3 and takes exactly one more block
+    (3) for it, not one for a position beyond."""
+    sched = _sched(block_size=1)
+    (a,), step = _decoding(sched, [[1, 2]], max_new=4)
+    assert _rows(step) == [(0, 2, 1)] and a.block_table == [0, 1, 2]
+    assert _rows(sched.schedule_ahead(step)) == [(0, 3, 1)]
+    assert a.block_table == [0, 1, 2, 3] and sched.blocks.num_free == 12
+
+
+def test_a_sequence_past_its_prompt_defers_nobody():
+    """Only prompt blocks being computed defer a waiting request. A was preempted after 3
+    tokens (they are kept, nothing is computed) and recomputes 4 tokens a step behind X's
+    decode row (budget 5, blocks of 2): after step 1 it has computed exactly its 4-token
+    prompt, blocks 1 and 2 registered. In step 2 it computes its 3 generated tokens; B, whose
+    prompt is A's prompt and two of those tokens, finds A's first two blocks cached and takes
+    the token of budget left at once instead of waiting for A's third block."""
+    sched = _sched(block_size=2, budget=5)
+    x = _seq(0, [7])
+    a = Sequence(1, [1, 2, 3, 4], SamplingParams(max_new_tokens=8), 0, tokens=[1, 2, 3, 4, 9, 9, 9])
+    sched.add(x)
+    sched.add(a)
+    step = sched.schedule()
+    assert _rows(step) == [(0, 0, 1), (1, 0, 4)]
+    _advance(sched, step)
+    b = _seq(2, [1, 2, 3, 4, 9, 9, 5])
+    sched.add(b)
+    assert _rows(sched.schedule()) == [(0, 1, 1), (1, 4, 3), (2, 4, 1)]
+    assert b.block_table == [1, 2, 5]
