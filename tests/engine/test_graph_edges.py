@@ -284,10 +284,14 @@ def test_decode_graphs_widths_and_rebuilds(monkeypatch):
 
 
 def test_decode_graphs_width_for_small_blocks(monkeypatch):
-    """Blocks of 4: 257 tokens need 65 blocks (128 wide); 4 * 64 = 256 tokens 64."""
+    """Blocks of 4: 257 tokens need 65 blocks (128 wide); 4 * 64 = 256 tokens 64. Blocks of
+    16: 2048 tokens need 128 blocks (128 wide), 2049 need 129 (256)."""
     monkeypatch.setattr(graph_module, "DecodeGraphs", _Recorded)
     _Recorded.built = []
     kv = types.SimpleNamespace(k=[torch.zeros(3, 4, 1, 1)])
     assert _Engine(block_size=4)._decode_graphs(kv, 256).width == 64
     assert _Engine(block_size=4)._decode_graphs(kv, 257).width == 128
-    assert [b[4] for b in _Recorded.built] == [2, 2]
+    # a power of two past 64 is its own width: 128 blocks of 16 tokens, then 129
+    assert _Engine()._decode_graphs(kv, 128 * 16).width == 128
+    assert _Engine()._decode_graphs(kv, 128 * 16 + 1).width == 256
+    assert [b[4] for b in _Recorded.built] == [2, 2, 2, 2]
