@@ -197,7 +197,8 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     equivalents = _equivalents()
     groups: dict[str, list[tuple[Mutant, str | None]]] = {}
     for m in mutants:
-        entry = _argued(m, equivalents) if m.status == "survived" else None
+        # an entry also places a mutant no CPU test reaches (code only CUDA runs)
+        entry = _argued(m, equivalents) if m.status in ("survived", "no tests") else None
         key = m.status
         if entry is not None:  # equivalent, killed by a test that cannot run here (GPU), or
             # a survivor in code only CUDA runs, with no GPU test that kills it (`cuda_only`)
