@@ -20,7 +20,7 @@ from mxrl.engine import SamplingParams
 from mxrl.engine.graph import META, DecodeGraphs, GraphCapture, buckets
 from mxrl.engine.scheduler import Scheduled
 from mxrl.engine.sequence import Sequence
-from tests.engine.test_graph import _Graph, _graphs
+from tests.engine.test_graph import PAD, _Graph, _graphs
 
 
 def _decoding(tokens, table, index=0) -> Scheduled:
@@ -295,3 +295,28 @@ def test_decode_graphs_width_for_small_blocks(monkeypatch):
     assert _Engine()._decode_graphs(kv, 128 * 16).width == 128
     assert _Engine()._decode_graphs(kv, 128 * 16 + 1).width == 256
     assert [b[4] for b in _Recorded.built] == [2, 2, 2, 2]
+
+
+def test_try_run_passes_the_ahead_tokens_on():
+    """try_run (what the runner calls) is run: a step queued ahead gets its device tokens in
+    the token column through it too."""
+    g = _graphs()
+    a = _decoding([1, 2, 3], [6])
+    logits, _ = g.try_run([Scheduled(a.seq, 3, 1, ahead=True)], ahead=torch.tensor([42]))
+    assert g.meta[0, :4].tolist() == [42, 3, 27, 6] and logits.tolist() == [[0.0]]
+
+
+def test_padding_marks_only_its_own_rows():
+    """Padding rows [R, P) are marked as padding, the step's own rows [0, R) stay known as
+    theirs: a later step of the same turn whose padding falls on one of them must pad it
+    again. Buckets 1, 2, 4, 8; turn 1 runs 8 rows, then 5 (rows 5-7 padded), then 3: row 3,
+    live in the 5-row step, is padding in bucket 4 and must not keep that row."""
+    g = _graphs(max_batch=8, width=1)
+    rows = [_decoding([5, 6], [i], index=i) for i in range(8)]
+    g.run(rows)  # turn 1
+    g.run(rows)  # turn 0
+    g.run(rows[:5])  # turn 1, bucket 8: rows 5-7 padded
+    g.run(rows[:5])  # turn 0
+    g.run(rows[:3])  # turn 1, bucket 4: row 3 held request 3
+    assert g.meta[:4, :4].tolist() == [[6, 1, 1, 0], [6, 1, 5, 1], [6, 1, 9, 2], PAD]
+    assert g._known[1][3] is None and g._known[1][4] is not None  # row 4: not in bucket 4
