@@ -4,9 +4,11 @@ staging buffers pinned and filled with padding rows, built here with the pinning
 pool stood in for: neither exists without CUDA), a bucket captured at its first step and only
 then, the device token of a step queued ahead surviving that capture, the fall-back to eager
 decoding when a capture fails (`try_run`, `capture_all`), what each buffer turn holds, and
-`_decode_graphs`' table width and rebuilds. Capture and replay themselves need CUDA: the graph
-tests of tests/engine/test_gpu.py. Every expectation is written out by hand from the module's
-docstrings."""
+`_decode_graphs`' table width and rebuilds, the forward a graph captures (a stand-in model
+records what it is fed) and the capture's sequence of streams, warm-ups and graph (torch.cuda's
+streams and graphs stood in for by recorders). That the captured graphs replay the eager bytes
+is the GPU tier's (the graph tests of tests/engine/test_gpu.py). Every expectation is written
+out by hand from the module's docstrings."""
 
 from __future__ import annotations
 
@@ -114,6 +116,27 @@ def test_the_constructor_fills_both_buffers_on_the_host(monkeypatch):
     assert g.meta.tolist() == [[0] * 4] * 4
     assert g.arange.tolist() == [0, 1, 2, 3] and g.ones.tolist() == [1, 1, 1, 1]
     assert g._staging[1].tolist() == [[0, 0, 10, 5]] * 4
+
+
+def test_the_device_buffers_go_to_the_caches_device_not_the_default_one(monkeypatch):
+    """meta, the row numbers and the ones live where the cache does (on a GPU engine the
+    default device is the CPU): with the default device elsewhere (meta) they are still on
+    the cache's (the CPU). The staging buffers are host memory (the pinned stand-in's)."""
+    zeros = torch.zeros
+
+    def host_when_pinned(*args, pin_memory=False, **kw):
+        return zeros(*args, **({"device": "cpu"} | kw if pin_memory else kw))
+
+    monkeypatch.setattr(torch, "zeros", host_when_pinned)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    cache = types.SimpleNamespace(k=[torch.zeros(2)], block_size=2)
+    torch.set_default_device("meta")
+    try:
+        g = DecodeGraphs(None, cache, 3, 1, 2)
+    finally:
+        torch.set_default_device(None)
+    assert [t.device.type for t in (g.meta, g.arange, g.ones)] == ["cpu"] * 3
+    assert g.meta.tolist() == [[0] * 4] * 3 and g.arange.tolist() == [0, 1, 2]
 
 
 # --- run: lazy capture, the ahead token, turns ---------------------------------------------
@@ -320,3 +343,145 @@ def test_padding_marks_only_its_own_rows():
     g.run(rows[:3])  # turn 1, bucket 4: row 3 held request 3
     assert g.meta[:4, :4].tolist() == [[6, 1, 1, 0], [6, 1, 5, 1], [6, 1, 9, 2], PAD]
     assert g._known[1][3] is None and g._known[1][4] is not None  # row 4: not in bucket 4
+
+
+# --- the forward a graph captures, and the capture, with stand-ins for the model and CUDA ------
+
+
+class _Net:
+    """A stand-in CausalLM: records what the forward is fed and the context it runs in;
+    hidden = token * 10 (float64), logits = hidden * 2, layer l routes a token t to t + 100 l."""
+
+    def __init__(self, layers: int = 2) -> None:
+        self.layers, self.seen = layers, None
+        self.model = self._model
+
+    def _model(self, ids, position_ids=None):
+        from mxrl.models.context import get_forward_context
+
+        self.seen = (ids, position_ids, get_forward_context())
+        hidden = ids.double()[..., None] * 10
+        return hidden, [ids[..., None] + 100 * layer for layer in range(self.layers)]
+
+    def logits(self, hidden):
+        return hidden * 2
+
+
+def _forwarding(layers: int = 2) -> DecodeGraphs:
+    g = _graphs(max_batch=4, width=2)
+    g.net, g.cache = _Net(layers), "cache"
+    g.arange, g.ones = torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32)
+    g.meta = torch.tensor(
+        [[5, 7, 29, 7, 1], [6, 3, 13, 3, 0], [0, 0, 36, 9, 0], [8, 8, 8, 8, 8]],
+        dtype=torch.int32,
+    )
+    return g
+
+
+def test_the_forward_reads_every_column_of_its_bucket_rows():
+    """A bucket-3 forward over meta rows (token, position, slot, table): the model is fed rows
+    [:3]'s tokens at their positions (int64, one batch row), the attention writes their slots
+    and reads their tables, one query tile per row (token i, 1 token, its position, request i);
+    the logits come back float32, the routing [P, layers, k] (layer on dim 1)."""
+    g = _forwarding()
+    logits, routing = g._forward(3)
+    ids, position_ids, ctx = g.net.seen
+    assert ids.dtype == torch.int64 and ids.tolist() == [[5, 6, 0]]
+    assert position_ids.tolist() == [[7, 3, 0]]
+    assert ctx.positions.dtype == torch.int64 and ctx.positions.tolist() == [7, 3, 0]
+    att = ctx.attention
+    assert att.cache == "cache" and att.kernel is True
+    assert att.slot_mapping.dtype == torch.int64 and att.slot_mapping.tolist() == [29, 13, 36]
+    assert att.block_tables.tolist() == [[7, 1], [3, 0], [9, 0]]
+    tiles = att.tiles
+    assert (tiles.token.tolist(), tiles.rows.tolist()) == ([0, 1, 2], [1, 1, 1])
+    assert (tiles.pos.tolist(), tiles.req.tolist()) == ([7, 3, 0], [0, 1, 2])
+    assert logits.dtype == torch.float32 and logits.tolist() == [[100.0], [120.0], [0.0]]
+    assert routing.tolist() == [[[5], [105]], [[6], [106]], [[0], [100]]]
+
+
+def test_a_dense_models_forward_has_no_routing():
+    g = _forwarding(layers=0)
+    logits, routing = g._forward(2)
+    assert routing is None and logits.tolist() == [[100.0], [120.0]]
+
+
+def _cuda_stand_ins(monkeypatch, log: list) -> None:
+    """torch.cuda's streams and graphs as recorders of what the capture does with them."""
+    import contextlib
+
+    class Stream:
+        def __init__(self, device=None, name="side"):
+            self.device, self.name = device, name
+            if name == "side":
+                log.append(("Stream", device))
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    def current_stream(device=None):
+        log.append(("current_stream", device))
+        return Stream(device, "current")
+
+    @contextlib.contextmanager
+    def stream(s):
+        log.append(("enter", s.name))
+        yield
+        log.append(("exit", s.name))
+
+    class CUDAGraph:
+        def replay(self):
+            log.append(("replay",))
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None):
+        log.append(("capture", type(cuda_graph).__name__, pool))
+        yield
+        log.append(("captured",))
+
+    for name, value in (("Stream", Stream), ("current_stream", current_stream),
+                        ("stream", stream), ("CUDAGraph", CUDAGraph), ("graph", graph)):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_a_capture_warms_up_twice_on_padding_then_captures_once(monkeypatch):
+    """A bucket's capture (`_capture`): two warm-up forwards on a side stream that waits for
+    the current one, then the current stream waits for it, then one forward captured into a
+    new graph from the engine's pool; every one of them on padding rows only (the warm-up
+    writes KV slots: the scratch block's alone). After it, the staging buffer, the rows'
+    records and meta hold the step being run again, and the step replays the graph."""
+    log: list = []
+    _cuda_stand_ins(monkeypatch, log)
+    g = _graphs(max_batch=4)
+    g.device, g.pool, g.graphs = "dev", "pool", {}
+    out = torch.arange(4, dtype=torch.float32)[:, None]
+
+    def forward(p):
+        log.append(("forward", p, g.meta[:p, :4].tolist()))
+        return out, None
+
+    g._forward = forward
+    rows = [_decoding([1, 2], [3]), _decoding([4, 5, 6], [7], index=1), _decoding([8], [2], 2)]
+    logits, routing = g.run(rows)  # 3 rows: bucket 4, captured now
+    padding = ("forward", 4, [PAD] * 4)
+    assert log == [
+        ("Stream", "dev"),
+        ("current_stream", "dev"),
+        ("wait", "side", "current"),
+        ("enter", "side"),
+        padding,
+        padding,
+        ("exit", "side"),
+        ("current_stream", "dev"),
+        ("wait", "current", "side"),
+        ("capture", "CUDAGraph", "pool"),
+        padding,
+        ("captured",),
+        ("replay",),
+    ]
+    graph, held, none = g.graphs[4]
+    assert type(graph).__name__ == "CUDAGraph" and held is out and none is None
+    assert logits.tolist() == [[0.0], [1.0], [2.0]] and routing is None
+    step = [[2, 1, 13, 3], [6, 2, 30, 7], [8, 0, 8, 2], PAD]
+    assert g.meta_host[:, :4].tolist() == step and g.meta[:, :4].tolist() == step
+    assert [r[0] for r in g._rows[:3]] == [s.seq for s in rows] and g._rows[3] is None
