@@ -125,7 +125,11 @@ def test_the_device_buffers_go_to_the_caches_device_not_the_default_one(monkeypa
     zeros = torch.zeros
 
     def host_when_pinned(*args, pin_memory=False, **kw):
-        return zeros(*args, **({"device": "cpu"} | kw if pin_memory else kw))
+        # pinned: host memory; else the device asked for, or the default one (spelled out:
+        # the default-device mode may not see the original function once it is replaced)
+        if pin_memory or kw.get("device") is None:
+            kw["device"] = "cpu" if pin_memory else torch.get_default_device()
+        return zeros(*args, **kw)
 
     monkeypatch.setattr(torch, "zeros", host_when_pinned)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
