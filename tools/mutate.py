@@ -197,18 +197,10 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     equivalents = _equivalents()
     groups: dict[str, list[tuple[Mutant, str | None]]] = {}
     for m in mutants:
-        # an entry also places a mutant no CPU test reaches (code only CUDA runs)
-        entry = _argued(m, equivalents) if m.status in ("survived", "no tests") else None
+        entry = _argued(m, equivalents) if m.status == "survived" else None
         key = m.status
-        if entry is not None:  # equivalent, killed by a test that cannot run here (GPU), or
-            # a survivor in code only CUDA runs, with no GPU test that kills it (`cuda_only`)
-            key = (
-                "gpu"
-                if "killed_by" in entry
-                else "cuda"
-                if entry.get("cuda_only")
-                else "equivalent"
-            )
+        if entry is not None:  # equivalent, or killed by a test that cannot run here (GPU)
+            key = "gpu" if "killed_by" in entry else "equivalent"
         why = None
         if entry is not None:
             why = entry["why"] + (f" Killed by `{entry['killed_by']}`." if key == "gpu" else "")
@@ -216,8 +208,7 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     count = {k: len(v) for k, v in groups.items()}
     killed = count.get("killed", 0) + count.get("gpu", 0)
     timeout, equivalent = count.get("timeout", 0), count.get("equivalent", 0)
-    cuda = count.get("cuda", 0)  # survivors, but no CPU test can reach them
-    survived = count.get("survived", 0) + cuda
+    survived = count.get("survived", 0)
     no_tests = count.get("no tests", 0)
     other = len(mutants) - killed - timeout - equivalent - survived - no_tests
     scored = len(mutants) - equivalent - no_tests
@@ -248,17 +239,8 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
         "test kills (listed below: mutmut runs on the CPU).",
         "",
     ]
-    if cuda:
-        reachable = scored - cuda
-        lines += [
-            f"Survived counts {cuda} mutants of code only CUDA runs that no test kills (listed "
-            "below, not claimed equivalent); of the other mutants "
-            f"{(killed + timeout) / reachable if reachable else 1.0:.1%} are killed.",
-            "",
-        ]
     sections = [
         ("survived", "Survivors (each needs a test that kills it, or an argument below)"),
-        ("cuda", "Survivors only CUDA reaches (no CPU test can; no GPU test kills them)"),
         ("equivalent", "Equivalent (argued in `docs/mutation/equivalent.toml`)"),
         ("gpu", "Killed on the GPU tier only (equivalent on the CPU, where mutmut runs)"),
         ("no tests", "No test reaches the function"),
@@ -266,8 +248,6 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
     ]
     for key, title in sections:
         rows = groups.get(key, [])
-        if key == "cuda" and not rows:  # a section only where such survivors are
-            continue
         lines += [f"## {title}: {len(rows)}", ""]
         for m, why in rows:
             lines.append(
@@ -275,8 +255,7 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
                 f"(`{m.name.rpartition('.')[-1]}`)" + (f". {why}" if why else "")
             )
         lines.append("")
-    known = {"killed", "survived", "no tests", "timeout", "equivalent", "gpu", "cuda"}
-    rest = sorted(set(groups) - known)
+    rest = sorted(set(groups) - {"killed", "survived", "no tests", "timeout", "equivalent", "gpu"})
     for status in rest:
         lines += [f"## {status}: {count.get(status, 0)}", ""]
         lines += [f"- `{m.file}:{m.line}` `{m.function}` (`{m.name}`)" for m, _ in groups[status]]
