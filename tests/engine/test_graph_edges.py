@@ -122,6 +122,10 @@ def test_the_device_buffers_go_to_the_caches_device_not_the_default_one(monkeypa
     """meta, the row numbers and the ones live where the cache does (on a GPU engine the
     default device is the CPU): with the default device elsewhere (meta) they are still on
     the cache's (the CPU). The staging buffers are host memory (the pinned stand-in's)."""
+    # a device context's first call lists the factory functions it redirects (once per
+    # process): make that call before torch.zeros is replaced, so the list holds the real one
+    with torch.device("cpu"):
+        torch.empty(0)
     zeros = torch.zeros
 
     def host_when_pinned(*args, pin_memory=False, **kw):
