@@ -82,6 +82,24 @@ MODULES = {
          "tests/engine/test_sampler_edges.py",
          "tests/engine/test_sampler_fused_edges.py"),
     ),
+    # node ids: test_scheduler.py's engine runs that reach the scheduler quickly (a refused
+    # request, preemption, the prefill of next_token_logits) and one overlapped run
+    # (schedule_ahead across block boundaries); not the slower runs (5-15 s each on two shared
+    # cores, run on every mutant they reach; `make test` runs them): the edges hold each step
+    "engine.scheduler": Module(
+        ("mxrl/engine/scheduler.py",),
+        ("tests/engine/test_scheduler_edges.py",
+         "tests/engine/test_scheduler.py::test_a_request_larger_than_the_cache_is_refused_before_any_work",
+         "tests/engine/test_scheduler.py::test_preemption_recomputes_the_same_bytes",
+         "tests/engine/test_scheduler.py::test_next_token_logits_are_the_first_samples_logits",
+         "tests/engine/test_overlap.py::test_every_decode_step_but_the_first_is_queued_ahead_across_block_boundaries"),
+    ),
+    # the CUDA-graph decode's host side (buckets, metadata rows, turns, lazy capture, the
+    # fall-back, table widths); capture and replay need CUDA: test_gpu.py's graph tests
+    "engine.graph": Module(
+        ("mxrl/engine/graph.py",),
+        ("tests/engine/test_graph.py", "tests/engine/test_graph_edges.py"),
+    ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
     "rl": Module(
