@@ -16,9 +16,10 @@ from torch import nn
 
 import mxrl.engine.loading as loading
 from mxrl.engine.loading import WeightLoading, _leaves, _same_layout
-from mxrl.engine.modules import RolloutLinear
+from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
+from mxrl.nn.experts import GroupedExperts
 from mxrl.recipe import resolve
 from mxrl.weights import VerifiedRecord, WeightRecord, checksum
 from mxrl.weights.digest import verified_records
@@ -27,7 +28,11 @@ EMBED = "model.embed_tokens.weight"
 Q = "model.layers.1.self_attn.q_proj.weight"
 NORM = "model.norm.weight"
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
-SHAPES = {EMBED: (4, 32), Q: (32, 32), NORM: (32,), BIAS: (4,)}
+QB = "model.layers.1.self_attn.q_proj.bias"
+GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
+DOWN = "model.layers.1.mlp.experts.down_proj"
+SHAPES = {EMBED: (4, 32), Q: (32, 32), NORM: (32,), BIAS: (4,), QB: (32,), GATE_UP: (2, 64, 32),
+          DOWN: (2, 32, 32)}  # fmt: skip
 
 
 class Host(WeightLoading):
@@ -55,6 +60,11 @@ class Host(WeightLoading):
         layer.mlp = nn.Module()
         layer.mlp.gate = nn.Module()
         layer.mlp.gate.e_score_correction_bias = None
+        specs = {role: self.plan[f"model.layers.1.mlp.experts.{role}_proj"]
+                 for role in ("gate_up", "down")}  # fmt: skip
+        layer.mlp.experts = RolloutExperts(
+            GroupedExperts(2, 32, 32), specs, compute_dtype, 8, Backend.REFERENCE
+        )
         net.model.layers = nn.ModuleList([nn.Module(), layer])
         net.lm_head = SimpleNamespace(weight="untied")
         self.net = net
@@ -70,9 +80,10 @@ def _value(name: str, seed: int):
     """A value of `name` as the plan wants it: bf16, the bias fp32, q_proj MXFP8 codes and
     scales (the E4M3 byte 0x38 is 1.0, the E8M0 byte 127 is 2^0; seed moves both)."""
     shape = SHAPES[name]
-    if name == Q:
+    if name in (Q, GATE_UP, DOWN):
         qdata = torch.full(shape, 0x38 + seed, dtype=torch.uint8)
-        scale = torch.full((32, 1), 127 + seed, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        scale = torch.full((*shape[:-1], 1), 127 + seed, dtype=torch.uint8)
+        scale = scale.view(torch.float8_e8m0fnu)
         return QTensor(qdata, scale, "mxfp8", shape)
     dtype = torch.float32 if name == BIAS else torch.bfloat16
     return torch.full(shape, float(seed + 1), dtype=dtype)
@@ -279,7 +290,7 @@ def test_verified_records_are_not_checksummed_again(monkeypatch):
     verified = verified_records(plain[:2], [r.hash for r in plain[:2]])
     assert all(isinstance(r, VerifiedRecord) for r in verified)
     host.load_weights([*verified, *plain[2:]], host.plan.hash())
-    assert seen == [[NORM, BIAS]]
+    assert seen == [list(SHAPES)[2:]]
 
 
 def test_records_are_the_held_weights_with_their_checksums():
@@ -328,3 +339,47 @@ def test_same_layout_compares_shapes_dtypes_devices_and_absence():
     assert _same_layout((cpu, "held"), (meta, None), values_only=True)
     assert not _same_layout((cpu, None), (torch.zeros(3), None), values_only=True)
     assert _same_layout((cpu, [cpu]), (cpu, [cpu, cpu]), values_only=True)
+
+
+def test_experts_and_a_projection_bias_are_installed_then_copied_in_place():
+    """RolloutExperts: each role's value is held under its role (gate_up, down), dequantized
+    on a first load and reloaded in place (same storage, no graph drop); the q_proj bias (a RolloutLinear
+    attribute other than its weight) is held as a plain compute-dtype tensor, copied in place."""
+    host = _loaded()
+    experts = host.net.model.layers[1].mlp.experts
+    assert set(experts.values) == {"gate_up", "down"}
+    assert all(any(t is not None for t in _leaves(v)) for v in experts.values.values())
+    bias = host.net.model.layers[1].self_attn.q_proj.bias
+    assert bias.dtype == torch.float32 and torch.equal(bias, torch.ones(32))
+    ptrs = {r: [t.data_ptr() for t in _leaves(experts.values[r]) if t is not None]
+            for r in ("gate_up", "down")}  # fmt: skip
+    bias_ptr = bias.data_ptr()
+    host.load_weights(_records(1), host.plan.hash())
+    assert host.dropped == 1
+    assert host.net.model.layers[1].self_attn.q_proj.bias.data_ptr() == bias_ptr
+    assert torch.equal(host.net.model.layers[1].self_attn.q_proj.bias, torch.full((32,), 2.0))
+    for role in ("gate_up", "down"):
+        after = [t.data_ptr() for t in _leaves(experts.values[role]) if t is not None]
+        assert after == ptrs[role]
+        codes = host.weights[GATE_UP if role == "gate_up" else DOWN].qdata
+        assert torch.equal(codes, torch.full(codes.shape, 0x39, dtype=torch.uint8))
+
+
+def test_plain_records_must_have_the_engine_weight_dtype():
+    """An engine whose weight dtype is fp32 refuses bf16 plain records (the plan's unquantized
+    tensors must come in the engine's weight dtype), naming the first one, the embedding."""
+    host = _loaded()
+    host.weight_dtype = torch.float32
+    _refused(host, _records(1), "model.embed_tokens.weight")
+
+
+@pytest.mark.gpu
+def test_host_records_are_loaded_onto_the_engine_device():
+    """An engine on CUDA given CPU records holds them on CUDA (stage moves each value to the
+    engine's device), first load and reload alike."""
+    host = Host()
+    host.device = torch.device("cuda")
+    host.net.to("cuda")
+    host.load_weights(_records(0), host.plan.hash())
+    assert host.weights[EMBED].is_cuda and host.net.model.embed_tokens.weight.is_cuda
+    assert host.weights[Q].qdata.is_cuda
