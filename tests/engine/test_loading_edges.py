@@ -136,7 +136,8 @@ def test_a_first_load_installs_every_tensor_where_the_forward_reads_it():
     bias = host.net.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and torch.equal(bias, torch.ones(4))
     q = host.net.model.layers[1].self_attn.q_proj
-    assert q.qweight is host.weights[Q] and q.weight is None and q.wq is not None
+    assert q.qweight is host.weights[Q] and q.weight is None
+    assert torch.equal(q.wq.lp, torch.ones(32, 32))  # E4M3 0x38 = 1.0 times E8M0 127 = 1
     assert host.net.lm_head.weight == "untied"
     assert host.weights[EMBED].dtype == torch.bfloat16  # the record's value, as received
 
@@ -176,6 +177,35 @@ def test_a_reload_copies_into_the_held_buffers():
     assert torch.equal(q.qdata, torch.full((32, 32), 0x39, dtype=torch.uint8))
     assert torch.equal(q.scale.view(torch.uint8), torch.full((32, 1), 128, dtype=torch.uint8))
     assert host.hashes == {r.name: r.hash for r in _records(1)}
+    # the GEMM operands follow: E4M3 0x39 is 1.125 and E8M0 128 is 2, so 2.25 everywhere
+    q_proj, experts = (
+        host.net.model.layers[1].self_attn.q_proj,
+        host.net.model.layers[1].mlp.experts,
+    )
+    for wq in (q_proj.wq, experts.values["gate_up"], experts.values["down"]):
+        assert torch.equal(wq.lp, torch.full(wq.lp.shape, 2.25))
+
+
+def _after_a_replaced_one_the_rest_is_copied(host: Host) -> None:
+    """The tensors after NORM in load order still take seed 1's bytes in place."""
+    assert torch.equal(
+        host.net.model.layers[1].mlp.gate.e_score_correction_bias, torch.full((4,), 2.0)
+    )
+    assert torch.equal(host.net.model.layers[1].self_attn.q_proj.bias, torch.full((32,), 2.0))
+    experts = host.net.model.layers[1].mlp.experts
+    assert torch.equal(experts.values["down"].lp, torch.full((2, 32, 32), 2.25))
+
+
+def test_a_changed_operand_layout_is_installed_and_the_rest_copied():
+    """The held value fits the record but the module's operand does not (changed behind the
+    engine's back): found while copying, so installed anew (graphs dropped) and the load goes
+    on with the tensors after it."""
+    host = _loaded()
+    host.net.model.norm.weight = nn.Parameter(torch.zeros(16), requires_grad=False)
+    host.load_weights(_records(1), host.plan.hash())
+    assert host.dropped == 2
+    assert torch.equal(host.net.model.norm.weight, torch.full((32,), 2.0))
+    _after_a_replaced_one_the_rest_is_copied(host)
 
 
 def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs():
@@ -187,6 +217,7 @@ def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs():
     assert host.dropped == 2
     assert torch.equal(host.weights[NORM], torch.full((32,), 2.0, dtype=torch.bfloat16))
     assert torch.equal(host.net.model.norm.weight, torch.full((32,), 2.0))
+    _after_a_replaced_one_the_rest_is_copied(host)
 
 
 def test_a_partial_update_writes_only_its_records():
