@@ -46,6 +46,15 @@ def assert_bytes_equal(actual: torch.Tensor, expected: torch.Tensor, what: str =
         )
 
 
+def assert_same_outputs(want, got, what: str = "") -> None:
+    """Two lists of engine outputs, request by request: the same tokens, and logprobs and
+    routed experts byte for byte."""
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.tokens == b.tokens, f"{what} request {i}"
+        assert_bytes_equal(a.logprobs, b.logprobs, f"{what} request {i} logprobs")
+        assert_bytes_equal(a.routed_experts, b.routed_experts, f"{what} request {i} routing")
+
+
 def assert_qtensor_bytes_equal(actual: QTensor, expected: QTensor, what: str = "") -> None:
     """Every stored field of two QTensors, byte for byte, plus format, shape and axis."""
     assert actual.fmt == expected.fmt, f"{what}: fmt {actual.fmt} != {expected.fmt}"
