@@ -224,8 +224,8 @@ def _model_of(run: RunRecord, default: str) -> str:
     """The shipped model a run trained, for records written before the config named it: the
     one whose layer count and embedding shape the run's plan holds (`default` if none does)."""
     try:
-        plan = json.loads((run.path / "plan.json").read_text())
-    except (OSError, ValueError):
+        plan = json.loads(run.plan_json or "{}")
+    except ValueError:
         return default
     shapes = {t["name"]: t["shape"] for t in plan.get("tensors", [])}
     for name in (default, "ablate-moe", "tiny-moe"):
