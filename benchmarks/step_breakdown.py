@@ -18,6 +18,9 @@ Kernels do not say which operation launched them, so the profile is read in two 
 What no range and no rule claims is `other` (the embedding's gather, the residual adds between
 blocks, the logits' cast). The rules are plain substrings of kernel names on the H200 (torch
 2.11, CUDA 13): read them with the table they produce.
+
+`profile_step` is the older, coarser view: GPU time per kernel name, and the GEMM kernels' share
+(train_step.py's `--profile`).
 """
 
 from __future__ import annotations
@@ -198,17 +201,70 @@ def breakdown(prof, cuda: bool) -> dict[str, float]:
     return {c: ms.get(c, 0.0) for c in CATEGORIES}
 
 
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def profile_breakdown(step, model: nn.Module, device: torch.device) -> dict[str, float]:
     """One call of `step` under the profiler with the model's ranges open: ms per category."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
+    sync_device(device)
     # the CPU ops too on CUDA: a kernel is found through the CPU op that launched it
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with module_ranges(model), profile(activities=activities) as p:
         step()
-        if cuda:
-            torch.cuda.synchronize(device)
+        sync_device(device)
     return breakdown(p, cuda)
+
+
+# GEMM kernels by name: cuBLAS (nvjet, xmma), CUTLASS (torch._grouped_mm), our grouped
+# block-FP8 kernel; and the attention kernels (cuDNN / flash SDPA)
+GEMM_KERNEL_MARKS = (
+    "gemm",
+    "xmma",
+    "cutlass",
+    "nvjet",
+    "fp8_block_grouped_kernel",
+    "fp8_block_kgrouped_kernel",
+)
+ATTENTION_KERNEL_MARKS = ("sdpa", "flash", "fmha")
+
+
+def profile_step(step, device: torch.device, label: str, top: int) -> dict:
+    """One step under torch.profiler: GPU time per kernel name, and the share of GEMM kernels
+    (cuBLAS / CUTLASS / nvjet names and our Triton GEMM kernels) in the step's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sync_device(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        step()
+        sync_device(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.key_averages() if e.device_type == kind]
+
+    def us(e) -> float:  # on the CPU (the script's logic only): self CPU time of each op
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    events.sort(key=lambda e: -us(e))
+    total = sum(us(e) for e in events)
+
+    def share(marks) -> float:
+        return sum(us(e) for e in events if any(m in e.key.lower() for m in marks))
+
+    gemm, attention = share(GEMM_KERNEL_MARKS), share(ATTENTION_KERNEL_MARKS)
+    launches = sum(e.count for e in events)
+    print(f"  profile {label}: {total / 1e3:.1f} ms of kernel time in {launches} kernels, "
+          f"GEMM kernels {gemm / 1e3:.1f} ms ({100 * gemm / max(total, 1):.0f} %), "
+          f"attention {attention / 1e3:.1f} ms")  # fmt: skip
+    for e in events[:top]:
+        print(f"    {us(e) / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:100]}")
+    return {
+        "kernel_ms": total / 1e3,
+        "gemm_ms": gemm / 1e3,
+        "attention_ms": attention / 1e3,
+        "kernels": launches,
+    }

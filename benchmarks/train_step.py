@@ -58,7 +58,7 @@ from common import (
 )
 from engine_decode import check_device, check_presets, cpu_environment
 from families import FAMILIES, describe, model_config, param_counts
-from step_breakdown import OPTIMIZER_RANGE, profile_breakdown
+from step_breakdown import OPTIMIZER_RANGE, profile_breakdown, profile_step, sync_device
 
 ensure_repo_on_path()
 
@@ -125,24 +125,19 @@ def dense_bf16_peak(device: torch.device) -> float | None:
     return next((v for k, v in DENSE_BF16_TFLOPS.items() if k in name), None)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(step, device: torch.device, warmup: int, repeats: int) -> dict:
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync_device(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, host = [], []
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         step()
         host.append(time.perf_counter() - start)  # the host's launches (no sync in the step)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return {
@@ -221,56 +216,6 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     del model
     _free(device)
     return {"impl": "mxrl", "preset": preset, **got}
-
-
-# GEMM kernels by name: cuBLAS (nvjet, xmma), CUTLASS (torch._grouped_mm), our grouped
-# block-FP8 kernel; and the attention kernels (cuDNN / flash SDPA)
-GEMM_KERNEL_MARKS = (
-    "gemm",
-    "xmma",
-    "cutlass",
-    "nvjet",
-    "fp8_block_grouped_kernel",
-    "fp8_block_kgrouped_kernel",
-)
-ATTENTION_KERNEL_MARKS = ("sdpa", "flash", "fmha")
-
-
-def profile_step(step, device: torch.device, label: str, top: int) -> dict:
-    """One step under torch.profiler: GPU time per kernel name, and the share of GEMM kernels
-    (cuBLAS / CUTLASS / nvjet names and our Triton GEMM kernels) in the step's kernel time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        step()
-        _sync(device)
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    events = [e for e in prof.key_averages() if e.device_type == kind]
-
-    def us(e) -> float:  # on the CPU (the script's logic only): self CPU time of each op
-        return e.self_device_time_total if cuda else e.self_cpu_time_total
-
-    events.sort(key=lambda e: -us(e))
-    total = sum(us(e) for e in events)
-
-    def share(marks) -> float:
-        return sum(us(e) for e in events if any(m in e.key.lower() for m in marks))
-
-    gemm, attention = share(GEMM_KERNEL_MARKS), share(ATTENTION_KERNEL_MARKS)
-    launches = sum(e.count for e in events)
-    print(f"  profile {label}: {total / 1e3:.1f} ms of kernel time in {launches} kernels, "
-          f"GEMM kernels {gemm / 1e3:.1f} ms ({100 * gemm / max(total, 1):.0f} %), "
-          f"attention {attention / 1e3:.1f} ms")  # fmt: skip
-    for e in events[:top]:
-        print(f"    {us(e) / 1e3:8.2f} ms  x{e.count:5d}  {e.key[:100]}")
-    return {
-        "kernel_ms": total / 1e3,
-        "gemm_ms": gemm / 1e3,
-        "attention_ms": attention / 1e3,
-        "kernels": launches,
-    }
 
 
 def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
