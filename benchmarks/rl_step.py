@@ -49,6 +49,7 @@ from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
 from mxrl.runs import RunRecord  # noqa: E402
 from mxrl.runs.yamlio import load_yaml  # noqa: E402
+from mxrl.weights.record import value_nbytes  # noqa: E402
 
 PRESET_DIR = REPO_ROOT / "mxrl" / "recipe" / "presets"
 
@@ -146,6 +147,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
     row["micro_batch_tokens"] = trainer.micro_batch_tokens
+    row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
+    row["sync_gbps"] = row["engine_bytes"] / row["sync_s"] / 1e9
     row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -245,6 +248,7 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
+    ap.add_argument("--section", default="rl_step", help="the results section written")
     ap.add_argument("--plot", metavar="PNG", help="draw --out's rl_step section there; no run")
     args = ap.parse_args(argv)
     check_presets(args.presets)
@@ -262,7 +266,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
-        plot_section(json.loads(Path(args.out).read_text())["rl_step"], Path(args.plot))
+        plot_section(json.loads(Path(args.out).read_text())[args.section], Path(args.plot))
         print(f"rl_step: {args.plot}")
         return 0
     device = check_device(args.device)
@@ -309,7 +313,7 @@ def write_section(rows: list[dict], lengths: list[int], device, args) -> None:
         "environment": env,
         "delta_note": "Δ% = 100 x (preset / bf16 - 1), per stage",
     }
-    update_results(Path(args.out), "rl_step", section, {})
+    update_results(Path(args.out), args.section, section, {})
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import statistics
 import time
@@ -67,9 +68,11 @@ from mxrl.weights import (  # noqa: E402
     quantized_values,
     verified_records,
 )
+from mxrl.weights.event import SqnrSample  # noqa: E402
 
 DEFAULT_PRESETS = ("bf16", "mxfp8", "nvfp4-dequantized", "fp8-block")
 FULL_LAYERS = 48
+LOOP_SQNR_STRIDE = 16  # rl.sqnr_expert_stride's default
 VOCAB = 151936
 TINY_LAYER = {  # --tiny: every preset applies (block FP8 needs K % 128 == 0), seconds on a CPU
     **QWEN3_30B_A3B_LAYER,
@@ -172,6 +175,26 @@ def breakdown(model, engine: Engine, device, repeats: int) -> dict:
     }
 
 
+def profile_sync(fn, device: torch.device, label: str) -> None:
+    """--profile: one sync under torch.profiler; its wall time, the device's busy time (kernels
+    and copies) and the kernels that took it, printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(
+        f"  profile {label}: wall {wall * 1e3:.1f} ms (profiled), device busy {busy * 1e3:.1f} ms"
+    )
+    print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+
+
 def shares(stages: dict, transfer_s: float) -> dict:
     parts = {
         "quantize": stages["quantize_s"],
@@ -213,7 +236,8 @@ def print_row(r: dict) -> None:
     peak = r["peak_extra_bytes"]
     print(
         f"  {r['preset']:>18}: {r['sync_s']:.3f} s/sync ({r['sync_with_sqnr_s']:.3f} s with "
-        f"SQNR), {r['gbps']:.1f} GB/s = {r['ratio_to_baseline']:.2f} x baseline; quantize "
+        f"SQNR, {r.get('sync_with_sampled_sqnr_s', math.nan):.3f} s sampled as the loop does), "
+        f"{r['gbps']:.1f} GB/s = {r['ratio_to_baseline']:.2f} x baseline; quantize "
         f"{s['quantize']:.0%} checksum {s['checksum']:.0%} transfer {s['transfer']:.0%} load "
         f"{s['load']:.0%}; peak extra {'-' if peak is None else f'{peak / 2**20:.0f} MiB'}; "
         f"48 layers {r['sync_s_48_layers']:.2f} s"
@@ -249,11 +273,18 @@ def in_process(args, device: torch.device) -> dict:
 
         seconds = timed(once, device, args.repeats)
         seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
+        # as the GRPO loop measures it: each expert stack's every 16th expert (rl.md)
+        sample = SqnrSample(LOOP_SQNR_STRIDE, 1)
+        seconds_sampled = timed(lambda o=once, s=sample: o(s), device, args.repeats, warmup=False)
         peak = peak_extra(once, device)
         stages = breakdown(model, engine, device, args.repeats)
         row = row_common(
             preset, engine, seconds, seconds_sqnr, stages, 0.0, peak, bandwidth["gbps"], args
         )
+        if args.profile and device.type == "cuda":
+            profile_sync(lambda o=once, s=sample: o(s), device, preset)
+        row["sync_with_sampled_sqnr_s"] = seconds_sampled
+        row["sampled_sqnr_share"] = 1.0 - seconds / seconds_sampled
         rows.append(row)
         print_row(row)
         del engine, sync
@@ -420,6 +451,7 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nccl", action="store_true", help="2 GPUs under torchrun --nproc-per-node 2")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
+    ap.add_argument("--profile", action="store_true", help="in-process: a profiled sync per preset")
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
     args = ap.parse_args(argv)
     if args.tiny:

@@ -44,7 +44,7 @@ from mxrl.kernels.backend import backend_for
 from mxrl.recipe import Plan, TensorSpec
 from mxrl.recipe.quantize import weight_amax
 from mxrl.weights import DEFAULT_BUCKET_BYTES, Bucket, Export, QuantizationEvent, check_finite
-from mxrl.weights.event import OTHER, SqnrMeter
+from mxrl.weights.event import OTHER, SqnrMeter, SqnrSample
 from mxrl.weights.export import check_names, fuse_partners
 from mxrl.weights.record import WeightValue
 
@@ -90,8 +90,8 @@ class ShardedExport:
 
 
 class _Tally:
-    def __init__(self) -> None:
-        self.meter = SqnrMeter()
+    def __init__(self, sample: SqnrSample) -> None:
+        self.meter = SqnrMeter(sample)
         self.result: dict[str, float] = {}
         self.num_shard_local = self.num_gathered = 0
 
@@ -103,7 +103,7 @@ def sharded_export(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     step: int = 0,
-    sqnr: bool = True,
+    sqnr: bool | SqnrSample = True,
     bf16_dtype: torch.dtype = torch.bfloat16,
     backend: Kernels | Backend | str | None = None,
 ) -> ShardedExport:
@@ -114,7 +114,8 @@ def sharded_export(
     params = {n: p.detach() for n, p in model.named_parameters()}
     check_names(params, plan, "sharded export")
     _check_finite_everywhere(params, plan, group)
-    tally = _Tally()
+    tally = _Tally(sqnr if isinstance(sqnr, SqnrSample) else SqnrSample())
+    sqnr = sqnr is not False
     values = _values(params, plan, group, bf16_dtype, backend, tally, sqnr)
     inner = Export(
         {}, plan, values, bucket_bytes=bucket_bytes, step=step, sqnr=False, on_event=None,
@@ -177,7 +178,8 @@ def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -
         if _shard_local_ok(p, spec, world):
             value = _quantize_shard(shard, spec, params, partners, group, bf16_dtype, be)
             if sqnr and isinstance(value, QTensor):
-                tally.meter.add(spec.layer, shard, value)
+                first = rank * -(-p.shape[0] // world)  # torch.chunk's rows per rank
+                tally.meter.add(spec.layer, shard, value, first=first, total=p.shape[0])
             value = _gather_value(value, spec, world, group)
             tally.num_shard_local += 1
         else:

@@ -28,6 +28,7 @@ from mxrl.rl.config import GRPOConfig
 from mxrl.rl.optim import adamw
 from mxrl.rl.resume import apply_optimizer_settings
 from mxrl.weights import Export, export
+from mxrl.weights.event import SqnrSample
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout
@@ -120,7 +121,7 @@ class Actor(Protocol):
     # keys of a resume state that an older checkpoint may lack (the trainer warns)
     newer_keys: tuple[str, ...]
 
-    def export(self, step: int, *, sqnr: bool = True) -> Export: ...
+    def export(self, step: int, *, sqnr: bool | SqnrSample = True) -> Export: ...
     def save(self, folder: Path | None, step: int, state: dict[str, Any]) -> Path: ...
     def load(self, path: Path, state: dict[str, Any]) -> None: ...
 
@@ -150,7 +151,7 @@ class LocalActor:
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
 
-    def export(self, step: int, *, sqnr: bool = True) -> Export:
+    def export(self, step: int, *, sqnr: bool | SqnrSample = True) -> Export:
         return export(self.model, self.plan, step=step, sqnr=sqnr)
 
     def save(self, folder: Path | None, step: int, state: dict[str, Any]) -> Path:
@@ -204,7 +205,7 @@ class ShardedActor:
         )
         attach_cache_reset(model, self.optimizer)
 
-    def export(self, step: int, *, sqnr: bool = True) -> Export:
+    def export(self, step: int, *, sqnr: bool | SqnrSample = True) -> Export:
         """Collective over the train ranks."""
         from mxrl.parallel import sharded_export
 

@@ -167,6 +167,9 @@ class GRPOConfig:
     backend: Backend | None = field(default=None, metadata=rule(APPLY, _backend))
     checkpoint_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
     verify_every: int = field(default=10, metadata=rule(APPLY, _EVERY))
+    # each step's per-layer SQNR measures group (step mod this) of this many contiguous groups
+    # of every expert stack's experts (1: all; mxrl/weights/event.py): 1/16 of the expert bytes
+    sqnr_expert_stride: int = field(default=16, metadata=rule(APPLY, integer(1)))
     eval_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
     engine_tile: int = field(default=32, metadata=rule(APPLY, integer(1)))
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA

@@ -31,6 +31,15 @@ def memory_peak(device: torch.device | str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
 
 
+def settle(device: torch.device | str) -> None:
+    """Wait for the work queued on `device` (CUDA runs kernels after the host returns): each
+    stage's time is then its own, not partly the next stage's (the optimizer step's kernels
+    used to run inside the timed sync). Nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def step_metrics(
     outs: Sequence[Completion],
     rewards: torch.Tensor,

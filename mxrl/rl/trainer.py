@@ -43,7 +43,7 @@ from mxrl.rl.actor import Actor, LocalActor, ShardedActor
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.metrics import Progress, memory_peak, step_metrics
+from mxrl.rl.metrics import Progress, memory_peak, settle, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resolve import Resolved, resolve_train
 from mxrl.rl.resume import CHECKPOINT_DIR, read_state
@@ -51,6 +51,7 @@ from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout, request_seed
 from mxrl.rl.source import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
+from mxrl.weights.event import SqnrSample
 
 if TYPE_CHECKING:
     from mxrl.parallel import Layout
@@ -133,14 +134,17 @@ class GRPOTrainer:
         )
         mask = pad_sequence([torch.ones(len(o.tokens)) for o in outs], batch_first=True)
         train = self._train(step, prompts, outs, rewards, mask) if self.actor else None
+        settle(device)
         t_train = time.perf_counter() - t1
         peaks["memory/train_peak_gib"] = memory_peak(device)
 
         t2 = time.perf_counter()
-        report = self.rollout.update(self.actor.export(step) if self.actor else None)
+        sample = SqnrSample.at_step(step, cfg.sqnr_expert_stride)
+        report = self.rollout.update(self.actor.export(step, sqnr=sample) if self.actor else None)
         deep = bool(cfg.verify_every) and step % cfg.verify_every == 0
         ok = self._verify_sync() if deep else True
         served, agreed = self.rollout.digest()
+        settle(device)
         t_sync = time.perf_counter() - t2
         times = self._everyone((t_rollout, t_train, t_sync))
         held_out = self._held_out(step)
@@ -335,14 +339,12 @@ class GRPOTrainer:
         return self.actor.save(folder, self.step, state)
 
     def load_checkpoint(self, path: str | Path, state: dict[str, Any] | None = None) -> int:
-        """Continue from a checkpoint (every rank): restores everything `save_checkpoint` wrote
-        and re-sends the weights to every engine, which ends at the checkpoint's weights
-        version. `state`: the checkpoint's trainer state already loaded (`mxrl.rl.resume` loads
-        it to check it before anything is written). The optimizer takes this config's lr,
-        betas and weight decay, not the saved ones (a resume applies a changed setting). A
-        checkpoint from before the RNG and engine keys loads too (RNGs as seeded at
-        construction, version step + 1: the loop's numbering), with a warning that it may not
-        continue bitwise."""
+        """Continue from a checkpoint (every rank): restores what `save_checkpoint` wrote and
+        re-sends the weights to every engine, which ends at the checkpoint's weights version.
+        `state`: the trainer state `mxrl.rl.resume` loaded and checked. The optimizer takes
+        this config's lr, betas and weight decay (a resume applies a changed setting). An older
+        checkpoint without the RNG and engine keys loads with a warning (RNGs as seeded,
+        version step + 1) that it may not continue bitwise."""
         path = Path(path)
         if state is None:
             state = read_state(

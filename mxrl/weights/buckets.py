@@ -32,7 +32,7 @@ from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.recipe import Plan
 from mxrl.weights.digest import checksums
-from mxrl.weights.event import QuantizationEvent, SqnrMeter
+from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
 from mxrl.weights.export import quantized_values
 from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
 
@@ -78,7 +78,7 @@ class Export:
         *,
         bucket_bytes: int,
         step: int,
-        sqnr: bool,
+        sqnr: bool | SqnrSample,
         on_event: Callable[[QuantizationEvent], None] | None,
         seconds: float,
         bf16_dtype: torch.dtype = torch.bfloat16,
@@ -90,7 +90,8 @@ class Export:
         self.step = step
         self._params = params
         self._values = values
-        self._sqnr = sqnr
+        self._sqnr = sqnr is not False
+        self._sample = sqnr if isinstance(sqnr, SqnrSample) else SqnrSample()
         self._on_event = on_event
         self._seconds = seconds
         self._started = False
@@ -125,7 +126,7 @@ class Export:
         return tuple(WeightRecord(n, v, h) for (n, v), h in zip(pending, sums, strict=True))
 
     def _buckets(self) -> Iterator[Bucket]:
-        meter = SqnrMeter()
+        meter = SqnrMeter(self._sample)
         num_tensors = num_bytes = index = 0
         pending: list[tuple[str, WeightValue]] = []
         pending_bytes = 0
@@ -182,7 +183,7 @@ def export(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     step: int = 0,
-    sqnr: bool = True,
+    sqnr: bool | SqnrSample = True,
     on_event: Callable[[QuantizationEvent], None] | None = None,
     bf16_dtype: torch.dtype = torch.bfloat16,
     backend: Backend | str | None = None,
@@ -194,7 +195,8 @@ def export(
     an update only at a step greater than the last one it loaded (mxrl/engine/loading.py).
     Raises ValueError, before returning and so before any bucket exists, for a master weight
     holding NaN/Inf (naming it) and for weights that do not match the plan. sqnr=False skips the
-    per-layer SQNR (one dequantization per quantized tensor). on_event is called with the
+    per-layer SQNR (one dequantization per quantized tensor); a `SqnrSample` measures a share of
+    each expert stack (mxrl/weights/event.py). on_event is called with the
     QuantizationEvent when the last bucket is produced.
     """
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes <= 0:

@@ -5,6 +5,13 @@ second quantization pass, one host read per export): 10*log10(sum master^2 / sum
 dequantize(q))^2) over the quantized tensors of a layer ("layer.{i}"), and of the tensors outside
 the decoder stack ("other"). Tensors the plan keeps in bf16 are not counted: a layer without a
 quantized tensor has no key.
+
+A `SqnrSample` measures a share of every 3-D expert stack: one of `stride` contiguous groups
+of its experts, the group its phase names (2-D tensors always whole). The GRPO loop exports every step
+with stride 16 and the phase moving with the step, so each expert is measured once every 16
+steps and the measurement reads 1/16 of the expert bytes it would read whole: the SQNR is a
+second read of every master weight beside the export's own, and at full size it cost the loop's
+sync as much as the quantization itself (docs/sync.md).
 """
 
 from __future__ import annotations
@@ -58,14 +65,65 @@ class QuantizationEvent:
         )
 
 
+@dataclass(frozen=True)
+class SqnrSample:
+    """Which experts of a 3-D expert stack [E, N, K] the SQNR measures: split into
+    s = min(stride, E) contiguous groups (expert e in group floor(e * s / E)), group
+    phase mod s. Contiguous, so the measured experts are a view of the stack, not a copy; a
+    stack of fewer experts than the stride still has one measured. stride 1: every expert."""
+
+    stride: int = 1
+    phase: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stride, int) or isinstance(self.stride, bool) or self.stride < 1:
+            raise ValueError(f"SqnrSample.stride must be an int >= 1, got {self.stride!r}")
+        if not isinstance(self.phase, int) or isinstance(self.phase, bool) or self.phase < 0:
+            raise ValueError(f"SqnrSample.phase must be an int >= 0, got {self.phase!r}")
+
+    @classmethod
+    def at_step(cls, step: int, stride: int) -> SqnrSample:
+        """The loop's sample at `step`: the phase moves by one expert each step."""
+        return cls(stride, step % stride)
+
+    def experts(self, first: int, count: int, total: int) -> list[int] | None:
+        """The measured experts among global indices first..first+count-1 of a stack of
+        `total`, as indices into that range; None: all of them."""
+        s = min(self.stride, total)
+        if s <= 1:
+            return None
+        group = self.phase % s
+        return [i for i in range(count) if (first + i) * s // total == group]
+
+
 class SqnrMeter:
     """Per-layer sums of master^2 and error^2, kept on the device until `result()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample: SqnrSample | None = None) -> None:
         self._sums: dict[str, torch.Tensor] = {}  # key -> float64 [2] (signal, noise)
+        self.sample = SqnrSample() if sample is None else sample
 
-    def add(self, layer: int | None, master: torch.Tensor, q: QTensor) -> None:
+    def add(
+        self,
+        layer: int | None,
+        master: torch.Tensor,
+        q: QTensor,
+        *,
+        first: int = 0,
+        total: int | None = None,
+    ) -> None:
+        """Add a quantized tensor's sums to its layer's. An expert stack (3-D, blocks along the
+        last dim) counts the sample's experts only; `first` / `total`: a shard's first expert
+        and the whole stack's count (default: the tensor is the whole stack)."""
         key = OTHER if layer is None else f"layer.{layer}"
+        if master.dim() == 3 and q.axis in (-1, 2):
+            count = master.shape[0]
+            idx = self.sample.experts(first, count, count if total is None else total)
+            if idx is not None:
+                if not idx:
+                    return  # none of this shard's experts is in the sample
+                start, stop = idx[0], idx[-1] + 1  # contiguous: views, no copy
+                master, q = master[start:stop], _experts(q, start, stop)
         sums = _squared_sums(master, q)
         self._sums[key] = self._sums[key] + sums if key in self._sums else sums
 

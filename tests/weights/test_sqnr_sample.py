@@ -1,0 +1,110 @@
+"""The sampled per-layer SQNR the GRPO loop measures each step (mxrl/weights/event.py): which
+experts a `SqnrSample` takes, worked out by hand, and the sums over exactly those experts."""
+
+import math
+
+import pytest
+import torch
+
+from mxrl.formats import QTensor, dequantize, quantize
+from mxrl.recipe import resolve
+from mxrl.weights import export
+from mxrl.weights.event import SqnrMeter, SqnrSample
+from tests.sync.helpers import tiny
+
+
+@pytest.mark.parametrize(
+    ("stride", "phase", "first", "count", "total", "want"),
+    [
+        (1, 0, 0, 6, 6, None),  # every expert
+        (2, 1, 0, 5, 5, [3, 4]),  # groups floor(2e / 5): 0 0 0 1 1
+        (2, 0, 0, 5, 5, [0, 1, 2]),
+        (4, 6, 0, 9, 9, [5, 6]),  # the phase wraps (6 mod 4); floor(4e / 9): 0 0 0 1 1 2 2 3 3
+        (16, 7, 0, 5, 5, [2]),  # fewer experts than the stride: s = 5, 7 mod 5
+        (16, 0, 0, 1, 1, None),  # one expert: always measured
+        (2, 1, 3, 2, 5, [0, 1]),  # a shard holding global experts 3, 4 (group 1)
+        (3, 1, 4, 4, 8, [0, 1]),  # global 4..7; floor(3e / 8): group 1 is 3, 4, 5
+        (4, 2, 8, 3, 11, [0]),  # global 8..10; floor(4e / 11): group 2 is 6, 7, 8
+        (4, 3, 8, 3, 11, [1, 2]),  # group 3 is 9, 10
+        (4, 1, 8, 3, 11, []),  # group 1 (3, 4, 5): no expert of this shard
+    ],
+)
+def test_the_experts_a_sample_measures(stride, phase, first, count, total, want):
+    assert SqnrSample(stride, phase).experts(first, count, total) == want
+
+
+def test_the_loop_sample_moves_one_expert_a_step():
+    assert [SqnrSample.at_step(s, 4).phase for s in range(1, 10)] == [1, 2, 3, 0, 1, 2, 3, 0, 1]
+    with pytest.raises(ValueError, match="stride"):
+        SqnrSample(0)
+    with pytest.raises(ValueError, match="phase"):
+        SqnrSample(2, -1)
+
+
+def _db(master: torch.Tensor, q: QTensor, experts: list[int]) -> float:
+    """SQNR over `experts` of a 3-D stack, in float64 from the dequantized values."""
+    ref = master.double()[experts]
+    err = ref - dequantize(q).double()[experts]
+    return 10 * math.log10(float((ref * ref).sum()) / float((err * err).sum()))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_block"])
+def test_a_sampled_stack_counts_only_its_experts(fmt):
+    g = torch.Generator().manual_seed(3)
+    # each expert its own magnitude, so a wrong expert changes the value
+    master = torch.randn(5, 128, 128, generator=g) * torch.arange(1, 6).view(5, 1, 1)
+    master[2] += torch.randn(128, 128, generator=g) * 40  # an outlier expert
+    q = quantize(master, fmt)
+    for stride, phase, experts in [(2, 1, [3, 4]), (2, 0, [0, 1, 2]), (16, 7, [2]), (1, 0, None)]:
+        meter = SqnrMeter(SqnrSample(stride, phase))
+        meter.add(0, master, q)
+        want = _db(master, q, experts if experts is not None else list(range(5)))
+        assert meter.result()["layer.0"] == pytest.approx(want, rel=1e-9), (stride, phase)
+
+
+def test_shards_of_a_stack_add_up_to_the_whole_stacks_sample():
+    """Two shards (torch.chunk of 5 experts over 2 ranks: 3 + 2) measured with their global
+    offsets give the sample of the whole stack."""
+    g = torch.Generator().manual_seed(4)
+    master = torch.randn(5, 64, 64, generator=g) * torch.arange(1, 6).view(5, 1, 1)
+    sample = SqnrSample(3, 1)  # floor(3e / 5) = 0 0 1 1 2: experts 2 and 3, one in each shard
+    meter = SqnrMeter(sample)
+    for first, stop in [(0, 3), (3, 5)]:
+        part = master[first:stop]
+        meter.add(0, part, quantize(part, "mxfp8"), first=first, total=5)
+    assert meter.result()["layer.0"] == pytest.approx(
+        _db(master, quantize(master, "mxfp8"), [2, 3]), rel=1e-9
+    )
+
+
+def test_2d_tensors_are_always_measured_whole():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=g)
+    q = quantize(w, "mxfp8")
+    meter = SqnrMeter(SqnrSample(16, 3))
+    meter.add(None, w, q)
+    ref, err = w.double(), w.double() - dequantize(q).double()
+    want = 10 * math.log10(float((ref * ref).sum()) / float((err * err).sum()))
+    assert meter.result()["other"] == pytest.approx(want, rel=1e-9)
+
+
+def test_an_export_with_a_sample_measures_the_sampled_experts():
+    """export(..., sqnr=SqnrSample) on a model: each layer's SQNR from its 2-D quantized
+    tensors whole and its expert stacks' sampled experts."""
+    model = tiny()
+    plan = resolve("nvfp4-dequantized", {n: p.shape for n, p in model.named_parameters()})
+    sample = SqnrSample(2, 1)
+    exp = export(model, plan, sqnr=sample)
+    records = {r.name: r.value for r in exp.records()}
+    params = dict(model.named_parameters())
+    signal = noise = 0.0
+    for name, value in records.items():
+        if plan[name].layer == 1 and isinstance(value, QTensor):
+            ref, deq = params[name].detach().double(), dequantize(value).double()
+            if ref.dim() == 3:
+                n = ref.shape[0]
+                keep = [e for e in range(n) if e * min(2, n) // n == 1]  # the second half
+                ref, deq = ref[keep], deq[keep]
+            signal += float((ref * ref).sum())
+            noise += float(((ref - deq) ** 2).sum())
+    assert exp.event.sqnr_db["layer.1"] == pytest.approx(10 * math.log10(signal / noise), rel=1e-9)
