@@ -22,6 +22,18 @@ def _round(v, dtype: tl.constexpr, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def rms_rstd(x, H, eps):
+    """1 / sqrt(mean(x^2) + eps) of one row x (fp32 [BLOCK], zero past H): the statistics of
+    the engine's RMSNorm and of the trainer's (mxrl.kernels.triton_norm), one function so both
+    compute the same bytes. IEEE division and square root (plain `/` lowers to the approximate
+    div.full.f32)."""
+    ss = tl.sum(x * x, axis=0)
+    mean = tl.div_rn(ss, tl.full(ss.shape, H, tl.float32))
+    root = tl.sqrt_rn(mean + eps)
+    return tl.div_rn(tl.full(root.shape, 1.0, tl.float32), root)
+
+
+@triton.jit
 def rms_norm_kernel(
     x_ptr,  # [R, H]
     w_ptr,  # [H]
@@ -37,11 +49,7 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # IEEE division and square root (plain `/` lowers to the approximate div.full.f32)
-    ss = tl.sum(x * x, axis=0)
-    mean = tl.div_rn(ss, tl.full(ss.shape, H, tl.float32))
-    root = tl.sqrt_rn(mean + eps)
-    r = tl.div_rn(tl.full(root.shape, 1.0, tl.float32), root)
+    r = rms_rstd(x, H, eps)
     dtype = out_ptr.dtype.element_ty
     y = _round(x * r, dtype, IS_BF16)  # the module's cast back to the input dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
