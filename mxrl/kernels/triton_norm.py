@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxrl.kernels.triton_rowwise import _round, rms_rstd
+from mxrl.kernels.triton_rowwise import rms_rstd, round_to
 
 
 @triton.jit
@@ -37,9 +37,9 @@ def rms_norm_fwd_kernel(
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     r = rms_rstd(x, H, eps)
     tl.store(rstd_ptr + row, r)
-    y = _round(x * r, x_ptr.dtype.element_ty, X_BF16)  # the module's cast back to x's dtype
+    y = round_to(x * r, x_ptr.dtype.element_ty, X_BF16)  # the module's cast back to x's dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = _round(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty, OUT_BF16)
+    out = round_to(w.to(tl.float32) * y.to(tl.float32), out_ptr.dtype.element_ty, OUT_BF16)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, out, mask=mask)
 
 
@@ -82,9 +82,9 @@ def rms_norm_bwd_kernel(
         dxhat = g * w[None, :]
         s = tl.sum(dxhat * xhat, axis=1)
         c = tl.div_rn(s, tl.full(s.shape, H, tl.float32))[:, None]
-        dx = _round((dxhat - xhat * c) * r, dx_ptr.dtype.element_ty, X_BF16)
+        dx = round_to((dxhat - xhat * c) * r, dx_ptr.dtype.element_ty, X_BF16)
         tl.store(dx_ptr + rows64 * stride_dx + cols[None, :], dx, mask=m)
-        y = _round(xhat, x_ptr.dtype.element_ty, X_BF16).to(tl.float32)
+        y = round_to(xhat, x_ptr.dtype.element_ty, X_BF16).to(tl.float32)
         acc += g * y  # masked rows and columns add zeros
     tl.store(dw_part_ptr + pid.to(tl.int64) * H + cols, tl.sum(acc, axis=0), mask=cmask)
 
@@ -104,4 +104,4 @@ def sum_partials_kernel(
     acc = tl.zeros((BLOCK,), tl.float32)
     for p in range(P):
         acc += tl.load(part_ptr + p * H + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + cols, _round(acc, out_ptr.dtype.element_ty, OUT_BF16), mask=mask)
+    tl.store(out_ptr + cols, round_to(acc, out_ptr.dtype.element_ty, OUT_BF16), mask=mask)

@@ -199,3 +199,72 @@ def test_the_reference_is_the_models_eager_norm():
     with torch.no_grad():
         norm.weight.copy_(w)
     assert_bytes_equal(rms_norm_train_reference(x, w, EPS), norm(x), "out")
+
+
+# --- the model's RMSNorm --------------------------------------------------------------------------
+
+
+def _tiny_with_plan(backend):
+    from mxrl.arch import builtin_config
+    from mxrl.models import RMSNorm, build_model
+    from mxrl.nn import apply_plan
+    from mxrl.recipe import resolve
+
+    model = build_model(builtin_config("tiny-moe"), seed=0)
+    plan = resolve("bf16", {n: p.shape for n, p in model.named_parameters()})
+    apply_plan(model, plan, backend=backend)
+    return model, [m for m in model.modules() if isinstance(m, RMSNorm)]
+
+
+@interpreter
+def test_apply_plan_fuses_the_norms_where_the_rowwise_kernels_are_triton():
+    from mxrl.kernels import Backend, Kernels
+
+    _, norms = _tiny_with_plan(Kernels.resolve("triton", "cpu"))
+    assert len(norms) == 4 * 4 + 1  # per layer: input, post-attention, q and k; the final norm
+    assert all(m.rowwise is Backend.TRITON for m in norms)
+    # the reference record, a backend by name (the quantizer only) and the CPU default: eager
+    for backend in (Kernels.resolve("reference", "cpu"), "triton", "reference", None):
+        _, norms = _tiny_with_plan(backend)
+        assert all(m.rowwise is Backend.REFERENCE for m in norms), backend
+
+
+@interpreter
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), DTYPES)
+def test_a_fused_module_runs_the_kernels(x_dtype, w_dtype):
+    from mxrl.kernels import Backend
+    from mxrl.models import RMSNorm
+
+    x, w, g = inputs(3 * 5, 96, x_dtype, w_dtype, seed=4)
+    norm = RMSNorm(96, EPS, dtype=w_dtype)
+    norm.rowwise = Backend.TRITON
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    xr = x.view(3, 5, 96).clone().requires_grad_()
+    out = norm(xr)
+    out.backward(g.view(3, 5, 96))
+    want, rstd = rms_norm_forward(x, w, EPS)
+    dx, dw = rms_norm_backward(g, x, w, rstd)
+    assert_bytes_equal(out, want.view(3, 5, 96), "out")
+    assert_bytes_equal(xr.grad, dx.view(3, 5, 96), "dx")
+    assert_bytes_equal(norm.weight.grad, dw, "dw")
+
+
+@interpreter
+def test_a_training_step_of_the_tiny_model_with_fused_norms():
+    """Loss and gradients of the fp32 tiny MoE with the fused norms close to the eager ones
+    (fp32: the two differ by a few ulp per norm, amplified little by 4 layers)."""
+    from mxrl.kernels import Kernels
+
+    ids = torch.randint(1, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    results = []
+    for backend in ("reference", "triton"):
+        model, _ = _tiny_with_plan(Kernels.resolve(backend, "cpu"))
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-6, msg=name)
