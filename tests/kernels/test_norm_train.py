@@ -25,12 +25,14 @@ from tests.numerics import assert_bytes_equal
 EPS = 1e-6
 U = 2.0**-24
 UNIT = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-# (x dtype, weight dtype): the engine's bf16, fp32, and bf16 activations under fp32 weights
-# (q/k norms under autocast with fp32 master weights)
+# (x dtype, weight dtype): the engine's bf16, fp32, bf16 activations under fp32 weights (q/k
+# norms under autocast with fp32 master weights) and fp32 ones under bf16 weights (the fp32
+# residual stream under bf16 parameters)
 DTYPES = [
     (torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float32),
     (torch.bfloat16, torch.float32),
+    (torch.float32, torch.bfloat16),
 ]
 
 
