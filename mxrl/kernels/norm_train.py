@@ -63,14 +63,20 @@ def rms_norm_train(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return _FusedRMSNorm.apply(x, weight, eps)
 
 
+def fused_norm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The kernels take x [..., H] and weight [H] in float32 / bfloat16 / float16, H <= 16384
+    (float64 and wider rows: the reference)."""
+    h = x.shape[-1] if x.dim() else -1
+    return (
+        weight.shape == (h,)
+        and x.dtype in _DTYPES
+        and weight.dtype in _DTYPES
+        and h <= _MAX_NORM_ROW
+    )
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    h = x.shape[-1] if x.dim() else 0
-    if (
-        weight.shape != (h,)
-        or x.dtype not in _DTYPES
-        or weight.dtype not in _DTYPES
-        or h > _MAX_NORM_ROW
-    ):
+    if not fused_norm_fits(x, weight):
         raise ValueError(
             f"rms_norm_train: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
             f"{weight.dtype}: the weight must be [H], H <= {_MAX_NORM_ROW}, both float32, "

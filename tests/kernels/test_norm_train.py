@@ -270,3 +270,15 @@ def test_a_training_step_of_the_tiny_model_with_fused_norms():
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-6, msg=name)
+
+
+def test_a_fused_module_runs_inputs_the_kernels_do_not_take_eagerly():
+    """float64 (and rows over 16384): the eager ops' bytes, no kernel launched."""
+    from mxrl.kernels import Backend
+    from mxrl.models import RMSNorm
+
+    x = torch.randn(3, 32, dtype=torch.float64)
+    norm = RMSNorm(32, EPS, dtype=torch.float64)
+    want = norm(x)
+    norm.rowwise = Backend.TRITON
+    assert_bytes_equal(norm(x), want, "float64")
