@@ -10,10 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
 from tests.kernels.compile_sm90 import ptx_counts, report_in_subprocess
+
+# (dtype, BLOCK, num_warps): the launches of Qwen3-30B-A3B's norms (hidden 2048, head dim 128)
+# and of a row wider than 2048 (8 warps)
+STATS_LAUNCHES = [("bf16", 2048, 4), ("fp32", 2048, 4), ("bf16", 128, 4), ("bf16", 4096, 8)]
 
 TRITON_IMPORTABLE = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.triton
@@ -66,10 +71,52 @@ def compile_all() -> dict[str, dict[str, int]]:
             {"BLOCK": 1024, "IS_BF16": True, "LIBDEVICE": True},
         ),
     }  # fmt: skip
-    return {
+    report = {
         name: ptx_counts(fn, sig, constexprs, PATTERNS)
         for name, (fn, sig, constexprs) in variants.items()
     }
+    # per launch: how many operations the two kernels' statistics share (-1: they differ)
+    report["stats_same_as_engine"] = {}
+    for dt, block, warps in STATS_LAUNCHES:
+        train = _statistics(dt, block, warps, train=True)
+        same = train == _statistics(dt, block, warps, train=False)
+        report["stats_same_as_engine"][f"{dt}_{block}_{warps}"] = len(train) if same else -1
+    return report
+
+
+def _statistics(dtype: str, block: int, warps: int, *, train: bool) -> list[str]:
+    """The fp32 operations (and shuffles, shared-memory traffic) of the RMSNorm statistics up to
+    the square root in the sm_90 PTX of the engine's kernel or the training forward, registers
+    renamed in order of appearance: equal lists are the same sums in the same order."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mxrl.kernels import triton_norm as tn
+    from mxrl.kernels import triton_rowwise as rw
+
+    bf16 = dtype == "bf16"
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+           "stride_x": "i32", "stride_o": "i32", "H": "i32", "eps": "fp32"}  # fmt: skip
+    if train:
+        fn, consts = tn.rms_norm_fwd_kernel, {"BLOCK": block, "X_BF16": bf16, "OUT_BF16": bf16}
+        sig["rstd_ptr"] = "*fp32"
+    else:
+        fn, consts = rw.rms_norm_kernel, {"BLOCK": block, "IS_BF16": bf16}
+    full = {**sig, **{k: "constexpr" for k in consts}}
+    src = ASTSource(fn=fn, signature={n: full[n] for n in fn.arg_names}, constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ops = []
+    for line in ptx.asm["ptx"].splitlines():
+        op = line.strip().split(" ")[0].split("\t")[0]
+        kept = ".f32" in op or op.startswith(("shfl", "ld.shared", "st.shared"))
+        if kept and not op.startswith("cvt"):
+            ops.append(line.strip())
+        if op.startswith("sqrt"):
+            break
+    names: dict[str, str] = {}
+    rename = lambda m: names.setdefault(m.group(0), f"v{len(names)}")  # noqa: E731
+    return [re.sub(r"%[a-z]+\d+", rename, line) for line in ops]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +128,8 @@ def ptx_report():
 
 def test_norm_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert set(ptx_report) == {
-        "fwd_bf16_fp32", "bwd_bf16", "sum_partials_bf16", "swiglu_fwd_bf16", "swiglu_bwd_bf16"
+        "fwd_bf16_fp32", "bwd_bf16", "sum_partials_bf16", "swiglu_fwd_bf16", "swiglu_bwd_bf16",
+        "stats_same_as_engine",
     }  # fmt: skip
     for name in ("fwd_bf16_fp32", "bwd_bf16", "sum_partials_bf16"):
         counts = ptx_report[name]
@@ -90,6 +138,15 @@ def test_norm_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert ptx_report["fwd_bf16_fp32"]["div_rn"] >= 2
     assert ptx_report["fwd_bf16_fp32"]["sqrt_rn"] == 1
     assert ptx_report["bwd_bf16"]["div_rn"] >= 1  # the mean of g w xhat
+
+
+def test_the_training_forward_compiles_the_engines_statistics(ptx_report):
+    """Where x, w and out share a dtype, the training forward's sum of squares, mean and square
+    root are the engine kernel's instructions in the same order (what gives the same bytes on
+    the GPU; test_norm_train_gpu.py compares them)."""
+    same = ptx_report["stats_same_as_engine"]
+    # (at least the per-thread sums, the warp shuffles and the square root)
+    assert len(same) == len(STATS_LAUNCHES) and all(n > 10 for n in same.values()), same
 
 
 def test_swiglu_kernels_divide_exactly_around_libdevices_exp(ptx_report):
