@@ -97,7 +97,8 @@ def test_no_rows():
 def test_a_training_step_of_the_tiny_model_with_fused_norms():
     """fp32 master weights, bf16 autocast (the trainer's setting): every norm fused by default
     on CUDA; loss and gradients close to the eager norms' (they differ within the bounds per
-    norm, then through 4 layers of bf16 compute)."""
+    norm, then through 4 layers of bf16 compute, where a flipped bf16 rounding can flip a token's
+    experts: a tenth of each gradient's norm is far above that, far below a wrong gradient)."""
     from mxrl.arch import builtin_config
     from mxrl.kernels import Backend, Kernels
     from mxrl.models import RMSNorm, build_model
@@ -124,5 +125,5 @@ def test_a_training_step_of_the_tiny_model_with_fused_norms():
         if g is None:
             assert grads[name] is None, name
             continue
-        cos = torch.nn.functional.cosine_similarity(grads[name].flatten(), g.flatten(), dim=0)
-        assert cos > 0.99, (name, cos.item())
+        diff = (grads[name].double() - g.double()).norm()
+        assert diff <= 0.1 * g.double().norm() + 1e-12, (name, diff.item(), g.norm().item())
