@@ -13,12 +13,24 @@ from mxrl.kernels.triton_gemm_decode import bf16_rne
 
 
 @triton.jit
-def _round(v, dtype: tl.constexpr, IS_BF16: tl.constexpr):
+def round_to(v, dtype: tl.constexpr, IS_BF16: tl.constexpr):
     """fp32 -> dtype, round to nearest even (on the bit pattern for bf16: the interpreter's
     cast truncates, the GPU's rounds; both then give the same bytes)."""
     if IS_BF16:
         return bf16_rne(v)
     return v.to(dtype)
+
+
+@triton.jit
+def rms_rstd(x, H, eps):
+    """1 / sqrt(mean(x^2) + eps) of one row x (fp32 [BLOCK], zero past H): the statistics of
+    the engine's RMSNorm and of the trainer's (mxrl.kernels.triton_norm), one function so both
+    compute the same bytes. IEEE division and square root (plain `/` lowers to the approximate
+    div.full.f32)."""
+    ss = tl.sum(x * x, axis=0)
+    mean = tl.div_rn(ss, tl.full(ss.shape, H, tl.float32))
+    root = tl.sqrt_rn(mean + eps)
+    return tl.div_rn(tl.full(root.shape, 1.0, tl.float32), root)
 
 
 @triton.jit
@@ -37,15 +49,11 @@ def rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # IEEE division and square root (plain `/` lowers to the approximate div.full.f32)
-    ss = tl.sum(x * x, axis=0)
-    mean = tl.div_rn(ss, tl.full(ss.shape, H, tl.float32))
-    root = tl.sqrt_rn(mean + eps)
-    r = tl.div_rn(tl.full(root.shape, 1.0, tl.float32), root)
+    r = rms_rstd(x, H, eps)
     dtype = out_ptr.dtype.element_ty
-    y = _round(x * r, dtype, IS_BF16)  # the module's cast back to the input dtype
+    y = round_to(x * r, dtype, IS_BF16)  # the module's cast back to the input dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = _round(w.to(tl.float32) * y.to(tl.float32), dtype, IS_BF16)
+    out = round_to(w.to(tl.float32) * y.to(tl.float32), dtype, IS_BF16)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + cols, out, mask=mask)
 
 
@@ -73,8 +81,8 @@ def moe_combine_kernel(
         row = tl.load(row_of_ptr + t * K + j)
         h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
         w = tl.load(w_ptr + row)
-        p = _round(h.to(tl.float32) * w.to(tl.float32), dtype, IS_BF16)
-        acc = _round(acc.to(tl.float32) + p.to(tl.float32), dtype, IS_BF16)
+        p = round_to(h.to(tl.float32) * w.to(tl.float32), dtype, IS_BF16)
+        acc = round_to(acc.to(tl.float32) + p.to(tl.float32), dtype, IS_BF16)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc, mask=mask)
 
 
@@ -153,9 +161,9 @@ def rope_kernel(
         dst = k_out_ptr + (t * NK + (h - N)) * D
     x = tl.load(src + d).to(tl.float32)
     rot = tl.load(src + partner).to(tl.float32) * sign
-    a = _round(x * cos, dtype, IS_BF16).to(tl.float32)
-    b = _round(rot * sin, dtype, IS_BF16).to(tl.float32)
-    tl.store(dst + d, _round(a + b, dtype, IS_BF16))
+    a = round_to(x * cos, dtype, IS_BF16).to(tl.float32)
+    b = round_to(rot * sin, dtype, IS_BF16).to(tl.float32)
+    tl.store(dst + d, round_to(a + b, dtype, IS_BF16))
 
 
 @triton.jit
@@ -195,4 +203,4 @@ def moe_route_kernel(
     w = tl.div_rn(e, tl.full(e.shape, 1.0, tl.float32) * total)
     dtype = w_ptr.dtype.element_ty
     tl.store(ids_ptr + t * K + rank, cols.to(tl.int64), mask=chosen)
-    tl.store(w_ptr + t * K + rank, _round(w, dtype, IS_BF16), mask=chosen)
+    tl.store(w_ptr + t * K + rank, round_to(w, dtype, IS_BF16), mask=chosen)

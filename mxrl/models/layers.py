@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxrl.arch.config import ModelConfig
+from mxrl.kernels.backend import Backend
+from mxrl.kernels.norm_train import fused_norm_fits, rms_norm_train
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
 from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
@@ -54,14 +56,22 @@ class LayerInputs:
 
 
 class RMSNorm(nn.Module):
-    """HF's Qwen RMSNorm: normalise in fp32, cast back to the input dtype, then scale."""
+    """HF's Qwen RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
+
+    `rowwise`: REFERENCE runs the eager ops below; TRITON the fused forward and backward
+    (mxrl.kernels.norm_train: the engine's forward statistics, gradients within its bounds),
+    which `apply_plan` picks for a run whose row-wise kernels are Triton; inputs the kernels do
+    not take (float64, rows over 16384) run the eager ops there too."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
+        self.rowwise = Backend.REFERENCE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rowwise is Backend.TRITON and fused_norm_fits(x, self.weight):
+            return rms_norm_train(x, self.weight, self.eps)
         x_dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

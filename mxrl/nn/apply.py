@@ -12,7 +12,7 @@ from torch import nn
 
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend, Kernels
-from mxrl.kernels.backend import backend_for
+from mxrl.kernels.backend import backend_for, default_kernels
 from mxrl.nn.experts import EXPERT_PARAMS, GroupedExperts
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.nn.swap import Replacement, Swap, SwapRule, swap_modules
@@ -26,9 +26,10 @@ def apply_plan(
     """Replace nn.Linear by QLinear and GroupedExperts by QExperts wherever the plan gives a
     quantized format; bf16 tensors keep their high-precision modules. Returns what was swapped.
 
-    backend: the run's `Kernels` record (its quantizer is used), or a quantizer backend checked
-    here once for the model's device; None: `default_kernels` of the model's device (triton on
-    CUDA when available, the reference on the CPU)."""
+    backend: the run's `Kernels` record (its quantizer and row-wise kernels are used), or a
+    quantizer backend checked here once for the model's device; None: `default_kernels` of the
+    model's device (triton on CUDA when available, the reference on the CPU). The norms run
+    fused where the row-wise kernels are Triton (`_set_rowwise`)."""
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device if params else torch.device("cpu")
     chosen = backend_for(backend, device)
@@ -38,7 +39,26 @@ def apply_plan(
     _check_unsupported(model, plan, canonical)
     _link_fuse_partners(model)
     _set_kv_cache(model, plan)
+    _set_rowwise(model, backend, device)
     return swaps
+
+
+def _set_rowwise(
+    model: nn.Module, backend: Kernels | Backend | str | None, device: torch.device
+) -> None:
+    """The row-wise kernels of the model's norms (modules with a `rowwise` choice: the models'
+    RMSNorm): a `Kernels` record's, or the device default's where none is given (Triton on
+    CUDA: the fused training RMSNorm, mxrl.kernels.norm_train). A backend given by name picks
+    the quantizer only: the norms stay the eager reference."""
+    if isinstance(backend, Kernels):
+        rowwise = backend.rowwise
+    elif backend is None:
+        rowwise = default_kernels(device).rowwise
+    else:
+        rowwise = Backend.REFERENCE
+    for module in model.modules():
+        if hasattr(module, "rowwise"):
+            module.rowwise = rowwise
 
 
 def _trainer_rules(plan: Plan, backend: Backend, canonical: dict[int, str]) -> list[SwapRule]:
