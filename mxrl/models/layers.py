@@ -264,7 +264,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(invariant.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(invariant.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class TopKSoftmax(nn.Module):

@@ -74,7 +74,7 @@ class GroupedExperts(nn.Module):
             idx = token_of[start : start + n]
             x_e = x_TH[idx]
             gate, up = self._gate_up(e, x_e).chunk(2, dim=-1)
-            h = self._down(e, invariant.silu(gate) * up)
+            h = self._down(e, invariant.silu_mul(gate, up))
             h = h * weights[start : start + n, None].to(h.dtype)
             out.index_add_(0, idx, h.to(out.dtype))
             start += n

@@ -288,7 +288,7 @@ def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
     layout = ExpertLayout.build(ids_Tk, experts.num_experts)
     x_sorted = _GatherTokens.apply(x_TH, layout)
     gate, up = experts._grouped_proj("gate_up", x_sorted, layout).chunk(2, dim=-1)
-    h = experts._grouped_proj("down", invariant.silu(gate) * up, layout)
+    h = experts._grouped_proj("down", invariant.silu_mul(gate, up), layout)
     h_Tk = h.index_select(0, layout.inverse).view(layout.num_tokens, layout.top_k, -1)
     out = (h_Tk * weights_Tk.to(h.dtype)[..., None]).sum(1)
     return out.to(x_TH.dtype)

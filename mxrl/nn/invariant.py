@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exp", "sigmoid", "silu"]
+__all__ = ["exp", "sigmoid", "silu", "silu_mul"]
 
 _LOG2E = 1.44269504088896341
 _LN2_HI = 0.693359375  # 9 significant bits: n * _LN2_HI is exact for |n| < 2^15
@@ -114,3 +114,27 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     if not _on_cpu_fp(x):
         return torch.nn.functional.silu(x)
     return _SiLU.apply(x)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up, differentiable. On CUDA with Triton: the fused kernels of
+    mxrl.kernels.swiglu, one launch forward and one backward instead of silu, the product and
+    their autograd — the eager ops' bytes, forward and backward (tests/kernels/test_swiglu_gpu.py,
+    special values included); elsewhere `silu(gate) * up`."""
+    if (
+        gate.is_cuda
+        and gate.numel()
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.dtype in _FUSED_DTYPES
+    ):
+        from mxrl.kernels.backend import tracing, triton_available
+
+        if triton_available() and not tracing():
+            from mxrl.kernels.swiglu import silu_mul as fused
+
+            return fused(gate, up)
+    return silu(gate) * up

@@ -69,3 +69,20 @@ def test_within_the_stated_bounds_of_float64(dtype):
     mag = (dout.double() * up.double()).abs() * s * (1 + gate.double().abs())
     bound = ud * dgate64.abs() + (1 + ud) * 1.01 * (ud + 24 * U) * mag
     check_within(dgate, dgate64, bound, "dgate")
+
+
+def test_the_models_call_the_fused_op_on_cuda(monkeypatch):
+    """invariant.silu_mul (the models' SwiGLU: MLP, the experts' loop and grouped paths) runs the
+    fused kernels on CUDA, and a grouped MoE step gives the eager path's bytes."""
+    import mxrl.kernels.swiglu as swiglu
+    from mxrl.nn import invariant
+
+    calls = []
+    fused = swiglu.silu_mul
+    monkeypatch.setattr(swiglu, "silu_mul", lambda g, u: calls.append(g.shape) or fused(g, u))
+    gate, up, dout = (t.to(CUDA) for t in operands(4096, 768, torch.bfloat16, seed=5))
+    got = grads(invariant.silu_mul, gate, up, dout)
+    assert calls, "invariant.silu_mul did not call the fused op on CUDA"
+    want = grads(silu_mul_reference, gate, up, dout)
+    for name, a, b in zip(("out", "dgate", "dup"), got, want, strict=True):
+        assert_bytes_equal(*without_nans(a, b), f"invariant.silu_mul {name}")
