@@ -53,6 +53,15 @@ MODULES = {
     ),
     "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),
     "sync": Module(("mxrl/sync/*.py",), ("tests/sync",)),
+    # the wire format (pack/unpack, record views, the meta, the layout); node ids:
+    # test_broadcast.py's pack/unpack tests, not its gloo runs (spawned ranks, which mutmut's
+    # per-function test selection does not see, a minute each on two shared cores)
+    "sync.wire": Module(
+        ("mxrl/sync/wire.py",),
+        ("tests/sync/test_wire_edges.py",
+         "tests/sync/test_broadcast.py::test_pack_unpack_round_trips_every_record_bit_for_bit",
+         "tests/sync/test_broadcast.py::test_unpack_refuses_a_header_that_does_not_fit_the_payload"),
+    ),
     "engine": Module(
         ("mxrl/engine/block_manager.py", "mxrl/engine/scheduler.py", "mxrl/engine/sampler.py",
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
