@@ -62,6 +62,14 @@ MODULES = {
          "tests/sync/test_broadcast.py::test_pack_unpack_round_trips_every_record_bit_for_bit",
          "tests/sync/test_broadcast.py::test_unpack_refuses_a_header_that_does_not_fit_the_payload"),
     ),
+    # the in-process transport (the bucket checks, the tally, apply_update, send): its edges on a
+    # stand-in engine, and by node id one real engine's load (the other engine runs of
+    # test_transport.py and test_tampering.py: 4-16 s each on two shared cores)
+    "sync.transport": Module(
+        ("mxrl/sync/transport.py",),
+        ("tests/sync/test_transport_edges.py",
+         "tests/sync/test_transport.py::test_engine_holds_the_trainers_fresh_export_byte_for_byte[mxfp8]"),
+    ),
     "engine": Module(
         ("mxrl/engine/block_manager.py", "mxrl/engine/scheduler.py", "mxrl/engine/sampler.py",
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
