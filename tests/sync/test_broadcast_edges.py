@@ -150,11 +150,12 @@ def as_rank(fake: FakeDist, rank: int, build):
         del fake.local.rank
 
 
-def ends(fake, *, src=0, receivers=(1,), **kw):
-    sender = as_rank(fake, src, lambda: BroadcastSender(src=src, **kw))
+def ends(fake, *, src=0, receivers=(1,), device=None):
+    sender = as_rank(fake, src, lambda: BroadcastSender(src=src, device=device))
     engines = {r: Loader() for r in receivers}
     rec = {
-        r: as_rank(fake, r, lambda r=r: BroadcastReceiver(engines[r], src=src)) for r in receivers
+        r: as_rank(fake, r, lambda r=r: BroadcastReceiver(engines[r], src=src, device=device))
+        for r in receivers
     }
     return sender, rec, engines
 
@@ -751,3 +752,25 @@ def test_verified_refuses_a_bucket_whose_checksums_differ():
     assert [[r.name for r in b.records] for b in out] == [["a"], ["f", "n"]]
     assert [(b.index, b.last, b.num_buckets) for b in out] == [(0, False, None), (1, True, 2)]
     assert all(type(r) is VerifiedRecord for b in out for r in b.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_both_modes_on_cuda_give_the_cpu_bytes(monkeypatch, backend):
+    """Both ends on one GPU (the stand-in's ranks are threads of one process): the export packed
+    and the checksums queued on side streams, the payloads, metas and records on the device
+    (NCCL: its current device; gloo: device= given), the bytes those built on the CPU."""
+    fake = use(monkeypatch, FakeDist(backend=backend))
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    sender, receivers, engines = ends(fake, device=None if backend == "nccl" else cuda)
+    assert sender.device == receivers[1].device == cuda
+    for step, mode in ((1, "per-bucket"), (2, "scheduled")):
+        out = exchange(fake, sender, receivers, Update(buckets(step)))
+        assert sender.last_mode == receivers[1].last_mode == mode
+        assert out[0].version == out[1].version == step + 1
+        got = engines[1].loaded[2]
+        assert all(t.device == cuda for r in got for t in stored_tensors(r.value).values())
+        assert bytes_of(got) == sent(step)
+    receivers[1].tamper = flip_in_bucket_2
+    out = exchange(fake, sender, receivers, Update(buckets(3)))
+    assert "f: checksum mismatch" in str(out[1]) and "engine rank(s) [1] refused" in str(out[0])

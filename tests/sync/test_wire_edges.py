@@ -377,3 +377,14 @@ def test_the_layout_plan_hash_is_a_string():
     h = json.loads(HEADER)
     h["plan_hash"] = 42
     assert wire.PayloadLayout.of([h]).plan_hash == "42"
+
+
+@pytest.mark.gpu
+def test_the_meta_and_the_payload_are_on_the_device_asked_for():
+    """NCCL broadcasts CUDA tensors only: the meta and the payload on the communicator's
+    device, the same bytes as on the CPU."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    meta = wire.meta_message(1, HEADER, 64, cuda)
+    assert meta.device == cuda and bytes(meta.cpu().tolist()) == meta_of(1, HEADER, 64)
+    header, payload = pack_bucket(two_records(), cuda)
+    assert header == HEADER and payload.device == cuda and payload.cpu().tolist() == PAYLOAD
