@@ -42,6 +42,10 @@ class FakeDist:
     log: list[tuple[int, str, int, int]] = field(default_factory=list)
     # called as edit(global rank, tensor) on what a rank contributes to an all-gather
     edit: Callable[[int, torch.Tensor], None] | None = None
+    # the group object the ranks must pass (None: the default group), and the device every
+    # tensor of a collective must be on (as NCCL wants CUDA tensors)
+    group: object = None
+    device: str | torch.device = "cpu"
 
     def __post_init__(self) -> None:
         self.Backend = dist.Backend
@@ -57,15 +61,26 @@ class FakeDist:
         return self.local.rank
 
     def get_world_size(self, group=None) -> int:
+        self._check(group)
         return len(self.ranks)
 
     def get_backend(self, group=None) -> str:
+        self._check(group)
         return self.backend
 
     def get_global_rank(self, group, index: int) -> int:
+        self._check(group)
         return self.ranks[index]
 
+    def _check(self, group, *tensors: torch.Tensor) -> None:
+        if group is not self.group:
+            raise RuntimeError(f"rank {self.local.rank}: a collective on another group")
+        for t in tensors:
+            if t.device != torch.device(self.device):
+                raise RuntimeError(f"rank {self.local.rank}: a tensor on {t.device}")
+
     def broadcast(self, t: torch.Tensor, src: int, group=None, async_op: bool = False):
+        self._check(group, t)
         me = self.local.rank
         if me == src:
             self._log("bcast", t.numel())
@@ -86,6 +101,7 @@ class FakeDist:
         return Work(self) if async_op else None
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, group=None) -> None:
+        self._check(group, t, *out)
         self._log("gather", t.numel())
         index = self.ranks.index(self.local.rank)
         self.slots[index] = t.clone()

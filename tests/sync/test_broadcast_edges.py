@@ -345,21 +345,24 @@ def test_one_engine_rank_refusing_makes_every_engine_rank_keep_its_weights(monke
     assert out[0].version == out[1].version == out[2].version == 3
 
 
-def test_the_sender_reports_the_highest_version_and_names_every_refusing_rank(monkeypatch):
+def test_the_sender_reports_the_highest_version_and_names_every_refusing_rank(monkeypatch, caplog):
     fake = use(monkeypatch, FakeDist(ranks=(0, 1, 2)))
     sender, receivers, engines = ends(fake, receivers=(1, 2))
-    engines[2].weights_version = 5
     out = exchange(fake, sender, receivers, Update(buckets(1)))
-    assert out[0].version == 6 and (out[1].version, out[2].version) == (2, 6)
-    engines[1].refuse = engines[2].refuse = "the plan says otherwise"
+    assert "disagree" not in caplog.text
+    engines[2].weights_version = 5
     out = exchange(fake, sender, receivers, Update(buckets(2)))
-    assert "engine rank(s) [1, 2] refused weight update step 2" in str(out[0])
+    assert out[0].version == 6 and (out[1].version, out[2].version) == (3, 6)
+    assert "engine ranks disagree on weights_version: [3, 6]" in caplog.text
+    engines[1].refuse = engines[2].refuse = "the plan says otherwise"
+    out = exchange(fake, sender, receivers, Update(buckets(3)))
+    assert "engine rank(s) [1, 2] refused weight update step 3" in str(out[0])
     assert str(out[1]) == str(out[2]) == "the plan says otherwise"
 
 
 def test_a_group_names_the_ranks_by_their_global_rank(monkeypatch):
-    fake = use(monkeypatch, FakeDist(ranks=(3, 7)))
     group = object()
+    fake = use(monkeypatch, FakeDist(ranks=(3, 7), group=group))
     sender = as_rank(fake, 3, lambda: BroadcastSender(group, src=3))
     engine = Loader(refuse="no")
     receiver = as_rank(fake, 7, lambda: BroadcastReceiver(engine, group, src=3))
@@ -690,8 +693,8 @@ def test_ranks_of_another_wire_version_all_refuse_at_the_agreement(monkeypatch):
 
 
 def test_gather_status_names_each_rank_with_its_outcome(monkeypatch):
-    fake = use(monkeypatch, FakeDist(ranks=(2, 5, 9)))
     group = object()
+    fake = use(monkeypatch, FakeDist(ranks=(2, 5, 9), group=group))
     out = fake.run(
         r2=lambda: broadcast.gather_status(0, 0, group, torch.device("cpu")),
         r5=lambda: broadcast.gather_status(1, 4, group, torch.device("cpu")),
@@ -760,8 +763,8 @@ def test_both_modes_on_cuda_give_the_cpu_bytes(monkeypatch, backend):
     """Both ends on one GPU (the stand-in's ranks are threads of one process): the export packed
     and the checksums queued on side streams, the payloads, metas and records on the device
     (NCCL: its current device; gloo: device= given), the bytes those built on the CPU."""
-    fake = use(monkeypatch, FakeDist(backend=backend))
     cuda = torch.device("cuda", torch.cuda.current_device())
+    fake = use(monkeypatch, FakeDist(backend=backend, device=cuda))
     sender, receivers, engines = ends(fake, device=None if backend == "nccl" else cuda)
     assert sender.device == receivers[1].device == cuda
     for step, mode in ((1, "per-bucket"), (2, "scheduled")):
@@ -774,3 +777,24 @@ def test_both_modes_on_cuda_give_the_cpu_bytes(monkeypatch, backend):
     receivers[1].tamper = flip_in_bucket_2
     out = exchange(fake, sender, receivers, Update(buckets(3)))
     assert "f: checksum mismatch" in str(out[1]) and "engine rank(s) [1] refused" in str(out[0])
+
+
+def test_an_update_of_one_bucket(fake):
+    sender, receivers, engines = ends(fake)
+    a = record("a", values(1)["a"])
+    for step, mode in ((4, "per-bucket"), (5, "scheduled")):
+        only = [Bucket(0, PLAN, (a,), True, 1, step, event(step))]
+        out = exchange(fake, sender, receivers, Update(only))
+        assert sender.last_mode == receivers[1].last_mode == mode
+        assert out[1] == SyncReport(out[1].version, 1, 6, out[1].seconds, event(step))
+        assert engines[1].loaded[1] == step
+        assert bytes_of(engines[1].loaded[2]) == bytes_of([a])
+
+
+def test_a_stale_bucket_is_named_against_the_first_buckets_step(fake):
+    sender, receivers, engines = ends(fake)
+    b = buckets(2)
+    b[1] = dataclasses.replace(b[1], step=1)
+    out = exchange(fake, sender, receivers, Update(b))
+    assert "bucket 1 comes from the export of step 1, the update from step 2" in str(out[1])
+    assert "engine rank(s) [1] refused" in str(out[0]) and engines[1].loaded is None
