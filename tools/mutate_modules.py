@@ -70,13 +70,15 @@ MODULES = {
         ("tests/sync/test_transport_edges.py",
          "tests/sync/test_transport.py::test_engine_holds_the_trainers_fresh_export_byte_for_byte[mxfp8]"),
     ),
-    # the torch.distributed sync (both ends, both modes, the layout agreement, the refusals):
-    # its edges, every rank a thread on a stand-in torch.distributed (tests/sync/fake_dist.py);
-    # not test_broadcast.py's gloo runs, whose spawned ranks mutmut's test selection cannot see
-    "sync.broadcast": Module(
-        ("mxrl/sync/broadcast.py", "mxrl/sync/broadcast_receive.py"),
-        ("tests/sync/test_broadcast_edges.py",),
+    # the torch.distributed sync, one module per end (the receiver: the verification, both
+    # modes' receives, the all-or-nothing agreement; the sender: packing, the layout agreement,
+    # the scheduled mode's checks and aborts): the edges, every rank a thread on a stand-in
+    # torch.distributed (tests/sync/fake_dist.py); not test_broadcast.py's gloo runs, whose
+    # spawned ranks mutmut's per-function test selection cannot see
+    "sync.broadcast_receive": Module(
+        ("mxrl/sync/broadcast_receive.py",), ("tests/sync/test_broadcast_edges.py",)
     ),
+    "sync.broadcast": Module(("mxrl/sync/broadcast.py",), ("tests/sync/test_broadcast_edges.py",)),
     "engine": Module(
         ("mxrl/engine/block_manager.py", "mxrl/engine/scheduler.py", "mxrl/engine/sampler.py",
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
