@@ -15,6 +15,7 @@ import torch
 
 import mxrl.sync.broadcast as broadcast
 import mxrl.sync.broadcast_receive as broadcast_receive
+import mxrl.sync.transport as transport
 from mxrl.formats import QTensor
 from mxrl.sync import BroadcastReceiver, BroadcastSender, SyncReport, wire
 from mxrl.weights import (
@@ -622,9 +623,11 @@ def test_the_receivers_timings_and_the_senders_seconds(fake, monkeypatch):
     sender, receivers, _ = ends(fake)
     monkeypatch.setattr(broadcast_receive, "time", Clock(10.0, 11.0, 12.5, 14.0))
     monkeypatch.setattr(broadcast, "time", Clock(100.0, 103.25))
+    # apply_update reads the clock once more, at its end: the receive's start is its start
+    monkeypatch.setattr(transport, "time", Clock(13.0))
     out = exchange(fake, sender, receivers, Update(buckets(1)))
     assert receivers[1].timings == {"arrived": 1.0, "verified": 2.5, "loaded": 4.0}
-    assert out[0].seconds == 3.25
+    assert out[0].seconds == 3.25 and out[1].seconds == 3.0
 
 
 def test_the_ends_refuse_the_wrong_rank(fake):
@@ -638,6 +641,17 @@ def test_the_ends_refuse_the_wrong_rank(fake):
     receiver = as_rank(fake, 0, lambda: BroadcastReceiver(Loader(), src=1))
     assert receiver.device == torch.device("cpu") and receiver.tamper is None
     assert receiver.last_mode is None and receiver._layout is None and receiver.timings == {}
+    # the defaults: src 0, the default group, the device its backend says (gloo: the CPU)
+    sender, receiver = (
+        as_rank(fake, 0, BroadcastSender),
+        as_rank(fake, 1, lambda: BroadcastReceiver(Loader())),
+    )
+    assert (sender.src, sender.group, sender.device) == (0, None, torch.device("cpu"))
+    assert (receiver.src, receiver.group, receiver.device) == (0, None, torch.device("cpu"))
+    # a device given wins over the backend's
+    meta = torch.device("meta")
+    assert as_rank(fake, 0, lambda: BroadcastSender(device=meta)).device == meta
+    assert as_rank(fake, 1, lambda: BroadcastReceiver(Loader(), device="meta")).device == meta
 
 
 def test_comm_device(fake):
@@ -777,6 +791,10 @@ def test_both_modes_on_cuda_give_the_cpu_bytes(monkeypatch, backend):
     receivers[1].tamper = flip_in_bucket_2
     out = exchange(fake, sender, receivers, Update(buckets(3)))
     assert "f: checksum mismatch" in str(out[1]) and "engine rank(s) [1] refused" in str(out[0])
+    receivers[1].tamper = None
+    out = exchange(fake, sender, receivers, Update(buckets(4), fail_after=2))  # zeros, abort
+    assert "export failed" in str(out[0]) and "aborted" in str(out[1])
+    assert fake.ops(0) == [("gather", 3), ("bcast", B0), ("bcast", B2), ("bcast", META)]
 
 
 def test_an_update_of_one_bucket(fake):
