@@ -245,3 +245,28 @@ def test_prepend_puts_the_first_bucket_back_before_the_rest():
     rest = iter([2, 3])
     assert list(transport._prepend(1, rest)) == [1, 2, 3]
     assert list(itertools.islice(transport._prepend(0, iter([])), 5)) == [0]
+
+
+class Now:
+    """time.perf_counter stand-in reading `now`, which the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_send_times_the_sync_from_its_call_the_first_bucket_included(monkeypatch):
+    """The report's seconds are the whole sync as the caller sees it: the first bucket, which
+    send reads before the load starts (a lazy export quantizes it then), included."""
+    clock = Now()
+    monkeypatch.setattr(transport, "time", clock)
+
+    def lazy():
+        for k, bucket in enumerate(update()):
+            clock.now += 5.0 if k == 0 else 1.0  # producing a bucket takes time
+            yield bucket
+
+    report = InProcessTransport(StandIn()).send(lazy())
+    assert report.seconds == 7.0  # 5 for the first bucket, 1 for each of the other two
