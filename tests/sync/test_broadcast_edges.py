@@ -816,3 +816,30 @@ def test_a_stale_bucket_is_named_against_the_first_buckets_step(fake):
     out = exchange(fake, sender, receivers, Update(b))
     assert "bucket 1 comes from the export of step 1, the update from step 2" in str(out[1])
     assert "engine rank(s) [1] refused" in str(out[0]) and engines[1].loaded is None
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_a_failure_while_staging_a_bucket_is_the_updates_error_and_every_receive_is_queued(
+    fake, monkeypatch, scheduled
+):
+    """The checksums of bucket 0 cannot start (here: out of memory): the receiver still
+    queues every receive to the last (the collectives in step), then refuses with that error,
+    and so does every rank."""
+    sender, receivers, engines = ends(fake)
+    if scheduled:
+        exchange(fake, sender, receivers, Update(buckets(1)))
+    real, calls = broadcast_receive.PendingChecksums, []
+
+    def out_of_memory(names, values):
+        calls.append(list(names))
+        if len(calls) == 1:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+        return real(names, values)
+
+    monkeypatch.setattr(broadcast_receive, "PendingChecksums", out_of_memory)
+    out = exchange(fake, sender, receivers, Update(buckets(2)))
+    assert isinstance(out[1], RuntimeError) and str(out[1]) == "CUDA out of memory (stand-in)"
+    assert "engine rank(s) [1] refused weight update step 2" in str(out[0])
+    assert calls == [["a", "m"]]  # nothing staged after the error
+    assert fake.ops(1) == (SCHEDULED_RECEIVER if scheduled else PER_BUCKET_RECEIVER)
+    assert fake.leftover == 0 and engines[1].calls == int(scheduled)
