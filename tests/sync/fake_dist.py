@@ -46,6 +46,10 @@ class FakeDist:
     # tensor of a collective must be on (as NCCL wants CUDA tensors)
     group: object = None
     device: str | torch.device = "cpu"
+    # CUDA: each receive's copy is queued behind a sleep of this many cycles on the receiving
+    # device's current stream (where a real receive lands), so that whatever does not wait for
+    # that stream reads the bytes before they are there
+    delay_cycles: int = 0
 
     def __post_init__(self) -> None:
         self.Backend = dist.Backend
@@ -97,7 +101,12 @@ class FakeDist:
         data = self.queues[me].get(timeout=TIMEOUT_S)
         if data.shape != t.shape or data.dtype != t.dtype:
             raise RuntimeError(f"rank {me}: receive of {t.shape} for a broadcast of {data.shape}")
-        t.copy_(data)
+        if self.delay_cycles and t.is_cuda:
+            with torch.cuda.device(t.device):
+                torch.cuda._sleep(self.delay_cycles)
+                t.copy_(data)
+        else:
+            t.copy_(data)
         return Work(self) if async_op else None
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor, group=None) -> None:

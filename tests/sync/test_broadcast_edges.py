@@ -843,3 +843,20 @@ def test_a_failure_while_staging_a_bucket_is_the_updates_error_and_every_receive
     assert calls == [["a", "m"]]  # nothing staged after the error
     assert fake.ops(1) == (SCHEDULED_RECEIVER if scheduled else PER_BUCKET_RECEIVER)
     assert fake.leftover == 0 and engines[1].calls == int(scheduled)
+
+
+@pytest.mark.gpu
+def test_a_receiver_on_another_gpu_than_the_current_one_checksums_what_arrived(monkeypatch):
+    """device= cuda:1 while cuda:0 is current: the checksums wait for cuda:1's stream, where the
+    receives land (delayed here, so that reading before them would see other bytes)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    torch.cuda.set_device(0)
+    other = torch.device("cuda", 1)
+    fake = use(monkeypatch, FakeDist(device=other, delay_cycles=50_000_000))
+    sender, receivers, engines = ends(fake, device=other)
+    for step, mode in ((1, "per-bucket"), (2, "scheduled")):
+        out = exchange(fake, sender, receivers, Update(buckets(step)))
+        assert not isinstance(out[1], BaseException), out[1]
+        assert receivers[1].last_mode == mode and out[1].version == step + 1
+        assert bytes_of(engines[1].loaded[2]) == sent(step)
