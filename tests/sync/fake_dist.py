@@ -85,6 +85,8 @@ class FakeDist:
 
     def broadcast(self, t: torch.Tensor, src: int, group=None, async_op: bool = False):
         self._check(group, t)
+        if src not in self.ranks:
+            raise RuntimeError(f"broadcast from src={src!r}, not a rank of the group")
         me = self.local.rank
         if me == src:
             self._log("bcast", t.numel())

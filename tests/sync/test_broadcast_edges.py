@@ -365,10 +365,14 @@ def test_a_group_names_the_ranks_by_their_global_rank(monkeypatch):
     group = object()
     fake = use(monkeypatch, FakeDist(ranks=(3, 7), group=group))
     sender = as_rank(fake, 3, lambda: BroadcastSender(group, src=3))
-    engine = Loader(refuse="no")
+    engine = Loader()
     receiver = as_rank(fake, 7, lambda: BroadcastReceiver(engine, group, src=3))
-    out = fake.run(r3=lambda: sender.send(Update(buckets(1))), r7=receiver.receive)
-    assert "engine rank(s) [7] refused weight update step 1" in str(out[3])
+    for step in (1, 2):  # bucket by bucket, then scheduled: every collective on the group
+        out = fake.run(r3=lambda s=step: sender.send(Update(buckets(s))), r7=receiver.receive)
+        assert out[3].version == out[7].version == step + 1
+    engine.refuse = "no"
+    out = fake.run(r3=lambda: sender.send(Update(buckets(3))), r7=receiver.receive)
+    assert "engine rank(s) [7] refused weight update step 3" in str(out[3])
     assert sender.group is group and receiver.group is group and sender.src == receiver.src == 3
 
 
