@@ -690,6 +690,11 @@ def test_the_ranks_agree_on_a_layout_only_when_every_rank_holds_it(monkeypatch):
         int.from_bytes(a.id[8:], "little", signed=True),
     ]
     assert sorted(seen) == [(0, [5, *ident]), (1, [5, 0, 0]), (2, [5, *ident])]
+    # an id whose halves have their top bit set: two negative int64, as on every rank
+    high = wire.PayloadLayout(bytes([0xFF] * 8 + [0] * 7 + [0x80]), PLAN, ())
+    seen.clear()
+    assert agree(fake, {0: high, 1: high, 2: high}) == {0: True, 1: True, 2: True}
+    assert sorted(seen) == [(r, [5, -1, -(2**63)]) for r in (0, 1, 2)]
 
 
 def test_ranks_of_another_wire_version_all_refuse_at_the_agreement(monkeypatch):
@@ -796,6 +801,12 @@ def test_both_modes_on_cuda_give_the_cpu_bytes(monkeypatch, backend):
     out = exchange(fake, sender, receivers, Update(buckets(3)))
     assert "f: checksum mismatch" in str(out[1]) and "engine rank(s) [1] refused" in str(out[0])
     receivers[1].tamper = None
+    monkeypatch.setattr(wire, "META_BYTES", 256)  # headers and trailers on their own
+    sender._layout = receivers[1]._layout = None
+    for step, mode in ((5, "per-bucket"), (6, "scheduled")):
+        out = exchange(fake, sender, receivers, Update(buckets(step)))
+        assert sender.last_mode == mode and bytes_of(engines[1].loaded[2]) == sent(step)
+    monkeypatch.setattr(wire, "META_BYTES", META)
     out = exchange(fake, sender, receivers, Update(buckets(4), fail_after=2))  # zeros, abort
     assert "export failed" in str(out[0]) and "aborted" in str(out[1])
     assert fake.ops(0) == [("gather", 3), ("bcast", B0), ("bcast", B2), ("bcast", META)]
