@@ -875,3 +875,33 @@ def test_a_receiver_on_another_gpu_than_the_current_one_checksums_what_arrived(m
         assert not isinstance(out[1], BaseException), out[1]
         assert receivers[1].last_mode == mode and out[1].version == step + 1
         assert bytes_of(engines[1].loaded[2]) == sent(step)
+
+
+def four_buckets(step: int) -> list[Bucket]:
+    """Four non-empty buckets: payloads of 64 (a, m), 32 (f), 48 (n) and 16 (b) bytes."""
+    v = values(step)
+    b = torch.tensor([float(step), 3.0], dtype=torch.float32)
+    groups = [[("a", v["a"]), ("m", v["m"])], [("f", v["f"])], [("n", v["n"])], [("b", b)]]
+    return [
+        Bucket(k, PLAN, tuple(record(n, x) for n, x in g), k == 3, 4 if k == 3 else None, step,
+               event(step) if k == 3 else None)
+        for k, g in enumerate(groups)
+    ]  # fmt: skip
+
+
+def test_the_sender_keeps_at_most_two_payloads_alive(fake):
+    """One in transfer, one being built: before each payload's broadcast the sender has waited
+    for all but the last one sent (the log's pending count), and for all of them at the end."""
+    sender, receivers, engines = ends(fake)
+    exchange(fake, sender, receivers, Update(four_buckets(1)))
+    assert fake.ops(0) == [
+        ("gather", 3), ("bcast", META), ("bcast", 64), ("bcast", META), ("bcast", 32),
+        ("bcast", META), ("bcast", 48), ("bcast", META), ("bcast", 16), ("gather", 2),
+    ]  # fmt: skip
+    assert [p for r, _, _, p in fake.log if r == 0] == [0, 0, 0, 1, 1, 1, 1, 1, 1, 0]
+    exchange(fake, sender, receivers, Update(four_buckets(2)))
+    assert fake.ops(0) == [("gather", 3), ("bcast", 64), ("bcast", 32), ("bcast", 48),
+                           ("bcast", 16), ("bcast", META), ("gather", 2)]  # fmt: skip
+    assert [p for r, _, _, p in fake.log if r == 0] == [0, 0, 1, 1, 1, 0, 0]
+    assert fake.pending == [] and sender.last_mode == "scheduled"
+    assert bytes_of(engines[1].loaded[2]) == bytes_of(r for b in four_buckets(2) for r in b.records)
