@@ -73,6 +73,8 @@ class FakeDist:
         return self.backend
 
     def get_global_rank(self, group, index: int) -> int:
+        if group is None:  # as torch.distributed: None is no registered group
+            raise ValueError("Group None is not registered")
         self._check(group)
         return self.ranks[index]
 
