@@ -84,8 +84,11 @@ class Update:
     """An export as the sender reads one: its buckets, step and event, and (keyed) the plan hash,
     bucket size and bf16 dtype its layout follows from."""
 
-    def __init__(self, buckets, *, keyed=True, bucket_bytes=100, fail_after=None) -> None:
+    def __init__(
+        self, buckets, *, keyed=True, bucket_bytes=100, fail_after=None, sleep_cycles=0
+    ) -> None:
         self.buckets, self.step, self.fail_after = buckets, buckets[0].step, fail_after
+        self.sleep_cycles = sleep_cycles  # CUDA: each bucket produced behind a sleep
         self.event = buckets[-1].event
         if keyed:
             self.plan_hash, self.bucket_bytes = buckets[0].plan_hash, bucket_bytes
@@ -95,6 +98,8 @@ class Update:
         for k, b in enumerate(self.buckets):
             if k == self.fail_after:
                 raise RuntimeError(f"export failed after bucket {k - 1}")
+            if self.sleep_cycles:  # on the stream the sender exports on (its side stream)
+                torch.cuda._sleep(self.sleep_cycles)
             yield b
 
 
@@ -863,7 +868,8 @@ def test_a_failure_while_staging_a_bucket_is_the_updates_error_and_every_receive
 @pytest.mark.gpu
 def test_a_receiver_on_another_gpu_than_the_current_one_checksums_what_arrived(monkeypatch):
     """device= cuda:1 while cuda:0 is current: the checksums wait for cuda:1's stream, where the
-    receives land (delayed here, so that reading before them would see other bytes)."""
+    receives land, and the broadcasts for the side stream the export and packing ran on (both
+    delayed here, so that reading before them would see other bytes)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     torch.cuda.set_device(0)
@@ -871,7 +877,7 @@ def test_a_receiver_on_another_gpu_than_the_current_one_checksums_what_arrived(m
     fake = use(monkeypatch, FakeDist(device=other, delay_cycles=50_000_000))
     sender, receivers, engines = ends(fake, device=other)
     for step, mode in ((1, "per-bucket"), (2, "scheduled")):
-        out = exchange(fake, sender, receivers, Update(buckets(step)))
+        out = exchange(fake, sender, receivers, Update(buckets(step), sleep_cycles=50_000_000))
         assert not isinstance(out[1], BaseException), out[1]
         assert receivers[1].last_mode == mode and out[1].version == step + 1
         assert bytes_of(engines[1].loaded[2]) == sent(step)
