@@ -53,6 +53,32 @@ MODULES = {
     ),
     "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),
     "sync": Module(("mxrl/sync/*.py",), ("tests/sync",)),
+    # the wire format (pack/unpack, record views, the meta, the layout); node ids:
+    # test_broadcast.py's pack/unpack tests, not its gloo runs (spawned ranks, which mutmut's
+    # per-function test selection does not see, a minute each on two shared cores)
+    "sync.wire": Module(
+        ("mxrl/sync/wire.py",),
+        ("tests/sync/test_wire_edges.py",
+         "tests/sync/test_broadcast.py::test_pack_unpack_round_trips_every_record_bit_for_bit",
+         "tests/sync/test_broadcast.py::test_unpack_refuses_a_header_that_does_not_fit_the_payload"),
+    ),
+    # the in-process transport (the bucket checks, the tally, apply_update, send): its edges on a
+    # stand-in engine, and by node id one real engine's load (the other engine runs of
+    # test_transport.py and test_tampering.py: 4-16 s each on two shared cores)
+    "sync.transport": Module(
+        ("mxrl/sync/transport.py",),
+        ("tests/sync/test_transport_edges.py",
+         "tests/sync/test_transport.py::test_engine_holds_the_trainers_fresh_export_byte_for_byte[mxfp8]"),
+    ),
+    # the torch.distributed sync, one module per end (the receiver: the verification, both
+    # modes' receives, the all-or-nothing agreement; the sender: packing, the layout agreement,
+    # the scheduled mode's checks and aborts): the edges, every rank a thread on a stand-in
+    # torch.distributed (tests/sync/fake_dist.py); not test_broadcast.py's gloo runs, whose
+    # spawned ranks mutmut's per-function test selection cannot see
+    "sync.broadcast_receive": Module(
+        ("mxrl/sync/broadcast_receive.py",), ("tests/sync/test_broadcast_edges.py",)
+    ),
+    "sync.broadcast": Module(("mxrl/sync/broadcast.py",), ("tests/sync/test_broadcast_edges.py",)),
     "engine": Module(
         ("mxrl/engine/block_manager.py", "mxrl/engine/scheduler.py", "mxrl/engine/sampler.py",
          "mxrl/engine/graph.py", "mxrl/engine/loading.py"),
