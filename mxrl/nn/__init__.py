@@ -9,8 +9,9 @@ from mxrl.nn.apply import apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
-from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache, weights_changed
+from mxrl.nn.qmatmul import QMatmul, QuantizedWeight
 from mxrl.nn.swap import Swap
+from mxrl.nn.weight import WeightCache, weights_changed
 
 __all__ = [
     "GroupedExperts",

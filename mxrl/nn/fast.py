@@ -132,7 +132,7 @@ def _column_copy(w: torch.Tensor, version: int, spec: TensorSpec, kwargs: dict, 
     weights epoch: an optimizer stepping other weights inside the backward (per-parameter
     optimizers in post-accumulate-grad hooks) or another model's optimizer must not refuse it.
     (FSDP2's re-gather of the same values before the backward does not move the counter:
-    `mxrl.nn.qmatmul.weights_changed`.)"""
+    `mxrl.nn.weight.weights_changed`.)"""
     if w._version != version:
         raise RuntimeError(
             f"{spec.name}: the weight was written in place (an optimizer step or a load) "

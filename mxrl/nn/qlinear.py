@@ -14,7 +14,8 @@ from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.fast import TensorCoreQMatmul, TensorCoreWeight
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.grouped import GroupedLinear
-from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
+from mxrl.nn.qmatmul import QMatmul, QuantizedWeight
+from mxrl.nn.weight import WeightCache
 from mxrl.recipe import Backward, TensorSpec
 
 

@@ -36,7 +36,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
@@ -99,41 +98,6 @@ class QuantizedWeight:
             deq=self.deq[e],
             col=None if self.col is None else self.col[e],
         )
-
-
-_WEIGHTS_EPOCH = [0]
-
-
-def weights_changed(*_args) -> None:
-    """Invalidate every WeightCache: the weights may have changed in a way their version
-    counters do not show (FSDP2 all-gathers the unsharded parameter outside autograd into the
-    same address step after step; a distributed checkpoint load writes the shards). Called
-    after every optimizer step (a global post-step hook, below) and by loaders."""
-    _WEIGHTS_EPOCH[0] += 1
-
-
-register_optimizer_step_post_hook(weights_changed)
-
-
-class WeightCache:
-    """Holds a QuantizedWeight until one of the tensors it was built from changes (a load bumps
-    the tensor's version counter) or the weights epoch moves (every optimizer step,
-    `weights_changed`): one quantization per step, not per call."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._value: QuantizedWeight | None = None
-
-    def get(self, tensors: tuple[torch.Tensor, ...], build) -> QuantizedWeight:
-        per_tensor = [(t._version, t.data_ptr(), t.device, tuple(t.shape)) for t in tensors]
-        key = (_WEIGHTS_EPOCH[0], *per_tensor)
-        if key != self._key or self._value is None:
-            self._value = build()
-            self._key = key
-        return self._value
-
-    def clear(self) -> None:
-        self._key = self._value = None
 
 
 def output_scale(s_dec_w: torch.Tensor | None) -> torch.Tensor | None:
