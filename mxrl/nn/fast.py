@@ -51,31 +51,6 @@ BF16 = torch.bfloat16
 FP8_GEMM_BLOCK = 128
 
 
-def tensor_core_weight(
-    weight: torch.Tensor,
-    spec: TensorSpec,
-    partner: torch.Tensor | None,
-    mode: Backward,
-    backend: Backend = Backend.REFERENCE,
-    *,
-    grouped: bool = False,
-) -> QWeight:
-    """The tensor-core path's QWeight of a master weight: the QTensor alone, nothing derived
-    held (8.25 / 4.5 / ~8 bits per weight kept from one optimizer step to the next instead of
-    a bf16 copy, 2 bytes per weight beside the fp32 master and its gradient); each bf16
-    operand is written by `mxrl.kernels.dequantize` (one read of the bytes, one bf16 write)
-    when its GEMM runs and freed after it. The quantized backward's dgrad weight (`col`): the
-    column-wise MXFP8 QTensor, or a dense block-FP8 weight's w^T in the same square blocks
-    where the FP8 GEMM reads it (`uses_scaled_mm`; routed experts' grouped dgrad reads the
-    forward's codes transposed in place); made when the backward first asks for it, then held
-    with `q`: after an optimizer step, the forward holds the row-wise copies only, and the
-    column-wise ones appear layer by layer as the backward frees the activations, instead of
-    every layer's two copies beside every layer's activations."""
-    dense_fp8 = not grouped and uses_scaled_mm(spec, weight.device)
-    colwise = mode is Backward.QUANTIZED and (spec.format is Format.MXFP8 or dense_fp8)
-    return QWeight.from_master(weight, spec, partner, colwise=colwise, backend=backend)
-
-
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
     return kernel_quantize(
         x.detach(), spec.format, **activation_quantizer_kwargs(spec), backend=backend

@@ -15,10 +15,11 @@ from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.fast import TensorCoreQMatmul, tensor_core_weight
+from mxrl.nn.fast import TensorCoreQMatmul, uses_scaled_mm
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.grouped import GroupedLinear
-from mxrl.nn.qmatmul import QMatmul, reference_weight
+from mxrl.nn.operands import Form
+from mxrl.nn.qmatmul import QMatmul
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
 
@@ -30,6 +31,41 @@ def _check_mode(spec: TensorSpec, backward: Backward) -> None:
             f"needs mxfp8 or fp8_block weights, but the plan gives {spec.format}; use "
             "high_precision or dequantized"
         )
+
+
+def path_weight(
+    gemm: Gemm,
+    weight: torch.Tensor,
+    spec: TensorSpec,
+    partner: torch.Tensor | None,
+    mode: Backward,
+    backend: Backend,
+    *,
+    grouped: bool = False,
+) -> QWeight:
+    """The QWeight of a master weight as the `gemm` path reads it, kept until the next
+    optimizer step (`WeightCache`). Every path holds the QTensor; what else, by path:
+
+    REFERENCE    its fp32 operands, derived when it is built: LP, DEQ and, for MXFP8's
+                 quantized backward, COL (block FP8's dgrad reads the forward's square blocks,
+                 DEQ: no second copy).
+    TENSOR_CORE  nothing derived (8.25 / 4.5 / ~8 bits per weight instead of a bf16 copy's 16
+                 beside the fp32 master and its gradient): each bf16 operand is written by
+                 `mxrl.kernels.dequantize` (one read of the bytes, one bf16 write) when its GEMM
+                 runs and freed after it. The quantized backward's dgrad weight (`col`): the
+                 column-wise MXFP8 QTensor, or a dense (not `grouped`) block-FP8 weight's w^T
+                 in the same square blocks where the FP8 GEMM reads it (`uses_scaled_mm`;
+                 routed experts' grouped dgrad reads the forward's codes transposed in place);
+                 made when the backward first asks for it, then held: after an optimizer step
+                 the forward holds the row-wise copies only, and the column-wise ones appear
+                 layer by layer as the backward frees the activations.
+    """
+    fp8_col = gemm is Gemm.TENSOR_CORE and not grouped and uses_scaled_mm(spec, weight.device)
+    colwise = mode is Backward.QUANTIZED and (spec.format is Format.MXFP8 or fp8_col)
+    w = QWeight.from_master(weight, spec, partner, colwise=colwise, backend=backend)
+    if gemm is Gemm.TENSOR_CORE:
+        return w
+    return w.hold(Form.LP, Form.DEQ, *([Form.COL] if colwise else []), dtype=torch.float32)
 
 
 class QLinear(nn.Linear):
@@ -86,9 +122,8 @@ class QLinear(nn.Linear):
         """The quantized weight as the `gemm` path builds it, cached until the weight changes."""
         partner = self._partner[0] if self._partner else None
         tensors = (self.weight,) if partner is None else (self.weight, partner)
-        build = tensor_core_weight if gemm is Gemm.TENSOR_CORE else reference_weight
-        args = (self.weight, self.spec, partner, self.backward_mode, self.backend)
-        return self._cache.get(tensors, lambda: build(*args), kind=gemm)
+        args = (gemm, self.weight, self.spec, partner, self.backward_mode, self.backend)
+        return self._cache.get(tensors, functools.partial(path_weight, *args), kind=gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -150,11 +185,8 @@ class QExperts(GroupedExperts):
         for MXFP8's quantized backward: block FP8's grouped dgrad reads the forward's codes
         transposed in place (strides), the reference's their DEQ."""
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        args = (param, self.specs[which], None, self.backward_mode, self.backend)
-        if gemm is Gemm.TENSOR_CORE:
-            build = functools.partial(tensor_core_weight, *args, grouped=True)
-        else:
-            build = functools.partial(reference_weight, *args)
+        args = (gemm, param, self.specs[which], None, self.backward_mode, self.backend)
+        build = functools.partial(path_weight, *args, grouped=True)
         return self._caches[which].get((param,), build, kind=gemm)
 
     def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:

@@ -25,7 +25,7 @@ Backward, by mode (the operands through the table in `mxrl.nn.operands`):
                   Qcol(w) is the forward's b x b weight copy itself (a square block of w^T holds
                   the elements of a block of w: same scale, same codes); Qcol(dy), Qcol(x) are
                   dy^T, x^T quantized in 1 x b blocks along T (b x 1 blocks of dy and x).
-                  dy, x (and w, in reference_weight) are quantized on the forward's backend.
+                  dy, x (and w, in `qlinear.path_weight`) are quantized on the forward's backend.
 All GEMMs accumulate in fp32; gradients pass straight through the quantizer to the master weight.
 Every backend quantizes to the same bytes, so the backend never changes a gradient.
 """
@@ -47,22 +47,6 @@ from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
 
 F32 = torch.float32
-
-
-def reference_weight(
-    weight: torch.Tensor,
-    spec: TensorSpec,
-    partner: torch.Tensor | None,
-    mode: Backward,
-    backend: Backend = Backend.REFERENCE,
-) -> QWeight:
-    """The reference path's QWeight of a master weight: its fp32 operands derived when it is
-    built and held until the next optimizer step (`WeightCache`): LP, DEQ and, for MXFP8's
-    quantized backward, the column-wise copy's (block FP8's dgrad reads the forward's square
-    blocks, DEQ: no second copy)."""
-    colwise = mode is Backward.QUANTIZED and spec.format is Format.MXFP8
-    w = QWeight.from_master(weight, spec, partner, colwise=colwise, backend=backend)
-    return w.hold(Form.LP, Form.DEQ, *([Form.COL] if colwise else []), dtype=F32)
 
 
 def output_scale(s_dec_w: torch.Tensor | None) -> torch.Tensor | None:
