@@ -51,7 +51,7 @@ class QWeight:
     held:   the operands kept (`hold`), by form and dtype; the column-wise QTensor once `col`
             made it.
     Beside them: `backend`, the kernels that derive bf16 operands and quantize the column-wise
-    copy (same bytes on any); whether it has a column-wise source (`colwise`).
+    copy (same bytes on any), and the column-wise copy's source (`from_master`'s colwise).
     """
 
     q: QTensor
@@ -104,11 +104,6 @@ class QWeight:
         """From the contract bytes (the rollout engine, which never sees master weights)."""
         return cls(q, backend=backend)
 
-    @property
-    def colwise(self) -> bool:
-        """Whether it has a column-wise copy (made or to be made)."""
-        return self._col_fn is not None or _COL in self.held
-
     def col(self) -> QTensor | None:
         """The column-wise QTensor (None without a source), made on the first call and held
         (the tensor-core path: from the first backward to the next optimizer step)."""
@@ -134,7 +129,9 @@ class QWeight:
         held = self.held.get(_COL)
         return held if held is not None or self._col_fn is None else self._col_fn()
 
-    def _operand(self, form: Form, dtype: torch.dtype, col: Callable[[], QTensor | None]):
+    def _operand(
+        self, form: Form, dtype: torch.dtype, col: Callable[[], QTensor | None]
+    ) -> torch.Tensor:
         held = self.held.get(_key(form, dtype))
         if held is not None:
             return held
@@ -151,11 +148,13 @@ class QWeight:
 
     def for_expert(self, e: int) -> QWeight:
         """The 2-D weight of expert e of a 3-D [E, N, K] one: views of its bytes and of the
-        operands it holds."""
+        operands it holds; its column-wise copy, when not made yet, a view of this one's."""
         s = self.s_dec
+        lazy_col = _COL not in self.held and self._col_fn is not None
         return QWeight(
             _expert(self.q, e),
             backend=self.backend,
+            col_fn=(lambda: _expert(self.col(), e)) if lazy_col else None,
             s_dec=s[e] if s is not None and s.dim() else s,
             held={
                 k: _expert(v, e) if isinstance(v, QTensor) else v[e] for k, v in self.held.items()
