@@ -1,8 +1,8 @@
 """QLinear and QExperts: drop-in replacements for nn.Linear and GroupedExperts, driven by a
 plan's TensorSpec. They reuse the original Parameters (master weights stay high precision, the
 optimizer keeps its state) and quantize the weight once per optimizer step: one `QWeight` per
-weight, built by the GEMM path that runs (`path_weight`) and cached
-until the next optimizer step (`WeightCache`)."""
+weight, built by the GEMM path that runs (`path_weight`) and cached until the next optimizer
+step (`WeightCache`)."""
 
 from __future__ import annotations
 
