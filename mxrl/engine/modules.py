@@ -52,7 +52,9 @@ from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.models.mla import GroupLimitedRouting, SigmoidRouter
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
+from mxrl.nn.operands import Form
+from mxrl.nn.qmatmul import emulated_matmul
+from mxrl.nn.weight import QWeight
 from mxrl.recipe import TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
 
@@ -88,6 +90,13 @@ def uses_fp8_block_gemm(spec: TensorSpec, backend: Backend) -> bool:
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
     """x [T, K] quantized as the GEMM of `spec` takes it (the trainer's quantizer options)."""
     return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
+
+
+def emulated_weight(q: QTensor, backend: Backend) -> QWeight:
+    """A received weight for the emulated GEMM (`emulated_matmul`): its fp32 LP and DEQ
+    operands derived once, held until the next load copies into them (captured graphs read
+    those buffers)."""
+    return QWeight.from_qtensor(q, backend=backend).hold(Form.LP, Form.DEQ, dtype=torch.float32)
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -143,7 +152,7 @@ class RolloutLinear(nn.Module):
         self.backend = backend
         self.tile = tile
         self.qweight: QTensor | None = None
-        self.wq: QuantizedWeight | None = None
+        self.wq: QWeight | None = None
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
@@ -154,7 +163,7 @@ class RolloutLinear(nn.Module):
             packed = uses_low_bit_gemm(self.spec, self.backend) or uses_fp8_block_gemm(
                 self.spec, self.backend
             )
-            wq = None if packed else QuantizedWeight.from_qtensor(value)
+            wq = None if packed else emulated_weight(value, self.backend)
             return {"qweight": value, "wq": wq, "weight": None}
         return {"qweight": None, "wq": None, "weight": value.to(self.compute_dtype)}
 
@@ -258,9 +267,7 @@ class RolloutExperts(nn.Module):
         self.specs = specs
         self.compute_dtype = dtype
         self.tile = tile
-        self.values: dict[str, QTensor | QuantizedWeight | torch.Tensor | None] = dict.fromkeys(
-            specs
-        )
+        self.values: dict[str, QTensor | QWeight | torch.Tensor | None] = dict.fromkeys(specs)
         # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
         # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
         self.grouped = all(
@@ -291,12 +298,12 @@ class RolloutExperts(nn.Module):
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
             packed = self.grouped or self.grouped_fp8
-            return value if packed else QuantizedWeight.from_qtensor(value)
+            return value if packed else emulated_weight(value, self.backend)
         return value.to(self.compute_dtype)
 
     def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         v = self.values[which]
-        if isinstance(v, QuantizedWeight):
+        if isinstance(v, QWeight):
             y = emulated_matmul(x.float(), v.for_expert(e), self.specs[which], self.backend)[0]
             return y.to(x.dtype)
         assert v is not None, f"{self.specs[which].name}: no weights loaded"

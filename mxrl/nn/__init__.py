@@ -9,15 +9,16 @@ from mxrl.nn.apply import apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import set_gemm
 from mxrl.nn.qlinear import QExperts, QLinear
-from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache, weights_changed
+from mxrl.nn.qmatmul import QMatmul
 from mxrl.nn.swap import Swap
+from mxrl.nn.weight import QWeight, WeightCache, weights_changed
 
 __all__ = [
     "GroupedExperts",
     "QExperts",
     "QLinear",
     "QMatmul",
-    "QuantizedWeight",
+    "QWeight",
     "Swap",
     "WeightCache",
     "apply_plan",

@@ -31,14 +31,11 @@ or dy where no codes are kept), the reference's bytes on either backend.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
-from mxrl.formats.fp8_block import transpose_square_blocks
 from mxrl.kernels import Backend, qdq_mxfp8
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
@@ -46,100 +43,12 @@ from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
+from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
-from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
+from mxrl.recipe.quantize import activation_quantizer_kwargs
 
 BF16 = torch.bfloat16
 FP8_GEMM_BLOCK = 128
-
-
-@dataclass(frozen=True)
-class TensorCoreWeight:
-    """One quantized weight as the tensor-core GEMMs take it: its packed bytes, no bf16 copy.
-
-    q:       the QTensor (the contract bytes: 8.25 / 4.5 / ~8 bits per weight), kept from one
-             optimizer step to the next; the bf16 operands below are written from it by
-             `mxrl.kernels.dequantize` (one read of the bytes, one bf16 write) when a GEMM
-             needs them and freed after it, instead of a bf16 copy of every weight held for
-             the whole step (2 bytes per weight beside the fp32 master and its gradient).
-    s_dec:   NVFP4 decode global scale as in `QuantizedWeight`; None for other formats.
-    col:     the quantized backward's dgrad weight: the column-wise MXFP8 QTensor (quantized
-             from the master weight), or block FP8's w^T in the same square blocks
-             (`transpose_square_blocks`: the forward's codes, transposed); else None. Built
-             when the backward first asks for it (`col_fn`), then held with `q`: after an
-             optimizer step, the forward holds the row-wise copies only, and the column-wise
-             ones appear layer by layer as the backward frees the activations, instead of
-             every layer's two copies beside every layer's activations.
-    backend: the kernels that dequantize (triton on CUDA; the reference elsewhere).
-    """
-
-    q: QTensor
-    s_dec: torch.Tensor | None
-    backend: Backend = Backend.REFERENCE
-    col_fn: Callable[[], QTensor | None] | None = None
-    _held: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def col(self) -> QTensor | None:
-        if self.col_fn is None:
-            return None
-        if "col" not in self._held:
-            self._held["col"] = self.col_fn()
-        return self._held["col"]
-
-    @classmethod
-    def build(
-        cls,
-        weight: torch.Tensor,
-        spec: TensorSpec,
-        partner: torch.Tensor | None = None,
-        with_col: bool = False,
-        backend: Backend = Backend.REFERENCE,
-    ) -> TensorCoreWeight:
-        w = weight.detach()
-        q = kernel_quantize(
-            w, spec.format, **weight_quantizer_kwargs(w, spec, partner), backend=backend
-        )
-        col_fn = None
-        if with_col and spec.format is Format.FP8_BLOCK:
-            # for the dgrad on FP8 tensor cores; other shapes run the emulated GEMM on q
-            if uses_scaled_mm(spec, w.device):
-                col_fn = functools.partial(transpose_square_blocks, q)
-        elif with_col:
-            kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
-            col_fn = functools.partial(_column_copy, w, w._version, spec, kwargs, backend)
-        return cls(q=q, s_dec=decode_global_scale(q), backend=backend, col_fn=col_fn)
-
-    def lp(self) -> torch.Tensor:
-        """bf16 lp(Qw(w)): dequantized without the NVFP4 global scale (exact in bf16)."""
-        return kernel_dequantize(self.q, global_scale=False, backend=self.backend)
-
-    def deq_bf16(self) -> torch.Tensor:
-        """deq(Qw(w)) in bf16 (the dequantized backward's operand): fl_bf16 of the fp32
-        dequantized value, the NVFP4 global scale included."""
-        return kernel_dequantize(self.q, backend=self.backend)
-
-    def col_bf16(self) -> torch.Tensor:
-        """The column-wise MXFP8 copy dequantized in bf16 (exact)."""
-        assert self.col is not None, "quantized backward needs the column-wise weight copy"
-        return kernel_dequantize(self.col, backend=self.backend)
-
-
-def _column_copy(w: torch.Tensor, version: int, spec: TensorSpec, kwargs: dict, backend) -> QTensor:
-    """The column-wise copy of the master weight the row-wise copy was quantized from: refused
-    when the weight was written in place since (an optimizer step or a load between the
-    forward and this backward). The weight's own version counter, not the process-wide
-    weights epoch: an optimizer stepping other weights inside the backward (per-parameter
-    optimizers in post-accumulate-grad hooks) or another model's optimizer must not refuse it.
-    (FSDP2's re-gather of the same values before the backward does not move the counter:
-    `mxrl.nn.qmatmul.weights_changed`.)"""
-    if w._version != version:
-        raise RuntimeError(
-            f"{spec.name}: the weight was written in place (an optimizer step or a load) "
-            "between the forward and the backward that needs its column-wise copy; call "
-            "backward() before optimizer.step()"
-        )
-    return kernel_quantize(w, spec.format, **kwargs, backend=backend)
 
 
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
@@ -160,7 +69,7 @@ def uses_scaled_mm(spec: TensorSpec, device: torch.device) -> bool:
     )
 
 
-def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.Tensor:
+def forward_gemm(xq: QTensor, tw: QWeight, spec: TensorSpec) -> torch.Tensor:
     """fp32 y [T, N] from the quantized activation and weight (module docstring)."""
     if spec.format is Format.FP8_BLOCK:
         if uses_scaled_mm(spec, xq.device):
@@ -172,7 +81,9 @@ def forward_gemm(xq: QTensor, tw: TensorCoreWeight, spec: TensorSpec) -> torch.T
     if s_w is not None and s_w.dim():
         s_w = s_w.reshape(1, -1)  # per-row [N, 1] -> a column scale of the output
     lp_x = kernel_dequantize(xq, global_scale=False, backend=tw.backend)
-    return apply_global_scales(mm_f32(lp_x, tw.lp().t()), decode_global_scale(xq), s_w)
+    return apply_global_scales(
+        mm_f32(lp_x, tw.operand(Form.LP, BF16).t()), decode_global_scale(xq), s_w
+    )
 
 
 def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -203,7 +114,7 @@ def fp8_block_backward(ctx, dy: torch.Tensor):
             (Operand.BWD_GRAD, Form.ROW): lambda: fp8_block_row(dy, spec, backend),
             (Operand.BWD_GRAD, Form.COL): lambda: fp8_block_col(dy, spec, backend),
             # w^T's square blocks, on the first backward; None where the FP8 GEMM does not run
-            (Operand.FWD_WEIGHT, Form.COL): lambda: tw.col,
+            (Operand.FWD_WEIGHT, Form.COL): tw.col,
             (Operand.FWD_INPUT, Form.COL): lambda: ctx.x_col,
         },
     )
@@ -226,12 +137,12 @@ class TensorCoreQMatmul(torch.autograd.Function):
     """`QMatmul` on tensor cores: y = Qa(x) (x) Qw(w) in x's dtype, the backward of `mode`."""
 
     @staticmethod
-    def forward(ctx, x, w, tw: TensorCoreWeight, spec: TensorSpec, mode: Backward, backend):
+    def forward(ctx, x, w, tw: QWeight, spec: TensorSpec, mode: Backward, backend):
         x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
         if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
             # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
             lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
-            y, xq = mm_f32(lp_x, tw.lp().t()), None
+            y, xq = mm_f32(lp_x, tw.operand(Form.LP, BF16).t()), None
         else:
             xq = quantize_activation(x, spec, backend)
             y = forward_gemm(xq, tw, spec)
@@ -271,7 +182,7 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
     (x, w) where the WGRAD reads x itself, else (w,). Both GEMMs' operands are made before
     either runs: MXFP8's column-wise weight copy is made (or refused) whichever gradients are
     asked for."""
-    tw: TensorCoreWeight = ctx.tw
+    tw: QWeight = ctx.tw
     rows, backend = ctx.rows, ctx.backend
     # read only where a form needs x or w: reading checks their versions, and a weight
     # written since the forward must be refused by the column-wise copy's own message
@@ -284,10 +195,10 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
         (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
         (Operand.FWD_WEIGHT, Form.HP): lambda: saved()[-1].to(BF16),
         (Operand.FWD_INPUT, Form.HP): lambda: saved()[0].to(BF16),
-        (Operand.FWD_WEIGHT, Form.DEQ): tw.deq_bf16,
+        (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.operand(Form.DEQ, BF16),
         (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
         (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0][:rows],
         (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1][:rows],
-        (Operand.FWD_WEIGHT, Form.COL): tw.col_bf16,
+        (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend)[:rows],
     }

@@ -40,10 +40,11 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn import invariant
-from mxrl.nn.fast import BF16, TensorCoreWeight, quantize_activation
+from mxrl.nn.fast import BF16, quantize_activation
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
+from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 
 GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
@@ -153,7 +154,7 @@ class GroupedLinear(torch.autograd.Function):
     weight. spec None: bf16 experts; else tw holds the quantized weight (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w, layout: ExpertLayout, tw: TensorCoreWeight | None, spec, mode, backend):
+    def forward(ctx, x, w, layout: ExpertLayout, tw: QWeight | None, spec, mode, backend):
         ctx.layout, ctx.tw, ctx.mode, ctx.backend, ctx.spec = layout, tw, mode, backend, spec
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         if spec is None:
@@ -165,14 +166,14 @@ class GroupedLinear(torch.autograd.Function):
         if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
             # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
             lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
-            y, xq = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends), None
+            y, xq = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends), None
         elif spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
             xq = quantize_activation(x, spec, backend)
             y = grouped_fp8_block_matmul(xq, tw.q, layout.offsets(), out_dtype=BF16, **FORWARD_TILE)
         else:
             xq = quantize_activation(x, spec, backend)
             lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
-            y = grouped_mm(lp_x, tw.lp().transpose(-2, -1), layout.ends)
+            y = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends)
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
             if scale is not None:
                 y = (y.float() * scale).to(BF16)
@@ -220,7 +221,7 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
     quantized backward's COL copies of dy and x in the padded layout (`PaddedLayout`). Saved:
     (bf16 x, w) where the WGRAD reads x itself, else (w,). Both GEMMs' operands are made before
     either runs."""
-    tw: TensorCoreWeight | None = ctx.tw
+    tw: QWeight | None = ctx.tw
     backend = ctx.backend
     # read only where a form needs x or w: reading checks their versions, and a weight
     # written since the forward must be refused by the column-wise copy's own message
@@ -235,11 +236,11 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
         (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
         (Operand.FWD_WEIGHT, Form.HP): lambda: saved()[-1].to(BF16),
         (Operand.FWD_INPUT, Form.HP): lambda: saved()[0],
-        (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.deq_bf16(),
+        (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.operand(Form.DEQ, BF16),
         (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
         (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0].index_select(0, ctx.padded.dest),
         (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
-        (Operand.FWD_WEIGHT, Form.COL): lambda: tw.col_bf16(),
+        (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend),
     }
 

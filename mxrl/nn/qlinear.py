@@ -1,8 +1,12 @@
 """QLinear and QExperts: drop-in replacements for nn.Linear and GroupedExperts, driven by a
 plan's TensorSpec. They reuse the original Parameters (master weights stay high precision, the
-optimizer keeps its state) and quantize the weight once per optimizer step (WeightCache)."""
+optimizer keeps its state) and quantize the weight once per optimizer step: one `QWeight` per
+weight, built by the GEMM path that runs (`path_weight`) and cached until the next optimizer
+step (`WeightCache`)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -11,10 +15,12 @@ from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.fast import TensorCoreQMatmul, TensorCoreWeight
+from mxrl.nn.fast import TensorCoreQMatmul, uses_scaled_mm
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.grouped import GroupedLinear
-from mxrl.nn.qmatmul import QMatmul, QuantizedWeight, WeightCache
+from mxrl.nn.operands import Form
+from mxrl.nn.qmatmul import QMatmul
+from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
 
 
@@ -25,6 +31,41 @@ def _check_mode(spec: TensorSpec, backward: Backward) -> None:
             f"needs mxfp8 or fp8_block weights, but the plan gives {spec.format}; use "
             "high_precision or dequantized"
         )
+
+
+def path_weight(
+    gemm: Gemm,
+    weight: torch.Tensor,
+    spec: TensorSpec,
+    partner: torch.Tensor | None,
+    mode: Backward,
+    backend: Backend,
+    *,
+    grouped: bool = False,
+) -> QWeight:
+    """The QWeight of a master weight as the `gemm` path reads it, kept until the next
+    optimizer step (`WeightCache`). Every path holds the QTensor; what else, by path:
+
+    REFERENCE    its fp32 operands, derived when it is built: LP, DEQ and, for MXFP8's
+                 quantized backward, COL (block FP8's dgrad reads the forward's square blocks,
+                 DEQ: no second copy).
+    TENSOR_CORE  nothing derived (8.25 / 4.5 / ~8 bits per weight instead of a bf16 copy's 16
+                 beside the fp32 master and its gradient): each bf16 operand is written by
+                 `mxrl.kernels.dequantize` (one read of the bytes, one bf16 write) when its GEMM
+                 runs and freed after it. The quantized backward's dgrad weight (`col`): the
+                 column-wise MXFP8 QTensor, or a dense (not `grouped`) block-FP8 weight's w^T
+                 in the same square blocks where the FP8 GEMM reads it (`uses_scaled_mm`;
+                 routed experts' grouped dgrad reads the forward's codes transposed in place);
+                 made when the backward first asks for it, then held: after an optimizer step
+                 the forward holds the row-wise copies only, and the column-wise ones appear
+                 layer by layer as the backward frees the activations.
+    """
+    fp8_col = gemm is Gemm.TENSOR_CORE and not grouped and uses_scaled_mm(spec, weight.device)
+    colwise = mode is Backward.QUANTIZED and (spec.format is Format.MXFP8 or fp8_col)
+    w = QWeight.from_master(weight, spec, partner, colwise=colwise, backend=backend)
+    if gemm is Gemm.TENSOR_CORE:
+        return w
+    return w.hold(Form.LP, Form.DEQ, *([Form.COL] if colwise else []), dtype=torch.float32)
 
 
 class QLinear(nn.Linear):
@@ -48,7 +89,6 @@ class QLinear(nn.Linear):
         self.backend = Backend(backend)
         _check_mode(spec, self.backward_mode)
         self._cache = WeightCache()
-        self._tc_cache = WeightCache()  # the tensor-core GEMMs' form of the same bytes
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
         self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
@@ -77,39 +117,21 @@ class QLinear(nn.Linear):
         """Share one NVFP4 global scale with another weight (gate with up)."""
         self._partner = [weight]
         self._cache.clear()
-        self._tc_cache.clear()
 
-    def quantized_weight(self) -> QuantizedWeight:
+    def qweight(self, gemm: Gemm) -> QWeight:
+        """The quantized weight as the `gemm` path builds it, cached until the weight changes."""
         partner = self._partner[0] if self._partner else None
         tensors = (self.weight,) if partner is None else (self.weight, partner)
-        # block FP8's dgrad reads the forward's square blocks: no second copy
-        with_col = self.backward_mode is Backward.QUANTIZED and self.spec.format is Format.MXFP8
-        return self._cache.get(
-            tensors,
-            lambda: QuantizedWeight.build(
-                self.weight, self.spec, partner, with_col=with_col, backend=self.backend
-            ),
-        )
-
-    def tensor_core_weight(self) -> TensorCoreWeight:
-        partner = self._partner[0] if self._partner else None
-        tensors = (self.weight,) if partner is None else (self.weight, partner)
-        with_col = self.backward_mode is Backward.QUANTIZED
-        return self._tc_cache.get(
-            tensors,
-            lambda: TensorCoreWeight.build(
-                self.weight, self.spec, partner, with_col=with_col, backend=self.backend
-            ),
-        )
+        args = (gemm, self.weight, self.spec, partner, self.backward_mode, self.backend)
+        return self._cache.get(tensors, functools.partial(path_weight, *args), kind=gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         args = (self.spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
-            if resolved_gemm(self.gemm_choice, x.device) is Gemm.TENSOR_CORE:
-                y = TensorCoreQMatmul.apply(x2, self.weight, self.tensor_core_weight(), *args)
-            else:
-                y = QMatmul.apply(x2, self.weight, self.quantized_weight(), *args)
+            gemm = resolved_gemm(self.gemm_choice, x.device)
+            op = TensorCoreQMatmul if gemm is Gemm.TENSOR_CORE else QMatmul
+            y = op.apply(x2, self.weight, self.qweight(gemm), *args)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -151,47 +173,38 @@ class QExperts(GroupedExperts):
             if spec.format is not Format.BF16:
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
-        q._tc_caches = {"gate_up": WeightCache(), "down": WeightCache()}
         q.gemm_choice = getattr(experts, "gemm_choice", None)
         return q
 
     def _grouped_specs(self) -> dict:
         return {k: None if s.format is Format.BF16 else s for k, s in self.specs.items()}
 
-    def _held(self, which: str, caches: dict, holder: type) -> TensorCoreWeight | QuantizedWeight:
-        """Projection `which`'s weight as `holder` builds it (TensorCoreWeight or
-        QuantizedWeight), from `caches` until the parameter changes. A column-wise copy only
+    def qweight(self, which: str, gemm: Gemm) -> QWeight:
+        """Projection `which`'s quantized weight as the `gemm` path builds it (the grouped
+        GEMMs for TENSOR_CORE), cached until the parameter changes. A column-wise copy only
         for MXFP8's quantized backward: block FP8's grouped dgrad reads the forward's codes
-        transposed in place (strides)."""
+        transposed in place (strides), the reference's their DEQ."""
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        spec = self.specs[which]
-        with_col = self.backward_mode is Backward.QUANTIZED and spec.format is Format.MXFP8
-        return caches[which].get(
-            (param,), lambda: holder.build(param, spec, with_col=with_col, backend=self.backend)
-        )
-
-    def _tensor_core(self, which: str) -> TensorCoreWeight:
-        return self._held(which, self._tc_caches, TensorCoreWeight)
+        args = (gemm, param, self.specs[which], None, self.backward_mode, self.backend)
+        build = functools.partial(path_weight, *args, grouped=True)
+        return self._caches[which].get((param,), build, kind=gemm)
 
     def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
         spec = self.specs[which]
         if spec.format is Format.BF16:
             return super()._grouped_proj(which, x_sorted, layout)
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        tw = self._tensor_core(which)
+        tw = self.qweight(which, Gemm.TENSOR_CORE)
         mode, backend = self.backward_mode, self.backend
         with no_autocast(x_sorted.device):
             return GroupedLinear.apply(x_sorted, param, layout, tw, spec, mode, backend)
-
-    def _quantized(self, which: str) -> QuantizedWeight:
-        return self._held(which, self._caches, QuantizedWeight)
 
     def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         spec = self.specs[which]
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         if spec.format is Format.BF16:
             return nn.functional.linear(x, param[e])
-        wq = self._quantized(which).for_expert(e)
+        wq = self.qweight(which, Gemm.REFERENCE).for_expert(e)
         with no_autocast(x.device):
             return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
 

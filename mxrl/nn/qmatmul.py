@@ -25,7 +25,7 @@ Backward, by mode (the operands through the table in `mxrl.nn.operands`):
                   Qcol(w) is the forward's b x b weight copy itself (a square block of w^T holds
                   the elements of a block of w: same scale, same codes); Qcol(dy), Qcol(x) are
                   dy^T, x^T quantized in 1 x b blocks along T (b x 1 blocks of dy and x).
-                  dy, x (and w, in QuantizedWeight.build) are quantized on the forward's backend.
+                  dy, x (and w, in `qlinear.path_weight`) are quantized on the forward's backend.
 All GEMMs accumulate in fp32; gradients pass straight through the quantizer to the master weight.
 Every backend quantizes to the same bytes, so the backend never changes a gradient.
 """
@@ -33,10 +33,8 @@ Every backend quantizes to the same bytes, so the backend never changes a gradie
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
@@ -44,96 +42,11 @@ from mxrl.kernels import Backend, quantize_mxfp8_both
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import emulated_gemm
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
+from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
-from mxrl.recipe.quantize import activation_quantizer_kwargs, weight_quantizer_kwargs
+from mxrl.recipe.quantize import activation_quantizer_kwargs
 
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """One quantized weight as the GEMMs consume it (fp32 tensors, on the weight's device).
-
-    lp:    dequantized without the NVFP4 global scale: the forward GEMM operand.
-    s_dec: NVFP4 decode global scale, [] or of the weight's rank ([E, 1, 1] per expert, [N, 1]
-           per row); None for formats without one.
-    deq:   fully dequantized (lp * s_dec): the dequantized backward's operand.
-    col:   dequantized column-wise copy (MXFP8, blocks along N), for the quantized backward.
-    """
-
-    lp: torch.Tensor
-    s_dec: torch.Tensor | None
-    deq: torch.Tensor
-    col: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls,
-        weight: torch.Tensor,
-        spec: TensorSpec,
-        partner: torch.Tensor | None = None,
-        with_col: bool = False,
-        backend: Backend = Backend.REFERENCE,
-    ) -> QuantizedWeight:
-        """From a master weight (the trainer), quantized on `backend` (same bytes on any)."""
-        w = weight.detach()
-        col = None
-        if with_col:
-            kwargs = weight_quantizer_kwargs(w, spec, partner, axis=-2)
-            col = dequantize(kernel_quantize(w, spec.format, **kwargs, backend=backend))
-        kwargs = weight_quantizer_kwargs(w, spec, partner)
-        return cls.from_qtensor(kernel_quantize(w, spec.format, **kwargs, backend=backend), col=col)
-
-    @classmethod
-    def from_qtensor(cls, q: QTensor, col: torch.Tensor | None = None) -> QuantizedWeight:
-        """From the contract bytes (the rollout engine, which never sees master weights)."""
-        lp = dequantize(q, global_scale=False)
-        s_dec = decode_global_scale(q)
-        # without a global scale (MXFP8, block FP8) deq is lp: one tensor, not two equal ones
-        return cls(lp=lp, s_dec=s_dec, deq=lp if s_dec is None else dequantize(q), col=col)
-
-    def for_expert(self, e: int) -> QuantizedWeight:
-        """The 2-D view of expert e of a 3-D [E, N, K] quantized weight."""
-        s = self.s_dec
-        return QuantizedWeight(
-            lp=self.lp[e],
-            s_dec=s[e] if s is not None and s.dim() else s,
-            deq=self.deq[e],
-            col=None if self.col is None else self.col[e],
-        )
-
-
-_WEIGHTS_EPOCH = [0]
-
-
-def weights_changed(*_args) -> None:
-    """Invalidate every WeightCache: the weights may have changed in a way their version
-    counters do not show (FSDP2 all-gathers the unsharded parameter outside autograd into the
-    same address step after step; a distributed checkpoint load writes the shards). Called
-    after every optimizer step (a global post-step hook, below) and by loaders."""
-    _WEIGHTS_EPOCH[0] += 1
-
-
-register_optimizer_step_post_hook(weights_changed)
-
-
-class WeightCache:
-    """Holds a QuantizedWeight until one of the tensors it was built from changes (a load bumps
-    the tensor's version counter) or the weights epoch moves (every optimizer step,
-    `weights_changed`): one quantization per step, not per call."""
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._value: QuantizedWeight | None = None
-
-    def get(self, tensors: tuple[torch.Tensor, ...], build) -> QuantizedWeight:
-        per_tensor = [(t._version, t.data_ptr(), t.device, tuple(t.shape)) for t in tensors]
-        key = (_WEIGHTS_EPOCH[0], *per_tensor)
-        if key != self._key or self._value is None:
-            self._value = build()
-            self._key = key
-        return self._value
-
-    def clear(self) -> None:
-        self._key = self._value = None
+F32 = torch.float32
 
 
 def output_scale(s_dec_w: torch.Tensor | None) -> torch.Tensor | None:
@@ -185,7 +98,7 @@ def fp8_block_col(t: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTenso
 
 
 def emulated_matmul(
-    x: torch.Tensor, wq: QuantizedWeight, spec: TensorSpec, backend: Backend = Backend.REFERENCE
+    x: torch.Tensor, wq: QWeight, spec: TensorSpec, backend: Backend = Backend.REFERENCE
 ):
     """The forward GEMM (module docstring): y [T, N] fp32 and the activation's QTensor.
     Shared by the trainer's QMatmul and the rollout engine, so both compute the same thing;
@@ -195,7 +108,8 @@ def emulated_matmul(
     )
     s_x = decode_global_scale(xq)  # [T, 1] per token, [] per tensor, None
     s_w = output_scale(wq.s_dec)  # [] or [1, N], None
-    return emulated_gemm(dequantize(xq, global_scale=False), wq.lp, s_x, s_w), xq
+    lp_w = wq.operand(Form.LP, F32)
+    return emulated_gemm(dequantize(xq, global_scale=False), lp_w, s_x, s_w), xq
 
 
 class QMatmul(torch.autograd.Function):
@@ -203,7 +117,7 @@ class QMatmul(torch.autograd.Function):
     a view of one: gradients accumulate into it); `wq` its cached quantization."""
 
     @staticmethod
-    def forward(ctx, x, w, wq: QuantizedWeight, spec: TensorSpec, mode: Backward, backend):
+    def forward(ctx, x, w, wq: QWeight, spec: TensorSpec, mode: Backward, backend):
         y, xq = emulated_matmul(x, wq, spec, backend)
         ctx.mode, ctx.wq, ctx.x_dtype, ctx.w_dtype = mode, wq, x.dtype, w.dtype
         ctx.spec, ctx.backend = spec, backend  # the quantized backward quantizes dy and x too
@@ -228,14 +142,14 @@ def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.T
     """QMatmul's makers of each (operand, form) (`mxrl.nn.operands`): fp32, in the tensors' own
     layouts (dy [T, N], w [N, K], x [T, K]). x_saved is x, or deq(Qa(x)) where the WGRAD reads
     that (QMatmul.forward). Both GEMMs' operands are made before either runs."""
-    wq: QuantizedWeight = ctx.wq
+    wq: QWeight = ctx.wq
     spec, backend = ctx.spec, ctx.backend
     rows, n = dy.shape
     makers = {
         (Operand.BWD_GRAD, Form.HP): dy.float,
         (Operand.FWD_WEIGHT, Form.HP): w.float,
         (Operand.FWD_INPUT, Form.HP): x_saved.float,
-        (Operand.FWD_WEIGHT, Form.DEQ): lambda: wq.deq,
+        (Operand.FWD_WEIGHT, Form.DEQ): lambda: wq.operand(Form.DEQ, F32),
         (Operand.FWD_INPUT, Form.DEQ): lambda: x_saved,
     }
     if spec.format is Format.FP8_BLOCK:
@@ -250,7 +164,7 @@ def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.T
             (Operand.BWD_GRAD, Form.ROW): dy_row,
             (Operand.BWD_GRAD, Form.COL): lambda: col(dy),
             # the square blocks of w^T are w's (module docstring)
-            (Operand.FWD_WEIGHT, Form.COL): lambda: wq.deq,
+            (Operand.FWD_WEIGHT, Form.COL): lambda: wq.operand(Form.DEQ, F32),
             (Operand.FWD_INPUT, Form.COL): lambda: col(x_saved),
         }
     # MXFP8; dy and x in their own dtype: the quantizers read fp32, bf16 and fp16 exactly
@@ -258,11 +172,6 @@ def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.T
     return makers | {
         (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0],
         (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
-        (Operand.FWD_WEIGHT, Form.COL): lambda: _weight_col(wq),
+        (Operand.FWD_WEIGHT, Form.COL): lambda: wq.operand(Form.COL, F32),
         (Operand.FWD_INPUT, Form.COL): lambda: _mxfp8_col(x_saved, backend),
     }
-
-
-def _weight_col(wq: QuantizedWeight) -> torch.Tensor:
-    assert wq.col is not None, "quantized backward needs the column-wise weight copy"
-    return wq.col

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from mxrl.formats.constants import Format
 from mxrl.models import CausalLM
 from mxrl.nn.qlinear import QLinear
-from mxrl.nn.qmatmul import WeightCache
+from mxrl.nn.weight import WeightCache
 from mxrl.recipe import Plan
 
 
@@ -78,7 +78,7 @@ def parallelize(
 
 
 def clear_quantized_caches(model: nn.Module) -> int:
-    """Drop every cached quantized weight (`mxrl.nn.qmatmul.WeightCache`) in `model`; returns
+    """Drop every cached quantized weight (`mxrl.nn.weight.WeightCache`) in `model`; returns
     how many caches were cleared.
 
     Under FSDP2 the cache's key (version counter, data_ptr) does not see a weight change: the

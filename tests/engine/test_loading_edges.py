@@ -20,6 +20,7 @@ from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.operands import Form
 from mxrl.recipe import resolve
 from mxrl.weights import VerifiedRecord, WeightRecord, checksum
 from mxrl.weights.digest import verified_records
@@ -137,7 +138,9 @@ def test_a_first_load_installs_every_tensor_where_the_forward_reads_it():
     assert bias.dtype == torch.float32 and torch.equal(bias, torch.ones(4))
     q = host.net.model.layers[1].self_attn.q_proj
     assert q.qweight is host.weights[Q] and q.weight is None
-    assert torch.equal(q.wq.lp, torch.ones(32, 32))  # E4M3 0x38 = 1.0 times E8M0 127 = 1
+    assert torch.equal(
+        q.wq.operand(Form.LP, torch.float32), torch.ones(32, 32)
+    )  # E4M3 0x38 = 1.0 times E8M0 127 = 1
     assert host.net.lm_head.weight == "untied"
     assert host.weights[EMBED].dtype == torch.bfloat16  # the record's value, as received
 
@@ -183,7 +186,8 @@ def test_a_reload_copies_into_the_held_buffers():
         host.net.model.layers[1].mlp.experts,
     )
     for wq in (q_proj.wq, experts.values["gate_up"], experts.values["down"]):
-        assert torch.equal(wq.lp, torch.full(wq.lp.shape, 2.25))
+        lp = wq.operand(Form.LP, torch.float32)
+        assert torch.equal(lp, torch.full(lp.shape, 2.25))
 
 
 def _after_a_replaced_one_the_rest_is_copied(host: Host) -> None:
@@ -193,7 +197,8 @@ def _after_a_replaced_one_the_rest_is_copied(host: Host) -> None:
     )
     assert torch.equal(host.net.model.layers[1].self_attn.q_proj.bias, torch.full((32,), 2.0))
     experts = host.net.model.layers[1].mlp.experts
-    assert torch.equal(experts.values["down"].lp, torch.full((2, 32, 32), 2.25))
+    lp = experts.values["down"].operand(Form.LP, torch.float32)
+    assert torch.equal(lp, torch.full((2, 32, 32), 2.25))
 
 
 def test_a_changed_operand_layout_is_installed_and_the_rest_copied():

@@ -206,11 +206,12 @@ def _spec(fmt, shape, per_token=True):
 @pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_backend_is_emulated_matmul(fmt, per_token):
-    from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
+    from mxrl.nn.qmatmul import emulated_matmul
+    from mxrl.nn.weight import QWeight
 
     x, w = random_operands(fmt, 7, 48, 96, x_dtype=torch.float32)
     wq = quantize_weight(w, fmt)
-    want, _ = emulated_matmul(x, QuantizedWeight.from_qtensor(wq), _spec(fmt, (48, 96), per_token))
+    want, _ = emulated_matmul(x, QWeight.from_qtensor(wq), _spec(fmt, (48, 96), per_token))
     got = low_bit_linear(x, wq, act_per_token=per_token, backend="reference")
     assert_bitwise(got, want, f"{fmt} per_token={per_token}")
 
@@ -218,12 +219,13 @@ def test_reference_backend_is_emulated_matmul(fmt, per_token):
 @pytest.mark.parametrize("w_scale", ["expert", "rows"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_reference_is_per_expert_emulated_matmul(fmt, w_scale):
-    from mxrl.nn.qmatmul import QuantizedWeight, emulated_matmul
+    from mxrl.nn.qmatmul import emulated_matmul
+    from mxrl.nn.weight import QWeight
 
     counts = [3, 0, 5, 1]
     x, w = random_operands(fmt, sum(counts), 32, 64, e=4, x_dtype=torch.float32)
     wq = quantize_weight(w, fmt, w_scale)
-    qw = QuantizedWeight.from_qtensor(wq)
+    qw = QWeight.from_qtensor(wq)
     got = grouped_low_bit_linear(x, wq, offsets_for(counts), backend="reference")
     start = 0
     for e, c in enumerate(counts):

@@ -24,11 +24,13 @@ from mxrl.models.layers import LayerInputs
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
 from mxrl.nn.gemm import resolved_gemm, set_gemm
 from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
+from mxrl.nn.operands import Form
 from mxrl.recipe import resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
 from tests.numerics import HostReads, assert_bytes_equal
 
 BF16 = torch.bfloat16
+F32 = torch.float32
 EXACT, ROUNDED = 0.0, 2.0**-8
 # Hopper's FP8 MMA keeps about 14 bits of its running sum (DeepSeek-V3, §3.3.2): at most 128
 # additions before each 128-wide block is promoted to fp32, each losing up to 2^-13 of the sum
@@ -87,18 +89,18 @@ def test_cached_weight_keeps_only_the_packed_bytes(fmt, mode):
     bf16 copy of the weight: 8.25 / 4.5 bits per weight (+ 8.25 for MXFP8's column-wise copy)
     instead of 16 (+ 16); the GEMM operands it writes on demand equal the reference path's."""
     q = make_linear(fmt, mode)
-    tw = q.tensor_core_weight()
-    held = [tw.q] + ([tw.col] if tw.col is not None else [])
+    tw = q.qweight(Gemm.TENSOR_CORE)
+    held = [tw.q] + ([tw.col()] if tw.col() is not None else [])
     numel = q.weight.numel()
     held_bytes = sum(t.nbytes for t in held) + (tw.s_dec.numel() * 4 if tw.s_dec is not None else 0)
     bits = {"mxfp8": 8.25 * len(held), "nvfp4": 4.5}[fmt]
     assert held_bytes <= numel * bits / 8 + 64, (held_bytes, numel)
-    wq = q.quantized_weight()  # the reference path's operands of the same weight (fp32)
-    assert_bytes_equal(tw.lp(), wq.lp.to(BF16), "lp")
-    assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), "deq")
+    wq = q.qweight(Gemm.REFERENCE)  # the reference path's operands of the same weight (fp32)
+    assert_bytes_equal(tw.operand(Form.LP, BF16), wq.operand(Form.LP, F32).to(BF16), "lp")
+    assert_bytes_equal(tw.operand(Form.DEQ, BF16), wq.operand(Form.DEQ, F32).to(BF16), "deq")
     if fmt == "mxfp8":
-        assert tw.col is not None and tw.s_dec is None
-        assert_bytes_equal(tw.col_bf16(), wq.col.to(BF16), "col")
+        assert tw.col() is not None and tw.s_dec is None
+        assert_bytes_equal(tw.operand(Form.COL, BF16), wq.operand(Form.COL, F32).to(BF16), "col")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
@@ -108,8 +110,8 @@ def test_quantizing_a_weight_reads_nothing_back(fmt):
     to the host to check it (on a GPU: no sync in the step)."""
     q = make_linear(fmt, "dequantized")
     with HostReads() as reads:
-        q.tensor_core_weight()
-        q.quantized_weight()
+        q.qweight(Gemm.TENSOR_CORE)
+        q.qweight(Gemm.REFERENCE)
     assert not reads.ops, reads.ops
 
 
@@ -137,9 +139,9 @@ def test_cached_expert_weight_dequantizes_exactly():
     operand is the reference's fp32 deq rounded once."""
     _, q = _module("nvfp4", "dequantized")
     for which in ("gate_up", "down"):
-        tw, wq = q._tensor_core(which), q._quantized(which)
+        tw, wq = q.qweight(which, Gemm.TENSOR_CORE), q.qweight(which, Gemm.REFERENCE)
         assert tw.s_dec is not None and tw.s_dec.dim() == 3
-        assert_bytes_equal(tw.deq_bf16(), wq.deq.to(BF16), which)
+        assert_bytes_equal(tw.operand(Form.DEQ, BF16), wq.operand(Form.DEQ, F32).to(BF16), which)
 
 
 def test_dense_fp8_block_on_the_cpu_is_the_reference():
@@ -214,7 +216,7 @@ def check_grouped_projection(fmt, mode, which, device="cpu", backend="reference"
         absprods = _absprods(x_sorted.detach(), w, dy.float(), layout)
         errs = (ROUNDED, ROUNDED, ROUNDED)  # x, w rounded to bf16 in every GEMM
     else:
-        w_deq = module._quantized(which).deq
+        w_deq = module.qweight(which, Gemm.REFERENCE).operand(Form.DEQ, F32)
         xs = x_sorted.detach()
         if fmt == "nvfp4":
             xq = quantize(xs, fmt, per_token=True)
@@ -350,13 +352,13 @@ def test_column_copy_is_built_by_the_backward_and_refused_after_an_optimizer_ste
     q.gemm_choice = Gemm.TENSOR_CORE
     x, dy = inputs()
     y = q(x.clone().requires_grad_(True))
-    tw = q.tensor_core_weight()
-    assert "col" not in tw._held  # the forward held the row-wise copy only
+    tw = q.qweight(Gemm.TENSOR_CORE)
+    assert "col" not in tw.held  # the forward held the row-wise copy only
     y.backward(dy)
-    held = tw._held["col"]
+    held = tw.held["col"]
     assert_bytes_equal(held.qdata, quantize(q.weight.detach(), "mxfp8", axis=0).qdata, "col")
     q(x).backward(dy)
-    assert tw._held["col"] is held  # built once per optimizer step
+    assert tw.held["col"] is held  # built once per optimizer step
     opt = torch.optim.SGD(q.parameters(), lr=0.1)
     opt.step()  # new weights: the next forward quantizes them, row-wise only
     y = q(x.clone().requires_grad_(True))
@@ -388,9 +390,9 @@ def test_an_optimizer_stepping_inside_the_backward_is_not_refused():
     w_first = first.weight.detach().clone()
     x, _ = inputs()
     y = last(first(x))
-    tw = first.tensor_core_weight()  # the forward's (the hooks' steps will replace it)
-    assert "col" not in tw._held
+    tw = first.qweight(Gemm.TENSOR_CORE)  # the forward's (the hooks' steps will replace it)
+    assert "col" not in tw.held
     y.square().sum().backward()
     assert not torch.equal(first.weight.detach(), w_first)  # its own hook stepped it, after
-    col = tw._held["col"]
+    col = tw.held["col"]
     assert_bytes_equal(col.qdata, quantize(w_first, "mxfp8", axis=0).qdata, "first's copy")

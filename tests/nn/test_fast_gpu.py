@@ -91,9 +91,9 @@ def test_dense_fp8_block_quantized_backward_on_scaled_mm(rows):
     from tests.nn.test_fp8_block_backward import N, _inputs, _linear
 
     q = _linear().cuda()
-    tw = q.tensor_core_weight()
-    assert tw.col is not None and tw.col.qdata.data_ptr() != tw.q.qdata.data_ptr()
-    assert torch.equal(tw.col.qdata, tw.q.qdata.t())
+    tw = q.qweight(Gemm.TENSOR_CORE)
+    assert tw.col() is not None and tw.col().qdata.data_ptr() != tw.q.qdata.data_ptr()
+    assert torch.equal(tw.col().qdata, tw.q.qdata.t())
     x, dy = (t.cuda() for t in _inputs(rows))
     dy = dy.to(BF16).float()
     grads = {}

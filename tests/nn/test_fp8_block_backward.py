@@ -96,12 +96,13 @@ def test_weight_copies_held_for_the_step():
     place); a dense weight adds their transpose (1 byte per weight) only where the FP8 GEMM
     reads it (CUDA: tests/nn/test_fast_gpu.py), none here."""
     q = _linear()
-    assert q.tensor_core_weight().col is None and q.quantized_weight().col is None
+    assert q.qweight(Gemm.TENSOR_CORE).col() is None and q.qweight(Gemm.REFERENCE).col() is None
     experts = _experts(e=4, h=128, i=128)
     specs = _expert_specs("fp8_block", e=4, h=128, i=128)
     qe = QExperts.from_experts(experts, *specs, "quantized")
     for which in ("gate_up", "down"):
-        assert qe._tensor_core(which).col is None and qe._quantized(which).col is None
+        tw, wq = qe.qweight(which, Gemm.TENSOR_CORE), qe.qweight(which, Gemm.REFERENCE)
+        assert tw.col() is None and wq.col() is None
 
 
 @pytest.mark.parametrize("gemm", [Gemm.REFERENCE, Gemm.TENSOR_CORE])

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from mxrl.arch import builtin_config
+from mxrl.kernels import Gemm
 from mxrl.models import build_model
 from mxrl.nn import QExperts, apply_plan, set_gemm
+from mxrl.nn.operands import Form
 from mxrl.recipe import Backward, resolve
 from tests.numerics import assert_bytes_equal
 
@@ -28,7 +30,10 @@ def test_tiny_moe_on_cuda_matches_cpu(preset):
     qc = cpu.model.layers[0].mlp.experts
     qg = gpu.model.layers[0].mlp.experts
     assert isinstance(qc, QExperts) and isinstance(qg, QExperts)
-    assert_bytes_equal(qg._quantized("gate_up").lp.cpu(), qc._quantized("gate_up").lp, "lp")
+    lp_g, lp_c = (
+        q.qweight("gate_up", Gemm.REFERENCE).operand(Form.LP, torch.float32) for q in (qg, qc)
+    )
+    assert_bytes_equal(lp_g.cpu(), lp_c, "lp")
 
 
 def test_training_steps_on_cuda():

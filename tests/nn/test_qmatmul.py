@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mxrl.formats import decode_global_scale, dequantize, quantize
+from mxrl.kernels import Gemm
 from mxrl.nn import GroupedExperts, QExperts, QLinear
 from mxrl.recipe import TensorSpec
 from tests.numerics import assert_bytes_equal
@@ -183,13 +184,13 @@ def test_quantized_backward_refuses_nvfp4():
 def test_weight_is_quantized_once_per_optimizer_step():
     q = make_linear("nvfp4")
     x, _ = inputs()
-    first = q.quantized_weight()
+    first = q.qweight(Gemm.REFERENCE)
     q(x)
-    assert q.quantized_weight() is first  # no change, no requantization
+    assert q.qweight(Gemm.REFERENCE) is first  # no change, no requantization
     opt = torch.optim.SGD(q.parameters(), lr=0.1)
     q(x).sum().backward()
     opt.step()
-    assert q.quantized_weight() is not first
+    assert q.qweight(Gemm.REFERENCE) is not first
     assert_bytes_equal(q(x), emulated(x, q.weight.detach(), "nvfp4"), "after step")
 
 
@@ -210,7 +211,8 @@ def test_gate_and_up_share_one_global_scale():
         up.weight.mul_(5.0)
     gate.set_fuse_partner(up.weight)
     up.set_fuse_partner(gate.weight)
-    assert_bytes_equal(gate.quantized_weight().s_dec, up.quantized_weight().s_dec, "shared")
+    gate_w, up_w = gate.qweight(Gemm.REFERENCE), up.qweight(Gemm.REFERENCE)
+    assert_bytes_equal(gate_w.s_dec, up_w.s_dec, "shared")
     amax = torch.maximum(gate.weight.abs().max(), up.weight.abs().max()).detach()
     x, _ = inputs()
     assert_bytes_equal(gate(x), emulated(x, gate.weight.detach(), "nvfp4", w_amax=amax), "gate")
@@ -286,8 +288,8 @@ def test_fused_gate_up_shares_one_scale_per_expert_unfused_does_not():
     experts = _experts()
     fused = QExperts.from_experts(experts, *_expert_specs("nvfp4", fused=True), "dequantized")
     split = QExperts.from_experts(experts, *_expert_specs("nvfp4", fused=False), "dequantized")
-    s_fused = fused._quantized("gate_up").s_dec
-    s_split = split._quantized("gate_up").s_dec
+    s_fused = fused.qweight("gate_up", Gemm.REFERENCE).s_dec
+    s_split = split.qweight("gate_up", Gemm.REFERENCE).s_dec
     assert s_fused.shape == (4, 1, 1)
     assert s_split.shape == (4, 64, 1)
     assert not torch.equal(s_split[1, 0], s_split[1, 32])  # gate and up halves differ
