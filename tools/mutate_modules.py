@@ -182,11 +182,12 @@ MODULES = {
          "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
          "tests/weights/test_digest_edges.py"),
     ),
-    # the bucketed live export (boundaries, exact fits, oversize records, the event)
+    # the bucketed live export (boundaries, exact fits, oversize records, the event and its
+    # per-layer SQNR, sampled or whole)
     "weights.buckets": Module(
-        ("mxrl/weights/buckets.py",),
+        ("mxrl/weights/buckets.py", "mxrl/weights/event.py"),
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
-         "tests/weights/test_buckets_edges.py"),
+         "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py"),
     ),
     # the checks of a record against the plan (fields, global scales, a checkpoint's config);
     # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
