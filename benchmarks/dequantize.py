@@ -3,7 +3,7 @@ the reference `mxrl.formats.dequantize(q).to(bfloat16)` (fp32 tensor, then a cas
 bandwidth, in one run; and bf16 -> fp32 `to_float32` against torch's `.to(float32)`.
 
 The training step writes these bf16 operands from the packed weights and activations per GEMM
-(`mxrl.nn.fast.TensorCoreWeight`), so their speed is part of every low-precision step.
+(`mxrl.nn.weight.QWeight.operand`), so their speed is part of every low-precision step.
 For each layout (mxfp8 row-wise and column-wise, nvfp4 with its per-expert global scale,
 fp8_block 128x128) of one [E, N, K] expert weight (default Qwen3-30B-A3B's gate_up of one layer:
 128 x 1536 x 2048): check the kernel's bytes equal the reference's (NaN-free input), then time

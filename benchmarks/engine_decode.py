@@ -104,7 +104,7 @@ _BYTES = ("gpu_allocated_bytes", "held_bytes", "contract_bytes")  # the weight m
 
 
 def _tensors_in(obj: object, depth: int = 0):
-    """Tensors reachable from an attribute value (QTensors, dataclasses such as QuantizedWeight,
+    """Tensors reachable from an attribute value (QTensors, dataclasses such as QWeight,
     dicts, lists); submodules are walked by the caller."""
     if isinstance(obj, torch.Tensor):
         yield obj

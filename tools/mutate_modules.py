@@ -182,10 +182,10 @@ MODULES = {
          "tests/weights/test_digest.py::test_checksums_of_many_equal_one_by_one",
          "tests/weights/test_digest_edges.py"),
     ),
-    # the bucketed live export (boundaries, exact fits, oversize records, the event and its
-    # per-layer SQNR, sampled or whole)
+    # the bucketed live export (boundaries, exact fits, oversize records, the event, the
+    # sampled SQNR's wiring)
     "weights.buckets": Module(
-        ("mxrl/weights/buckets.py", "mxrl/weights/event.py"),
+        ("mxrl/weights/buckets.py",),
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
          "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py"),
     ),
