@@ -90,7 +90,7 @@ class ShardedExport:
 
 
 class _Tally:
-    def __init__(self, sample: SqnrSample) -> None:
+    def __init__(self, sample: SqnrSample | None) -> None:
         self.meter = SqnrMeter(sample)
         self.result: dict[str, float] = {}
         self.num_shard_local = self.num_gathered = 0
@@ -114,14 +114,14 @@ def sharded_export(
     params = {n: p.detach() for n, p in model.named_parameters()}
     check_names(params, plan, "sharded export")
     _check_finite_everywhere(params, plan, group)
-    tally = _Tally(sqnr if isinstance(sqnr, SqnrSample) else SqnrSample())
-    sqnr = sqnr is not False
-    values = _values(params, plan, group, bf16_dtype, backend, tally, sqnr)
+    sample = SqnrSample.of(sqnr)
+    tally = _Tally(sample)
+    values = _values(params, plan, group, bf16_dtype, backend, tally, sample is not None)
     inner = Export(
         {}, plan, values, bucket_bytes=bucket_bytes, step=step, sqnr=False, on_event=None,
         seconds=time.perf_counter() - t0,
     )  # fmt: skip
-    return ShardedExport(inner, tally if sqnr else None, tally)
+    return ShardedExport(inner, tally if sample is not None else None, tally)
 
 
 def _check_finite_everywhere(params, plan: Plan, group) -> None:

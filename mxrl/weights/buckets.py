@@ -90,8 +90,7 @@ class Export:
         self.step = step
         self._params = params
         self._values = values
-        self._sqnr = sqnr is not False
-        self._sample = sqnr if isinstance(sqnr, SqnrSample) else SqnrSample()
+        self._sample = SqnrSample.of(sqnr)  # None: no SQNR
         self._on_event = on_event
         self._seconds = seconds
         self._started = False
@@ -133,7 +132,7 @@ class Export:
         t0 = time.perf_counter()
         for name, value in self._values:
             nbytes = value_nbytes(value)
-            if self._sqnr and isinstance(value, QTensor):
+            if self._sample is not None and isinstance(value, QTensor):
                 meter.add(self.plan[name].layer, self._params[name], value)
             num_tensors += 1
             num_bytes += nbytes

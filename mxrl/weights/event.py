@@ -7,9 +7,9 @@ the decoder stack ("other"). Tensors the plan keeps in bf16 are not counted: a l
 quantized tensor has no key.
 
 A `SqnrSample` measures a share of every 3-D expert stack: one of `stride` contiguous groups
-of its experts, the group its phase names (2-D tensors always whole). The GRPO loop exports every step
-with stride 16 and the phase moving with the step, so each expert is measured once every 16
-steps and the measurement reads 1/16 of the expert bytes it would read whole: the SQNR is a
+of its experts, the group its phase names (2-D tensors always whole). The GRPO loop exports
+every step with stride 16 and the phase moving with the step, so each expert is measured once
+every 16 steps and the measurement reads 1/16 of the expert bytes it would read whole: the SQNR is a
 second read of every master weight beside the export's own, and at full size it cost the loop's
 sync as much as the quantization itself (docs/sync.md).
 """
@@ -83,8 +83,15 @@ class SqnrSample:
 
     @classmethod
     def at_step(cls, step: int, stride: int) -> SqnrSample:
-        """The loop's sample at `step`: the phase moves by one expert each step."""
+        """The loop's sample at `step`: the phase moves by one group each step."""
         return cls(stride, step % stride)
+
+    @classmethod
+    def of(cls, sqnr: bool | SqnrSample) -> SqnrSample | None:
+        """An export's `sqnr` argument as a sample: True every expert, False None (off)."""
+        if isinstance(sqnr, SqnrSample):
+            return sqnr
+        return cls() if sqnr else None
 
     def experts(self, first: int, count: int, total: int) -> list[int] | None:
         """The measured experts among global indices first..first+count-1 of a stack of
