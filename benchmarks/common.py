@@ -10,6 +10,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -214,3 +215,42 @@ def cpu_environment() -> dict:
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+def profile_call(
+    fn: Callable[[], object], device: torch.device, label: str, rows: int = 14
+) -> None:
+    """One call of fn (after one unprofiled call) under torch.profiler and cProfile, printed: its
+    wall time, the device's busy time (kernels and copies) and the kernels that took it, then the
+    host's side: the Python functions of mxrl, triton and torch by cumulative time (cProfile's
+    own overhead included, so read shares, not milliseconds)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def synced() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    fn()
+    t0 = synced()
+    fn()
+    plain = synced() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = synced()
+        fn()
+        wall = synced() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"  profile {label}: wall {plain * 1e3:.1f} ms unprofiled, {wall * 1e3:.1f} ms "
+          f"profiled, device busy {busy * 1e3:.1f} ms")  # fmt: skip
+    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+    host = cProfile.Profile()
+    host.enable()
+    fn()
+    synced()
+    host.disable()
+    stats = pstats.Stats(host)
+    stats.sort_stats("cumulative").print_stats(r"mxrl|triton/runtime|torch/cuda", 40)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -35,7 +36,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, ensure_repo_on_path, environment, format_table, update_results
+from common import (
+    REPO_ROOT,
+    ensure_repo_on_path,
+    environment,
+    format_table,
+    profile_call,
+    update_results,
+)
 from engine_decode import check_device, check_presets, cpu_environment, model_config
 
 ensure_repo_on_path()
@@ -49,6 +57,7 @@ from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
 from mxrl.runs import RunRecord  # noqa: E402
 from mxrl.runs.yamlio import load_yaml  # noqa: E402
+from mxrl.weights.event import SqnrSample  # noqa: E402
 from mxrl.weights.record import value_nbytes  # noqa: E402
 
 PRESET_DIR = REPO_ROOT / "mxrl" / "recipe" / "presets"
@@ -140,6 +149,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
                          "sync_s": metrics["time/sync_s"], "step_s": wall,
                          "response_len": metrics["response_len/mean"]})  # fmt: skip
         print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
+    if args.profile_sync:
+        profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
     row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
     # every timed step's seconds per stage: the spread between steps, beside the median
     row["per_step"] = {k: [r[k] for r in rows] for k in STAGES}
@@ -158,6 +169,16 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return row
+
+
+def loop_sync(trainer: GRPOTrainer) -> None:
+    """The sync of `train_step` (its export with the loop's sampled SQNR, the engine's verified
+    update, the digest) once more, as the next step's (the engine takes only later steps): for
+    --profile-sync, after the timed steps."""
+    step = trainer.step = trainer.step + 1
+    sample = SqnrSample.at_step(step, trainer.cfg.sqnr_expert_stride)
+    trainer.rollout.update(trainer.actor.export(step, sqnr=sample))
+    trainer.rollout.digest()
 
 
 def memory_sizes(path: Path, model, cfg: GRPOConfig, plan, args) -> dict:
@@ -247,6 +268,8 @@ def parse_args(argv):
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
+    ap.add_argument("--profile-sync", action="store_true",
+                    help="after the steps, one more of the loop's syncs profiled (printed)")  # fmt: skip
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
     ap.add_argument("--section", default="rl_step", help="the results section written")
     ap.add_argument("--plot", metavar="PNG", help="draw --out's rl_step section there; no run")

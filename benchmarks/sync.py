@@ -44,7 +44,14 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO_ROOT, copy_bandwidth, ensure_repo_on_path, environment, update_results
+from common import (
+    REPO_ROOT,
+    copy_bandwidth,
+    ensure_repo_on_path,
+    environment,
+    profile_call,
+    update_results,
+)
 from engine_decode import (
     QWEN3_30B_A3B_LAYER,
     check_device,
@@ -175,26 +182,6 @@ def breakdown(model, engine: Engine, device, repeats: int) -> dict:
     }
 
 
-def profile_sync(fn, device: torch.device, label: str) -> None:
-    """--profile: one sync under torch.profiler; its wall time, the device's busy time (kernels
-    and copies) and the kernels that took it, printed."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        wall = time.perf_counter() - t0
-    events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
-    print(
-        f"  profile {label}: wall {wall * 1e3:.1f} ms (profiled), device busy {busy * 1e3:.1f} ms"
-    )
-    print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
-
-
 def shares(stages: dict, transfer_s: float) -> dict:
     parts = {
         "quantize": stages["quantize_s"],
@@ -282,7 +269,7 @@ def in_process(args, device: torch.device) -> dict:
             preset, engine, seconds, seconds_sqnr, stages, 0.0, peak, bandwidth["gbps"], args
         )
         if args.profile and device.type == "cuda":
-            profile_sync(lambda o=once, s=sample: o(s), device, preset)
+            profile_call(lambda o=once, s=sample: o(s), device, f"sync {preset}")
         row["sync_with_sampled_sqnr_s"] = seconds_sampled
         row["sampled_sqnr_share"] = 1.0 - seconds / seconds_sampled
         rows.append(row)
