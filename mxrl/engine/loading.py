@@ -94,7 +94,7 @@ class WeightLoading:
             return None
         module, attr = self._target(name)
         if isinstance(module, RolloutLinear) and attr == "weight":
-            held = {k: getattr(module, k) for k in ("qweight", "wq", "weight")}
+            held = {k: getattr(module, k) for k in ("w", "weight")}
         elif isinstance(module, RolloutExperts):
             held = module.values[_EXPERT_ROLE[attr]]
         else:

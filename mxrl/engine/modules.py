@@ -92,11 +92,13 @@ def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> 
     return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
 
 
-def emulated_weight(q: QTensor, backend: Backend) -> QWeight:
-    """A received weight for the emulated GEMM (`emulated_matmul`): its fp32 LP and DEQ
-    operands derived once, held until the next load copies into them (captured graphs read
-    those buffers)."""
-    return QWeight.from_qtensor(q, backend=backend).hold(Form.LP, Form.DEQ, dtype=torch.float32)
+def received_weight(q: QTensor, packed: bool, backend: Backend) -> QWeight:
+    """A received weight as the engine holds it: `packed` (the low-bit or block-FP8 GEMM reads
+    the QTensor itself), nothing derived; else, for the emulated GEMM (`emulated_matmul`), its
+    fp32 LP and DEQ operands derived once, held until the next load copies into them
+    (captured graphs read those buffers)."""
+    w = QWeight.from_qtensor(q, backend=backend)
+    return w if packed else w.hold(Form.LP, Form.DEQ, dtype=torch.float32)
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -140,8 +142,10 @@ def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
 
 
 class RolloutLinear(nn.Module):
-    """A projection holding what the engine received: a QTensor (plus the materialised GEMM
-    operand) or a high-precision weight; the same emulated GEMM as the trainer's QLinear."""
+    """A projection holding what the engine received: a quantized weight (`w`, a QWeight: the
+    QTensor, plus its fp32 operands where the GEMM is emulated) or a high-precision weight;
+    the same emulated GEMM as the trainer's QLinear. Which GEMM runs is decided once, by the
+    spec and the backend (`packed`)."""
 
     def __init__(
         self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend, tile: int
@@ -151,21 +155,20 @@ class RolloutLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.backend = backend
         self.tile = tile
-        self.qweight: QTensor | None = None
-        self.wq: QWeight | None = None
+        # the low-bit GEMM (or block FP8's) reads the packed QTensor; other formats' QWeights
+        # hold their fp32 operands for the emulated GEMM
+        self.packed = uses_low_bit_gemm(spec, backend) or uses_fp8_block_gemm(spec, backend)
+        self.w: QWeight | None = None
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
     def materialize(self, value: QTensor | torch.Tensor) -> dict:
-        """What `install` will set, computed without touching the module (staging). A weight
-        for the low-bit GEMM stays packed (wq None); others get their dequantized operand."""
+        """What `install` will set, computed without touching the module (staging): a QTensor's
+        QWeight (nothing derived where the GEMM reads it packed), or the weight in the compute
+        dtype."""
         if isinstance(value, QTensor):
-            packed = uses_low_bit_gemm(self.spec, self.backend) or uses_fp8_block_gemm(
-                self.spec, self.backend
-            )
-            wq = None if packed else emulated_weight(value, self.backend)
-            return {"qweight": value, "wq": wq, "weight": None}
-        return {"qweight": None, "wq": None, "weight": value.to(self.compute_dtype)}
+            return {"w": received_weight(value, self.packed, self.backend), "weight": None}
+        return {"w": None, "weight": value.to(self.compute_dtype)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -175,13 +178,13 @@ class RolloutLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [tile, K] -> [tile, N] in x's dtype."""
-        if self.qweight is not None and self.wq is None:
+        if self.w is not None and self.packed:
             xq = quantize_activation(x, self.spec, self.backend)
             if self.spec.format is Format.FP8_BLOCK:
                 return self._fp8_block(xq, x)
-            return low_bit_matmul(xq, self.qweight, out_dtype=x.dtype, backend=self.backend)
-        if self.wq is not None:
-            return emulated_matmul(x.float(), self.wq, self.spec, self.backend)[0].to(x.dtype)
+            return low_bit_matmul(xq, self.w.q, out_dtype=x.dtype, backend=self.backend)
+        if self.w is not None:
+            return emulated_matmul(x.float(), self.w, self.spec, self.backend)[0].to(x.dtype)
         assert self.weight is not None, f"{self.spec.name}: no weights loaded"
         return F.linear(x, self.weight)
 
@@ -192,8 +195,8 @@ class RolloutLinear(nn.Module):
         rows of the tile in group 0 (offsets [0, rows] built on the device). On the H200 at a
         128-row tile: 10-16 us per attention projection against 46-87 us for the one-group
         Triton launch and 20-65 us for the fp32 GEMM on the dequantized weight."""
-        w = self.qweight
-        assert w is not None
+        assert self.w is not None
+        w = self.w.q
         dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         n, k = w.shape
         if x.is_cuda and n % 128 == 0 and k % 128 == 0:
@@ -267,7 +270,7 @@ class RolloutExperts(nn.Module):
         self.specs = specs
         self.compute_dtype = dtype
         self.tile = tile
-        self.values: dict[str, QTensor | QWeight | torch.Tensor | None] = dict.fromkeys(specs)
+        self.values: dict[str, QWeight | torch.Tensor | None] = dict.fromkeys(specs)
         # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
         # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
         self.grouped = all(
@@ -297,8 +300,7 @@ class RolloutExperts(nn.Module):
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
-            packed = self.grouped or self.grouped_fp8
-            return value if packed else emulated_weight(value, self.backend)
+            return received_weight(value, self.grouped or self.grouped_fp8, self.backend)
         return value.to(self.compute_dtype)
 
     def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -349,8 +351,9 @@ class RolloutExperts(nn.Module):
         return self._configs[which]
 
     def _grouped(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        wq = self.values[which]
-        assert isinstance(wq, QTensor), f"{self.specs[which].name}: no weights loaded"
+        w = self.values[which]
+        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
+        wq = w.q
         xq = quantize_activation(x, self.specs[which], self.backend)
         return grouped_low_bit_matmul(
             xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
@@ -361,10 +364,10 @@ class RolloutExperts(nn.Module):
     ) -> torch.Tensor:
         """block-FP8 experts: x [rows sorted by expert, K] quantized 1x128 (the trainer's
         quantizer), one grouped launch; a fixed tile (batch invariance)."""
-        wq = self.values[which]
-        assert isinstance(wq, QTensor), f"{self.specs[which].name}: no weights loaded"
+        w = self.values[which]
+        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
         xq = quantize_activation(x, self.specs[which], self.backend)
-        return grouped_fp8_block_matmul(xq, wq, offsets, out_dtype=x.dtype)
+        return grouped_fp8_block_matmul(xq, w.q, offsets, out_dtype=x.dtype)
 
     def _grouped_mm(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """bf16 experts: x [rows sorted by expert, K] through torch._grouped_mm (one launch)."""

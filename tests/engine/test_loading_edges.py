@@ -137,9 +137,9 @@ def test_a_first_load_installs_every_tensor_where_the_forward_reads_it():
     bias = host.net.model.layers[1].mlp.gate.e_score_correction_bias
     assert bias.dtype == torch.float32 and torch.equal(bias, torch.ones(4))
     q = host.net.model.layers[1].self_attn.q_proj
-    assert q.qweight is host.weights[Q] and q.weight is None
+    assert q.w.q is host.weights[Q] and q.weight is None
     assert torch.equal(
-        q.wq.operand(Form.LP, torch.float32), torch.ones(32, 32)
+        q.w.operand(Form.LP, torch.float32), torch.ones(32, 32)
     )  # E4M3 0x38 = 1.0 times E8M0 127 = 1
     assert host.net.lm_head.weight == "untied"
     assert host.weights[EMBED].dtype == torch.bfloat16  # the record's value, as received
@@ -185,7 +185,7 @@ def test_a_reload_copies_into_the_held_buffers():
         host.net.model.layers[1].self_attn.q_proj,
         host.net.model.layers[1].mlp.experts,
     )
-    for wq in (q_proj.wq, experts.values["gate_up"], experts.values["down"]):
+    for wq in (q_proj.w, experts.values["gate_up"], experts.values["down"]):
         lp = wq.operand(Form.LP, torch.float32)
         assert torch.equal(lp, torch.full(lp.shape, 2.25))
 

@@ -16,6 +16,7 @@ from mxrl.engine.modules import (
     uses_low_bit_gemm,
 )
 from mxrl.formats import QTensor
+from mxrl.nn.weight import QWeight
 from tests.engine.test_engine import PROMPTS, tiny
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
@@ -25,16 +26,21 @@ def _greedy(n: int, tokens: int = 3) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_new_tokens=tokens) for _ in range(n)]
 
 
+def held_packed(w) -> bool:
+    """A received weight held as its codes and scales alone: a QWeight with no derived operand."""
+    return isinstance(w, QWeight) and isinstance(w.q, QTensor) and not w.held
+
+
 def packed_modules(engine: Engine) -> tuple[int, int]:
     """(dense projections held packed, expert blocks run grouped); asserts no packed weight
     also carries a dequantized copy."""
     dense = grouped = 0
     for module in engine.net.modules():
         if isinstance(module, RolloutLinear) and uses_low_bit_gemm(module.spec, engine.backend):
-            assert module.wq is None and isinstance(module.qweight, QTensor), module.spec.name
+            assert module.packed and held_packed(module.w), module.spec.name
             dense += 1
         elif isinstance(module, RolloutExperts) and module.grouped:
-            assert all(isinstance(v, QTensor) for v in module.values.values())
+            assert all(held_packed(v) for v in module.values.values())
             grouped += 1
     return dense, grouped
 
@@ -90,12 +96,12 @@ def test_block_fp8_experts_run_grouped_and_packed():
         ]  # fmt: skip
         assert len(dense) == 12  # q, k, v, o of the 3 fp8 layers
         if backend == "triton":
-            assert all(isinstance(v, QTensor) for m in fp8 for v in m.values.values())
+            assert all(held_packed(v) for m in fp8 for v in m.values.values())
             # the dense projections too: codes and scales held, no dequantized operand
             assert all(uses_fp8_block_gemm(m.spec, engine.backend) for m in dense)
-            assert all(m.wq is None and isinstance(m.qweight, QTensor) for m in dense)
+            assert all(m.packed and held_packed(m.w) for m in dense)
         else:
-            assert all(m.wq is not None for m in dense)
+            assert all(not m.packed and m.w is not None and m.w.held for m in dense)
         outs[backend] = engine.generate(PROMPTS, _greedy(len(PROMPTS)))
     for ref, tri in zip(outs["reference"], outs["triton"], strict=True):
         assert tri.tokens == ref.tokens
