@@ -156,8 +156,8 @@ def test_colocated_run_trains_on_both_ranks_and_stays_close_to_single_process(ru
 def test_a_runs_policy_leaves_as_the_engine_held_it(runs, tmp_path, capsys):
     """`mxrl convert --model runs/<id>` on the single-process run (.pt) and the colocated one
     (DCP, written by two FSDP2 ranks): each export's digest is the one the run's engine
-    recorded after the last step, checked before the folder is in place; the two runs trained
-    bit for bit alike, so their served files are the same bytes."""
+    recorded after the last step, checked before the folder is in place; the split run trained
+    bit for bit as the single one, so their served files are the same bytes."""
     from mxrl.cli import main
 
     files = {}
@@ -170,7 +170,14 @@ def test_a_runs_policy_leaves_as_the_engine_held_it(runs, tmp_path, capsys):
         assert ("DCP folder" in text) == (run != "single")
         files[run] = (out / "model.safetensors").read_bytes()
     assert files["split"] == files["single"]
-    assert files["colocated"] != files["single"]  # a different run (two ranks' batches)
+    # the colocated run sums its ranks' halves of the batch in another order: whether that
+    # rounding moves a served byte (a bf16 rounding or a quantized code) depends on the CPU, so
+    # its file is the single run's exactly when its engine recorded the same digest
+    last = {run: _syncs(RunRecord.open(runs / run))[-1][3] for run in ("single", "colocated")}
+    assert (files["colocated"] == files["single"]) == (last["colocated"] == last["single"])
+    # not vacuous: the served bytes changed over each run, so a file shows which step it holds
+    for run in ("single", "colocated"):
+        assert len({s[3] for s in _syncs(RunRecord.open(runs / run))}) > 1, run
 
 
 def _evals(record: RunRecord) -> dict[int, float]:
