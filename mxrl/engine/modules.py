@@ -51,7 +51,7 @@ from mxrl.kernels.rowwise import (
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.models.mla import GroupLimitedRouting, SigmoidRouter
 from mxrl.nn import invariant
-from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.experts import GroupedExperts, moe_loop
 from mxrl.nn.operands import Form
 from mxrl.nn.qmatmul import emulated_matmul
 from mxrl.nn.weight import QWeight
@@ -322,21 +322,11 @@ class RolloutExperts(nn.Module):
             return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_mm)
         if self.grouped_fp8:
             return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_fp8_block)
-        k = ids_Tk.shape[1]
-        flat = ids_Tk.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token_of = order // k
-        w = weights_Tk.reshape(-1)[order]
-        out = torch.zeros_like(x_TH)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                idx = token_of[start : start + n]
-                h = tiled(lambda t, e=e: self._expert(e, t), x_TH[idx], self.tile)
-                out.index_add_(0, idx, h * w[start : start + n, None].to(h.dtype))
-                start += n
-        return out
+        return moe_loop(x_TH, ids_Tk, weights_Tk, self.num_experts, self._tiled_expert)
+
+    def _tiled_expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens in fixed tiles (its GEMM shapes never depend on the batch)."""
+        return tiled(lambda t: self._expert(e, t), x_nH, self.tile)
 
     # --- packed experts: grouped low-bit GEMMs ------------------------------------------------
 

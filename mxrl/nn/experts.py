@@ -14,6 +14,8 @@ default on CUDA sm_90+) both projections run as grouped GEMMs instead (`mxrl.nn.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,37 @@ from mxrl.nn.grouped import GroupedLinear, grouped_experts_forward, grouped_supp
 # The two expert projections by role (the keys QExperts and the engine keep their specs under)
 # and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.
 EXPERT_PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
+
+
+def moe_loop(
+    x_TH: torch.Tensor,
+    ids_Tk: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The routed experts' loop form, the trainer's reference and the engine's emulated path
+    alike: the T*k assignments sorted by expert (stable: token order within an expert), each
+    expert run once on its tokens (`expert(e, x_nH) -> h_nH`), its outputs times their routing
+    weights (rounded to the output's dtype) added back with `index_add_` in ascending expert
+    order. One host read (the per-expert counts)."""
+    k = ids_Tk.shape[1]
+    flat_ids = ids_Tk.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    token_of = order // k  # which token each sorted assignment belongs to
+    weights = weights_Tk.reshape(-1)[order]
+    out = torch.zeros_like(x_TH)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        idx = token_of[start : start + n]
+        h = expert(e, x_TH[idx])
+        h = h * weights[start : start + n, None].to(h.dtype)
+        out.index_add_(0, idx, h.to(out.dtype))
+        start += n
+    return out
 
 
 class GroupedExperts(nn.Module):
@@ -60,25 +93,11 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         if self.uses_grouped_gemm(x_TH.device):
             return grouped_experts_forward(self, x_TH, topk_ids_Tk, topk_weights_Tk)
-        k = topk_ids_Tk.shape[1]
-        flat_ids = topk_ids_Tk.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        token_of = order // k  # which token each sorted assignment belongs to
-        weights = topk_weights_Tk.reshape(-1)[order]
-        out = torch.zeros_like(x_TH)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            idx = token_of[start : start + n]
-            x_e = x_TH[idx]
-            gate, up = self._gate_up(e, x_e).chunk(2, dim=-1)
-            h = self._down(e, invariant.silu_mul(gate, up))
-            h = h * weights[start : start + n, None].to(h.dtype)
-            out.index_add_(0, idx, h.to(out.dtype))
-            start += n
-        return out
+        return moe_loop(x_TH, topk_ids_Tk, topk_weights_Tk, self.num_experts, self._expert)
+
+    def _expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        gate, up = self._gate_up(e, x_nH).chunk(2, dim=-1)
+        return self._down(e, invariant.silu_mul(gate, up))
 
     def uses_grouped_gemm(self, device: torch.device) -> bool:
         """Whether forward runs the grouped GEMMs (TENSOR_CORE and shapes they take)."""
