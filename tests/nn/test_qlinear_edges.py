@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import mxrl.nn.qlinear as qlinear
+import mxrl.nn.weight as weight
 from mxrl.formats import decode_global_scale, quantize
 from mxrl.kernels import Backend, Gemm
 from mxrl.nn import GroupedExperts, QExperts, QLinear
@@ -188,7 +189,7 @@ def test_experts_build_no_block_fp8_column_copy_for_the_grouped_gemms(scaled_mm)
     )
 
 
-def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exactly():
+def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exactly(monkeypatch):
     """The tensor-core path's grouped projections (off CUDA: the product of bf16 operands in
     fp32, a bf16 output), on small integers, exact in bf16 and in MXFP8: each sorted row times
     its expert's weight, the float64 product."""
@@ -197,8 +198,121 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
     q = QExperts.from_experts(experts, dataclasses.replace(gu, format="bf16"), down, "dequantized")
     layout = ExpertLayout.build(torch.tensor([[1], [0], [1], [1]]), 2)  # rows 0 | 1, 2, 3
     x = (torch.arange(4 * 32).reshape(4, 32) % 5 - 2).float()
+    seen = []
+    real = qlinear.GroupedLinear.apply
+
+    class Recorder:  # the grouped GEMM's arguments, then the real GEMM
+        @staticmethod
+        def apply(*args):
+            seen.append(args[3:])
+            return real(*args)
+
+    monkeypatch.setattr(qlinear, "GroupedLinear", Recorder)
     for which, param in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
         w = param.detach().double()
         want = torch.cat([x[:1].double() @ w[0].t(), x[1:].double() @ w[1].t()])
         y = q._grouped_proj(which, x, layout)
         assert_bytes_equal(y.detach(), want.to(torch.bfloat16), which)
+    # gate_up in bf16 went to GroupedExperts' own GEMM; down read the tensor-core path's cached
+    # weight (nothing derived held) with the layer's spec, mode and backend
+    assert len(seen) == 1
+    tw, s, mode, backend = seen[0]
+    assert tw is q.qweight("down", Gemm.TENSOR_CORE) and tw.held == {}
+    assert s is down and mode is Backward.DEQUANTIZED and backend is q.backend
+
+
+def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backend(monkeypatch):
+    """One build per projection and path (a cache keyed by the path: the reference's holds fp32
+    operands, the tensor core's none), shared by every expert's GEMM; each GEMM is given the
+    layer's spec, mode and backend."""
+    experts = _int_experts()
+    specs = _expert_specs("mxfp8", e=2, h=32, i=32)
+    q = QExperts.from_experts(experts, *specs, "dequantized")
+    builds, gemms = [], []
+    real_build, real_apply = qlinear.path_weight, qlinear.QMatmul.apply
+
+    def build(gemm, *args, **kwargs):
+        builds.append(gemm)
+        return real_build(gemm, *args, **kwargs)
+
+    class Recorder:  # the reference GEMM's arguments, then the real GEMM
+        @staticmethod
+        def apply(*args):
+            gemms.append(args[3:])
+            return real_apply(*args)
+
+    monkeypatch.setattr(qlinear, "path_weight", build)
+    monkeypatch.setattr(qlinear, "QMatmul", Recorder)
+    x = (torch.arange(3 * 32).reshape(3, 32) % 5 - 2).float()
+    for e in range(2):
+        q._down(e, x)
+    ref = q.qweight("down", Gemm.REFERENCE)
+    assert builds == [Gemm.REFERENCE]  # built once for both experts, then cached
+    assert sorted(ref.held) == [f"deq:{F32}", f"lp:{F32}"]
+    assert gemms == [(specs[1], Backward.DEQUANTIZED, q.backend)] * 2
+    tc = q.qweight("down", Gemm.TENSOR_CORE)  # the other path: its own build, nothing held
+    assert tc is not ref and tc.held == {} and builds == [Gemm.REFERENCE, Gemm.TENSOR_CORE]
+
+
+def test_experts_without_a_gemm_choice_take_the_devices():
+    experts = _int_experts()
+    del experts.gemm_choice  # an experts module from before the choice existed
+    q = QExperts.from_experts(experts, *_expert_specs("mxfp8", e=2, h=32, i=32), "dequantized")
+    assert q.gemm_choice is None
+
+
+def test_a_qlinear_resolves_its_gemm_for_the_inputs_device(monkeypatch):
+    """Without a choice the GEMM path is the input's device's default (tensor cores on CUDA,
+    the reference on the CPU), not the process's default device's: a stand-in records what
+    it is asked."""
+    asked = []
+    real = qlinear.resolved_gemm
+
+    def stand_in(choice, device):
+        asked.append((choice, device))
+        return real(choice, device)
+
+    monkeypatch.setattr(qlinear, "resolved_gemm", stand_in)
+    q = QLinear(32, 16, False, spec("mxfp8", shape=(16, 32)), "dequantized")
+    x = torch.ones(2, 32)
+    q(x)
+    q.gemm_choice = Gemm.TENSOR_CORE
+    q(x)
+    assert asked == [(None, x.device), (Gemm.TENSOR_CORE, x.device)]
+
+
+def test_a_qlinear_is_built_on_the_device_and_dtype_asked_with_or_without_a_bias():
+    s = spec("mxfp8", shape=(16, 32))
+    meta = QLinear(32, 16, True, s, "dequantized", device="meta", dtype=torch.bfloat16)
+    assert meta.weight.device.type == "meta" and meta.bias.device.type == "meta"
+    assert meta.weight.dtype == torch.bfloat16 and meta.bias.dtype == torch.bfloat16
+    assert QLinear(32, 16, False, s, "dequantized").bias is None
+
+
+def test_from_linear_takes_the_linears_parameters_and_draws_no_random_numbers():
+    """The swap reuses the Parameters (built on the meta device, nothing initialised): the
+    global generator is where it was, so a seeded run draws the same numbers after a swap."""
+    lin = nn.Linear(32, 16, bias=False)
+    torch.manual_seed(7)
+    q = QLinear.from_linear(lin, spec("mxfp8", shape=(16, 32)), "dequantized", Backend.TRITON)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
+    assert q.weight is lin.weight and q.bias is None and q.backend is Backend.TRITON
+
+
+def test_path_weight_builds_on_the_layers_backend(monkeypatch):
+    """The QWeight keeps the backend its bf16 operands and column copy are written on; the
+    quantizer is a stand-in that records it and runs the reference (TRITON needs CUDA)."""
+    seen = []
+    real = weight.kernel_quantize
+
+    def stand_in(t, fmt, *, backend=None, **kw):
+        seen.append(backend)
+        return real(t, fmt, backend=Backend.REFERENCE, **kw)
+
+    monkeypatch.setattr(weight, "kernel_quantize", stand_in)
+    w, s = _w((64, 32)), spec("mxfp8", shape=(64, 32))
+    tw = path_weight(Gemm.TENSOR_CORE, w, s, None, Backward.QUANTIZED, Backend.TRITON)
+    assert tw.backend is Backend.TRITON and tw.col() is not None
+    assert seen == [Backend.TRITON, Backend.TRITON]  # the row-wise copy, then the column copy

@@ -57,6 +57,21 @@ def test_every_kernel_call_runs_on_the_weights_backend(monkeypatch):
     assert_bytes_equal(col, dequantize(quantize(w, "mxfp8", axis=0)), "col")
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_weight_from_the_contract_bytes_has_no_column_copy_and_keeps_its_backend(fmt):
+    """The rollout engine's weights: the bytes as given, their decode scale, the backend its
+    bf16 operands are written on, nothing held and no column-wise source."""
+    q = quantize(_w(), fmt)
+    qw = QWeight.from_qtensor(q, backend=Backend.TRITON)
+    assert qw.q is q and qw.backend is Backend.TRITON
+    assert qw.held == {} and qw.col() is None
+    want = decode_global_scale(q)
+    assert (qw.s_dec is None) == (want is None)
+    if want is not None:
+        assert_bytes_equal(qw.s_dec, want, "s_dec")
+    assert QWeight.from_qtensor(q).backend is Backend.REFERENCE
+
+
 def test_the_column_copy_is_refused_after_an_in_place_write_and_made_before_one():
     w = _w()
     s = spec("mxfp8", shape=(64, 32))
@@ -92,7 +107,9 @@ def test_hold_derives_col_without_keeping_it_unless_col_had_made_it():
     made.hold(Form.COL, dtype=BF16)  # col had made it: the held QTensor, not a new one
     assert len(calls) == 2 and set(made.held) == {"col", "col:torch.bfloat16"}
     bare = QWeight(quantize(w, "mxfp8"))
-    with pytest.raises(AssertionError, match="column-wise"):
+    with pytest.raises(
+        AssertionError, match=r"^quantized backward needs the column-wise weight copy$"
+    ):
         bare.hold(Form.COL, dtype=F32)
 
 
@@ -138,6 +155,9 @@ def test_an_expert_views_its_bytes_its_global_scale_and_a_made_column_copy():
         assert_bytes_equal(one.s_dec, want, f"s_dec {e}")
         assert_bytes_equal(one.q.global_scale, nv.global_scale[e], f"global scale {e}")
         assert_bytes_equal(one.operand(Form.DEQ, F32), dequantize(nv)[e], f"deq {e}")
+    # no column-wise source: an expert has none either; each keeps the weight's backend
+    bare = QWeight(quantize(w3, "mxfp8"), backend=Backend.TRITON)
+    assert bare.for_expert(2).col() is None and bare.for_expert(2).backend is Backend.TRITON
     # one global scale for all experts ([]): each expert keeps it as it is
     flat = QWeight(quantize(w3, "nvfp4"))
     assert flat.for_expert(1).s_dec is flat.s_dec
