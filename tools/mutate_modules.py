@@ -225,6 +225,29 @@ MODULES = {
          "tests/recipe/test_resolve.py", "tests/recipe/test_plan_edges.py",
          "tests/recipe/test_resolver_edges.py"),
     ),
+    # the reference quantized GEMM (the forward's emulated GEMM, the three backward modes'
+    # operands through the table of operands.py, the column-wise copies' zero padding): the
+    # reference path's own test files; the tensor-core and grouped paths (fast.py, grouped.py)
+    # need CUDA or Triton for what they add and are not mutated here
+    "nn.qmatmul": Module(
+        ("mxrl/nn/qmatmul.py", "mxrl/nn/operands.py"),
+        ("tests/nn/test_qmatmul.py", "tests/nn/test_operands.py",
+         "tests/nn/test_fp8_block_backward.py", "tests/nn/test_qmatmul_edges.py"),
+    ),
+    # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
+    # per-step cache and the layers that build it per GEMM path (path_weight, QLinear, QExperts);
+    # node ids: test_fast.py's CPU tests of the held bytes, the column copy's refusal and the
+    # grouped projections, not its tiny-model training runs (40 s each on two shared cores);
+    # not test_apply_plan.py (tiny-model runs, 30-90 s each per preset)
+    "nn.weight": Module(
+        ("mxrl/nn/weight.py", "mxrl/nn/qlinear.py"),
+        ("tests/nn/test_qweight.py", "tests/nn/test_weight_cache.py", "tests/nn/test_qmatmul.py",
+         "tests/nn/test_fast.py::test_cached_weight_keeps_only_the_packed_bytes",
+         "tests/nn/test_fast.py::test_column_copy_is_built_by_the_backward_and_refused_after_an_optimizer_step",
+         "tests/nn/test_fast.py::test_an_optimizer_stepping_inside_the_backward_is_not_refused",
+         "tests/nn/test_fast.py::test_grouped_projection_matches_the_loop_within_the_bound",
+         "tests/nn/test_weight_edges.py", "tests/nn/test_qlinear_edges.py"),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
 }  # fmt: skip
