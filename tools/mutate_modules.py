@@ -137,6 +137,15 @@ MODULES = {
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
+    # the export from FSDP2 shards and the DCP checkpoints, in one process: every rank a thread
+    # and the DTensor stood in for (tests/parallel/fake_ranks.py), DCP on a one-rank gloo group;
+    # not test_export.py's and test_train.py's torchrun runs (spawned ranks, which mutmut's
+    # per-function test selection cannot see; a minute each on two shared cores)
+    "parallel.export": Module(
+        ("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
+        ("tests/parallel/test_export_edges.py", "tests/parallel/test_export_refusals.py",
+         "tests/parallel/test_dcp_edges.py"),
+    ),
     "rl": Module(
         ("mxrl/rl/grpo.py", "mxrl/rl/mismatch.py", "mxrl/rl/stability.py", "mxrl/rl/logprobs.py"),
         ("tests/rl",),

@@ -1,0 +1,223 @@
+"""The edges of mxrl/parallel/export.py inside one process: every rank a thread, FSDP2's DTensor
+stood in for (tests/parallel/fake_ranks.py), so that mutmut's per-function test selection sees
+the export (test_export.py's torchrun ranks it cannot).
+
+Uneven shards throughout: 7 rows over 3 ranks are 3, 3 and 1 rows; 5 rows are 2, 2, 1; 4 rows
+would leave rank 2 nothing (gathered whole instead). Each rank's records are held byte for byte
+to a single-process export of the whole tensors (`export_weights`, another code path: no shard,
+no collective), and each collective's size to the padded chunk worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.parallel import export as sharded
+from mxrl.recipe import resolve
+from mxrl.weights import export_weights
+from mxrl.weights.event import SqnrSample
+from tests.parallel.export_cases import (
+    EXPERTS,
+    PLAN,
+    RECIPE,
+    K,
+    assert_same_bytes,
+    exported,
+    masters,
+    on_ranks,
+    single,
+    use,
+)
+from tests.parallel.fake_ranks import (
+    BY_COLUMN,
+    GROUP,
+    REPLICATED,
+    TWO_D,
+    FakeCollectives,
+    Model,
+    shard_all,
+)
+
+
+def test_gathered_rows_of_uneven_shards_are_the_whole_tensor_in_order(fake):
+    whole = torch.arange(14, dtype=torch.int16).reshape(7, 2)  # 3, 3, 1 rows
+
+    def body(rank):
+        return sharded._gather_rows(whole[3 * rank : 3 * rank + 3], 7, 3, GROUP)
+
+    for got in on_ranks(fake, body).values():
+        assert got.dtype == torch.int16 and got.tolist() == [[2 * i, 2 * i + 1] for i in range(7)]
+    # each rank sends its rows padded to 3 rows of 4 bytes (the last rank's 1 row too)
+    assert [fake.ops(r) for r in (0, 1, 2)] == [[("gather", 12)]] * 3
+
+
+def test_gathered_rows_keep_trailing_dims_and_float_bits(fake):
+    whole = torch.tensor([-0.0, 1.5, float("inf"), 3.25, -7.0, 2.0**-140] * 5).reshape(5, 2, 3)
+
+    def body(rank):
+        return sharded._gather_rows(whole[2 * rank : 2 * rank + 2], 5, 3, GROUP)
+
+    for got in on_ranks(fake, body).values():
+        assert got.shape == (5, 2, 3) and got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32), whole.view(torch.int32))  # -0.0, subnormal
+    assert fake.ops(2) == [("gather", 2 * 6 * 4)]  # 2 rows of 6 fp32, rank 2's 1 row padded
+
+
+def test_every_rank_exports_the_single_process_bytes_from_uneven_shards(fake):
+    whole = masters()
+    reference = list(export_weights(whole, PLAN))
+    out = exported(fake, whole, step=4, bucket_bytes=1 << 20)
+    for exp, buckets in out.values():
+        assert_same_bytes([r for b in buckets for r in b.records], reference)
+        assert (exp.num_shard_local, exp.num_gathered) == (9, 1)  # q_proj gathered whole
+        assert [b.step for b in buckets] == [4] and buckets[-1].last
+        assert exp.step == 4 and exp.plan_hash == PLAN.hash() and exp.plan is PLAN
+
+
+# rank 0's collectives, in plan order, worked out by hand (bytes a rank sends, padded chunks)
+RANK0_OPS = [
+    ("reduce", 10),  # one non-finite flag per tensor
+    ("gather", 3 * 32), ("gather", 3 * 1),  # embedding: MXFP8 qdata, E8M0 scales (3 rows)
+    ("gather", 4 * 4), ("gather", 2 * 2 * 4),  # lm_head: 4 rows, 2 rows of 2 fp32 block scales
+    ("reduce", 1), ("gather", 2 * 16), ("gather", 2 * 2),  # k_proj: amax, nibbles, scales
+    # q_proj: gathered whole, no collective of the export's own
+    ("reduce", 1), ("gather", 2 * 16), ("gather", 2 * 2),  # gate (amax with up's)
+    ("reduce", 1), ("gather", 2 * 16), ("gather", 2 * 2),  # up
+    ("gather", 2 * 4), ("gather", 2 * 4 * 16), ("gather", 2 * 4 * 2),  # experts: gs first
+    ("gather", 2 * 32 * 2),  # router, bf16
+    ("reduce", 1), ("gather", 3 * 16), ("gather", 3 * 2),  # o_proj
+    ("gather", 3 * 2),  # norm, bf16, 1-D
+    ("reduce", 3 * 2),  # SQNR: [signal, noise] of layer.0, layer.1, other
+]  # fmt: skip
+
+
+def test_each_collective_sends_the_padded_chunk_worked_out_by_hand(fake):
+    exported(fake, masters())
+    assert fake.ops(0) == fake.ops(1) == fake.ops(2) == RANK0_OPS
+
+
+def test_the_sqnr_is_the_single_process_exports_summed_over_shards(fake):
+    whole = masters()
+    want = single(whole)[1].sqnr_db
+    for exp, _ in exported(fake, whole).values():
+        assert exp.event.sqnr_db.keys() == want.keys() == {"layer.0", "layer.1", "other"}
+        for key in want:
+            assert exp.event.sqnr_db[key] == pytest.approx(want[key], rel=1e-12)
+
+
+def test_a_sampled_sqnr_measures_the_experts_of_the_whole_stack_not_of_each_shard(fake):
+    """5 experts over stride 2: group 1 is experts 3 and 4 (floor(e * 2 / 5) = 1), held by
+    ranks 1 and 2 from their first expert (2 and 4) on."""
+    whole = masters(3)
+    whole[EXPERTS][:3, :, 0] = 300.0  # experts 0-2: an outlier per row, a far worse SQNR
+    sample = SqnrSample(stride=2, phase=1)
+    want = single(whole, sqnr=sample)[1].sqnr_db
+    assert want["layer.0"] != pytest.approx(single(whole)[1].sqnr_db["layer.0"])
+    for exp, _ in exported(fake, whole, sqnr=sample).values():
+        assert exp.event.sqnr_db["layer.0"] == pytest.approx(want["layer.0"], rel=1e-12)
+
+
+def test_without_sqnr_the_event_has_none_and_no_sum_is_reduced(fake):
+    for exp, buckets in exported(fake, masters(), sqnr=False).values():
+        assert exp.event.sqnr_db == {} and buckets[-1].event is exp.event
+    assert fake.ops(0)[-1] == ("gather", 3 * 2)  # the norm's rows, last: no SQNR reduce
+
+
+def test_the_event_is_there_after_the_last_bucket_and_on_it(fake):
+    def body(rank):
+        model = shard_all(masters(), rank, 3)
+        exp = sharded.sharded_export(model, PLAN, GROUP, step=9, bucket_bytes=300)
+        with pytest.raises(RuntimeError, match="last bucket first"):
+            _ = exp.event
+        buckets = list(exp)
+        return exp, buckets
+
+    for exp, buckets in on_ranks(fake, body).values():
+        assert len(buckets) > 1
+        assert buckets[-1].event is exp.event and [b.event for b in buckets[:-1]] == [None] * (
+            len(buckets) - 1
+        )
+
+
+def test_small_buckets_cut_where_the_single_process_export_cuts(fake):
+    whole = masters()
+    want = [[r.name for r in b.records] for b in single(whole, bucket_bytes=300, step=2)[0]]
+    assert len(want) > 3
+    for exp, buckets in exported(fake, whole, bucket_bytes=300, step=2).values():
+        assert [[r.name for r in b.records] for b in buckets] == want
+        assert {b.step for b in buckets} == {2} and exp.event.step == 2
+        assert exp.event.num_tensors == 10 and 0 <= exp.event.seconds < 60
+        with pytest.raises(RuntimeError, match="iterated once"):
+            list(exp.records())
+
+
+def test_records_are_every_buckets_records_in_plan_order(fake):
+    def body(rank):
+        exp = sharded.sharded_export(shard_all(masters(), rank, 3), PLAN, GROUP, bucket_bytes=300)
+        return list(exp.records()), exp.event
+
+    for records, event in on_ranks(fake, body).values():
+        assert_same_bytes(records, list(export_weights(masters(), PLAN)))
+        assert event.num_tensors == 10
+
+
+@pytest.mark.parametrize("how", ["replicated", "two-d mesh", "by column", "plain tensor"])
+def test_tensors_not_sharded_by_rows_over_one_mesh_dim_are_gathered_whole(fake, how):
+    whole = masters()
+    if how == "plain tensor":
+
+        def model(rank):
+            params = shard_all(whole, rank, 3).params
+            return Model({**params, K: whole[K], "model.norm.weight": whole["model.norm.weight"]})
+
+    else:
+        other = {"replicated": REPLICATED, "two-d mesh": TWO_D, "by column": BY_COLUMN}[how]
+
+        def model(rank):
+            return shard_all(whole, rank, 3, {K: other, "model.norm.weight": other})
+
+    def body(rank):
+        exp = sharded.sharded_export(model(rank), PLAN, GROUP)
+        return exp, list(exp.records())
+
+    for exp, records in on_ranks(fake, body).values():
+        assert_same_bytes(records, list(export_weights(whole, PLAN)))
+        assert (exp.num_shard_local, exp.num_gathered) == (7, 3)
+
+
+def test_one_rank_quantizes_every_tensor_whole(monkeypatch):
+    fake = use(monkeypatch, FakeCollectives(ranks=(0,), group=GROUP))
+    whole = masters()
+    (exp, buckets), = exported(fake, whole).values()  # fmt: skip
+    assert_same_bytes([r for b in buckets for r in b.records], list(export_weights(whole, PLAN)))
+    assert (exp.num_shard_local, exp.num_gathered) == (0, 10)
+    # the gathered tensors' SQNR counted on this rank, group rank 0
+    want = single(whole)[1].sqnr_db
+    assert exp.event.sqnr_db == pytest.approx(want, rel=1e-12)
+
+
+def test_block_fp8_shards_by_whole_row_blocks_or_is_gathered(fake):
+    """Block rows 2: 11 rows over 3 ranks are 4, 4, 3 (whole blocks but the last: shard-local),
+    7 rows are 3, 3, 1 (a block cut at rows 3 and 6: gathered); 3 experts, one a rank, shard
+    by expert whatever the block (a 3-D tensor's blocks are within one expert)."""
+    shapes = {
+        "lm_head.weight": (7, 4),
+        "model.layers.0.mlp.experts.down_proj": (3, 4, 2),
+        "model.embed_tokens.weight": (11, 4),
+    }
+    plan = resolve(
+        {**RECIPE, "rules": [
+            {"match": {"kind": "lm_head"}, "format": "fp8_block", "block": [2, 2]},
+            {"match": {"kind": "embedding"}, "format": "fp8_block", "block": [2, 2]},
+            {"match": {"kind": "routed_expert"}, "format": "fp8_block", "block": [2, 2]},
+        ]},
+        shapes,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    whole = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    for exp, buckets in exported(fake, whole, plan).values():
+        records = [r for b in buckets for r in b.records]
+        assert_same_bytes(records, list(export_weights(whole, plan)))
+        assert (exp.num_shard_local, exp.num_gathered) == (2, 1)
+    # the embedding's 6 scale rows: 2 a rank (ceil nests), 2 fp32 each; the experts' 1 a rank
+    assert ("gather", 2 * 2 * 4) in fake.ops(2) and ("gather", 1 * 2 * 1 * 4) in fake.ops(2)
