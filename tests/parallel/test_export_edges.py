@@ -14,15 +14,18 @@ import torch
 
 from mxrl.parallel import export as sharded
 from mxrl.recipe import resolve
-from mxrl.weights import export_weights
+from mxrl.weights import export, export_weights
 from mxrl.weights.event import SqnrSample
 from tests.parallel.export_cases import (
     EXPERTS,
     PLAN,
     RECIPE,
+    SHAPES,
     K,
+    as_bytes,
     assert_same_bytes,
     exported,
+    fields,
     masters,
     on_ranks,
     single,
@@ -221,3 +224,36 @@ def test_block_fp8_shards_by_whole_row_blocks_or_is_gathered(fake):
         assert (exp.num_shard_local, exp.num_gathered) == (2, 1)
     # the embedding's 6 scale rows: 2 a rank (ceil nests), 2 fp32 each; the experts' 1 a rank
     assert ("gather", 2 * 2 * 4) in fake.ops(2) and ("gather", 1 * 2 * 1 * 4) in fake.ops(2)
+
+
+def test_a_layer_whose_quantized_tensors_are_all_gathered_is_summed_from_rank_0_alone(fake):
+    """layer 1's one quantized tensor has 4 rows (2, 2, 0: gathered whole): only rank 0 adds
+    its sums, the other ranks add zeros for the key."""
+    shapes = {**SHAPES, "model.layers.1.self_attn.o_proj.weight": (4, 32)}
+    plan = resolve(RECIPE, shapes)
+    g = torch.Generator().manual_seed(11)
+    whole = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    exp = export(whole, plan)
+    list(exp)
+    want = exp.event.sqnr_db
+    for got, _ in exported(fake, whole, plan).values():
+        assert got.num_gathered == 2 and got.event.sqnr_db.keys() == want.keys()
+        for key in want:
+            assert got.event.sqnr_db[key] == pytest.approx(want[key], rel=1e-12)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_every_collective_and_record_stays_on_the_masters_device(monkeypatch):
+    """The masters on a GPU: the stand-in refuses any collective tensor elsewhere (as NCCL
+    would), and each record holds the CPU export's bytes, on the GPU."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    fake = use(monkeypatch, FakeCollectives(ranks=(0, 1, 2), group=GROUP, device=cuda))
+    whole = masters()
+    reference = {r.name: r for r in export_weights(whole, PLAN)}
+    for exp, buckets in exported(fake, {n: t.to(cuda) for n, t in whole.items()}).values():
+        for record in (r for b in buckets for r in b.records):
+            got, want = fields(record.value), fields(reference[record.name].value)
+            for k in got:
+                assert got[k].device == cuda, (record.name, k)
+                assert torch.equal(as_bytes(got[k]).cpu(), as_bytes(want[k])), (record.name, k)
+        assert (exp.num_shard_local, exp.num_gathered) == (9, 1)

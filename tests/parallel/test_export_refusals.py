@@ -15,6 +15,7 @@ from mxrl.recipe import resolve
 from mxrl.weights import export_weights
 from tests.parallel.export_cases import (
     PLAN,
+    RECIPE,
     SHAPES,
     K,
     Q,
@@ -121,6 +122,14 @@ def test_the_quantizer_runs_on_the_backend_asked_for_but_block_fp8_of_no_kernel_
         ("mxfp8", Backend.TRITON), ("fp8_block", Backend.REFERENCE), ("nvfp4", Backend.TRITON)
     }  # fmt: skip
     assert len(seen) == 3 * 8  # eight quantized tensors on each rank
+    # a block the kernels have (32): the backend asked for
+    seen.clear()
+    recipe = {**RECIPE, "rules": [{"match": {"kind": "lm_head"}, "format": "fp8_block",
+                                   "block": [32, 32]}]}  # fmt: skip
+    plan = resolve(recipe, {"lm_head.weight": (64, 32)})
+    whole = {"lm_head.weight": torch.randn(64, 32, generator=torch.Generator().manual_seed(2))}
+    exported(fake, whole, plan, backend=kernels)
+    assert seen == [("fp8_block", Backend.TRITON)] * 3
 
 
 def test_a_backend_the_device_cannot_run_is_refused(fake, monkeypatch):
