@@ -87,8 +87,9 @@ def use(monkeypatch, fake: FakeCollectives) -> FakeCollectives:
 
 
 def on_ranks(fake, body) -> dict[int, object]:
-    """body(rank) on every rank of `fake`; a rank's exception is raised here."""
-    out = fake.run(**{f"r{r}": (lambda r=r: body(r)) for r in fake.ranks})
+    """body(group rank) on every rank of `fake`, by global rank; a rank's exception is raised
+    here."""
+    out = fake.run(**{f"r{r}": (lambda i=i: body(i)) for i, r in enumerate(fake.ranks)})
     for r in fake.ranks:
         if isinstance(out[r], BaseException):
             raise out[r]

@@ -28,6 +28,14 @@ class FakeCollectives(FakeDist):
 
     ReduceOp = dist.ReduceOp
 
+    def get_rank(self, group=None) -> int:
+        """The rank in `group` (its index in `ranks`); the global rank for None, as
+        torch.distributed."""
+        if group is None:
+            return self.local.rank
+        self._check(group)
+        return self.ranks.index(self.local.rank)
+
     def _swap(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's contribution, in group order (after all have given theirs)."""
         index = self.ranks.index(self.local.rank)

@@ -112,7 +112,7 @@ def test_a_sampled_sqnr_measures_the_experts_of_the_whole_stack_not_of_each_shar
     """5 experts over stride 2: group 1 is experts 3 and 4 (floor(e * 2 / 5) = 1), held by
     ranks 1 and 2 from their first expert (2 and 4) on."""
     whole = masters(3)
-    whole[EXPERTS][:3, :, 0] = 300.0  # experts 0-2: an outlier per row, a far worse SQNR
+    whole[EXPERTS][:3, :, 0] = 300.0  # experts 0-2: an outlier per row, another SQNR
     sample = SqnrSample(stride=2, phase=1)
     want = single(whole, sqnr=sample)[1].sqnr_db
     assert want["layer.0"] != pytest.approx(single(whole)[1].sqnr_db["layer.0"])
@@ -257,3 +257,67 @@ def test_on_a_gpu_every_collective_and_record_stays_on_the_masters_device(monkey
                 assert got[k].device == cuda, (record.name, k)
                 assert torch.equal(as_bytes(got[k]).cpu(), as_bytes(want[k])), (record.name, k)
         assert (exp.num_shard_local, exp.num_gathered) == (9, 1)
+
+
+def test_a_train_group_of_other_global_ranks_exports_by_its_own_ranks(monkeypatch):
+    """Global ranks 4, 5, 6 are the group's 0, 1, 2: group rank 0 alone counts the gathered
+    q_proj's SQNR, and each rank's first expert is its group rank times 2."""
+    fake = use(monkeypatch, FakeCollectives(ranks=(4, 5, 6), group=GROUP))
+    whole = masters(3)
+    whole[EXPERTS][:3, :, 0] = 300.0
+    sample = SqnrSample(stride=2, phase=1)
+    want = single(whole, sqnr=sample)[1].sqnr_db
+    for exp, buckets in exported(fake, whole, sqnr=sample).values():
+        assert_same_bytes(
+            [r for b in buckets for r in b.records], list(export_weights(whole, PLAN))
+        )
+        assert exp.event.sqnr_db == pytest.approx(want, rel=1e-12)
+
+
+def test_a_sampled_expert_is_found_by_its_global_index_on_a_stack_of_other_width(fake):
+    """Stride 5 over 5 experts: one expert a group, phase 2 measures expert 2 alone, rank 1's
+    first (rows 2 and 3 of 5: 5 / 3 rounded up). The stack is 8 wide, so its second dim would
+    give another first expert."""
+    shapes = {EXPERTS: (5, 8, 32)}
+    plan = resolve(RECIPE, shapes)
+    whole = {EXPERTS: torch.randn(5, 8, 32, generator=torch.Generator().manual_seed(4))}
+    whole[EXPERTS][2, :, 0] = 300.0  # expert 2 alone: an outlier per row, another SQNR
+    sample = SqnrSample(stride=5, phase=2)
+    exp = export(whole, plan, sqnr=sample)
+    list(exp)
+    want = exp.event.sqnr_db["layer.0"]
+    exp = export(whole, plan, sqnr=SqnrSample(stride=5, phase=3))
+    list(exp)
+    assert abs(exp.event.sqnr_db["layer.0"] - want) > 10  # expert 3's: far from expert 2's
+    for got, _ in exported(fake, whole, plan, sqnr=sample).values():
+        assert got.event.sqnr_db["layer.0"] == pytest.approx(want, rel=1e-12)
+
+
+def test_masters_on_the_cpu_quantize_on_the_cpu_where_a_gpu_is_present(fake, monkeypatch):
+    """The backend is the masters' device's default, not the machine's (which would be Triton
+    on a GPU): a GPU is made to look present."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    whole = masters()
+    for _, buckets in exported(fake, whole).values():
+        assert_same_bytes(
+            [r for b in buckets for r in b.records], list(export_weights(whole, PLAN))
+        )
+
+
+def test_a_record_of_a_whole_bf16_master_is_a_copy_not_the_master(fake):
+    """A plain tensor (held whole) already in the export's bf16 dtype: the record must not be
+    the master itself, which the next optimizer step changes in place."""
+    whole = masters()
+    norm = whole["model.norm.weight"].to(torch.bfloat16)
+
+    def body(rank):
+        model = shard_all(whole, rank, 3)
+        model.params["model.norm.weight"] = norm
+        records = list(sharded.sharded_export(model, PLAN, GROUP).records())
+        return next(r for r in records if r.name == "model.norm.weight")
+
+    records = on_ranks(fake, body).values()
+    before = norm.clone()
+    norm.add_(1.0)  # the step, after the export
+    for record in records:
+        assert torch.equal(record.value, before)
