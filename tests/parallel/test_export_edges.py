@@ -245,18 +245,25 @@ def test_a_layer_whose_quantized_tensors_are_all_gathered_is_summed_from_rank_0_
 @pytest.mark.gpu
 def test_on_a_gpu_every_collective_and_record_stays_on_the_masters_device(monkeypatch):
     """The masters on a GPU: the stand-in refuses any collective tensor elsewhere (as NCCL
-    would), and each record holds the CPU export's bytes, on the GPU."""
+    would), and each record holds the CPU export's bytes, on the GPU. q_proj's empty shard on
+    rank 2 (a flag not read from a tensor) and layer 1's gathered o_proj (a key ranks 1 and 2
+    add zeros for) are made by the export itself, on the masters' device."""
     cuda = torch.device("cuda", torch.cuda.current_device())
     fake = use(monkeypatch, FakeCollectives(ranks=(0, 1, 2), group=GROUP, device=cuda))
-    whole = masters()
-    reference = {r.name: r for r in export_weights(whole, PLAN)}
-    for exp, buckets in exported(fake, {n: t.to(cuda) for n, t in whole.items()}).values():
+    shapes = {**SHAPES, "model.layers.1.self_attn.o_proj.weight": (4, 32)}
+    plan = resolve(RECIPE, shapes)
+    g = torch.Generator().manual_seed(11)
+    whole = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    reference = {r.name: r for r in export_weights(whole, plan)}
+    on_gpu = {n: t.to(cuda) for n, t in whole.items()}
+    for exp, buckets in exported(fake, on_gpu, plan).values():
         for record in (r for b in buckets for r in b.records):
             got, want = fields(record.value), fields(reference[record.name].value)
             for k in got:
                 assert got[k].device == cuda, (record.name, k)
                 assert torch.equal(as_bytes(got[k]).cpu(), as_bytes(want[k])), (record.name, k)
-        assert (exp.num_shard_local, exp.num_gathered) == (9, 1)
+        assert (exp.num_shard_local, exp.num_gathered) == (8, 2)
+        assert exp.event.sqnr_db.keys() == {"layer.0", "layer.1", "other"}
 
 
 def test_a_train_group_of_other_global_ranks_exports_by_its_own_ranks(monkeypatch):

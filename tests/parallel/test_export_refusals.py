@@ -148,3 +148,17 @@ def test_a_backend_the_device_cannot_run_is_refused(fake, monkeypatch):
 
 def _refuse(device):
     raise ValueError("no triton here")
+
+
+def test_a_non_finite_weight_in_a_one_element_shard_is_refused(fake):
+    """3 elements over 3 ranks: each rank's shard is one value."""
+    plan = resolve("bf16", {"model.norm.weight": (3,)})
+    whole = {"model.norm.weight": torch.tensor([1.0, 2.0, float("nan")])}
+
+    def body(rank):
+        with pytest.raises(ValueError, match=r"refusing to export|non-finite") as e:
+            sharded.sharded_export(shard_all(whole, rank, 3), plan, GROUP)
+        return str(e.value)
+
+    said = on_ranks(fake, body)
+    assert "rank 2's shard" in said[2] and "another rank's shard" in said[0]
