@@ -95,7 +95,8 @@ RANK0_OPS = [
 
 
 def test_each_collective_sends_the_padded_chunk_worked_out_by_hand(fake):
-    exported(fake, masters())
+    for exp, buckets in exported(fake, masters()).values():
+        assert exp.step == 0 and {b.step for b in buckets} == {0}  # the default step
     assert fake.ops(0) == fake.ops(1) == fake.ops(2) == RANK0_OPS
 
 
