@@ -88,7 +88,8 @@ def model_and_optimizer(seed: int):
     return model, opt
 
 
-TRAINER = {"step": 20, "run": Path("runs/a")}  # a Path: only a full unpickler reads it
+# a Path: only a full unpickler reads it; a tensor: read where map_location puts it
+TRAINER = {"step": 20, "run": Path("runs/a"), "mean": torch.tensor([0.25, 0.5])}
 RANK = {"numpy": np.random.RandomState(7).get_state(), "torch": torch.tensor([1, 2])}
 
 
@@ -103,7 +104,9 @@ def test_a_checkpoint_is_written_whole_under_its_step_and_read_back(recorded, tm
     assert recorded.log == [
         "barrier", ("save", folder / "step_000020.tmp", recorded.group), "barrier", "barrier"
     ]  # fmt: skip
-    assert ckpt.trainer_state(path) == TRAINER
+    trainer = ckpt.trainer_state(path)
+    assert trainer.keys() == TRAINER.keys() and trainer["run"] == Path("runs/a")
+    assert trainer["step"] == 20 and torch.equal(trainer["mean"], TRAINER["mean"])
 
     other, other_opt = model_and_optimizer(1)
     recorded.log.clear()
@@ -188,3 +191,17 @@ def test_the_latest_checkpoint_is_the_highest_whole_step(tmp_path):
     (other / "trainer.pt").write_text("")
     assert ckpt.latest(tmp_path, "elsewhere") == other
     assert ckpt.latest(tmp_path / "nothing") is None
+
+
+@pytest.mark.gpu
+def test_states_saved_from_a_gpu_are_read_back_on_the_host(recorded, tmp_path):
+    """An RNG or trainer state holding a CUDA tensor is read onto the CPU (map_location), on a
+    machine with a GPU as without."""
+    model, opt = model_and_optimizer(0)
+    t = torch.arange(3.0, device="cuda")
+    path = ckpt.save(
+        tmp_path, 1, model, opt, recorded.group, trainer_state={"t": t}, rank_state={"t": t}
+    )
+    assert ckpt.trainer_state(path)["t"].device == torch.device("cpu")
+    state = ckpt.load(path, *model_and_optimizer(1), recorded.group)
+    assert state["t"].device == torch.device("cpu") and state["t"].tolist() == [0.0, 1.0, 2.0]
