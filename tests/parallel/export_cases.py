@@ -58,9 +58,9 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def single(whole, **kwargs):
+def single(whole, plan=PLAN, **kwargs):
     """The single-process export of the whole masters, iterated: (its buckets, its event)."""
-    exp = export(whole, PLAN, **kwargs)
+    exp = export(whole, plan, **kwargs)
     buckets = list(exp)
     return buckets, exp.event
 

@@ -22,6 +22,7 @@ from tests.parallel.export_cases import (
     RECIPE,
     SHAPES,
     K,
+    Q,
     as_bytes,
     assert_same_bytes,
     exported,
@@ -329,3 +330,17 @@ def test_a_record_of_a_whole_bf16_master_is_a_copy_not_the_master(fake):
     norm.add_(1.0)  # the step, after the export
     for record in records:
         assert torch.equal(record.value, before)
+
+
+def test_a_plan_whose_quantized_tensors_are_all_gathered_sums_on_rank_0_alone(fake):
+    """q_proj (2, 2, 0 rows: gathered) is the one quantized tensor: ranks 1 and 2 add float64
+    zeros for its key, as rank 0 adds its float64 sums."""
+    shapes = {Q: (4, 32), "model.norm.weight": (7,)}
+    plan = resolve(RECIPE, shapes)
+    g = torch.Generator().manual_seed(12)
+    whole = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    want = single(whole, plan=plan)[1].sqnr_db
+    for exp, _ in exported(fake, whole, plan).values():
+        assert (exp.num_shard_local, exp.num_gathered) == (1, 1)
+        assert exp.event.sqnr_db == pytest.approx(want, rel=1e-12) and list(want) == ["layer.0"]
+    assert fake.ops(1)[-1] == ("reduce", 2)
