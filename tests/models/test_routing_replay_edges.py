@@ -205,3 +205,61 @@ def test_layers_are_recomputed_only_when_checkpointing_in_training_with_gradient
         logits.sum().backward()
     assert layer_calls == [0, 1, 2, 3] + ([3, 2, 1, 0] if recomputed else [])
     assert all(torch.equal(u, f) for u, f in zip(used, forced, strict=True))
+
+
+def test_deepseek_replayed_weights_take_the_tokens_dtype():
+    """The sigmoid router's scores are fp32 whatever the tokens' dtype; the weights are cast
+    back to it."""
+    block = build_model(DEEPSEEK["qlora-grouped-shared1"], seed=0, dtype=torch.bfloat16)
+    block = block.model.layers[1].mlp
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    ids, weights = block.route(x, torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    assert weights.dtype == torch.bfloat16 and ids.tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def positions_seen(model, ids, **kwargs) -> list[list[int]]:
+    """The position ids the rotary embedding is given (a forward pre-hook)."""
+    seen = []
+    hook = model.model.rotary_emb.register_forward_pre_hook(
+        lambda module, args: seen.append(args[0].tolist())
+    )
+    with torch.no_grad():
+        model(ids, **kwargs)
+    hook.remove()
+    return seen[0]
+
+
+def test_default_positions_count_the_real_tokens_of_a_left_padded_row():
+    """RoPE is relative, so logits cannot tell positions shifted by the padding: the positions
+    themselves are held. Row 0 has 2 pad tokens then 3 real ones: 0 0 0 1 2 (pads clamped to
+    0); row 1 has no padding: 0 1 2 3 4."""
+    model = build_model(CONFIGS["qwen3_moe-norm-dense1"], seed=0)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert positions_seen(model, ids, attention_mask=mask) == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+    assert positions_seen(model, ids) == [[0, 1, 2, 3, 4]] * 2
+    given = torch.tensor([[5, 6, 7, 8, 9]])
+    assert positions_seen(model, ids, position_ids=given) == [[5, 6, 7, 8, 9]] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["tiny-moe", "deepseek"])
+def test_on_a_gpu_host_replay_ids_masks_and_default_positions_reach_the_device(config):
+    """A replay list on the host (as a rollout's routing may arrive), a padding mask and the
+    default positions: each taken to the model's GPU, the forced experts used."""
+    cfg = builtin_config("tiny-moe") if config == "tiny-moe" else DEEPSEEK["qlora-grouped-shared1"]
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    model = build_model(cfg, seed=0).to(cuda)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0)).to(cuda)
+    with torch.no_grad():
+        logits, routing = model(ids, return_routing=True)
+        forced = [((r + 1) % 8).cpu() for r in routing]
+        replayed, used = model(ids, return_routing=True, replay_routing=forced)
+        mask = torch.ones(2, 6, dtype=torch.long, device=cuda)
+        mask[0, :2] = 0
+        padded = model(ids, attention_mask=mask)
+    assert all(
+        u.device == cuda and torch.equal(u.cpu(), f) for u, f in zip(used, forced, strict=True)
+    )
+    assert replayed.device == cuda and not torch.equal(replayed, logits)
+    assert padded.device == cuda and torch.isfinite(padded).all()
