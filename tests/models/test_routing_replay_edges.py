@@ -263,3 +263,36 @@ def test_on_a_gpu_host_replay_ids_masks_and_default_positions_reach_the_device(c
     )
     assert replayed.device == cuda and not torch.equal(replayed, logits)
     assert padded.device == cuda and torch.isfinite(padded).all()
+
+
+def test_the_rotary_tables_take_the_hidden_states_dtype():
+    model = build_model(builtin_config("tiny-moe"), seed=0, dtype=torch.bfloat16)
+    seen = []
+    model.model.rotary_emb.register_forward_hook(
+        lambda module, args, out: seen.append([t.dtype for t in out])
+    )
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert seen == [[torch.bfloat16, torch.bfloat16]]
+
+
+def test_a_checkpointed_layer_learns_when_its_input_needs_no_gradient():
+    """A frozen embedding: the first layer's input does not require grad. The layer is still
+    recomputed in the backward and its weights get the gradients of the model without
+    checkpointing, under replay (a reentrant checkpoint would give it none)."""
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for checkpoint in (False, True):
+        model = build_model(builtin_config("tiny-moe"), seed=0)
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.set_training_options(checkpoint_layers=checkpoint)
+        model.train()
+        with torch.no_grad():
+            _, routing = model(ids, return_routing=True)
+        logits = model(ids, replay_routing=[(r + 1) % 8 for r in routing])
+        logits.float().square().mean().backward()
+        grads[checkpoint] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert grads[True][q0] is not None and grads[True].keys() == grads[False].keys()
+    for name, want in grads[False].items():
+        torch.testing.assert_close(grads[True][name], want, rtol=1e-6, atol=1e-9)
