@@ -81,6 +81,23 @@ def test_replayed_weights_take_the_tokens_dtype_and_the_router_learns_through_th
     assert torch.count_nonzero(block.gate.weight.grad[:, 1:]) == 0
 
 
+def test_bf16_replayed_weights_are_the_exact_renormalised_probabilities_rounded_once():
+    """bf16 tokens and gate: the probabilities in fp32 (then renormalised and rounded to bf16
+    once) are the float64 ones of the gate's bf16 logits, rounded once; a softmax in bf16 would
+    round each probability first and the quotient again."""
+    block = qwen_block(norm=True, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    first = torch.randint(0, 8, (64,), generator=g)
+    ids = torch.stack([first, (first + 1 + torch.randint(0, 7, (64,), generator=g)) % 8], -1)
+    with torch.no_grad():
+        p = torch.softmax(block.gate(x).double(), -1).gather(-1, ids)
+        _, weights = block.route(x, ids)
+        _, free = block.route(x)
+    assert torch.equal(weights, (p / p.sum(-1, keepdim=True)).to(torch.bfloat16))
+    assert free.dtype == torch.bfloat16  # free routing's weights too
+
+
 class Stand(RoutedBlock):
     """A block whose route and experts are written out: route records the [T, H] tokens and the
     [T, k] replay it is given; expert output = x * 10 + sum of ids * weights."""
