@@ -17,6 +17,7 @@ import argparse
 import datetime
 import difflib
 import filecmp
+import fnmatch
 import json
 import os
 import shutil
@@ -119,6 +120,7 @@ def _collect(work: Path, module: Module) -> list[Mutant]:
     from mutmut.stats import status_by_exit_code
     from mutmut.utils.file_utils import walk_mutatable_files
 
+    scope = module.mutant_globs()
     mutants = []
     for path in walk_mutatable_files():
         data = SourceFileMutationData(path=path)
@@ -129,6 +131,8 @@ def _collect(work: Path, module: Module) -> list[Mutant]:
         original = cst.parse_module(source)
         mutated_module = diff_apply.read_mutants_module(path)
         for name, code in sorted(data.exit_code_by_key.items(), key=lambda kv: _order(kv[0])):
+            if scope and not any(fnmatch.fnmatchcase(name, glob) for glob in scope):
+                continue  # a function of the file the module leaves out
             function, cls = _function_of(name)
             orig_fn = _find(original, function, cls)
             mutant_fn = _find(mutated_module, name.rpartition(".")[-1], cls)
@@ -225,7 +229,14 @@ def _report(module_name: str, module: Module, mutants: list[Mutant]) -> str:
         "",
         f"`make mutate MODULE={module_name}` (mutmut {MUTMUT_VERSION}) at {commit}, "
         f"{datetime.date.today().isoformat()}. Mutated: {', '.join(f'`{f}`' for f in module.files)}; "
-        f"tests: {', '.join(f'`{t}`' for t in module.tests)}. How to read and refresh this: "
+        f"tests: {', '.join(f'`{t}`' for t in module.tests)}. "
+        + (
+            f"In scope: {', '.join(f'`{f}`' for f in module.functions)} (the other functions of "
+            "the files are not mutated here). "
+            if module.functions
+            else ""
+        )
+        + "How to read and refresh this: "
         "[README.md](README.md).",
         "",
         "| killed (on the GPU tier) | timeout | survived | equivalent | no tests | other | total "
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         _sync(work)
         _configure(work, module)
-        _run_mutmut(work, args.max_children, args.mutant)
+        _run_mutmut(work, args.max_children, args.mutant or module.mutant_globs())
     mutants = _collect(work, module)
     if not mutants:
         print(f"tools/mutate.py: no results in {work}/mutants; run without --report-only")

@@ -10,6 +10,21 @@ from dataclasses import dataclass
 class Module:
     files: tuple[str, ...]  # globs, relative to the repository
     tests: tuple[str, ...]  # pytest paths or node ids (file::test)
+    # the functions in scope, "path.py::function" or "path.py::Class.method", where a module is
+    # a few functions of larger files: only their mutants are run and reported (empty: all)
+    functions: tuple[str, ...] = ()
+
+    def mutant_globs(self) -> list[str]:
+        """mutmut's names of the in-scope functions' mutants, as globs
+        (`mxrl.models.layers.xǁSparseMoeBlockǁroute__mutmut_*`)."""
+        out = []
+        for entry in self.functions:
+            path, _, function = entry.partition("::")
+            module = path.removesuffix(".py").replace("/", ".")
+            cls, _, name = function.rpartition(".")
+            mangled = f"x\u01c1{cls}\u01c1{name}" if cls else f"x_{name}"
+            out.append(f"{module}.{mangled}__mutmut_*")
+        return out
 
 
 # The contract's critical paths (the issue on mutation testing). Dotted names are one file of a
@@ -137,6 +152,15 @@ MODULES = {
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
                        ("tests/parallel",)),
+    # the export from FSDP2 shards and the DCP checkpoints, in one process: every rank a thread
+    # and the DTensor stood in for (tests/parallel/fake_ranks.py), DCP on a one-rank gloo group;
+    # not test_export.py's and test_train.py's torchrun runs (spawned ranks, which mutmut's
+    # per-function test selection cannot see; a minute each on two shared cores)
+    "parallel.export": Module(
+        ("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
+        ("tests/parallel/test_export_edges.py", "tests/parallel/test_export_refusals.py",
+         "tests/parallel/test_dcp_edges.py"),
+    ),
     "rl": Module(
         ("mxrl/rl/grpo.py", "mxrl/rl/mismatch.py", "mxrl/rl/stability.py", "mxrl/rl/logprobs.py"),
         ("tests/rl",),
@@ -250,4 +274,21 @@ MODULES = {
     ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
+    # routing replay only: the functions that record, pass on and replay the routers' choices
+    # (the routers' replay branch, the block's reshapes, the decoder layer, the model's replay
+    # list and its checkpointed layers); node ids: the bf16 replay-under-checkpointing test, not
+    # its nvfp4-dequantized twin (19 s on two shared cores; the replay code does not see the
+    # format), and test_model.py's forward runs that reach the masks, positions and kv cache
+    "models.replay": Module(
+        ("mxrl/models/layers.py", "mxrl/models/mla.py", "mxrl/models/model.py"),
+        ("tests/models/test_routing_replay_edges.py",
+         "tests/models/test_routing_replay.py::test_replayed_routing_is_used_in_the_recomputed_forward[bf16]",
+         "tests/models/test_model.py::test_routing_replay",
+         "tests/models/test_model.py::test_left_padding_gives_the_unpadded_logits",
+         "tests/models/test_model.py::test_kv_cache_hook_prefill_then_decode_matches_full_forward[qwen3_moe-norm-dense1]",
+         "tests/models/test_model.py::test_dense_model_returns_empty_routing"),
+        ("mxrl/models/layers.py::RoutedBlock.forward", "mxrl/models/layers.py::SparseMoeBlock.route",
+         "mxrl/models/layers.py::DecoderLayer.forward", "mxrl/models/mla.py::DeepseekMoE.route",
+         "mxrl/models/model.py::DecoderModel.forward"),
+    ),
 }  # fmt: skip
