@@ -4,6 +4,11 @@ every CPU capability by the matrix (`make test`), where ATen's own kernels fail 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,6 +125,23 @@ def test_fixed_shape_gemm_rows_do_not_depend_on_their_neighbours(rows, k, n):
         assert_bytes_equal(torch.roll(got, -shift, 0), want, f"rows rolled by {shift}")
     zeros = F.linear(torch.cat([x[:3], torch.zeros(rows - 3, k)]), w)
     assert_bytes_equal(zeros[:3], want[:3], "zero padding")
+
+
+@pytest.mark.parametrize(("preset", "want"), [(None, "AUTO,STRICT"), ("COMPATIBLE", "COMPATIBLE")])
+def test_import_mxrl_asks_mkl_for_strict_reproducibility_unless_the_environment_chose(preset, want):
+    """MKL's AVX2 sgemm on an Intel CPU rounded a row by its place in a fixed-shape GEMM (the
+    test above failed under the avx2 capability on a Xeon) unless MKL_CBWR asks for strict
+    reproducibility: `import mxrl` sets it, before any GEMM of a process that imports it first,
+    and keeps a value the user set (the golden run's COMPATIBLE)."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    if preset is not None:
+        env["MKL_CBWR"] = preset
+    code = "import os, mxrl; print(os.environ['MKL_CBWR'])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert out.stdout.strip() == want
 
 
 @pytest.mark.parametrize("width", [8, 60, 64, 100])
