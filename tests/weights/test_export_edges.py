@@ -16,7 +16,7 @@ import torch
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.recipe import Plan, resolve
-from mxrl.weights import quantized_values
+from mxrl.weights import export_weights, quantized_values
 from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
 from mxrl.weights.export import check_finite, check_names, fuse_partners, quantize_tensor
 from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32
@@ -75,13 +75,18 @@ def test_only_nvfp4_tensors_of_the_plans_shape_get_their_amax_back():
 
 
 def test_a_bad_tensor_is_named_with_its_count_first_index_and_value():
-    t = torch.zeros(3, 4)
-    t[1, 2], t[2, 0] = math.inf, math.nan
+    """+inf alone leaves the tensor's minimum finite, -inf alone its maximum: either is bad."""
+    high, low, both = torch.zeros(3, 4), torch.zeros(5), torch.zeros(2, 2)
+    high[1, 2], low[3] = math.inf, -math.inf
+    both[0, 1], both[1, 0] = math.nan, math.inf
     ok = torch.ones(5)
-    with pytest.raises(ValueError, match="refusing to export: 1 master") as err:
-        check_finite({"a.weight": ok, "b.weight": t, "c.weight": ok})
-    assert "b.weight: 2 non-finite, first b.weight[1, 2] = inf" in str(err.value)
-    assert "a.weight" not in str(err.value) and "c.weight" not in str(err.value)
+    with pytest.raises(ValueError, match="refusing to export: 3 master") as err:
+        check_finite({"a.weight": ok, "b.weight": high, "c.weight": low, "d.weight": both})
+    msg = str(err.value)
+    assert "b.weight: 1 non-finite, first b.weight[1, 2] = inf" in msg
+    assert "c.weight: 1 non-finite, first c.weight[3] = -inf" in msg
+    assert "d.weight: 2 non-finite, first d.weight[0, 1] = nan" in msg
+    assert "a.weight" not in msg
 
 
 def test_the_global_amax_of_a_2d_fuse_pair_is_the_larger_and_a_3d_tensor_keeps_its_own():
@@ -103,6 +108,7 @@ def test_fuse_partners_pair_two_member_groups_only():
     plan = plan_of(shapes, ALL_NVFP4)
     assert plan[GATE_UP].fuse_group == GATE_UP  # a fused 3-D tensor is its own group
     assert fuse_partners(plan) == {GATE: UP, UP: GATE}
+    assert fuse_partners(plan_of({Q: (64, 64), LAST: (64, 64)})) == {}  # two without a group
     # a group of one (its partner bf16, say) or of three has no pair
     alone = [dataclasses.replace(s, fuse_group="g1") if n == GATE else s for n, s in plan.items()]
     lone = dataclasses.replace(plan, specs=[s for s in alone if s.name != UP])
@@ -156,6 +162,28 @@ def test_the_backend_is_chosen_once_per_device_with_the_callers_request(monkeypa
     assert sorted(n for n, v in values.items() if isinstance(v, QTensor)) == sorted([Q, K])
 
 
+def test_export_weights_passes_its_dtype_and_backend_on(monkeypatch):
+    calls = _Calls(monkeypatch)
+    plan = plan_of({Q: (64, 64), NORM: (64,), LAST: (64, 64)})
+    w = {n: torch.ones(plan[n].shape) for n in plan}
+    records = export_weights(w, plan, bf16_dtype=torch.float16, backend="reference")
+    values = {r.name: r.value for r in records}
+    assert calls.chosen == [("reference", torch.device("cpu"))]
+    assert values[NORM].dtype == values[LAST].dtype == torch.float16
+
+
+def test_a_partner_not_of_the_plans_shape_still_sets_the_first_tensors_global_scale():
+    """The check keeps no amax for a master of another shape than the plan's: the gate's global
+    amax is then the quantizer's own max over gate (1) and up (6), a global scale of
+    448 * 6 / 6 = 448 (not 448 * 6 / 1 = 2688); the up tensor is refused when its turn comes."""
+    plan = plan_of({GATE: (64, 64), UP: (64, 64)}, ALL_NVFP4)
+    values = quantized_values({GATE: torch.ones(64, 64), UP: torch.full((64, 32), 6.0)}, plan)
+    name, gate = next(values)
+    assert name == GATE and float(gate.global_scale) == 448.0
+    with pytest.raises(ValueError, match=r"up_proj\.weight: the plan says shape \(64, 64\)"):
+        next(values)
+
+
 @pytest.mark.parametrize(
     ("block", "want"), [((32, 32), Backend.TRITON), ((48, 48), Backend.REFERENCE)]
 )
@@ -202,12 +230,13 @@ def test_quantize_tensor_copies_bf16_contiguously_and_refuses_nvfp4():
 
 
 def test_the_events_dict_spells_out_every_non_finite_sqnr_and_reads_back_without_one():
-    event = QuantizationEvent(2, "h", 3, 40, 0.25, {"layer.0": -math.inf, "layer.1": math.nan})
-    d = event.to_dict()
+    sqnr = {"layer.0": -math.inf, "layer.1": math.nan, "layer.2": 12.5}
+    d = QuantizationEvent(2, "h", 3, 40, 0.25, sqnr).to_dict()
     assert d == {
         "step": 2, "plan_hash": "h", "num_tensors": 3, "num_bytes": 40, "seconds": 0.25,
-        "sqnr_db": {"layer.0": "-inf", "layer.1": "nan"},
+        "sqnr_db": {"layer.0": "-inf", "layer.1": "nan", "layer.2": 12.5},
     }  # fmt: skip
+    assert type(d["sqnr_db"]["layer.2"]) is float  # a finite SQNR stays a JSON number
     back = QuantizationEvent.from_dict({**d, "sqnr_db": {"layer.0": "-inf", "other": 12}})
     assert back.sqnr_db == {"layer.0": -math.inf, "other": 12.0}
     assert type(back.sqnr_db["other"]) is float
@@ -297,3 +326,14 @@ def test_a_shard_counts_by_its_global_experts_and_one_without_any_adds_no_key():
     assert meter.result() == {}
     meter.add(0, shard, q)  # alone (one expert of one): always measured
     assert meter.result() == {"layer.0": pytest.approx(10 * math.log10(288 / 128), rel=1e-12)}
+
+
+@pytest.mark.gpu
+def test_layers_measured_on_two_devices_are_read_back_together():
+    """One host read for every layer: the sums are gathered on the first layer's device (a
+    layer on the CPU, one on the GPU; the same hand-worked ratios as above)."""
+    meter = SqnrMeter()
+    meter.add(0, torch.full((1, 32), 2.0), mxfp8_ones(1, 32))
+    meter.add(1, torch.full((1, 32), 2.0, device="cuda"), mxfp8_ones(1, 32).to("cuda"))
+    want = pytest.approx(10 * math.log10(4), rel=1e-12)
+    assert meter.result() == {"layer.0": want, "layer.1": want}
