@@ -8,8 +8,11 @@ are not the plan's, and what the caller's check, the side files and the progress
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import re
 import struct
+import types
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ import mxrl
 from mxrl.recipe import Plan, resolve
 from mxrl.weights import WeightRecord, checksum, export, export_weights
 from mxrl.weights.quantized_checkpoint import write_quantized_checkpoint
+
+qc = importlib.import_module("mxrl.weights.quantized_checkpoint")
 
 Q = "model.layers.0.self_attn.q_proj.weight"  # mxfp8: 64 * 64 + 64 * 2 = 4224 bytes
 NORM = "model.layers.0.input_layernorm.weight"  # bf16: 128 bytes
@@ -64,6 +69,7 @@ def test_the_files_manifest_and_shards_of_a_three_tensor_export(tmp_path):
     assert (out / "config.json").read_text() == '{\n  "a": [\n    1\n  ],\n  "b": 1\n}\n'
     text = (out / "plan.json").read_text()
     assert text.endswith("}\n") and Plan.from_json(text) == plan
+    assert text.startswith('{\n  "') and text.splitlines()[-2].startswith("  ")  # indent 2
     m = json.loads((out / "manifest.json").read_text())
     assert m["format"] == "mxrl-quantized" and m["version"] == 3
     assert (m["mxrl_version"], m["recipe"], m["plan_hash"]) == (
@@ -115,6 +121,7 @@ def test_the_manifest_has_one_line_per_tensor_in_plan_order(tmp_path):
         f'    "{Q}"', f'    "{NORM}"', f'    "{LAST}"',
     ]  # fmt: skip
     assert lines[start + 4 :] == ["  }", "}"] and lines[0] == "{"
+    assert lines[1] == '  "format": "mxrl-quantized",'  # indented by two, as the tensors
     assert json.loads(lines[start + 2].split(": ", 1)[1].rstrip(","))["keys"] == [NORM]
     m = json.loads((out / "manifest.json").read_text())
     assert (
@@ -150,6 +157,19 @@ def test_shards_fill_in_order_up_to_exactly_the_limit(tmp_path, shard_bytes, sha
         )
 
 
+def test_a_shard_after_the_first_also_fills_to_exactly_the_limit(tmp_path):
+    """Records in another order than the plan's: LAST (8192 bytes, over the limit) alone, then
+    Q + NORM = 4352 bytes, exactly the limit, in the second shard."""
+    w = weights()
+    plan = plan_of(w)
+    q, norm, last = records(w, plan)
+    out = write_quantized_checkpoint([last, q, norm], plan, {}, tmp_path / "q", shard_bytes=4352)
+    tensors = json.loads((out / "manifest.json").read_text())["tensors"]
+    assert {n: t["shard"] for n, t in tensors.items()} == {
+        LAST: SHARD.format(1, 2), Q: SHARD.format(2, 2), NORM: SHARD.format(2, 2),
+    }  # fmt: skip
+
+
 def test_an_exports_event_goes_into_the_manifest(tmp_path):
     w = weights()
     plan = plan_of(w)
@@ -183,18 +203,28 @@ def test_records_that_are_not_the_plans_are_refused_writing_nothing(tmp_path):
     _refused(tmp_path, [q, as_norm, last], plan, NORM)
 
 
-def test_views_of_one_storage_and_strided_values_are_written_as_their_own_bytes(tmp_path):
+def test_each_value_is_written_as_it_was_checked_even_a_strided_view(tmp_path):
+    """The records are checked (their checksums) as they come and written when their shard
+    fills: a value its producer changes in place after handing it over, or a column-major view
+    (safetensors takes contiguous tensors only), is written as the bytes that were checked."""
+    from safetensors.torch import load_file
+
     w = weights()
     plan = plan_of(w)
     q, _, _ = records(w, plan)
     base = torch.arange(64 + 64 * 64, dtype=torch.bfloat16)
     norm, last = base[:64], base[64:].view(64, 64).t()  # one storage; the second column-major
-    recs = [q, *(WeightRecord(n, v, checksum(n, v)) for n, v in [(NORM, norm), (LAST, last)])]
-    out = write_quantized_checkpoint(recs, plan, {}, tmp_path / "q")
-    from safetensors.torch import load_file
+    want_norm, want_last = norm.clone(), last.clone()
 
+    def produced():
+        yield q
+        yield WeightRecord(NORM, norm, checksum(NORM, norm))
+        yield WeightRecord(LAST, last, checksum(LAST, last))
+        base.add_(1)  # the producer reuses its buffer once the records are handed over
+
+    out = write_quantized_checkpoint(produced(), plan, {}, tmp_path / "q")
     state = load_file(out / SHARD.format(1, 1))
-    assert torch.equal(state[NORM], norm) and torch.equal(state[LAST], last)
+    assert torch.equal(state[NORM], want_norm) and torch.equal(state[LAST], want_last)
     assert torch.equal(state[f"{Q}.qdata"], q.value.qdata)
 
 
@@ -231,18 +261,28 @@ def test_an_existing_checkpoint_is_replaced_only_when_asked(tmp_path):
     w = weights()
     plan = plan_of(w)
     out = write_quantized_checkpoint(records(w, plan), plan, {"v": 1}, tmp_path / "q")
-    with pytest.raises(ValueError, match="overwrite=True"):
+    with pytest.raises(ValueError, match=r"pass overwrite=True \(--overwrite\) to replace it"):
         write_quantized_checkpoint(records(w, plan), plan, {"v": 2}, out)
     assert json.loads((out / "config.json").read_text()) == {"v": 1}
     write_quantized_checkpoint(records(w, plan), plan, {"v": 2}, out, overwrite=True)
     assert json.loads((out / "config.json").read_text()) == {"v": 2}
 
 
-@pytest.mark.parametrize(("progress", "shown"), [(True, True), (False, False), (None, False)])
-def test_the_progress_bar_shows_when_asked_or_on_a_terminal(tmp_path, capsys, progress, shown):
+@pytest.mark.parametrize(
+    ("progress", "terminal", "shown"),
+    [(True, False, True), (False, True, False), (None, False, False), (None, True, True)],
+)
+def test_the_progress_bar_shows_when_asked_or_on_a_terminal(
+    tmp_path, capsys, monkeypatch, progress, terminal, shown
+):
+    """progress=None: the bar shows when stderr is a terminal (the writer asks its own `sys`,
+    stood in for here; the bar itself goes to the captured stderr)."""
+    stderr = types.SimpleNamespace(isatty=lambda: terminal)
+    monkeypatch.setattr(qc, "sys", types.SimpleNamespace(stderr=stderr))
     w = weights()
     plan = plan_of(w)
     write_quantized_checkpoint(records(w, plan), plan, {}, tmp_path / "q", 4352, progress=progress)
-    err = capsys.readouterr().err  # under pytest stderr is not a terminal
-    assert ("converting" in err and "3/3" in err and "shard 2" in err) == shown
+    err = capsys.readouterr().err
+    bar = re.search(r"(^|\r)converting: 100%\|.*\| 3/3 \[.*tensor/s, shard 2\]", err)
+    assert (bar is not None) == shown
     assert err == "" or shown

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import io
 import json
 import re
 
 import pytest
 import torch
+import torch._dynamo
 
 from mxrl.formats import QTensor
 from mxrl.recipe import resolve
@@ -20,6 +22,9 @@ from mxrl.weights import export_weights, read_quantized_checkpoint, write_quanti
 from mxrl.weights.check import _model_shapes
 
 qc = importlib.import_module("mxrl.weights.quantized_checkpoint")
+# torch._dynamo is imported above, with the module, because the first model built on the meta
+# device (check_config's shapes) imports it lazily: 6 s in every process that reads a
+# checkpoint, once per mutant under mutmut's forked workers, instead of once
 
 CONFIG = {
     "model_type": "qwen3", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2,
@@ -186,6 +191,21 @@ def test_a_changed_byte_is_found_when_its_shard_is_reached_naming_the_tensor(tmp
     assert f"tensor(s) {LAST} differ from their manifest checksum" in str(err.value)
 
 
+def test_a_corruption_report_names_the_first_five_changed_tensors_in_shard_order(tmp_path):
+    path, plan, _ = write(tmp_path)
+    tensors = manifest(path)["tensors"]
+    changed = [n for n in plan if tensors[n]["shard"] == FIRST][:6]
+    assert len(changed) == 6
+    raw = bytearray((path / FIRST).read_bytes())
+    for name in changed:
+        raw[data_start(path / FIRST, tensors[name]["keys"][0])] ^= 0x01
+    (path / FIRST).write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="does not match its sha256") as err:
+        next(read_quantized_checkpoint(path)[2])
+    assert f"tensor(s) {', '.join(changed[:5])} differ from" in str(err.value)
+    assert changed[5] not in str(err.value)
+
+
 def test_a_shard_that_no_longer_parses_is_reported_without_tensor_names(tmp_path):
     path, _, _ = write(tmp_path)
     size = (path / THIRD).stat().st_size
@@ -196,6 +216,7 @@ def test_a_shard_that_no_longer_parses_is_reported_without_tensor_names(tmp_path
     ) as e:
         list(records)
     assert "tensor(s)" not in str(e.value)
+    assert str(e.value).endswith("The file is corrupt; copy it again or re-run mxrl convert")
 
 
 def test_a_manifest_naming_keys_the_shard_lacks_is_refused_naming_the_tensor(tmp_path):
@@ -225,10 +246,26 @@ def test_a_tensor_whose_fields_are_not_the_plans_is_refused_naming_the_shard(tmp
         list(read_quantized_checkpoint(path)[2])
 
 
-def test_the_sha256_of_a_file_read_in_chunks_is_the_files(tmp_path, monkeypatch):
+def test_the_sha256_of_a_file_is_read_in_chunks_of_hash_chunk_bytes(monkeypatch):
+    """Shards are gigabytes: the digest reads them _HASH_CHUNK bytes at a time (7 here: 110
+    whole chunks and one of 2 bytes), not whole."""
     data = bytes(range(256)) * 3 + b"tail"
-    (tmp_path / "f").write_bytes(data)
-    monkeypatch.setattr(qc, "_HASH_CHUNK", 7)  # 111 whole chunks and a partial one
-    assert qc.sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
-    (tmp_path / "e").write_bytes(b"")
-    assert qc.sha256_file(tmp_path / "e") == hashlib.sha256(b"").hexdigest()
+    reads = []
+
+    class File(io.BytesIO):
+        def read(self, size=-1):
+            reads.append(size)
+            return super().read(size)
+
+    class Stored:
+        def __init__(self, content):
+            self.content = content
+
+        def open(self, mode):
+            assert mode == "rb"
+            return File(self.content)
+
+    monkeypatch.setattr(qc, "_HASH_CHUNK", 7)
+    assert qc.sha256_file(Stored(data)) == hashlib.sha256(data).hexdigest()
+    assert reads == [7] * (len(data) // 7 + 2)  # the partial chunk, then the empty read
+    assert qc.sha256_file(Stored(b"")) == hashlib.sha256(b"").hexdigest()
