@@ -213,6 +213,32 @@ MODULES = {
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
          "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py"),
     ),
+    # the one export path (names and NaN/Inf checks before anything is quantized, the NVFP4
+    # global amax from the check's read, fuse partners, the backend per device) and the
+    # quantization event (its dict, the sampled per-layer SQNR): the tiny MoE exported per
+    # preset (test_export.py, test_export_amax.py, the buckets' tests: 14 s plain on two shared
+    # cores) and hand-made tensors and plans (test_export_edges.py)
+    "weights.export": Module(
+        ("mxrl/weights/export.py", "mxrl/weights/event.py"),
+        ("tests/sync/test_export.py", "tests/weights/test_sqnr_sample.py",
+         "tests/weights/test_export_amax.py", "tests/weights/test_buckets.py",
+         "tests/weights/test_buckets_edges.py", "tests/weights/test_export_edges.py"),
+    ),
+    # the quantized checkpoint (`mxrl convert`'s directory: shards filled to the byte, the
+    # manifest, the refusals when read); node ids: test_quantized_checkpoint.py but its engine
+    # runs and CLI conversions (3-9 s each on two shared cores); the edges write hand-made
+    # records and a two-layer Qwen3's random weights (no model built)
+    "weights.quantized_checkpoint": Module(
+        ("mxrl/weights/quantized_checkpoint.py",),
+        ("tests/weights/test_quantized_checkpoint_edges.py",
+         "tests/weights/test_quantized_checkpoint_read_edges.py",
+         "tests/weights/test_checkpoint_checks.py",
+         "tests/sync/test_quantized_checkpoint.py::test_layout_manifest_and_shards",
+         "tests/sync/test_quantized_checkpoint.py::test_plan_json_round_trips",
+         "tests/sync/test_quantized_checkpoint.py::test_a_truncated_shard_is_caught_naming_the_file",
+         "tests/sync/test_quantized_checkpoint.py::test_an_edited_manifest_hash_is_caught_by_the_engine",
+         "tests/sync/test_quantized_checkpoint.py::test_a_failed_write_leaves_nothing"),
+    ),
     # the checks of a record against the plan (fields, global scales, a checkpoint's config);
     # not test_checkpoint_checks.py (a converted checkpoint and an engine loading it, seconds a
     # mutant): check_config's refusals are called directly by test_check_edges.py

@@ -240,7 +240,8 @@ def read_quantized_checkpoint(
         )
     try:
         plan = Plan.from_json((path / PLAN_NAME).read_text())
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+    except (OSError, KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        # AttributeError: JSON that is not an object (a list, a number) has no fields to read
         raise ValueError(f"cannot read {path / PLAN_NAME}: {e!r}") from None
     except ValueError as e:
         raise ValueError(f"{path / PLAN_NAME}: {e}") from None
