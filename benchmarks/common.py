@@ -243,7 +243,9 @@ def profile_call(
         fn()
         wall = synced() - t0
     events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
+    # the kernels' and copies' own events (an aten op's device time repeats its kernels')
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
     print(f"  profile {label}: wall {plain * 1e3:.1f} ms unprofiled, {wall * 1e3:.1f} ms "
           f"profiled, device busy {busy * 1e3:.1f} ms")  # fmt: skip
     print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
