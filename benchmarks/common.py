@@ -220,7 +220,8 @@ def cpu_environment() -> dict:
 def profile_call(
     fn: Callable[[], object], device: torch.device, label: str, rows: int = 14
 ) -> None:
-    """One call of fn (after one unprofiled call) under torch.profiler and cProfile, printed: its
+    """One call of fn (after one unprofiled call, timed with the allocator's device allocations,
+    frees and retries, beside a second) under torch.profiler and cProfile, printed: its
     wall time, the device's busy time (kernels and copies) and the kernels that took it, then the
     host's side: the Python functions of mxrl, triton and torch by cumulative time (cProfile's
     own overhead included, so read shares, not milliseconds)."""
@@ -234,10 +235,26 @@ def profile_call(
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
+    def allocator() -> dict:
+        if device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(device)
+        keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+        return {k: stats.get(k, 0) for k in keys}
+
+    before = allocator()
+    t0 = synced()
     fn()
+    first = synced() - t0
+    between = allocator()
     t0 = synced()
     fn()
     plain = synced() - t0
+    after = allocator()
+    if before:  # cudaMalloc / cudaFree calls and allocator retries in each call (synchronous)
+        calls = {k: (between[k] - before[k], after[k] - between[k]) for k in before}
+        print(f"  profile {label}: first call {first * 1e3:.1f} ms, the next {plain * 1e3:.1f} "
+              f"ms; allocator (first, next): {calls}")  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = synced()
         fn()
