@@ -173,11 +173,12 @@ def test_a_runs_policy_leaves_as_the_engine_held_it(runs, tmp_path, capsys):
     # the colocated run sums its ranks' halves of the batch in another order: whether that
     # rounding moves a served byte (a bf16 rounding or a quantized code) depends on the CPU, so
     # its file is the single run's exactly when its engine recorded the same digest
-    last = {run: _syncs(RunRecord.open(runs / run))[-1][3] for run in ("single", "colocated")}
+    syncs = {run: _syncs(RunRecord.open(runs / run)) for run in ("single", "colocated")}
+    last = {run: s[-1][3] for run, s in syncs.items()}
     assert (files["colocated"] == files["single"]) == (last["colocated"] == last["single"])
     # not vacuous: the served bytes changed over each run, so a file shows which step it holds
-    for run in ("single", "colocated"):
-        assert len({s[3] for s in _syncs(RunRecord.open(runs / run))}) > 1, run
+    for run, s in syncs.items():
+        assert len({e[3] for e in s}) > 1, run
 
 
 def _evals(record: RunRecord) -> dict[int, float]:
