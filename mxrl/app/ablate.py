@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mxrl.app.ablate_report import write_ablation_report
+from mxrl.app.ablate_report import num_params, write_ablation_report
 from mxrl.app.ablate_warmup import warm_start
 from mxrl.app.demo import LR_FINAL_FRACTION, RunSetup, train_here, train_in_workers
 from mxrl.app.multistep import MultiStepTask
@@ -96,8 +96,8 @@ class AblationSettings:
     lr: float = 5e-5
     eval_every: int = 10
     # the engine's KV cache: 256 sequences x 2 blocks of 16 tokens x 8 layers of 4 KV heads of
-    # 64 is ~64 MiB in bf16; 256 MiB leaves room and 18 of them fit beside the runs' weights
-    kv_cache_bytes: int = 256 << 20
+    # 64 is 64 MiB in bf16; 128 MiB leaves room (21 runs share one GPU's memory)
+    kv_cache_bytes: int = 128 << 20
     device: str = "cuda"
 
     def __post_init__(self) -> None:
@@ -145,6 +145,23 @@ def grpo_config(settings: AblationSettings, recipe: str, seed: int, correction) 
         max_new_tokens=ablation_task(settings, 0).max_new_tokens, device=settings.device,
         seed=seed, eval_every=settings.eval_every, correction=correction,
     )  # fmt: skip
+
+
+# One GRPO run's GPU memory beyond its KV cache, per model parameter: the fp32 master, its
+# gradient and AdamW's two moments (16 bytes), the bf16 training copy and the engine's weights
+# (4), the quantized recipes' cached operands (<= 4); plus, per process, the CUDA context,
+# kernels, activations and the allocator's slack. Measured on an H100 (113M parameters, a 256
+# MiB KV cache): 3.3 to 4.4 GiB per process as nvidia-smi counts it; this estimate is 4.5 GiB.
+RUN_BYTES_PER_PARAMETER = 24
+RUN_OVERHEAD_BYTES = int(1.75 * (1 << 30))
+
+
+def runs_that_fit(free_bytes: int, parameters: int, kv_cache_bytes: int) -> int:
+    """How many runs fit side by side in `free_bytes` of GPU memory (at least 1): 21 runs at
+    4 GiB each do not fit an 80 GB H100, and a GPU run out of memory stalls every run on it
+    (the allocator frees and retries) before one fails."""
+    per_run = parameters * RUN_BYTES_PER_PARAMETER + kv_cache_bytes + RUN_OVERHEAD_BYTES
+    return max(1, free_bytes // per_run)
 
 
 def require_gpu() -> None:
@@ -275,6 +292,13 @@ def _run(out: Path, settings: AblationSettings, jobs, workers: int, correction, 
         every=max(1, settings.steps // 5), name="ablate",
     )  # fmt: skip
     common = (out, warm, False, setup)
+    if settings.device.startswith("cuda") and workers > 1:
+        free, _ = torch.cuda.mem_get_info()
+        fit = runs_that_fit(free, num_params(config), settings.kv_cache_bytes)
+        if fit < workers:
+            logger.info("ablate: %d runs at a time, not %d: %.1f GiB of GPU memory free, about "
+                        "%.1f GiB per run", fit, workers, free / 2**30, free / fit / 2**30)  # fmt: skip
+            workers = fit
     t_runs = time.perf_counter()
     if workers == 1:
         paths = train_here(str(weights), configs, jobs, common, progress)

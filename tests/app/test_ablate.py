@@ -242,3 +242,18 @@ def test_a_rerun_with_tis_takes_bf16_from_an_earlier_ablation(tmp_path, capsys):
     assert main([*args, "--baseline", str(rerun / "runs"), "--out", str(tmp_path / "x")]) == 2
     assert "holds no BF16 run" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_as_many_runs_at_once_as_the_gpu_memory_holds():
+    # the ablation's model: 113,456,640 parameters x 24 bytes = 2,722,959,360, + a 128 MiB KV
+    # cache (134,217,728) + 1.75 GiB (1,879,048,192) = 4,736,225,280 bytes per run
+    params = 113_456_640
+    per_run = 4_736_225_280
+    kv = ablate_mod.AblationSettings().kv_cache_bytes
+    assert kv == 128 << 20
+    assert ablate_mod.runs_that_fit(18 * per_run - 1, params, kv) == 17
+    assert ablate_mod.runs_that_fit(18 * per_run, params, kv) == 18
+    # an 80 GB H100 with its 77.5 GiB free holds 17, not the 21 runs; an H200's 139 GiB all
+    assert ablate_mod.runs_that_fit(int(77.5 * 2**30), params, kv) == 17
+    assert ablate_mod.runs_that_fit(139 * 2**30, params, kv) >= 21
+    assert ablate_mod.runs_that_fit(0, params, kv) == 1  # one at a time, never none
