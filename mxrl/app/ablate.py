@@ -88,8 +88,8 @@ class AblationSettings:
     # H100, BF16 at 5e-5 over 300 steps gained ~+0.23 held-out in every seed where 1e-4 gained
     # +0.09 (and 1e-4 over 150 steps +0.05; 1.5e-4 to 3e-4 lost accuracy), docs/ablation.md;
     # 250 rather than 300 steps so the 21 runs and the warm-up fit one 10-minute call (150
-    # steps took 281 s on the H200). Held-out accuracy every 10 steps, the final one the mean
-    # of the last 3 evaluations
+    # steps took 281 s on the H200; 250: 514 s on an H100, 17 runs at a time). Held-out
+    # accuracy every 10 steps, the final one the mean of the last 3 evaluations
     steps: int = 250
     prompts_per_step: int = 32
     samples_per_prompt: int = 8
