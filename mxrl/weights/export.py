@@ -60,7 +60,11 @@ def check_finite(
     amaxes: dict[str, torch.Tensor] = {}
     if not checked:
         return amaxes
-    flags: dict[torch.device, list[torch.Tensor]] = {}
+    # each tensor's probe values (its min and max, or its global amaxes) on its device, one
+    # isfinite and one host read per device for all of them: no launch per tensor but its read
+    probes: dict[torch.device, list[torch.Tensor]] = {}
+    sizes: dict[torch.device, int] = {}
+    spans = []
     for name, t in checked:
         spec = plan.get(name) if plan is not None else None
         if spec is not None and spec.format is Format.NVFP4 and tuple(t.shape) == spec.shape:
@@ -68,15 +72,18 @@ def check_finite(
             # and |±Inf| = Inf: this read is the check and the quantizer's global amax
             amax = own_weight_amax(t, spec, finite=True)
             amaxes[name] = amax
-            flag = torch.isfinite(amax).all()
+            probe = [amax.reshape(-1)]
         else:
-            lo, hi = torch.aminmax(t)  # one pass; NaN propagates into both
-            flag = torch.isfinite(lo) & torch.isfinite(hi)
-        flags.setdefault(t.device, []).append(flag)
-    on_host = {device: iter(torch.stack(f).tolist()) for device, f in flags.items()}
+            probe = [m.reshape(1) for m in torch.aminmax(t)]  # one pass; NaN goes into both
+        probes.setdefault(t.device, []).extend(probe)
+        start = sizes.get(t.device, 0)
+        sizes[t.device] = start + sum(p.numel() for p in probe)
+        spans.append((t.device, start, sizes[t.device]))
+    flags = {device: torch.isfinite(torch.cat(p)).tolist() for device, p in probes.items()}
+    on_host = iter([all(flags[device][a:b]) for device, a, b in spans])
     bad = []
     for name, t in checked:
-        if next(on_host[t.device]):
+        if next(on_host):
             continue
         finite = torch.isfinite(t)
         count = int((~finite).sum())

@@ -337,3 +337,36 @@ def test_layers_measured_on_two_devices_are_read_back_together():
     meter.add(1, torch.full((1, 32), 2.0, device="cuda"), mxfp8_ones(1, 32).to("cuda"))
     want = pytest.approx(10 * math.log10(4), rel=1e-12)
     assert meter.result() == {"layer.0": want, "layer.1": want}
+
+
+def test_the_finite_check_launches_one_read_per_tensor_and_one_check_for_all():
+    # every op but the per-tensor read (aminmax) is the same count for 2 tensors as for 7: the
+    # flags are one isfinite over all the tensors' min/max and one host read (each op is a
+    # kernel launch on a GPU: the loop's sync checks every master tensor each step)
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(n):
+        tensors = {f"w{i}": torch.randn(4, 8) for i in range(n)}
+        tensors["b"] = torch.randn(3, dtype=torch.bfloat16)
+        with Count() as count:
+            assert check_finite(tensors) == {}
+        return count.ops
+
+    few, many = ops(2), ops(7)
+    assert (few["aminmax"], many["aminmax"]) == (3, 8)
+    assert {k: v for k, v in few.items() if k != "aminmax"} == {
+        k: v for k, v in many.items() if k != "aminmax"
+    }
+    assert many["cat"] == 1
