@@ -15,11 +15,11 @@ from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.fast import TensorCoreQMatmul, uses_scaled_mm
 from mxrl.nn.gemm import no_autocast, resolved_gemm
-from mxrl.nn.grouped import GroupedLinear
 from mxrl.nn.operands import Form
-from mxrl.nn.qmatmul import QMatmul
+from mxrl.nn.paths.grouped import GroupedLinear
+from mxrl.nn.paths.reference import QMatmul
+from mxrl.nn.paths.tensor_core import TensorCoreQMatmul, uses_scaled_mm
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
 

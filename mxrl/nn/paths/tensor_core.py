@@ -1,5 +1,6 @@
 """The tensor-core training GEMMs of a quantized weight (`Gemm.TENSOR_CORE`, docs/nn.md "Fast
-paths"): the same quantized bytes as `mxrl.nn.qmatmul`, the GEMMs in bf16 with fp32 accumulation.
+paths"): the same quantized bytes as `mxrl.nn.paths.reference`, the GEMMs in bf16 with fp32
+accumulation.
 
 Legend: x [T, K] activations, w [N, K] master weight (fp32 or bf16), y [T, N] = x w^T.
 
@@ -42,7 +43,7 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
 from mxrl.nn.gemm import mm_f32
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
-from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
+from mxrl.nn.paths.reference import fp8_block_col, fp8_block_row
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
