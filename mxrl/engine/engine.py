@@ -127,12 +127,12 @@ class Engine(WeightLoading, GraphCapture):
         self._blocks: BlockManager | None = None
         # decode graphs: CUDA, the Triton attention (reads its metadata from the device)
         # and no op that reads a value back to the host: the routed experts must run grouped
-        # (the per-expert loop sizes its tiles from the routing, nn/paths/rollout.py)
+        # (the per-expert loop sizes its tiles from the routing: `RolloutPath.graph_safe`)
         self.cuda_graphs = (
             options.cuda_graphs
             and self.device.type == "cuda"
             and self._attention_kernel
-            and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
+            and all(m.path.graph_safe(m) for m in self._experts())
         )
         self._graphs: DecodeGraphs | None = None
 

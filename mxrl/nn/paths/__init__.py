@@ -5,8 +5,10 @@ fixed-shape tiles, packed low-bit and block-FP8 GEMMs, no autograd).
 
 `GemmPath` is the strategy a quantized layer hands its GEMM to, and `path_for(gemm)` the
 trainer's path for a `Gemm` (a module's `gemm_choice`, or `Kernels.train_gemm` by device).
-Today `QLinear` runs its GEMM through it; `QExperts` and the engine's `RolloutLinear` /
-`RolloutExperts` still choose their GEMMs themselves (redesign item 16 moves them onto paths).
+Today `QLinear` runs its GEMM through it, and the engine's `RolloutLinear` through its
+`RolloutPath` (`rollout.py`: tiles, no autograd, its own `linear` signature); `QExperts` and
+`RolloutExperts` still run their expert GEMMs themselves (redesign item 16 moves them onto
+paths, and the engine onto `QLinear` / `QExperts`).
 """
 
 from __future__ import annotations

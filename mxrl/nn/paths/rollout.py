@@ -21,6 +21,7 @@ grouped block-FP8 Triton kernel.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -136,11 +137,76 @@ def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
     return out
 
 
+class RolloutPath:
+    """The engine's GEMM path (docs/design.md §4.5): no autograd; every GEMM of a module on
+    fixed tiles of `tile` rows (`tiled`; 0: the rows at once, `batch_invariant=False`); a weight
+    held packed (`packed`) through `backend`'s low-bit or block-FP8 kernels, a QWeight's fp32
+    operands through the emulated GEMM, a high-precision weight through `F.linear`.
+    `RolloutLinear` and `RolloutExperts` hold one (`path`)."""
+
+    autograd = False
+
+    def __init__(self, tile: int, backend: Backend) -> None:
+        self.tile = tile
+        self.backend = backend
+
+    def packed(self, spec: TensorSpec) -> bool:
+        """Whether a projection of `spec` is held packed, its GEMM reading the codes: the
+        low-bit GEMM or block FP8's (the module docstring); otherwise a QWeight holds its fp32
+        operands for the emulated GEMM."""
+        return uses_low_bit_gemm(spec, self.backend) or uses_fp8_block_gemm(spec, self.backend)
+
+    def linear(
+        self, x: torch.Tensor, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
+    ) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype, `tile` rows at a time; w: the QWeight received, or
+        the high-precision weight (None: nothing loaded yet)."""
+        return tiled(functools.partial(self._matmul, w=w, spec=spec, packed=packed), x, self.tile)
+
+    def graph_safe(self, module: nn.Module) -> bool:
+        """Whether `module`'s forward can be captured in a CUDA graph on this path: it reads
+        nothing back to the host. Routed experts only in one grouped launch per projection
+        (the loop reads the per-expert counts); a projection's tiles always."""
+        if isinstance(module, RolloutExperts):
+            return module.grouped or module.grouped_bf16 or module.grouped_fp8
+        return True
+
+    def _matmul(
+        self, x: torch.Tensor, *, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
+    ) -> torch.Tensor:
+        """x [tile, K] -> [tile, N] in x's dtype."""
+        if isinstance(w, QWeight) and packed:
+            xq = quantize_activation(x, spec, self.backend)
+            if spec.format is Format.FP8_BLOCK:
+                return _fp8_block(xq, w.q, x)
+            return low_bit_matmul(xq, w.q, out_dtype=x.dtype, backend=self.backend)
+        if isinstance(w, QWeight):
+            return emulated_matmul(x.float(), w, spec, self.backend)[0].to(x.dtype)
+        assert w is not None, f"{spec.name}: no weights loaded"
+        return F.linear(x, w)
+
+
+def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:
+    """Block FP8 on CUDA: `fp8_block_matmul` (torch._scaled_mm blockwise, the trainer's
+    forward GEMM; a tile's shape is fixed, so is its cuBLAS kernel). Elsewhere (Triton's
+    interpreter): one group of the experts' grouped kernel, w [N, K] seen as [1, N, K], all
+    rows of the tile in group 0 (offsets [0, rows] built on the device). On the H200 at a
+    128-row tile: 10-16 us per attention projection against 46-87 us for the one-group
+    Triton launch and 20-65 us for the fp32 GEMM on the dequantized weight."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    n, k = w.shape
+    if x.is_cuda and n % 128 == 0 and k % 128 == 0:
+        return fp8_block_matmul(xq, w, out_dtype=dtype).to(x.dtype)
+    w3 = QTensor(w.qdata[None], w.scale[None], w.fmt, (1, *w.shape))
+    offsets = torch.arange(2, device=x.device, dtype=torch.int32) * x.shape[0]
+    return grouped_fp8_block_matmul(xq, w3, offsets, out_dtype=dtype).to(x.dtype)
+
+
 class RolloutLinear(nn.Module):
     """A projection holding what the engine received: a quantized weight (`w`, a QWeight: the
     QTensor, plus its fp32 operands where the GEMM is emulated) or a high-precision weight;
-    the same emulated GEMM as the trainer's QLinear. Which GEMM runs is decided once, by the
-    spec and the backend (`packed`)."""
+    the same emulated GEMM as the trainer's QLinear. Its GEMM runs on its `RolloutPath`, which
+    decides once, by the spec and the backend, whether the weight is held packed (`packed`)."""
 
     def __init__(
         self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend, tile: int
@@ -148,14 +214,19 @@ class RolloutLinear(nn.Module):
         super().__init__()
         self.spec = spec
         self.compute_dtype = compute_dtype
-        self.backend = backend
-        self.tile = tile
-        # the low-bit GEMM (or block FP8's) reads the packed QTensor; other formats' QWeights
-        # hold their fp32 operands for the emulated GEMM
-        self.packed = uses_low_bit_gemm(spec, backend) or uses_fp8_block_gemm(spec, backend)
+        self.path = RolloutPath(tile, backend)
+        self.packed = self.path.packed(spec)
         self.w: QWeight | None = None
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+
+    @property
+    def backend(self) -> Backend:
+        return self.path.backend
+
+    @property
+    def tile(self) -> int:
+        return self.path.tile
 
     def materialize(self, value: QTensor | torch.Tensor) -> dict:
         """What `install` will set, computed without touching the module (staging): a QTensor's
@@ -167,38 +238,10 @@ class RolloutLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = tiled(self._matmul, x2, self.tile)
+        w = self.w if self.w is not None else self.weight
+        y = self.path.linear(x2, w, self.spec, self.packed)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [tile, K] -> [tile, N] in x's dtype."""
-        if self.w is not None and self.packed:
-            xq = quantize_activation(x, self.spec, self.backend)
-            if self.spec.format is Format.FP8_BLOCK:
-                return self._fp8_block(xq, x)
-            return low_bit_matmul(xq, self.w.q, out_dtype=x.dtype, backend=self.backend)
-        if self.w is not None:
-            return emulated_matmul(x.float(), self.w, self.spec, self.backend)[0].to(x.dtype)
-        assert self.weight is not None, f"{self.spec.name}: no weights loaded"
-        return F.linear(x, self.weight)
-
-    def _fp8_block(self, xq: QTensor, x: torch.Tensor) -> torch.Tensor:
-        """Block FP8 on CUDA: `fp8_block_matmul` (torch._scaled_mm blockwise, the trainer's
-        forward GEMM; a tile's shape is fixed, so is its cuBLAS kernel). Elsewhere (Triton's
-        interpreter): one group of the experts' grouped kernel, w [N, K] seen as [1, N, K], all
-        rows of the tile in group 0 (offsets [0, rows] built on the device). On the H200 at a
-        128-row tile: 10-16 us per attention projection against 46-87 us for the one-group
-        Triton launch and 20-65 us for the fp32 GEMM on the dequantized weight."""
-        assert self.w is not None
-        w = self.w.q
-        dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        n, k = w.shape
-        if x.is_cuda and n % 128 == 0 and k % 128 == 0:
-            return fp8_block_matmul(xq, w, out_dtype=dtype).to(x.dtype)
-        w3 = QTensor(w.qdata[None], w.scale[None], w.fmt, (1, *w.shape))
-        offsets = torch.arange(2, device=x.device, dtype=torch.int32) * x.shape[0]
-        return grouped_fp8_block_matmul(xq, w3, offsets, out_dtype=dtype).to(x.dtype)
 
 
 class RolloutExperts(nn.Module):
@@ -214,11 +257,10 @@ class RolloutExperts(nn.Module):
         backend: Backend,
     ) -> None:
         super().__init__()
-        self.backend = backend
+        self.path = RolloutPath(tile, backend)
         self.num_experts = experts.num_experts
         self.specs = specs
         self.compute_dtype = dtype
-        self.tile = tile
         self.values: dict[str, QWeight | torch.Tensor | None] = dict.fromkeys(specs)
         # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
         # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
@@ -246,6 +288,14 @@ class RolloutExperts(nn.Module):
             and torch.cuda.get_device_capability() >= (9, 0)
         )
         self._configs: dict[str, GemmConfig] = {}
+
+    @property
+    def backend(self) -> Backend:
+        return self.path.backend
+
+    @property
+    def tile(self) -> int:
+        return self.path.tile
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
