@@ -74,8 +74,8 @@ def uses_low_bit_gemm(spec: TensorSpec, backend: Backend) -> bool:
 def uses_fp8_block_gemm(spec: TensorSpec, backend: Backend) -> bool:
     """Whether the engine holds this block-FP8 weight packed (codes and 128x128 block scales,
     1 byte per weight instead of a fp32 operand) and runs a block-FP8 GEMM on the codes
-    (`RolloutLinear._fp8_block`): the triton backend, 128x128 blocks. Every call sees a tile of
-    fixed shape, so its kernel is fixed too (batch invariance)."""
+    (`_fp8_block`, through `RolloutPath`): the triton backend, 128x128 blocks. Every call sees
+    a tile of fixed shape, so its kernel is fixed too (batch invariance)."""
     return (
         backend is Backend.TRITON
         and spec.format is Format.FP8_BLOCK
