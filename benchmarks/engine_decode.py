@@ -33,7 +33,7 @@ Per preset, the engine is built from the exported records of the same master wei
   every distinct tensor storage the engine's modules hold ("held": on the CPU the only measure);
   and the contract bytes (sum of `engine.weights` nbytes: packed codes + scales, bf16 tensors).
   On the triton backend NVFP4/MXFP8 weights stay packed (held = contract); the reference backend
-  (CPU) also keeps each quantized weight's dequantized fp32 GEMM operands (engine/modules.py);
+  (CPU) also keeps each quantized weight's dequantized fp32 GEMM operands (nn/paths/rollout.py);
 - decode: B prompts of `--prompt` random tokens, `--new-tokens` greedy tokens each. After one
   untimed warm-up call of each kind, each repeat times generate() with N new tokens (t_N) and
   with 1 (t_1: prefill plus one sample), by wall clock between torch.cuda.synchronize() calls;

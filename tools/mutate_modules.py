@@ -62,8 +62,8 @@ MODULES = {
         ("tests/recipe", "tests/arch", "tests/test_cli.py"),
     ),
     "nn": Module(
-        ("mxrl/nn/qlinear.py", "mxrl/nn/qmatmul.py", "mxrl/nn/gemm.py", "mxrl/nn/grouped.py",
-         "mxrl/nn/experts.py", "mxrl/nn/apply.py"),
+        ("mxrl/nn/qlinear.py", "mxrl/nn/paths/reference.py", "mxrl/nn/gemm.py",
+         "mxrl/nn/paths/grouped.py", "mxrl/nn/experts.py", "mxrl/nn/apply.py"),
         ("tests/nn",),
     ),
     "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),
@@ -277,10 +277,10 @@ MODULES = {
     ),
     # the reference quantized GEMM (the forward's emulated GEMM, the three backward modes'
     # operands through the table of operands.py, the column-wise copies' zero padding): the
-    # reference path's own test files; the tensor-core and grouped paths (fast.py, grouped.py)
-    # need CUDA or Triton for what they add and are not mutated here
-    "nn.qmatmul": Module(
-        ("mxrl/nn/qmatmul.py", "mxrl/nn/operands.py"),
+    # reference path's own test files; the tensor-core and grouped paths (paths/tensor_core.py,
+    # paths/grouped.py) need CUDA or Triton for what they add and are not mutated here
+    "nn.paths.reference": Module(
+        ("mxrl/nn/paths/reference.py", "mxrl/nn/operands.py"),
         ("tests/nn/test_qmatmul.py", "tests/nn/test_operands.py",
          "tests/nn/test_fp8_block_backward.py", "tests/nn/test_qmatmul_edges.py"),
     ),

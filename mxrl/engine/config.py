@@ -55,7 +55,7 @@ class EngineConfig:
     device: where the engine runs; None: the model's device (`Engine.from_records`: the CPU).
     compute_dtype: activations and the KV cache. weight_dtype: what the plan's bf16 tensors are
       held in.
-    tile: tokens per fixed-shape GEMM tile (batch invariance, engine/modules.py); None: 32 on
+    tile: tokens per fixed-shape GEMM tile (batch invariance, nn/paths/rollout.py); None: 32 on
       the CPU, 128 on CUDA. Unset with batch_invariant=False, where every GEMM runs over the
       step's rows at once.
     backend: the run's `Kernels` record (resolved for this kind of device), or a backend

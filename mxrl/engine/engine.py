@@ -9,8 +9,9 @@ construction and live sync.
 Roles: config.py (the engine's options), engine.py (setup, the generate loop), loading.py
 (verified loads in place), scheduler.py + block_manager.py (which tokens run, where their KV
 lives), runner.py + kv_cache.py (one step through the model's own modules; the cache's size),
-graph.py (CUDA-graph decode, `capture_graphs`), modules.py (the weight holders swapped into the
-model), sampler.py (the batch's tokens and logprobs).
+graph.py (CUDA-graph decode, `capture_graphs`), modules.py (the fused row-wise swaps: RMSNorm,
+RoPE, routers), sampler.py (the batch's tokens and logprobs). The weight holders swapped into the
+model (`RolloutLinear`, `RolloutExperts`) are the rollout GEMM path's, mxrl/nn/paths/rollout.py.
 """
 
 from __future__ import annotations
@@ -28,14 +29,7 @@ from mxrl.engine.config import EngineConfig
 from mxrl.engine.graph import DecodeGraphs, GraphCapture
 from mxrl.engine.kv_cache import KVCache, cache_dims
 from mxrl.engine.loading import TIED_EMBEDDING, WeightLoading
-from mxrl.engine.modules import (
-    RolloutExperts,
-    RolloutLinear,
-    RolloutRMSNorm,
-    RolloutRope,
-    RolloutSigmoidRouter,
-    RolloutTopK,
-)
+from mxrl.engine.modules import RolloutRMSNorm, RolloutRope, RolloutSigmoidRouter, RolloutTopK
 from mxrl.engine.params import Completion, GenerateStats, SamplingParams, per_request, resolve_seed
 from mxrl.engine.runner import Launched, ModelRunner
 from mxrl.engine.sampler import SamplingBatch, sample_batch
@@ -49,6 +43,7 @@ from mxrl.models import CausalLM
 from mxrl.models.layers import ApplyRope, RMSNorm, TopKSoftmax
 from mxrl.models.mla import SigmoidRouter
 from mxrl.nn.experts import EXPERT_PARAMS, GroupedExperts
+from mxrl.nn.paths.rollout import RolloutExperts, RolloutLinear
 from mxrl.nn.swap import Replacement, SwapRule, swap_modules
 from mxrl.recipe import Plan, Recipe, resolve
 from mxrl.recipe.schema import KVCacheFormat
@@ -132,12 +127,12 @@ class Engine(WeightLoading, GraphCapture):
         self._blocks: BlockManager | None = None
         # decode graphs: CUDA, the Triton attention (reads its metadata from the device)
         # and no op that reads a value back to the host: the routed experts must run grouped
-        # (the per-expert loop sizes its tiles from the routing, engine/modules.py)
+        # (the per-expert loop sizes its tiles from the routing: `RolloutPath.graph_safe`)
         self.cuda_graphs = (
             options.cuda_graphs
             and self.device.type == "cuda"
             and self._attention_kernel
-            and all(m.grouped or m.grouped_bf16 or m.grouped_fp8 for m in self._experts())
+            and all(m.path.graph_safe(m) for m in self._experts())
         )
         self._graphs: DecodeGraphs | None = None
 

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from mxrl.arch.names import keeps_fp32
-from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.nn.experts import EXPERT_PARAMS
+from mxrl.nn.paths.rollout import RolloutExperts, RolloutLinear
 from mxrl.weights import (
     VerifiedRecord,
     WeightRecord,

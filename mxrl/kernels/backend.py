@@ -40,7 +40,7 @@ class Backend(StrEnum):
 class Gemm(StrEnum):
     """The trainer's GEMMs. REFERENCE: fp32 GEMMs on the operands docs/nn.md names, routed experts
     one at a time. TENSOR_CORE: bf16 tensor-core GEMMs with fp32 accumulation, routed experts as
-    grouped GEMMs, block FP8 forward on FP8 tensor cores (`mxrl.nn.fast`)."""
+    grouped GEMMs, block FP8 forward on FP8 tensor cores (`mxrl.nn.paths.tensor_core`)."""
 
     REFERENCE = "reference"
     TENSOR_CORE = "tensor_core"

@@ -6,7 +6,7 @@
                                                      # offs [E+1]: expert e owns rows offs[e]:offs[e+1]
 
 Semantics: the emulated GEMM of `mxrl.kernels.emulated` (docs/design.md §2), the one formula
-the trainer's `mxrl.nn.qmatmul.emulated_matmul` computes too:
+the trainer's `mxrl.nn.paths.reference.emulated_matmul` computes too:
   xq = quantize(x, fmt, per_token=...)               same bytes as the trainer's activations
   y  = fl( (lp(xq) @ lp(wq)^T)_fp32  *  fl(s_x * s_w) )
 lp = dequantized without NVFP4's FP32 global scale (exact in fp32, and in the fp16 / bf16 the

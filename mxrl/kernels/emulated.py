@@ -1,5 +1,5 @@
 """The emulated block-scaled GEMM (docs/design.md §2): the one reference formula that the trainer's
-quantized ops (`mxrl.nn.qmatmul`) and the rollout GEMMs' reference backend compute.
+quantized ops (`mxrl.nn.paths.reference`) and the rollout GEMMs' reference backend compute.
 
     y = fl( (lp_x @ lp_w^T)_fp32  *  fl(s_x * s_w) )
 

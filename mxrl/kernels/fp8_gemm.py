@@ -188,7 +188,7 @@ def grouped_fp8_block_wgrad(
     block straddles two experts (zero-pad each expert's tokens: zeros change no block's amax and
     add nothing). int32 [E + 1] offsets on the device: no host sync. fp32 output; an expert
     without tokens gets zeros. fp8_mma as in `grouped_fp8_block_matmul`. The experts' weight
-    gradient of the fp8-block quantized backward (`mxrl.nn.grouped`).
+    gradient of the fp8-block quantized backward (`mxrl.nn.paths.grouped`).
     runs: how many runs of consecutive experts the programs split the experts into (each
     program streams one run's token blocks for one output tile); default: enough programs for
     about four waves of the GPU. An expert's bytes do not depend on it."""

@@ -38,7 +38,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The eager ops: what the models' `invariant.silu(gate) * up` (mxrl.models.layers.MLP,
-    mxrl.nn.experts, mxrl.nn.grouped) runs on CUDA, where invariant.silu is F.silu."""
+    mxrl.nn.experts, mxrl.nn.paths.grouped) runs on CUDA, where invariant.silu is F.silu."""
     return torch.nn.functional.silu(gate) * up
 
 

@@ -1,7 +1,8 @@
 """Low-bit weight GEMM (Triton): y = lp(x) @ lp(w)^T in fp32, times the decode global scales.
 
-The exact emulation of a block-scaled GEMM (docs/design.md §2, `mxrl.nn.qmatmul.emulated_matmul`) with
-both operands read in their packed form (4.5 / 8.25 bits per weight) and decoded in registers:
+The exact emulation of a block-scaled GEMM (docs/design.md §2,
+`mxrl.nn.paths.reference.emulated_matmul`) with both operands read in their packed form
+(4.5 / 8.25 bits per weight) and decoded in registers:
   lp NVFP4  = E2M1 * E4M3 block scale (16 along K)
   lp MXFP8  = E4M3 * 2^(E8M0 code - 127) (32 along K)
   y[m, n]   = fl( sum_k lp_x[m, k] * lp_w[n, k]  *  fl(s_x[m] * s_w[n]) )

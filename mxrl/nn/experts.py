@@ -8,7 +8,7 @@ tokens, and the weighted outputs are scattered back with index_add. `QExperts` (
 overrides `_gate_up` and `_down` to run the quantized GEMMs; the routing and reduction are shared.
 
 That loop is the reference (`Gemm.REFERENCE`, the CPU default). With `Gemm.TENSOR_CORE` (the
-default on CUDA sm_90+) both projections run as grouped GEMMs instead (`mxrl.nn.grouped`:
+default on CUDA sm_90+) both projections run as grouped GEMMs instead (`mxrl.nn.paths.grouped`:
 `_grouped_proj`, overridden by QExperts), with no Python loop and no host sync.
 """
 
@@ -23,7 +23,7 @@ from torch import nn
 from mxrl.kernels.backend import Gemm
 from mxrl.nn import invariant
 from mxrl.nn.gemm import resolved_gemm
-from mxrl.nn.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
+from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
 
 # The two expert projections by role (the keys QExperts and the engine keep their specs under)
 # and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.

@@ -2,8 +2,8 @@
 `mxrl.kernels.Kernels.resolve`; by device by default, house style 5).
 
 - `Gemm.REFERENCE`: the CPU path and the test oracle. fp32 GEMMs on the operands docs/nn.md names
-  (`mxrl.nn.qmatmul`), routed experts one expert at a time (a Python loop, a host sync for the
-  token counts).
+  (`mxrl.nn.paths.reference`), routed experts one expert at a time (a Python loop, a host sync
+  for the token counts).
 - `Gemm.TENSOR_CORE` (default on CUDA sm_90+): bf16 tensor-core GEMMs with fp32 accumulation,
   routed experts as grouped GEMMs (`torch._grouped_mm`, offsets on the device, no host sync),
   block FP8 forward on FP8 tensor cores (`mxrl.kernels.fp8_gemm`). MXFP8 and NVFP4 operands

@@ -1,7 +1,8 @@
 """The role of every GEMM operand of a quantized linear layer, by backward mode (docs/design.md
 §4.5, §7): which tensor each GEMM reads (`Operand`) and in which form (`Form`), one table
-(`OPERANDS`) that the reference (`nn/qmatmul.py`), tensor-core (`nn/fast.py`) and grouped
-(`nn/grouped.py`) backwards read their operands through.
+(`OPERANDS`) that the reference (`nn/paths/reference.py`), tensor-core
+(`nn/paths/tensor_core.py`) and grouped (`nn/paths/grouped.py`) backwards read their operands
+through.
 
 Named after TransformerEngine's recipe fields (`fp8_quant_fwd_inp`, `fp8_quant_fwd_weight`,
 `fp8_quant_bwd_grad`) and GEMMs (fprop, dgrad, wgrad).

@@ -15,11 +15,12 @@ from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.fast import TensorCoreQMatmul, uses_scaled_mm
 from mxrl.nn.gemm import no_autocast, resolved_gemm
-from mxrl.nn.grouped import GroupedLinear
 from mxrl.nn.operands import Form
-from mxrl.nn.qmatmul import QMatmul
+from mxrl.nn.paths import path_for
+from mxrl.nn.paths.grouped import GroupedLinear
+from mxrl.nn.paths.reference import QMatmul
+from mxrl.nn.paths.tensor_core import uses_scaled_mm
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
 
@@ -69,7 +70,9 @@ def path_weight(
 
 
 class QLinear(nn.Linear):
-    """y = QMatmul(x, weight) + bias, for x [..., K]."""
+    """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path of its `gemm_choice`
+    (`mxrl.nn.paths.path_for`: `QMatmul` for the reference, `TensorCoreQMatmul` on tensor
+    cores)."""
 
     def __init__(
         self,
@@ -130,8 +133,7 @@ class QLinear(nn.Linear):
         args = (self.spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
             gemm = resolved_gemm(self.gemm_choice, x.device)
-            op = TensorCoreQMatmul if gemm is Gemm.TENSOR_CORE else QMatmul
-            y = op.apply(x2, self.weight, self.qweight(gemm), *args)
+            y = path_for(gemm).linear(x2, self.qweight(gemm), self.weight, *args)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -248,8 +248,8 @@ def test_grouped_low_bit_experts_need_per_token_nvfp4_activations():
     per-row activation scales; a per-tensor NVFP4 plan keeps the per-expert tiles."""
     from types import SimpleNamespace
 
-    from mxrl.engine.modules import RolloutExperts
     from mxrl.kernels import Backend
+    from mxrl.nn.paths.rollout import RolloutExperts
 
     plan = Engine(tiny("nvfp4-hp"), "nvfp4-hp").plan
     specs = {

@@ -37,7 +37,7 @@ def test_batch_invariance_on_cuda(preset, compute_dtype):
 
 
 def _experts(engine):
-    from mxrl.engine.modules import RolloutExperts
+    from mxrl.nn.paths.rollout import RolloutExperts
 
     return [m for m in engine.net.modules() if isinstance(m, RolloutExperts)]
 

@@ -16,11 +16,11 @@ from torch import nn
 
 import mxrl.engine.loading as loading
 from mxrl.engine.loading import WeightLoading, _leaves, _same_layout
-from mxrl.engine.modules import RolloutExperts, RolloutLinear
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.operands import Form
+from mxrl.nn.paths.rollout import RolloutExperts, RolloutLinear
 from mxrl.recipe import resolve
 from mxrl.weights import VerifiedRecord, WeightRecord, checksum
 from mxrl.weights.digest import verified_records

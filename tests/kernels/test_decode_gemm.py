@@ -1,6 +1,6 @@
 """Low-bit weight GEMMs (`mxrl.kernels.decode_gemm`) against the emulated GEMM, on the CPU.
 
-- reference backend == `mxrl.nn.qmatmul.emulated_matmul`, bit for bit (no triton needed);
+- reference backend == `mxrl.nn.paths.reference.emulated_matmul`, bit for bit (no triton needed);
 - the Triton kernel under Triton's interpreter (skipped without triton, or where CUDA is
   present: the GPU tier is test_decode_gemm_gpu.py), small shapes:
   * within `error_bound` on random inputs (awkward N and K: masks; split-K; grouped experts
@@ -206,7 +206,7 @@ def _spec(fmt, shape, per_token=True):
 @pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_backend_is_emulated_matmul(fmt, per_token):
-    from mxrl.nn.qmatmul import emulated_matmul
+    from mxrl.nn.paths.reference import emulated_matmul
     from mxrl.nn.weight import QWeight
 
     x, w = random_operands(fmt, 7, 48, 96, x_dtype=torch.float32)
@@ -219,7 +219,7 @@ def test_reference_backend_is_emulated_matmul(fmt, per_token):
 @pytest.mark.parametrize("w_scale", ["expert", "rows"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_grouped_reference_is_per_expert_emulated_matmul(fmt, w_scale):
-    from mxrl.nn.qmatmul import emulated_matmul
+    from mxrl.nn.paths.reference import emulated_matmul
     from mxrl.nn.weight import QWeight
 
     counts = [3, 0, 5, 1]

@@ -1,4 +1,4 @@
-"""The rollout engine's low-bit GEMM path (`mxrl.engine.modules.uses_low_bit_gemm`) under
+"""The rollout engine's low-bit GEMM path (`mxrl.nn.paths.rollout.uses_low_bit_gemm`) under
 Triton's interpreter: NVFP4 / MXFP8 weights held packed (no dequantized copy), the same greedy
 tokens as the reference engine with logprobs within float rounding, and batch invariance.
 The GPU tier (tests/engine/test_gpu.py) runs the same checks on CUDA."""
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from mxrl.engine import Engine, SamplingParams
-from mxrl.engine.modules import (
+from mxrl.formats import QTensor
+from mxrl.nn.paths.rollout import (
     RolloutExperts,
     RolloutLinear,
     uses_fp8_block_gemm,
     uses_low_bit_gemm,
 )
-from mxrl.formats import QTensor
 from mxrl.nn.weight import QWeight
 from tests.engine.test_engine import PROMPTS, tiny
 from tests.kernels.test_decode_gemm import interpreter

@@ -23,8 +23,8 @@ from mxrl.models import build_model
 from mxrl.models.layers import LayerInputs
 from mxrl.nn import GroupedExperts, QExperts, apply_plan
 from mxrl.nn.gemm import resolved_gemm, set_gemm
-from mxrl.nn.grouped import ExpertLayout, PaddedLayout, _GatherTokens
 from mxrl.nn.operands import Form
+from mxrl.nn.paths.grouped import ExpertLayout, PaddedLayout, _GatherTokens
 from mxrl.recipe import resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
 from tests.numerics import HostReads, assert_bytes_equal

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxrl.nn.grouped import grouped_supported
+from mxrl.nn.paths.grouped import grouped_supported
 from mxrl.recipe import Backward
 from tests.kernels.test_decode_gemm import interpreter
 from tests.nn.test_fast import check_grouped_projection

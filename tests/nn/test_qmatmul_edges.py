@@ -1,4 +1,4 @@
-"""Edges of the reference quantized GEMM (mxrl/nn/qmatmul.py) and its operand table
+"""Edges of the reference quantized GEMM (mxrl/nn/paths/reference.py) and its operand table
 (mxrl/nn/operands.py), each expectation worked out by hand or written from the formats' spec
 (an MXFP8 element is an E4M3 code times 2^k, k the block's E8M0 exponent): the output scale's
 layout, gradients only for the inputs that need them, the output's dtype, the backend every
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mxrl.nn.qmatmul as qmatmul
+import mxrl.nn.paths.reference as qmatmul
 import mxrl.nn.weight as weight
 from mxrl.kernels import Backend
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand
-from mxrl.nn.qmatmul import QMatmul, output_scale
+from mxrl.nn.paths.reference import QMatmul, output_scale
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward
 from tests.nn.test_qmatmul import spec

@@ -38,7 +38,7 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
-from mxrl.kernels import Backend, quantize_mxfp8_both
+from mxrl.kernels import Backend, Gemm, quantize_mxfp8_both
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import emulated_gemm
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
@@ -175,3 +175,27 @@ def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.T
         (Operand.FWD_WEIGHT, Form.COL): lambda: wq.operand(Form.COL, F32),
         (Operand.FWD_INPUT, Form.COL): lambda: _mxfp8_col(x_saved, backend),
     }
+
+
+class ReferencePath:
+    """The reference GEMM path (`Gemm.REFERENCE`; a `mxrl.nn.paths.GemmPath`): `QMatmul`'s
+    fp32 emulated GEMMs, the CPU default and the test oracle."""
+
+    gemm = Gemm.REFERENCE
+    autograd = True
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: QWeight,
+        master: torch.Tensor,
+        spec: TensorSpec,
+        mode: Backward,
+        backend: Backend,
+    ) -> torch.Tensor:
+        """y [T, N] in x's dtype for x [T, K]: `QMatmul` on `w` (the reference's QWeight, its
+        fp32 operands held), gradients into `master`."""
+        return QMatmul.apply(x, master, w, spec, mode, backend)
+
+    def __repr__(self) -> str:
+        return "ReferencePath()"

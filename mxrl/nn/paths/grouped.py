@@ -40,10 +40,10 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn import invariant
-from mxrl.nn.fast import BF16, quantize_activation
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
-from mxrl.nn.qmatmul import fp8_block_col, fp8_block_row
+from mxrl.nn.paths.reference import fp8_block_col, fp8_block_row
+from mxrl.nn.paths.tensor_core import BF16, quantize_activation
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 

@@ -1,0 +1,56 @@
+"""The GEMM paths a quantized module runs (docs/design.md §4.5): `reference` (fp32 emulated
+GEMMs, `QMatmul`), `tensor_core` (bf16 tensor cores with fp32 accumulation, block FP8 on
+`torch._scaled_mm`), `grouped` (grouped expert GEMMs with autograd) and `rollout` (the engine's
+fixed-shape tiles, packed low-bit and block-FP8 GEMMs, no autograd).
+
+`GemmPath` is the strategy a quantized layer hands its GEMM to, and `path_for(gemm)` the
+trainer's path for a `Gemm` (a module's `gemm_choice`, or `Kernels.train_gemm` by device).
+Today `QLinear` runs its GEMM through it, and the engine's `RolloutLinear` through its
+`RolloutPath` (`rollout.py`: tiles, no autograd, its own `linear` signature); `QExperts` and
+`RolloutExperts` still run their expert GEMMs themselves (redesign item 16 moves them onto
+paths, and the engine onto `QLinear` / `QExperts`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from mxrl.kernels import Backend, Gemm
+from mxrl.nn.paths.reference import ReferencePath
+from mxrl.nn.paths.tensor_core import TensorCorePath
+from mxrl.nn.weight import QWeight
+from mxrl.recipe import Backward, TensorSpec
+
+
+class GemmPath(Protocol):
+    """What a quantized layer's GEMM runs on: `linear` computes y = Qa(x) (x) w, differentiable
+    into `master` where `autograd`."""
+
+    gemm: Gemm
+    autograd: bool
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: QWeight,
+        master: torch.Tensor,
+        spec: TensorSpec,
+        mode: Backward,
+        backend: Backend,
+    ) -> torch.Tensor: ...
+
+
+PATHS: dict[Gemm, GemmPath] = {
+    Gemm.REFERENCE: ReferencePath(),
+    Gemm.TENSOR_CORE: TensorCorePath(),
+}
+
+
+def path_for(gemm: Gemm | str) -> GemmPath:
+    """The trainer's path for `gemm` (one object per kind: the paths hold no state)."""
+    return PATHS[Gemm(gemm)]
+
+
+__all__ = ["PATHS", "GemmPath", "ReferencePath", "TensorCorePath", "path_for"]

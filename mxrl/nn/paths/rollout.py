@@ -1,0 +1,385 @@
+"""The rollout GEMM path: the engine's weight-holding modules (module swaps of the model's
+projections and experts) and batch-invariant token tiling.
+
+Batch invariance by construction (docs/engine.md): every GEMM of these modules runs on tiles of
+exactly `tile` tokens (the last one zero-padded), so each kernel sees the same shapes whatever
+else is in the batch, and a row's result cannot depend on the other rows. Everything else the
+model does between them is row-wise or element-wise (mxrl.nn.invariant).
+
+Low-bit GEMMs (`uses_low_bit_gemm`): on the triton backend, NVFP4 and MXFP8 weights stay packed
+(the QTensor the engine received, 4.5 / 8.25 bits per weight; no dequantized copy) and go
+through `mxrl.kernels.decode_gemm`'s Triton GEMMs: the activation quantized per the plan by the
+same quantizer as the trainer's, products exact, the fp32 sum in the kernel's order (within
+`decode_gemm.error_bound` of the emulated GEMM). Routed experts take one grouped launch for all
+experts. Each launch configuration is fixed by the weight's shape alone (the dense tile is fixed;
+the grouped one is `GROUPED_CONFIG_ROWS` rows per M tile), and every output row is computed
+from its own activation row only, so batch invariance holds on this path too. Block-FP8 weights
+in 128x128 blocks stay packed as well (`uses_fp8_block_gemm`): dense projections run
+`fp8_block_matmul` on CUDA (a tile's fixed shape fixes its cuBLAS kernel), routed experts the
+grouped block-FP8 Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxrl.formats import QTensor
+from mxrl.formats.constants import Format
+from mxrl.kernels import Backend
+from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels.backend import num_sms
+from mxrl.kernels.decode_gemm import (
+    GemmConfig,
+    choose_config,
+    grouped_low_bit_matmul,
+    low_bit_matmul,
+)
+from mxrl.kernels.fp8_gemm import fp8_block_matmul, grouped_fp8_block_matmul
+from mxrl.kernels.rowwise import (
+    moe_combine,
+    moe_combine_reference,
+    moe_group,
+    moe_group_reference,
+)
+from mxrl.nn import invariant
+from mxrl.nn.experts import GroupedExperts, moe_loop
+from mxrl.nn.operands import Form
+from mxrl.nn.paths.reference import emulated_matmul
+from mxrl.nn.weight import QWeight
+from mxrl.recipe import TensorSpec
+from mxrl.recipe.quantize import activation_quantizer_kwargs
+
+LOW_BIT_GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
+# The grouped experts' fixed launch shape: rows per M tile (an expert with more rows loops over
+# tiles) and the number of busy experts split-K is sized for (a decode step's top-k).
+GROUPED_CONFIG_ROWS = 16
+GROUPED_CONFIG_EXPERTS = 8
+
+
+def uses_low_bit_gemm(spec: TensorSpec, backend: Backend) -> bool:
+    """Whether the engine holds this weight packed and runs the low-bit GEMM (module docstring):
+    the triton backend and an NVFP4 / MXFP8 weight whose K fills whole scale blocks."""
+    return (
+        backend is Backend.TRITON
+        and spec.format in LOW_BIT_GEMM_FORMATS
+        and spec.shape[-1] % (16 if spec.format is Format.NVFP4 else 32) == 0
+    )
+
+
+def uses_fp8_block_gemm(spec: TensorSpec, backend: Backend) -> bool:
+    """Whether the engine holds this block-FP8 weight packed (codes and 128x128 block scales,
+    1 byte per weight instead of a fp32 operand) and runs a block-FP8 GEMM on the codes
+    (`_fp8_block`, through `RolloutPath`): the triton backend, 128x128 blocks. Every call sees
+    a tile of fixed shape, so its kernel is fixed too (batch invariance)."""
+    return (
+        backend is Backend.TRITON
+        and spec.format is Format.FP8_BLOCK
+        and tuple(spec.block or ()) == (128, 128)
+    )
+
+
+def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
+    """x [T, K] quantized as the GEMM of `spec` takes it (the trainer's quantizer options)."""
+    return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
+
+
+def received_weight(q: QTensor, packed: bool, backend: Backend) -> QWeight:
+    """A received weight as the engine holds it: `packed` (the low-bit or block-FP8 GEMM reads
+    the QTensor itself), nothing derived; else, for the emulated GEMM (`emulated_matmul`), its
+    fp32 LP and DEQ operands derived once, held until the next load copies into them
+    (captured graphs read those buffers)."""
+    w = QWeight.from_qtensor(q, backend=backend)
+    return w if packed else w.hold(Form.LP, Form.DEQ, dtype=torch.float32)
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated;
+    tile 0: fn(x) at once (the engine's batch_invariant=False mode)."""
+    if tile == 0:
+        return fn(x)
+    t = x.shape[0]
+    if t == 0:
+        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
+    pad = (-t) % tile
+    if pad:  # one launch (a decode step pads its rows to one tile)
+        x = _padded(x, pad, tile)
+    if x.shape[0] == tile:
+        return fn(x)[:t]
+    return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
+
+
+_LAST_PAD: list = []  # [(source, key, padded)]: q, k and v pad one input once
+# zero rows to pad with, [tile, ...] per (device, dtype, tile, row shape): written once, never
+# freed nor replaced (a captured decode graph reads the one it was captured with)
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
+    """x with `pad` (< tile) zero rows appended, in one launch (a concatenation with cached
+    zero rows; `F.pad` fills the whole output, then copies x in). The last result is reused
+    for the same bytes: the memo holds its source, so a match of (address, shape, strides,
+    dtype, version) is the same storage, unmodified (the attention's q, k and v projections
+    read one normed input)."""
+    key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, pad)
+    if _LAST_PAD and _LAST_PAD[0][1] == key:
+        return _LAST_PAD[0][2]
+    zkey = (x.device, x.dtype, tile, tuple(x.shape[1:]))
+    zeros = _ZERO_ROWS.get(zkey)
+    if zeros is None:
+        zeros = _ZERO_ROWS[zkey] = x.new_zeros((tile, *x.shape[1:]))
+    out = torch.cat([x, zeros[:pad]])
+    _LAST_PAD[:] = [(x, key, out)]
+    return out
+
+
+class RolloutPath:
+    """The engine's GEMM path (docs/design.md §4.5): no autograd; every GEMM of a module on
+    fixed tiles of `tile` rows (`tiled`; 0: the rows at once, `batch_invariant=False`); a weight
+    held packed (`packed`) through `backend`'s low-bit or block-FP8 kernels, a QWeight's fp32
+    operands through the emulated GEMM, a high-precision weight through `F.linear`.
+    `RolloutLinear` and `RolloutExperts` hold one (`path`)."""
+
+    autograd = False
+
+    def __init__(self, tile: int, backend: Backend) -> None:
+        self.tile = tile
+        self.backend = backend
+
+    def packed(self, spec: TensorSpec) -> bool:
+        """Whether a projection of `spec` is held packed, its GEMM reading the codes: the
+        low-bit GEMM or block FP8's (the module docstring); otherwise a QWeight holds its fp32
+        operands for the emulated GEMM."""
+        return uses_low_bit_gemm(spec, self.backend) or uses_fp8_block_gemm(spec, self.backend)
+
+    def linear(
+        self, x: torch.Tensor, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
+    ) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype, `tile` rows at a time; w: the QWeight received, or
+        the high-precision weight (None: nothing loaded yet)."""
+        return tiled(functools.partial(self._matmul, w=w, spec=spec, packed=packed), x, self.tile)
+
+    def graph_safe(self, module: nn.Module) -> bool:
+        """Whether `module`'s forward can be captured in a CUDA graph on this path: it reads
+        nothing back to the host. Routed experts only in one grouped launch per projection
+        (the loop reads the per-expert counts); a projection's tiles always."""
+        if isinstance(module, RolloutExperts):
+            return module.grouped or module.grouped_bf16 or module.grouped_fp8
+        return True
+
+    def _matmul(
+        self, x: torch.Tensor, *, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
+    ) -> torch.Tensor:
+        """x [tile, K] -> [tile, N] in x's dtype."""
+        if isinstance(w, QWeight) and packed:
+            xq = quantize_activation(x, spec, self.backend)
+            if spec.format is Format.FP8_BLOCK:
+                return _fp8_block(xq, w.q, x)
+            return low_bit_matmul(xq, w.q, out_dtype=x.dtype, backend=self.backend)
+        if isinstance(w, QWeight):
+            return emulated_matmul(x.float(), w, spec, self.backend)[0].to(x.dtype)
+        assert w is not None, f"{spec.name}: no weights loaded"
+        return F.linear(x, w)
+
+
+def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:
+    """Block FP8 on CUDA: `fp8_block_matmul` (torch._scaled_mm blockwise, the trainer's
+    forward GEMM; a tile's shape is fixed, so is its cuBLAS kernel). Elsewhere (Triton's
+    interpreter): one group of the experts' grouped kernel, w [N, K] seen as [1, N, K], all
+    rows of the tile in group 0 (offsets [0, rows] built on the device). On the H200 at a
+    128-row tile: 10-16 us per attention projection against 46-87 us for the one-group
+    Triton launch and 20-65 us for the fp32 GEMM on the dequantized weight."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    n, k = w.shape
+    if x.is_cuda and n % 128 == 0 and k % 128 == 0:
+        return fp8_block_matmul(xq, w, out_dtype=dtype).to(x.dtype)
+    w3 = QTensor(w.qdata[None], w.scale[None], w.fmt, (1, *w.shape))
+    offsets = torch.arange(2, device=x.device, dtype=torch.int32) * x.shape[0]
+    return grouped_fp8_block_matmul(xq, w3, offsets, out_dtype=dtype).to(x.dtype)
+
+
+class RolloutLinear(nn.Module):
+    """A projection holding what the engine received: a quantized weight (`w`, a QWeight: the
+    QTensor, plus its fp32 operands where the GEMM is emulated) or a high-precision weight;
+    the same emulated GEMM as the trainer's QLinear. Its GEMM runs on its `RolloutPath`, which
+    decides once, by the spec and the backend, whether the weight is held packed (`packed`)."""
+
+    def __init__(
+        self, spec: TensorSpec, compute_dtype: torch.dtype, backend: Backend, tile: int
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.compute_dtype = compute_dtype
+        self.path = RolloutPath(tile, backend)
+        self.packed = self.path.packed(spec)
+        self.w: QWeight | None = None
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    @property
+    def backend(self) -> Backend:
+        return self.path.backend
+
+    @property
+    def tile(self) -> int:
+        return self.path.tile
+
+    def materialize(self, value: QTensor | torch.Tensor) -> dict:
+        """What `install` will set, computed without touching the module (staging): a QTensor's
+        QWeight (nothing derived where the GEMM reads it packed), or the weight in the compute
+        dtype."""
+        if isinstance(value, QTensor):
+            return {"w": received_weight(value, self.packed, self.backend), "weight": None}
+        return {"w": None, "weight": value.to(self.compute_dtype)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        w = self.w if self.w is not None else self.weight
+        y = self.path.linear(x2, w, self.spec, self.packed)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+class RolloutExperts(nn.Module):
+    """Grouped experts holding per-projection QTensors or weights; each expert's token group is
+    tiled so that expert GEMM shapes never depend on how many tokens the batch routed there."""
+
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        specs: dict[str, TensorSpec],
+        dtype: torch.dtype,
+        tile: int,
+        backend: Backend,
+    ) -> None:
+        super().__init__()
+        self.path = RolloutPath(tile, backend)
+        self.num_experts = experts.num_experts
+        self.specs = specs
+        self.compute_dtype = dtype
+        self.values: dict[str, QWeight | torch.Tensor | None] = dict.fromkeys(specs)
+        # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
+        # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
+        self.grouped = all(
+            uses_low_bit_gemm(spec, backend)
+            and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
+            for spec in specs.values()
+        )
+        # block-FP8 experts on the triton backend: one grouped block-FP8 launch per projection
+        # (mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul: codes and scales stay packed)
+        self.grouped_fp8 = (
+            backend is Backend.TRITON
+            and dtype in (torch.float32, torch.bfloat16)
+            and all(
+                spec.format is Format.FP8_BLOCK and spec.block == (128, 128)
+                for spec in specs.values()
+            )
+        )
+        # bf16 experts computed in bf16 on a GPU: one torch._grouped_mm per projection (sm90+)
+        self.grouped_bf16 = (
+            backend is Backend.TRITON
+            and dtype is torch.bfloat16
+            and all(spec.format is Format.BF16 for spec in specs.values())
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0)
+        )
+        self._configs: dict[str, GemmConfig] = {}
+
+    @property
+    def backend(self) -> Backend:
+        return self.path.backend
+
+    @property
+    def tile(self) -> int:
+        return self.path.tile
+
+    def materialize(self, which: str, value: QTensor | torch.Tensor):
+        if isinstance(value, QTensor):
+            return received_weight(value, self.grouped or self.grouped_fp8, self.backend)
+        return value.to(self.compute_dtype)
+
+    def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        v = self.values[which]
+        if isinstance(v, QWeight):
+            y = emulated_matmul(x.float(), v.for_expert(e), self.specs[which], self.backend)[0]
+            return y.to(x.dtype)
+        assert v is not None, f"{self.specs[which].name}: no weights loaded"
+        return F.linear(x, v[e])
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear("gate_up", e, x).chunk(2, dim=-1)
+        return self._linear("down", e, invariant.silu(gate) * up)
+
+    def forward(self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor):
+        if self.grouped:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped)
+        if self.grouped_bf16:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_mm)
+        if self.grouped_fp8:
+            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_fp8_block)
+        return moe_loop(x_TH, ids_Tk, weights_Tk, self.num_experts, self._tiled_expert)
+
+    def _tiled_expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens in fixed tiles (its GEMM shapes never depend on the batch)."""
+        return tiled(lambda t: self._expert(e, t), x_nH, self.tile)
+
+    # --- packed experts: grouped low-bit GEMMs ------------------------------------------------
+
+    def _config(self, which: str, wq: QTensor) -> GemmConfig:
+        """The launch configuration of one projection, fixed by its shape (batch invariance)."""
+        if which not in self._configs:
+            n, k = wq.shape[-2], wq.shape[-1]
+            groups = min(self.num_experts, GROUPED_CONFIG_EXPERTS)
+            sms = num_sms(wq.device)
+            fmt = self.specs[which].format.value
+            self._configs[which] = choose_config(GROUPED_CONFIG_ROWS, groups, n, k, sms, fmt)
+        return self._configs[which]
+
+    def _grouped(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        w = self.values[which]
+        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
+        wq = w.q
+        xq = quantize_activation(x, self.specs[which], self.backend)
+        return grouped_low_bit_matmul(
+            xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
+        )
+
+    def _grouped_fp8_block(
+        self, which: str, x: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """block-FP8 experts: x [rows sorted by expert, K] quantized 1x128 (the trainer's
+        quantizer), one grouped launch; a fixed tile (batch invariance)."""
+        w = self.values[which]
+        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
+        xq = quantize_activation(x, self.specs[which], self.backend)
+        return grouped_fp8_block_matmul(xq, w.q, offsets, out_dtype=x.dtype)
+
+    def _grouped_mm(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """bf16 experts: x [rows sorted by expert, K] through torch._grouped_mm (one launch)."""
+        w = self.values[which]
+        assert isinstance(w, torch.Tensor), f"{self.specs[which].name}: no weights loaded"
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
+
+    def _forward_grouped(
+        self,
+        x_TH: torch.Tensor,
+        ids_Tk: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        project: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The expert loop's result from two grouped launches (`project`): rows sorted by
+        expert, each token's k outputs then summed in ascending expert order (the loop's
+        index_add order)."""
+        group = moe_group if self.backend is Backend.TRITON else moe_group_reference
+        offsets, order, token_of, rows_Tk = group(ids_Tk, self.num_experts)
+        x_sorted = x_TH[token_of]
+        gate, up = project("gate_up", x_sorted, offsets).chunk(2, dim=-1)
+        h = project("down", invariant.silu(gate) * up, offsets)
+        # each token's k outputs, weighted, summed in ascending expert order (the loop's
+        # index_add order); fused into one launch on the triton backend (the same bytes)
+        combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
+        return combine(h, weights_Tk.reshape(-1)[order], rows_Tk)

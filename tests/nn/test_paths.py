@@ -1,0 +1,116 @@
+"""The GEMM paths as strategy objects (mxrl/nn/paths/__init__.py, docs/design.md §4.5): one path
+per `Gemm`, and a QLinear's GEMM run through the path of its choice gives, byte for byte, what
+that path's autograd Function gives called directly (forward and both gradients); the engine's
+`RolloutPath`: which weights stay packed, when experts may be captured in a CUDA graph, and a
+projection's tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxrl.formats import quantize
+from mxrl.kernels import Backend, Gemm
+from mxrl.nn import GroupedExperts, QLinear
+from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for
+from mxrl.nn.paths.reference import QMatmul, emulated_matmul
+from mxrl.nn.paths.rollout import (
+    RolloutExperts,
+    RolloutLinear,
+    RolloutPath,
+    uses_fp8_block_gemm,
+    uses_low_bit_gemm,
+)
+from mxrl.nn.paths.tensor_core import TensorCoreQMatmul
+from mxrl.recipe import Backward
+from tests.nn.test_qmatmul import _expert_specs, spec
+from tests.numerics import assert_bytes_equal
+
+
+def test_every_gemm_has_its_path():
+    assert set(PATHS) == set(Gemm)
+    for gemm in Gemm:
+        path: GemmPath = path_for(gemm)
+        assert path.gemm is gemm and path.autograd
+        assert path_for(gemm.value) is path  # a name resolves to the same object
+    assert isinstance(path_for(Gemm.REFERENCE), ReferencePath)
+    assert isinstance(path_for(Gemm.TENSOR_CORE), TensorCorePath)
+    with pytest.raises(ValueError):
+        path_for("cublas")
+
+
+def _direct(op, q, gemm, x, s, mode):
+    """op.apply on the layer's cached weight of `gemm`: y, dx, dw for a gradient of ones."""
+    x = x.detach().requires_grad_()
+    q.weight.grad = None
+    y = op.apply(x, q.weight, q.qweight(gemm), s, Backward(mode), Backend.REFERENCE)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad, q.weight.grad.clone()
+
+
+@pytest.mark.parametrize("fmt,mode", [("mxfp8", "high_precision"), ("nvfp4", "dequantized")])
+def test_a_qlinear_runs_the_function_of_its_path(fmt, mode):
+    """On these formats and modes the two Functions give different bytes on the CPU (bf16
+    operands against fp32), so the layer's bytes tell which one ran."""
+    s = spec(fmt, shape=(32, 64))
+    torch.manual_seed(0)
+    q = QLinear(64, 32, False, s, mode)
+    x = torch.randn(5, 64)
+    ops = {Gemm.REFERENCE: QMatmul, Gemm.TENSOR_CORE: TensorCoreQMatmul}
+    direct = {gemm: _direct(op, q, gemm, x, s, mode) for gemm, op in ops.items()}
+    assert not all(map(torch.equal, *direct.values()))
+    for gemm in ops:
+        q.gemm_choice = gemm
+        xg = x.clone().requires_grad_()
+        q.weight.grad = None
+        y = q(xg)
+        y.backward(torch.ones_like(y))
+        got = (y.detach(), xg.grad, q.weight.grad)
+        for name, a, b in zip(("y", "dx", "dw"), got, direct[gemm], strict=True):
+            assert_bytes_equal(a, b, f"{gemm} {name}")
+
+
+def test_the_rollout_path_captures_experts_only_when_they_run_grouped():
+    """A CUDA graph may hold the engine's routed experts only where nothing is read back to the
+    host (one grouped launch per projection; the loop reads the per-expert counts); a
+    projection's tiles always."""
+    gu, down = _expert_specs("mxfp8", e=2, h=32, i=32)
+    experts = RolloutExperts(GroupedExperts(2, 32, 32), {"gate_up": gu, "down": down},
+                             torch.float32, 8, Backend.REFERENCE)  # fmt: skip
+    assert experts.path.tile == experts.tile == 8 and experts.backend is Backend.REFERENCE
+    assert not (experts.grouped or experts.grouped_bf16 or experts.grouped_fp8)
+    assert not experts.path.graph_safe(experts)
+    for flag in ("grouped", "grouped_bf16", "grouped_fp8"):
+        setattr(experts, flag, True)
+        assert experts.path.graph_safe(experts), flag
+        setattr(experts, flag, False)
+    linear = RolloutLinear(spec("mxfp8", shape=(32, 64)), torch.float32, Backend.REFERENCE, 8)
+    assert linear.path.graph_safe(linear)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_block", "bf16"])
+@pytest.mark.parametrize("backend", list(Backend))
+def test_the_rollout_path_decides_which_weights_stay_packed(fmt, backend):
+    s = spec(fmt, shape=(256, 256))
+    want = uses_low_bit_gemm(s, backend) or uses_fp8_block_gemm(s, backend)
+    assert want == (backend is Backend.TRITON and fmt != "bf16")
+    assert RolloutPath(8, backend).packed(s) == want
+    assert RolloutLinear(s, torch.float32, backend, 8).packed == want
+
+
+@pytest.mark.parametrize("tile", [0, 4])
+def test_a_rollout_linear_runs_its_paths_tiles(tile):
+    """A received MXFP8 weight on the reference backend: the emulated GEMM on tiles of `tile`
+    rows (the last one zero-padded), or on all rows at once with tile 0."""
+    s = spec("mxfp8", shape=(32, 64))
+    torch.manual_seed(0)
+    w = quantize(torch.randn(32, 64), "mxfp8")
+    linear = RolloutLinear(s, torch.float32, Backend.REFERENCE, tile)
+    linear.w = linear.materialize(w)["w"]
+    x = torch.randn(6, 64)
+    y = linear(x)
+    assert_bytes_equal(y, linear.path.linear(x, linear.w, s, packed=False), "path")
+    padded = torch.cat([x, x.new_zeros((-6) % tile if tile else 0, 64)])
+    tiles = padded.split(tile) if tile else [x]
+    want = torch.cat([emulated_matmul(t, linear.w, s)[0] for t in tiles])[:6]
+    assert_bytes_equal(y, want, "tiles")
