@@ -18,8 +18,6 @@ from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.operands import Form
 from mxrl.nn.paths import path_for
-from mxrl.nn.paths.grouped import GroupedLinear
-from mxrl.nn.paths.reference import QMatmul
 from mxrl.nn.paths.tensor_core import uses_scaled_mm
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
@@ -197,9 +195,9 @@ class QExperts(GroupedExperts):
             return super()._grouped_proj(which, x_sorted, layout)
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         tw = self.qweight(which, Gemm.TENSOR_CORE)
-        mode, backend = self.backward_mode, self.backend
+        args = (spec, self.backward_mode, self.backend, layout)
         with no_autocast(x_sorted.device):
-            return GroupedLinear.apply(x_sorted, param, layout, tw, spec, mode, backend)
+            return path_for(Gemm.TENSOR_CORE).grouped(x_sorted, tw, param, *args)
 
     def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         spec = self.specs[which]
@@ -207,8 +205,9 @@ class QExperts(GroupedExperts):
         if spec.format is Format.BF16:
             return nn.functional.linear(x, param[e])
         wq = self.qweight(which, Gemm.REFERENCE).for_expert(e)
+        args = (spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
-            return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
+            return path_for(Gemm.REFERENCE).linear(x, wq, param[e], *args)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return self._run("gate_up", e, x_nH)

@@ -1,6 +1,7 @@
 """The GEMM paths as strategy objects (mxrl/nn/paths/__init__.py, docs/design.md §4.5): one path
-per `Gemm`, and a QLinear's GEMM run through the path of its choice gives, byte for byte, what
-that path's autograd Function gives called directly (forward and both gradients); the engine's
+per `Gemm`, and a QLinear's GEMM (a QExperts' routed experts) run through the path of its choice
+gives, byte for byte, what that path's autograd Function(s) give called directly (forward and the
+gradients); the engine's
 `RolloutPath`: which weights stay packed, when experts may be captured in a CUDA graph, and a
 projection's tiles."""
 
@@ -11,8 +12,10 @@ import torch
 
 from mxrl.formats import quantize
 from mxrl.kernels import Backend, Gemm
-from mxrl.nn import GroupedExperts, QLinear
+from mxrl.nn import GroupedExperts, QExperts, QLinear, invariant
+from mxrl.nn.experts import moe_loop
 from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for
+from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward
 from mxrl.nn.paths.reference import QMatmul, emulated_matmul
 from mxrl.nn.paths.rollout import (
     RolloutExperts,
@@ -67,6 +70,68 @@ def test_a_qlinear_runs_the_function_of_its_path(fmt, mode):
         y.backward(torch.ones_like(y))
         got = (y.detach(), xg.grad, q.weight.grad)
         for name, a, b in zip(("y", "dx", "dw"), got, direct[gemm], strict=True):
+            assert_bytes_equal(a, b, f"{gemm} {name}")
+
+
+class _Direct:
+    """QExperts' projections called straight on the autograd Functions: `QMatmul` per expert
+    for the reference's loop, `GroupedLinear` per projection for the tensor core's grouped
+    GEMMs, on the layer's cached weights of that path."""
+
+    def __init__(self, q, gemm):
+        self.q, self.gemm, self.num_experts = q, gemm, q.num_experts
+
+    def _args(self, which):
+        q = self.q
+        param = q.gate_up_proj if which == "gate_up" else q.down_proj
+        mode, backend = q.backward_mode, Backend.REFERENCE
+        return param, q.qweight(which, self.gemm), q.specs[which], mode, backend
+
+    def _grouped_proj(self, which, x_sorted, layout):
+        param, w, s, mode, backend = self._args(which)
+        return GroupedLinear.apply(x_sorted, param, layout, w, s, mode, backend)
+
+    def _proj(self, which, e, x):
+        param, w, s, mode, backend = self._args(which)
+        return QMatmul.apply(x, param[e], w.for_expert(e), s, mode, backend)
+
+    def expert(self, e, x):
+        gate, up = self._proj("gate_up", e, x).chunk(2, dim=-1)
+        return self._proj("down", e, invariant.silu_mul(gate, up))
+
+    def __call__(self, x, ids, weights):
+        if self.gemm is Gemm.TENSOR_CORE:
+            return grouped_experts_forward(self, x, ids, weights)
+        return moe_loop(x, ids, weights, self.num_experts, self.expert)
+
+
+def _experts_run(q, run, x, ids, weights):
+    """y, dx, d gate_up, d down of `run` for a gradient of ones."""
+    x = x.detach().requires_grad_()
+    q.gate_up_proj.grad = q.down_proj.grad = None
+    y = run(x, ids, weights)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad, q.gate_up_proj.grad.clone(), q.down_proj.grad.clone()
+
+
+@pytest.mark.parametrize("fmt,mode", [("mxfp8", "high_precision"), ("nvfp4", "dequantized")])
+def test_a_qexperts_runs_the_functions_of_its_path(fmt, mode):
+    """Routed experts whose shapes the grouped GEMMs take: on the CPU the reference's loop (fp32
+    operands) and the tensor core's grouped GEMMs (bf16 operands) give different bytes, so the
+    layer's bytes tell which path ran."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 32, 32)
+    experts.reset_parameters(std=0.1)
+    q = QExperts.from_experts(experts, *_expert_specs(fmt, e=2, h=32, i=32), mode)
+    x = torch.randn(5, 32)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 0], [0, 1], [1, 0]])
+    weights = torch.rand(5, 2)
+    direct = {g: _experts_run(q, _Direct(q, g), x, ids, weights) for g in Gemm}
+    assert not all(map(torch.equal, *direct.values()))
+    for gemm in Gemm:
+        q.gemm_choice = gemm
+        got = _experts_run(q, q, x, ids, weights)
+        for name, a, b in zip(("y", "dx", "d gate_up", "d down"), got, direct[gemm], strict=True):
             assert_bytes_equal(a, b, f"{gemm} {name}")
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+import mxrl.nn.paths.grouped as grouped_path
+import mxrl.nn.paths.reference as reference_path
 import mxrl.nn.qlinear as qlinear
 import mxrl.nn.weight as weight
 from mxrl.formats import decode_global_scale, quantize
@@ -199,7 +201,7 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
     layout = ExpertLayout.build(torch.tensor([[1], [0], [1], [1]]), 2)  # rows 0 | 1, 2, 3
     x = (torch.arange(4 * 32).reshape(4, 32) % 5 - 2).float()
     seen = []
-    real = qlinear.GroupedLinear.apply
+    real = grouped_path.GroupedLinear.apply
 
     class Recorder:  # the grouped GEMM's arguments, then the real GEMM
         @staticmethod
@@ -207,7 +209,7 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
             seen.append(args[3:])
             return real(*args)
 
-    monkeypatch.setattr(qlinear, "GroupedLinear", Recorder)
+    monkeypatch.setattr(grouped_path, "GroupedLinear", Recorder)
     for which, param in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
         w = param.detach().double()
         want = torch.cat([x[:1].double() @ w[0].t(), x[1:].double() @ w[1].t()])
@@ -229,7 +231,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
     specs = _expert_specs("mxfp8", e=2, h=32, i=32)
     q = QExperts.from_experts(experts, *specs, "dequantized")
     builds, gemms = [], []
-    real_build, real_apply = qlinear.path_weight, qlinear.QMatmul.apply
+    real_build, real_apply = qlinear.path_weight, reference_path.QMatmul.apply
 
     def build(gemm, *args, **kwargs):
         builds.append(gemm)
@@ -242,7 +244,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
             return real_apply(*args)
 
     monkeypatch.setattr(qlinear, "path_weight", build)
-    monkeypatch.setattr(qlinear, "QMatmul", Recorder)
+    monkeypatch.setattr(reference_path, "QMatmul", Recorder)
     x = (torch.arange(3 * 32).reshape(3, 32) % 5 - 2).float()
     for e in range(2):
         q._down(e, x)
