@@ -85,7 +85,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -96,9 +96,18 @@ class GroupedExperts(nn.Module):
     ) -> torch.Tensor:
         return self.gemm_path(x_TH.device).experts(x_TH, topk_ids_Tk, topk_weights_Tk, self)
 
+    @property
+    def gemm_choice(self) -> Gemm | None:
+        """The held path's `Gemm`, None by device (read-only: `set_gemm` sets the path)."""
+        path = getattr(self, "path", None)  # None too for a module from before the paths
+        return None if path is None else path.gemm
+
     def gemm_path(self, device: torch.device) -> GemmPath:
-        """The path this module's GEMMs run on `device` (`mxrl.nn.paths.path_for`)."""
-        return path_for(resolved_gemm(getattr(self, "gemm_choice", None), device))
+        """The path this module's GEMMs run on `device`: the one it holds, else the device's
+        (`mxrl.nn.paths.path_for`)."""
+        gemm = resolved_gemm(self.gemm_choice, device)
+        path = getattr(self, "path", None)
+        return path if path is not None else path_for(gemm)
 
     def loop(
         self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor

@@ -17,7 +17,7 @@ from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.operands import Form
-from mxrl.nn.paths import path_for
+from mxrl.nn.paths import GemmPath, path_for
 from mxrl.nn.paths.tensor_core import uses_scaled_mm
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
@@ -68,9 +68,9 @@ def path_weight(
 
 
 class QLinear(nn.Linear):
-    """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path of its `gemm_choice`
-    (`mxrl.nn.paths.path_for`: `QMatmul` for the reference, `TensorCoreQMatmul` on tensor
-    cores)."""
+    """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path it holds (`path`, set by
+    `mxrl.nn.paths.set_gemm`; None: the input device's, `path_for`): `QMatmul` for the
+    reference, `TensorCoreQMatmul` on tensor cores."""
 
     def __init__(
         self,
@@ -91,7 +91,7 @@ class QLinear(nn.Linear):
         _check_mode(spec, self.backward_mode)
         self._cache = WeightCache()
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     @classmethod
     def from_linear(
@@ -114,6 +114,11 @@ class QLinear(nn.Linear):
         q.bias = linear.bias
         return q
 
+    @property
+    def gemm_choice(self) -> Gemm | None:
+        """The held path's `Gemm`, None by device (read-only: `set_gemm` sets the path)."""
+        return None if self.path is None else self.path.gemm
+
     def set_fuse_partner(self, weight: nn.Parameter) -> None:
         """Share one NVFP4 global scale with another weight (gate with up)."""
         self._partner = [weight]
@@ -131,7 +136,8 @@ class QLinear(nn.Linear):
         args = (self.spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
             gemm = resolved_gemm(self.gemm_choice, x.device)
-            y = path_for(gemm).linear(x2, self.qweight(gemm), self.weight, *args)
+            path = self.path if self.path is not None else path_for(gemm)
+            y = path.linear(x2, self.qweight(gemm), self.weight, *args)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -173,7 +179,7 @@ class QExperts(GroupedExperts):
             if spec.format is not Format.BF16:
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
-        q.gemm_choice = getattr(experts, "gemm_choice", None)
+        q.path = getattr(experts, "path", None)
         return q
 
     def _grouped_specs(self) -> dict:

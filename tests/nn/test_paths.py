@@ -14,7 +14,7 @@ from mxrl.formats import quantize
 from mxrl.kernels import Backend, Gemm
 from mxrl.nn import GroupedExperts, QExperts, QLinear, invariant
 from mxrl.nn.experts import moe_loop
-from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for
+from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for, set_gemm
 from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward
 from mxrl.nn.paths.reference import QMatmul, emulated_matmul
 from mxrl.nn.paths.rollout import (
@@ -42,6 +42,24 @@ def test_every_gemm_has_its_path():
         path_for("cublas")
 
 
+def test_set_gemm_gives_the_trainers_modules_a_path_and_leaves_the_engines():
+    """A trainer module holds its path (None: the device's, per call); `gemm_choice` names it
+    and is read-only; the engine's modules keep their `RolloutPath`."""
+    q = QLinear(64, 32, False, spec("mxfp8", shape=(32, 64)), "dequantized")
+    experts = GroupedExperts(2, 32, 32)
+    model = torch.nn.ModuleList([q, experts])
+    assert q.path is None and experts.path is None and q.gemm_choice is None
+    assert set_gemm(model, "tensor_core") == 2
+    assert q.path is experts.path is path_for(Gemm.TENSOR_CORE)
+    assert q.gemm_choice is experts.gemm_choice is Gemm.TENSOR_CORE
+    with pytest.raises(AttributeError):
+        q.gemm_choice = Gemm.REFERENCE
+    assert set_gemm(model, None) == 2 and q.path is None and experts.gemm_choice is None
+    linear = RolloutLinear(spec("mxfp8", shape=(32, 64)), torch.float32, Backend.REFERENCE, 8)
+    rollout = linear.path
+    assert set_gemm(linear, "reference") == 0 and linear.path is rollout
+
+
 def _direct(op, q, gemm, x, s, mode):
     """op.apply on the layer's cached weight of `gemm`: y, dx, dw for a gradient of ones."""
     x = x.detach().requires_grad_()
@@ -63,7 +81,7 @@ def test_a_qlinear_runs_the_function_of_its_path(fmt, mode):
     direct = {gemm: _direct(op, q, gemm, x, s, mode) for gemm, op in ops.items()}
     assert not all(map(torch.equal, *direct.values()))
     for gemm in ops:
-        q.gemm_choice = gemm
+        set_gemm(q, gemm)
         xg = x.clone().requires_grad_()
         q.weight.grad = None
         y = q(xg)
@@ -129,7 +147,7 @@ def test_a_qexperts_runs_the_functions_of_its_path(fmt, mode):
     direct = {g: _experts_run(q, _Direct(q, g), x, ids, weights) for g in Gemm}
     assert not all(map(torch.equal, *direct.values()))
     for gemm in Gemm:
-        q.gemm_choice = gemm
+        set_gemm(q, gemm)
         got = _experts_run(q, q, x, ids, weights)
         for name, a, b in zip(("y", "dx", "d gate_up", "d down"), got, direct[gemm], strict=True):
             assert_bytes_equal(a, b, f"{gemm} {name}")

@@ -18,7 +18,7 @@ import mxrl.nn.qlinear as qlinear
 import mxrl.nn.weight as weight
 from mxrl.formats import decode_global_scale, quantize
 from mxrl.kernels import Backend, Gemm
-from mxrl.nn import GroupedExperts, QExperts, QLinear
+from mxrl.nn import GroupedExperts, QExperts, QLinear, set_gemm
 from mxrl.nn.paths.grouped import ExpertLayout
 from mxrl.nn.qlinear import path_weight
 from mxrl.recipe import Backward
@@ -147,7 +147,7 @@ def test_experts_run_a_bf16_projection_plain_and_a_quantized_one_exactly():
     """gate_up in bf16 (not quantized, no mode check: the quantized backward is allowed beside
     it), down in MXFP8: on small integers both are the float64 products."""
     experts = _int_experts()
-    experts.gemm_choice = Gemm.REFERENCE
+    set_gemm(experts, Gemm.REFERENCE)
     gu, down = _expert_specs("mxfp8", e=2, h=32, i=32)
     gu_bf16 = dataclasses.replace(gu, format="bf16")
     q = QExperts.from_experts(experts, gu_bf16, down, "quantized")
@@ -258,7 +258,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
 
 def test_experts_without_a_gemm_choice_take_the_devices():
     experts = _int_experts()
-    del experts.gemm_choice  # an experts module from before the choice existed
+    del experts.path  # an experts module from before the paths existed
     q = QExperts.from_experts(experts, *_expert_specs("mxfp8", e=2, h=32, i=32), "dequantized")
     assert q.gemm_choice is None
 
@@ -278,7 +278,7 @@ def test_a_qlinear_resolves_its_gemm_for_the_inputs_device(monkeypatch):
     q = QLinear(32, 16, False, spec("mxfp8", shape=(16, 32)), "dequantized")
     x = torch.ones(2, 32)
     q(x)
-    q.gemm_choice = Gemm.TENSOR_CORE
+    set_gemm(q, Gemm.TENSOR_CORE)
     q(x)
     assert asked == [(None, x.device), (Gemm.TENSOR_CORE, x.device)]
 

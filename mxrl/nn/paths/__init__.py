@@ -4,7 +4,8 @@ GEMMs, `QMatmul`), `tensor_core` (bf16 tensor cores with fp32 accumulation, bloc
 fixed-shape tiles, packed low-bit and block-FP8 GEMMs, no autograd).
 
 `GemmPath` is the strategy a quantized layer hands its GEMMs to, and `path_for(gemm)` the
-trainer's path for a `Gemm` (a module's `gemm_choice`, or `Kernels.train_gemm` by device).
+trainer's path for a `Gemm`. A trainer module holds its path (`path`, set by `set_gemm`; None:
+`Kernels.train_gemm` by device, resolved per call; `gemm_choice`, read-only, names it).
 Today `QLinear` runs its GEMM through it (`linear`) and `GroupedExperts` / `QExperts` their
 routed experts (`experts`: the reference's loop, each quantized projection `ReferencePath.linear`
 on one expert's slice; the tensor core's grouped GEMMs, each quantized projection
@@ -68,4 +69,18 @@ def path_for(gemm: Gemm | str) -> GemmPath:
     return PATHS[Gemm(gemm)]
 
 
-__all__ = ["PATHS", "GemmPath", "ReferencePath", "TensorCorePath", "path_for"]
+def set_gemm(model: nn.Module, gemm: Gemm | str | None) -> int:
+    """Set the GEMM path of every training op of `model` (QLinear, GroupedExperts, QExperts:
+    the modules with a `gemm_choice`; the engine's modules hold a `RolloutPath` and have none)
+    to `path_for(gemm)`; None restores the device default (`path` None). Returns how many
+    modules were set."""
+    path = None if gemm is None else path_for(gemm)
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "gemm_choice"):
+            module.path = path
+            count += 1
+    return count
+
+
+__all__ = ["PATHS", "GemmPath", "ReferencePath", "TensorCorePath", "path_for", "set_gemm"]
