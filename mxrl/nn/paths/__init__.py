@@ -9,10 +9,11 @@ trainer's path for a `Gemm`. A trainer module holds its path (`path`, set by `se
 Today `QLinear` runs its GEMM through it (`linear`) and `GroupedExperts` / `QExperts` their
 routed experts (`experts`: the reference's loop, each quantized projection `ReferencePath.linear`
 on one expert's slice; the tensor core's grouped GEMMs, each quantized projection
-`TensorCorePath.grouped`, where the formats and shapes allow); the engine's `RolloutLinear` runs
-its GEMM through its `RolloutPath` (`rollout.py`: tiles, no autograd, its own `linear`
-signature), while `RolloutExperts` still runs its expert GEMMs itself (redesign item 16 moves
-the engine onto `QLinear` / `QExperts`).
+`TensorCorePath.grouped`, where the formats and shapes allow); the engine's `RolloutLinear`
+runs its GEMM through its `RolloutPath` (`rollout.py`: tiles, no autograd; `linear` takes the
+same arguments, `master`, `mode` and `backend` unread; no `gemm`, no `experts`), while
+`RolloutExperts` still runs its expert GEMMs itself (redesign item 16 moves the engine onto
+`QLinear` / `QExperts`).
 """
 
 from __future__ import annotations
