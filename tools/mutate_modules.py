@@ -63,7 +63,8 @@ MODULES = {
     ),
     "nn": Module(
         ("mxrl/nn/qlinear.py", "mxrl/nn/paths/reference.py", "mxrl/nn/gemm.py",
-         "mxrl/nn/paths/grouped.py", "mxrl/nn/experts.py", "mxrl/nn/apply.py"),
+         "mxrl/nn/paths/grouped.py", "mxrl/nn/experts.py", "mxrl/nn/apply.py",
+         "mxrl/nn/paths/__init__.py"),
         ("tests/nn",),
     ),
     "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),

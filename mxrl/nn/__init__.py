@@ -7,7 +7,7 @@ set_gemm(model, "reference")   # the fp32 reference GEMMs (`mxrl.kernels.Gemm`) 
 
 from mxrl.nn.apply import apply_plan, swap_table
 from mxrl.nn.experts import GroupedExperts
-from mxrl.nn.gemm import set_gemm
+from mxrl.nn.paths import set_gemm
 from mxrl.nn.paths.reference import QMatmul
 from mxrl.nn.qlinear import QExperts, QLinear
 from mxrl.nn.swap import Swap

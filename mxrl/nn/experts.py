@@ -7,9 +7,11 @@ Tokens are grouped by expert (a stable sort of the T*k assignments), each expert
 tokens, and the weighted outputs are scattered back with index_add. `QExperts` (mxrl.nn.qlinear)
 overrides `_gate_up` and `_down` to run the quantized GEMMs; the routing and reduction are shared.
 
-That loop is the reference (`Gemm.REFERENCE`, the CPU default). With `Gemm.TENSOR_CORE` (the
-default on CUDA sm_90+) both projections run as grouped GEMMs instead (`mxrl.nn.paths.grouped`:
-`_grouped_proj`, overridden by QExperts), with no Python loop and no host sync.
+`forward` hands the module to its GEMM path (`mxrl.nn.paths`, `GemmPath.experts`): the loop
+(`loop`) is the reference's (`Gemm.REFERENCE`, the CPU default); with `Gemm.TENSOR_CORE` (the
+default on CUDA sm_90+) both projections run as grouped GEMMs instead where `grouped_fits`
+(`mxrl.nn.paths.grouped`: `_grouped_proj`, overridden by QExperts), with no Python loop and no
+host sync.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from torch import nn
 from mxrl.kernels.backend import Gemm
 from mxrl.nn import invariant
 from mxrl.nn.gemm import resolved_gemm
-from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward, grouped_supported
+from mxrl.nn.paths import GemmPath, path_for
+from mxrl.nn.paths.grouped import GroupedLinear, grouped_supported
 
 # The two expert projections by role (the keys QExperts and the engine keep their specs under)
 # and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.
@@ -82,7 +85,7 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -91,18 +94,34 @@ class GroupedExperts(nn.Module):
     def forward(
         self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
     ) -> torch.Tensor:
-        if self.uses_grouped_gemm(x_TH.device):
-            return grouped_experts_forward(self, x_TH, topk_ids_Tk, topk_weights_Tk)
+        return self.gemm_path(x_TH.device).experts(x_TH, topk_ids_Tk, topk_weights_Tk, self)
+
+    @property
+    def gemm_choice(self) -> Gemm | None:
+        """The held path's `Gemm`, None by device (read-only: `set_gemm` sets the path)."""
+        path = getattr(self, "path", None)  # None too for a module from before the paths
+        return None if path is None else path.gemm
+
+    def gemm_path(self, device: torch.device) -> GemmPath:
+        """The path this module's GEMMs run on `device`: the one it holds, else the device's
+        (`mxrl.nn.paths.path_for`)."""
+        gemm = resolved_gemm(self.gemm_choice, device)
+        path = getattr(self, "path", None)
+        return path if path is not None else path_for(gemm)
+
+    def loop(
+        self, x_TH: torch.Tensor, topk_ids_Tk: torch.Tensor, topk_weights_Tk: torch.Tensor
+    ) -> torch.Tensor:
+        """The loop form (`moe_loop`), each expert through `_gate_up` and `_down`."""
         return moe_loop(x_TH, topk_ids_Tk, topk_weights_Tk, self.num_experts, self._expert)
 
     def _expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         gate, up = self._gate_up(e, x_nH).chunk(2, dim=-1)
         return self._down(e, invariant.silu_mul(gate, up))
 
-    def uses_grouped_gemm(self, device: torch.device) -> bool:
-        """Whether forward runs the grouped GEMMs (TENSOR_CORE and shapes they take)."""
-        if resolved_gemm(getattr(self, "gemm_choice", None), device) is not Gemm.TENSOR_CORE:
-            return False
+    def grouped_fits(self, device: torch.device) -> bool:
+        """Whether the grouped GEMMs take these experts' formats and shapes on `device` (the
+        tensor-core path runs them where they do)."""
         dims = (self.hidden_size, self.intermediate_size)
         backward = getattr(self, "backward_mode", None)
         return grouped_supported(self._grouped_specs(), dims, device, backward)

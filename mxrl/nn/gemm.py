@@ -1,5 +1,6 @@
-"""The training ops' GEMM helpers, and `set_gemm`: which GEMMs a module runs (`Gemm`, chosen by
-`mxrl.kernels.Kernels.resolve`; by device by default, house style 5).
+"""The training ops' GEMM helpers, and `resolved_gemm`: which GEMMs a module runs (`Gemm`, chosen
+by `mxrl.kernels.Kernels.resolve`; by device by default, house style 5; a module holds the path
+that runs them, `mxrl.nn.paths.set_gemm`).
 
 - `Gemm.REFERENCE`: the CPU path and the test oracle. fp32 GEMMs on the operands docs/nn.md names
   (`mxrl.nn.paths.reference`), routed experts one expert at a time (a Python loop, a host sync
@@ -23,20 +24,9 @@ import torch
 from mxrl.kernels.backend import Gemm, default_kernels
 
 
-def set_gemm(model: torch.nn.Module, gemm: Gemm | str | None) -> int:
-    """Set the GEMMs of every training op of `model` (QLinear, GroupedExperts, QExperts); None
-    restores the device default. Returns how many modules were set."""
-    choice = None if gemm is None else Gemm(gemm)
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "gemm_choice"):
-            module.gemm_choice = choice
-            count += 1
-    return count
-
-
 def resolved_gemm(choice: Gemm | str | None, device: torch.device) -> Gemm:
-    """A module's choice, or the device default (`default_kernels(device).train_gemm`, cached)."""
+    """A module's choice (its path's `Gemm`, `gemm_choice`), or the device default
+    (`default_kernels(device).train_gemm`, cached)."""
     return Gemm(choice) if choice is not None else default_kernels(device).train_gemm
 
 

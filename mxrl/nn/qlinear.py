@@ -17,9 +17,7 @@ from mxrl.kernels.backend import Gemm
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.gemm import no_autocast, resolved_gemm
 from mxrl.nn.operands import Form
-from mxrl.nn.paths import path_for
-from mxrl.nn.paths.grouped import GroupedLinear
-from mxrl.nn.paths.reference import QMatmul
+from mxrl.nn.paths import GemmPath, path_for
 from mxrl.nn.paths.tensor_core import uses_scaled_mm
 from mxrl.nn.weight import QWeight, WeightCache
 from mxrl.recipe import Backward, TensorSpec
@@ -70,9 +68,9 @@ def path_weight(
 
 
 class QLinear(nn.Linear):
-    """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path of its `gemm_choice`
-    (`mxrl.nn.paths.path_for`: `QMatmul` for the reference, `TensorCoreQMatmul` on tensor
-    cores)."""
+    """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path it holds (`path`, set by
+    `mxrl.nn.paths.set_gemm`; None: the input device's, `path_for`): `QMatmul` for the
+    reference, `TensorCoreQMatmul` on tensor cores."""
 
     def __init__(
         self,
@@ -93,7 +91,7 @@ class QLinear(nn.Linear):
         _check_mode(spec, self.backward_mode)
         self._cache = WeightCache()
         self._partner: list[nn.Parameter] = []  # fuse partner's weight; a list: not a submodule
-        self.gemm_choice: Gemm | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
 
     @classmethod
     def from_linear(
@@ -116,6 +114,11 @@ class QLinear(nn.Linear):
         q.bias = linear.bias
         return q
 
+    @property
+    def gemm_choice(self) -> Gemm | None:
+        """The held path's `Gemm`, None by device (read-only: `set_gemm` sets the path)."""
+        return None if self.path is None else self.path.gemm
+
     def set_fuse_partner(self, weight: nn.Parameter) -> None:
         """Share one NVFP4 global scale with another weight (gate with up)."""
         self._partner = [weight]
@@ -133,7 +136,8 @@ class QLinear(nn.Linear):
         args = (self.spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
             gemm = resolved_gemm(self.gemm_choice, x.device)
-            y = path_for(gemm).linear(x2, self.qweight(gemm), self.weight, *args)
+            path = self.path if self.path is not None else path_for(gemm)
+            y = path.linear(x2, self.qweight(gemm), self.weight, *args)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -175,7 +179,7 @@ class QExperts(GroupedExperts):
             if spec.format is not Format.BF16:
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
-        q.gemm_choice = getattr(experts, "gemm_choice", None)
+        q.path = getattr(experts, "path", None)
         return q
 
     def _grouped_specs(self) -> dict:
@@ -197,9 +201,9 @@ class QExperts(GroupedExperts):
             return super()._grouped_proj(which, x_sorted, layout)
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         tw = self.qweight(which, Gemm.TENSOR_CORE)
-        mode, backend = self.backward_mode, self.backend
+        args = (spec, self.backward_mode, self.backend, layout)
         with no_autocast(x_sorted.device):
-            return GroupedLinear.apply(x_sorted, param, layout, tw, spec, mode, backend)
+            return path_for(Gemm.TENSOR_CORE).grouped(x_sorted, tw, param, *args)
 
     def _run(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
         spec = self.specs[which]
@@ -207,8 +211,9 @@ class QExperts(GroupedExperts):
         if spec.format is Format.BF16:
             return nn.functional.linear(x, param[e])
         wq = self.qweight(which, Gemm.REFERENCE).for_expert(e)
+        args = (spec, self.backward_mode, self.backend)
         with no_autocast(x.device):
-            return QMatmul.apply(x, param[e], wq, spec, self.backward_mode, self.backend)
+            return path_for(Gemm.REFERENCE).linear(x, wq, param[e], *args)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return self._run("gate_up", e, x_nH)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mxrl.kernels import Backend
-from mxrl.nn import QLinear
+from mxrl.nn import QLinear, set_gemm
 from mxrl.recipe import TensorSpec
 from tests.kernels import conftest as kernels_conftest
 from tests.numerics import assert_bytes_equal
@@ -124,7 +124,7 @@ def _tensor_core_grads(fmt: str, mode: str, backend: Backend, calls: list):
     lin = tq.make_linear(fmt, mode)
     q = QLinear.from_linear(nn.Linear(tq.K, tq.N, bias=False), lin.spec, mode, backend=backend)
     q.weight = lin.weight
-    q.gemm_choice = "tensor_core"
+    set_gemm(q, "tensor_core")
     x, dy = tq.inputs()
     x = x.clone().requires_grad_(True)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def _tensor_core_grads(fmt: str, mode: str, backend: Backend, calls: list):
     y.backward(dy.to(torch.bfloat16).float())
     out = [y.detach(), x.grad, q.weight.grad]
     experts, module = _module(fmt, mode, backend=backend.value)
-    module.gemm_choice = "tensor_core"
+    set_gemm(module, "tensor_core")
     g = torch.Generator().manual_seed(9)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(21)])
     h = torch.randn(21, experts.hidden_size, generator=g).requires_grad_(True)

@@ -21,8 +21,8 @@ from mxrl.formats import dequantize, quantize
 from mxrl.kernels import Backend, Gemm, Kernels
 from mxrl.models import build_model
 from mxrl.models.layers import LayerInputs
-from mxrl.nn import GroupedExperts, QExperts, apply_plan
-from mxrl.nn.gemm import resolved_gemm, set_gemm
+from mxrl.nn import GroupedExperts, QExperts, apply_plan, set_gemm
+from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.operands import Form
 from mxrl.nn.paths.grouped import ExpertLayout, PaddedLayout, _GatherTokens
 from mxrl.recipe import resolve
@@ -48,7 +48,7 @@ def assert_within(fast, ref, absprod, k, operand_err, what=""):
 
 
 def _run(q, gemm, x, dy):
-    q.gemm_choice = gemm
+    set_gemm(q, gemm)
     q.weight.grad = None
     x = x.clone().requires_grad_(True)
     y = q(x)
@@ -268,7 +268,7 @@ def test_grouped_experts_module_runs_and_routes_like_the_loop(fmt, mode):
     x, ids, w = _route()
     outs = {}
     for gemm in ("reference", "tensor_core"):
-        module.gemm_choice = gemm
+        set_gemm(module, gemm)
         xg = x.clone().requires_grad_(True)
         y = module(xg, ids, w)
         y.square().sum().backward()
@@ -349,7 +349,7 @@ def test_column_copy_is_built_by_the_backward_and_refused_after_an_optimizer_ste
     between a forward and a backward that has not made the copy yet is refused, naming the
     fix, instead of differentiating through weights the forward never used."""
     q = make_linear("mxfp8", "quantized")
-    q.gemm_choice = Gemm.TENSOR_CORE
+    set_gemm(q, Gemm.TENSOR_CORE)
     x, dy = inputs()
     y = q(x.clone().requires_grad_(True))
     tw = q.qweight(Gemm.TENSOR_CORE)
@@ -383,7 +383,7 @@ def test_an_optimizer_stepping_inside_the_backward_is_not_refused():
     last.in_features = first.out_features
     last.spec = spec_like(last.spec, (last.out_features, first.out_features))
     for q in (first, last):
-        q.gemm_choice = Gemm.TENSOR_CORE
+        set_gemm(q, Gemm.TENSOR_CORE)
         opt = torch.optim.SGD([q.weight], lr=0.1)
         q.weight.register_post_accumulate_grad_hook(lambda p, opt=opt: opt.step())
     torch.optim.SGD([first.weight], lr=0.1).step()  # after a step: no column copy held yet

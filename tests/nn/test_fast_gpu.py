@@ -58,9 +58,9 @@ def test_dense_forward_on_tensor_cores_within_the_order_bound(fmt):
     q = make_linear(fmt).cuda()
     x, _ = inputs()
     x = x.cuda()
-    q.gemm_choice = Gemm.REFERENCE
+    set_gemm(q, Gemm.REFERENCE)
     y_ref = q(x).detach()
-    q.gemm_choice = Gemm.TENSOR_CORE
+    set_gemm(q, Gemm.TENSOR_CORE)
     y = q(x).detach()
     absprod = x.abs() @ q.weight.detach().abs().t()
     assert_within(y, y_ref, absprod, x.shape[1], 2.0**-8 if fmt == "nvfp4" else 0.0, "forward")
@@ -69,9 +69,9 @@ def test_dense_forward_on_tensor_cores_within_the_order_bound(fmt):
 def test_dense_fp8_block_forward_on_scaled_mm():
     q = make_linear("fp8_block").cuda()
     x = torch.randn(300, q.in_features, device="cuda")
-    q.gemm_choice = Gemm.REFERENCE
+    set_gemm(q, Gemm.REFERENCE)
     y_ref = q(x).detach()
-    q.gemm_choice = Gemm.TENSOR_CORE
+    set_gemm(q, Gemm.TENSOR_CORE)
     y = q(x).detach()
     assert (y - y_ref).abs().max() <= 2e-3 * y_ref.abs().max()  # Hopper FP8 accumulation
 
@@ -98,7 +98,7 @@ def test_dense_fp8_block_quantized_backward_on_scaled_mm(rows):
     dy = dy.to(BF16).float()
     grads = {}
     for gemm in (Gemm.REFERENCE, Gemm.TENSOR_CORE):
-        q.gemm_choice = gemm
+        set_gemm(q, gemm)
         q.weight.grad = None
         xg = x.clone().requires_grad_(True)
         q(xg).backward(dy)

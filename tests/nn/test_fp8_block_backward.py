@@ -17,7 +17,7 @@ from torch import nn
 
 from mxrl.formats import dequantize, quantize
 from mxrl.kernels import Gemm
-from mxrl.nn import QExperts, QLinear
+from mxrl.nn import QExperts, QLinear, set_gemm
 from tests.nn.test_fast import EXACT, _run, assert_within
 from tests.nn.test_qmatmul import _expert_specs, _experts, spec
 from tests.numerics import assert_bytes_equal
@@ -111,7 +111,7 @@ def test_output_features_not_whole_blocks_pad_dy_with_zeros(gemm):
     row-block): dx is that formula, bit for bit, on both paths."""
     n = 192
     q = _linear(n=n)
-    q.gemm_choice = gemm
+    set_gemm(q, gemm)
     x, dy = _inputs(40)
     dy = dy[:, :n].contiguous()
     xg = x.clone().requires_grad_(True)

@@ -11,6 +11,7 @@ import torch
 
 from mxrl.formats import decode_global_scale, dequantize, quantize
 from mxrl.kernels import Gemm
+from mxrl.nn import set_gemm
 from mxrl.nn.operands import OPERANDS, GemmKind, Operand, form_of
 from mxrl.recipe import Backward
 from tests.nn.test_fp8_block_backward import _col as _fp8_block_col
@@ -106,7 +107,7 @@ def _wide(t):
 
 def _case(fmt, mode, gemm=None):
     q = make_linear(fmt, mode.value)
-    q.gemm_choice = gemm
+    set_gemm(q, gemm)
     with torch.no_grad():
         q.weight.copy_(_wide(q.weight))
     x, dy = inputs(rows=50)  # not whole blocks of tokens: the column-wise copies pad

@@ -1,6 +1,7 @@
 """The GEMM paths as strategy objects (mxrl/nn/paths/__init__.py, docs/design.md §4.5): one path
-per `Gemm`, and a QLinear's GEMM run through the path of its choice gives, byte for byte, what
-that path's autograd Function gives called directly (forward and both gradients); the engine's
+per `Gemm`, and a QLinear's GEMM (a QExperts' routed experts) run through the path of its choice
+gives, byte for byte, what that path's autograd Function(s) give called directly (forward and the
+gradients); the engine's
 `RolloutPath`: which weights stay packed, when experts may be captured in a CUDA graph, and a
 projection's tiles."""
 
@@ -11,8 +12,10 @@ import torch
 
 from mxrl.formats import quantize
 from mxrl.kernels import Backend, Gemm
-from mxrl.nn import GroupedExperts, QLinear
-from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for
+from mxrl.nn import GroupedExperts, QExperts, QLinear, invariant
+from mxrl.nn.experts import moe_loop
+from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for, set_gemm
+from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward
 from mxrl.nn.paths.reference import QMatmul, emulated_matmul
 from mxrl.nn.paths.rollout import (
     RolloutExperts,
@@ -39,6 +42,24 @@ def test_every_gemm_has_its_path():
         path_for("cublas")
 
 
+def test_set_gemm_gives_the_trainers_modules_a_path_and_leaves_the_engines():
+    """A trainer module holds its path (None: the device's, per call); `gemm_choice` names it
+    and is read-only; the engine's modules keep their `RolloutPath`."""
+    q = QLinear(64, 32, False, spec("mxfp8", shape=(32, 64)), "dequantized")
+    experts = GroupedExperts(2, 32, 32)
+    model = torch.nn.ModuleList([q, experts])
+    assert q.path is None and experts.path is None and q.gemm_choice is None
+    assert set_gemm(model, "tensor_core") == 2
+    assert q.path is experts.path is path_for(Gemm.TENSOR_CORE)
+    assert q.gemm_choice is experts.gemm_choice is Gemm.TENSOR_CORE
+    with pytest.raises(AttributeError):
+        q.gemm_choice = Gemm.REFERENCE
+    assert set_gemm(model, None) == 2 and q.path is None and experts.gemm_choice is None
+    linear = RolloutLinear(spec("mxfp8", shape=(32, 64)), torch.float32, Backend.REFERENCE, 8)
+    rollout = linear.path
+    assert set_gemm(linear, "reference") == 0 and linear.path is rollout
+
+
 def _direct(op, q, gemm, x, s, mode):
     """op.apply on the layer's cached weight of `gemm`: y, dx, dw for a gradient of ones."""
     x = x.detach().requires_grad_()
@@ -60,13 +81,75 @@ def test_a_qlinear_runs_the_function_of_its_path(fmt, mode):
     direct = {gemm: _direct(op, q, gemm, x, s, mode) for gemm, op in ops.items()}
     assert not all(map(torch.equal, *direct.values()))
     for gemm in ops:
-        q.gemm_choice = gemm
+        set_gemm(q, gemm)
         xg = x.clone().requires_grad_()
         q.weight.grad = None
         y = q(xg)
         y.backward(torch.ones_like(y))
         got = (y.detach(), xg.grad, q.weight.grad)
         for name, a, b in zip(("y", "dx", "dw"), got, direct[gemm], strict=True):
+            assert_bytes_equal(a, b, f"{gemm} {name}")
+
+
+class _Direct:
+    """QExperts' projections called straight on the autograd Functions: `QMatmul` per expert
+    for the reference's loop, `GroupedLinear` per projection for the tensor core's grouped
+    GEMMs, on the layer's cached weights of that path."""
+
+    def __init__(self, q, gemm):
+        self.q, self.gemm, self.num_experts = q, gemm, q.num_experts
+
+    def _args(self, which):
+        q = self.q
+        param = q.gate_up_proj if which == "gate_up" else q.down_proj
+        mode, backend = q.backward_mode, Backend.REFERENCE
+        return param, q.qweight(which, self.gemm), q.specs[which], mode, backend
+
+    def _grouped_proj(self, which, x_sorted, layout):
+        param, w, s, mode, backend = self._args(which)
+        return GroupedLinear.apply(x_sorted, param, layout, w, s, mode, backend)
+
+    def _proj(self, which, e, x):
+        param, w, s, mode, backend = self._args(which)
+        return QMatmul.apply(x, param[e], w.for_expert(e), s, mode, backend)
+
+    def expert(self, e, x):
+        gate, up = self._proj("gate_up", e, x).chunk(2, dim=-1)
+        return self._proj("down", e, invariant.silu_mul(gate, up))
+
+    def __call__(self, x, ids, weights):
+        if self.gemm is Gemm.TENSOR_CORE:
+            return grouped_experts_forward(self, x, ids, weights)
+        return moe_loop(x, ids, weights, self.num_experts, self.expert)
+
+
+def _experts_run(q, run, x, ids, weights):
+    """y, dx, d gate_up, d down of `run` for a gradient of ones."""
+    x = x.detach().requires_grad_()
+    q.gate_up_proj.grad = q.down_proj.grad = None
+    y = run(x, ids, weights)
+    y.backward(torch.ones_like(y))
+    return y.detach(), x.grad, q.gate_up_proj.grad.clone(), q.down_proj.grad.clone()
+
+
+@pytest.mark.parametrize("fmt,mode", [("mxfp8", "high_precision"), ("nvfp4", "dequantized")])
+def test_a_qexperts_runs_the_functions_of_its_path(fmt, mode):
+    """Routed experts whose shapes the grouped GEMMs take: on the CPU the reference's loop (fp32
+    operands) and the tensor core's grouped GEMMs (bf16 operands) give different bytes, so the
+    layer's bytes tell which path ran."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 32, 32)
+    experts.reset_parameters(std=0.1)
+    q = QExperts.from_experts(experts, *_expert_specs(fmt, e=2, h=32, i=32), mode)
+    x = torch.randn(5, 32)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 0], [0, 1], [1, 0]])
+    weights = torch.rand(5, 2)
+    direct = {g: _experts_run(q, _Direct(q, g), x, ids, weights) for g in Gemm}
+    assert not all(map(torch.equal, *direct.values()))
+    for gemm in Gemm:
+        set_gemm(q, gemm)
+        got = _experts_run(q, q, x, ids, weights)
+        for name, a, b in zip(("y", "dx", "d gate_up", "d down"), got, direct[gemm], strict=True):
             assert_bytes_equal(a, b, f"{gemm} {name}")
 
 
@@ -109,7 +192,8 @@ def test_a_rollout_linear_runs_its_paths_tiles(tile):
     linear.w = linear.materialize(w)["w"]
     x = torch.randn(6, 64)
     y = linear(x)
-    assert_bytes_equal(y, linear.path.linear(x, linear.w, s, packed=False), "path")
+    assert not linear.packed
+    assert_bytes_equal(y, linear.path.linear(x, linear.w, None, s, None, None), "path")
     padded = torch.cat([x, x.new_zeros((-6) % tile if tile else 0, 64)])
     tiles = padded.split(tile) if tile else [x]
     want = torch.cat([emulated_matmul(t, linear.w, s)[0] for t in tiles])[:6]

@@ -12,11 +12,13 @@ import pytest
 import torch
 from torch import nn
 
+import mxrl.nn.paths.grouped as grouped_path
+import mxrl.nn.paths.reference as reference_path
 import mxrl.nn.qlinear as qlinear
 import mxrl.nn.weight as weight
 from mxrl.formats import decode_global_scale, quantize
 from mxrl.kernels import Backend, Gemm
-from mxrl.nn import GroupedExperts, QExperts, QLinear
+from mxrl.nn import GroupedExperts, QExperts, QLinear, set_gemm
 from mxrl.nn.paths.grouped import ExpertLayout
 from mxrl.nn.qlinear import path_weight
 from mxrl.recipe import Backward
@@ -145,7 +147,7 @@ def test_experts_run_a_bf16_projection_plain_and_a_quantized_one_exactly():
     """gate_up in bf16 (not quantized, no mode check: the quantized backward is allowed beside
     it), down in MXFP8: on small integers both are the float64 products."""
     experts = _int_experts()
-    experts.gemm_choice = Gemm.REFERENCE
+    set_gemm(experts, Gemm.REFERENCE)
     gu, down = _expert_specs("mxfp8", e=2, h=32, i=32)
     gu_bf16 = dataclasses.replace(gu, format="bf16")
     q = QExperts.from_experts(experts, gu_bf16, down, "quantized")
@@ -199,7 +201,7 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
     layout = ExpertLayout.build(torch.tensor([[1], [0], [1], [1]]), 2)  # rows 0 | 1, 2, 3
     x = (torch.arange(4 * 32).reshape(4, 32) % 5 - 2).float()
     seen = []
-    real = qlinear.GroupedLinear.apply
+    real = grouped_path.GroupedLinear.apply
 
     class Recorder:  # the grouped GEMM's arguments, then the real GEMM
         @staticmethod
@@ -207,7 +209,7 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
             seen.append(args[3:])
             return real(*args)
 
-    monkeypatch.setattr(qlinear, "GroupedLinear", Recorder)
+    monkeypatch.setattr(grouped_path, "GroupedLinear", Recorder)
     for which, param in (("gate_up", experts.gate_up_proj), ("down", experts.down_proj)):
         w = param.detach().double()
         want = torch.cat([x[:1].double() @ w[0].t(), x[1:].double() @ w[1].t()])
@@ -229,7 +231,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
     specs = _expert_specs("mxfp8", e=2, h=32, i=32)
     q = QExperts.from_experts(experts, *specs, "dequantized")
     builds, gemms = [], []
-    real_build, real_apply = qlinear.path_weight, qlinear.QMatmul.apply
+    real_build, real_apply = qlinear.path_weight, reference_path.QMatmul.apply
 
     def build(gemm, *args, **kwargs):
         builds.append(gemm)
@@ -242,7 +244,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
             return real_apply(*args)
 
     monkeypatch.setattr(qlinear, "path_weight", build)
-    monkeypatch.setattr(qlinear, "QMatmul", Recorder)
+    monkeypatch.setattr(reference_path, "QMatmul", Recorder)
     x = (torch.arange(3 * 32).reshape(3, 32) % 5 - 2).float()
     for e in range(2):
         q._down(e, x)
@@ -256,7 +258,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
 
 def test_experts_without_a_gemm_choice_take_the_devices():
     experts = _int_experts()
-    del experts.gemm_choice  # an experts module from before the choice existed
+    del experts.path  # an experts module from before the paths existed
     q = QExperts.from_experts(experts, *_expert_specs("mxfp8", e=2, h=32, i=32), "dequantized")
     assert q.gemm_choice is None
 
@@ -276,7 +278,7 @@ def test_a_qlinear_resolves_its_gemm_for_the_inputs_device(monkeypatch):
     q = QLinear(32, 16, False, spec("mxfp8", shape=(16, 32)), "dequantized")
     x = torch.ones(2, 32)
     q(x)
-    q.gemm_choice = Gemm.TENSOR_CORE
+    set_gemm(q, Gemm.TENSOR_CORE)
     q(x)
     assert asked == [(None, x.device), (Gemm.TENSOR_CORE, x.device)]
 

@@ -11,7 +11,7 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize, quantize
 from mxrl.kernels import Gemm
-from mxrl.nn import QExperts, QWeight
+from mxrl.nn import QExperts, QWeight, set_gemm
 from mxrl.nn.operands import Form
 from tests.nn.test_qmatmul import _expert_specs, _experts, inputs, make_linear, spec, weight_kwargs
 from tests.numerics import assert_bytes_equal
@@ -114,7 +114,7 @@ def test_each_path_holds_what_docs_nn_says(fmt, mode):
     q = make_linear(fmt, mode)
     x, dy = inputs()
     for gemm in (Gemm.TENSOR_CORE, Gemm.REFERENCE):
-        q.gemm_choice = gemm
+        set_gemm(q, gemm)
         q(x.clone().requires_grad_(True)).backward(dy)
         held = q.qweight(gemm).held
         if gemm is Gemm.TENSOR_CORE:

@@ -3,12 +3,17 @@ GEMMs, `QMatmul`), `tensor_core` (bf16 tensor cores with fp32 accumulation, bloc
 `torch._scaled_mm`), `grouped` (grouped expert GEMMs with autograd) and `rollout` (the engine's
 fixed-shape tiles, packed low-bit and block-FP8 GEMMs, no autograd).
 
-`GemmPath` is the strategy a quantized layer hands its GEMM to, and `path_for(gemm)` the
-trainer's path for a `Gemm` (a module's `gemm_choice`, or `Kernels.train_gemm` by device).
-Today `QLinear` runs its GEMM through it, and the engine's `RolloutLinear` through its
-`RolloutPath` (`rollout.py`: tiles, no autograd, its own `linear` signature); `QExperts` and
-`RolloutExperts` still run their expert GEMMs themselves (redesign item 16 moves them onto
-paths, and the engine onto `QLinear` / `QExperts`).
+`GemmPath` is the strategy a quantized layer hands its GEMMs to, and `path_for(gemm)` the
+trainer's path for a `Gemm`. A trainer module holds its path (`path`, set by `set_gemm`; None:
+`Kernels.train_gemm` by device, resolved per call; `gemm_choice`, read-only, names it).
+Today `QLinear` runs its GEMM through it (`linear`) and `GroupedExperts` / `QExperts` their
+routed experts (`experts`: the reference's loop, each quantized projection `ReferencePath.linear`
+on one expert's slice; the tensor core's grouped GEMMs, each quantized projection
+`TensorCorePath.grouped`, where the formats and shapes allow); the engine's `RolloutLinear`
+runs its GEMM through its `RolloutPath` (`rollout.py`: tiles, no autograd; `linear` takes the
+same arguments, `master`, `mode` and `backend` unread; no `gemm`, no `experts`), while
+`RolloutExperts` still runs its expert GEMMs itself (redesign item 16 moves the engine onto
+`QLinear` / `QExperts`).
 """
 
 from __future__ import annotations
@@ -16,17 +21,21 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from mxrl.kernels import Backend, Gemm
+from mxrl.nn.paths.grouped import TensorCorePath
 from mxrl.nn.paths.reference import ReferencePath
-from mxrl.nn.paths.tensor_core import TensorCorePath
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 
 
 class GemmPath(Protocol):
-    """What a quantized layer's GEMM runs on: `linear` computes y = Qa(x) (x) w, differentiable
-    into `master` where `autograd`."""
+    """What a quantized layer's GEMMs run on: `linear` computes y = Qa(x) (x) w, differentiable
+    into `master` where `autograd`; `experts` a routed-experts module's output [T, H] for its
+    tokens x_TH routed to ids_Tk with weights_Tk (calling back the module's `loop` or its
+    `_grouped_proj`, which run their projections on this path or on GroupedExperts' own bf16
+    GEMMs)."""
 
     gemm: Gemm
     autograd: bool
@@ -41,6 +50,14 @@ class GemmPath(Protocol):
         backend: Backend,
     ) -> torch.Tensor: ...
 
+    def experts(
+        self,
+        x_TH: torch.Tensor,
+        ids_Tk: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        experts: nn.Module,
+    ) -> torch.Tensor: ...
+
 
 PATHS: dict[Gemm, GemmPath] = {
     Gemm.REFERENCE: ReferencePath(),
@@ -53,4 +70,18 @@ def path_for(gemm: Gemm | str) -> GemmPath:
     return PATHS[Gemm(gemm)]
 
 
-__all__ = ["PATHS", "GemmPath", "ReferencePath", "TensorCorePath", "path_for"]
+def set_gemm(model: nn.Module, gemm: Gemm | str | None) -> int:
+    """Set the GEMM path of every training op of `model` (QLinear, GroupedExperts, QExperts:
+    the modules with a `gemm_choice`; the engine's modules hold a `RolloutPath` and have none)
+    to `path_for(gemm)`; None restores the device default (`path` None). Returns how many
+    modules were set."""
+    path = None if gemm is None else path_for(gemm)
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "gemm_choice"):
+            module.path = path
+            count += 1
+    return count
+
+
+__all__ = ["PATHS", "GemmPath", "ReferencePath", "TensorCorePath", "path_for", "set_gemm"]

@@ -37,13 +37,13 @@ from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import qdq_mxfp8, to_float32
 from mxrl.kernels import quantize as kernel_quantize
-from mxrl.kernels.backend import triton_interpreter_enabled
+from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn import invariant
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.paths.reference import fp8_block_col, fp8_block_row
-from mxrl.nn.paths.tensor_core import BF16, quantize_activation
+from mxrl.nn.paths.tensor_core import BF16, TensorCoreQMatmul, quantize_activation
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 
@@ -322,3 +322,53 @@ def grouped_supported(
         ):
             return False
     return all(d % 8 == 0 for d in dims)
+
+
+class TensorCorePath:
+    """The tensor-core GEMM path (`Gemm.TENSOR_CORE`; a `mxrl.nn.paths.GemmPath`):
+    `TensorCoreQMatmul` (`tensor_core.py`), bf16 tensor cores with fp32 accumulation, block FP8
+    on `torch._scaled_mm`; routed experts as grouped GEMMs (`GroupedLinear`) where their formats
+    and shapes allow, else one at a time as the reference. Here, not in `tensor_core.py`: this
+    file imports that one."""
+
+    gemm = Gemm.TENSOR_CORE
+    autograd = True
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        w: QWeight,
+        master: torch.Tensor,
+        spec: TensorSpec,
+        mode: Backward,
+        backend: Backend,
+    ) -> torch.Tensor:
+        """y [T, N] in x's dtype for x [T, K]: `TensorCoreQMatmul` on `w` (the tensor-core
+        path's QWeight: nothing derived held), gradients into `master`."""
+        return TensorCoreQMatmul.apply(x, master, w, spec, mode, backend)
+
+    def grouped(
+        self,
+        x_sorted: torch.Tensor,
+        w: QWeight,
+        master: torch.Tensor,
+        spec: TensorSpec,
+        mode: Backward,
+        backend: Backend,
+        layout: ExpertLayout,
+    ) -> torch.Tensor:
+        """One quantized projection of the routed experts, x_sorted [R, K] (rows sorted by
+        expert, `layout`) times each row's expert of `w` [E, N, K]: `GroupedLinear`, gradients
+        into `master`."""
+        return GroupedLinear.apply(x_sorted, master, layout, w, spec, mode, backend)
+
+    def experts(self, x_TH, ids_Tk, weights_Tk, experts) -> torch.Tensor:
+        """The routed experts' output [T, H]: two grouped projections
+        (`grouped_experts_forward`, each `experts._grouped_proj`) where `experts.grouped_fits`,
+        else the reference's loop (`experts.loop`)."""
+        if experts.grouped_fits(x_TH.device):
+            return grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk)
+        return experts.loop(x_TH, ids_Tk, weights_Tk)
+
+    def __repr__(self) -> str:
+        return "TensorCorePath()"

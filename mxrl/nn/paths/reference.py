@@ -197,5 +197,11 @@ class ReferencePath:
         fp32 operands held), gradients into `master`."""
         return QMatmul.apply(x, master, w, spec, mode, backend)
 
+    def experts(self, x_TH, ids_Tk, weights_Tk, experts) -> torch.Tensor:
+        """The routed experts' output [T, H], one expert at a time (`experts.loop`:
+        `mxrl.nn.experts.moe_loop`; a quantized projection's GEMM is this path's `linear` on
+        the expert's slice of the weight)."""
+        return experts.loop(x_TH, ids_Tk, weights_Tk)
+
     def __repr__(self) -> str:
         return "ReferencePath()"

@@ -51,7 +51,7 @@ from mxrl.nn.experts import GroupedExperts, moe_loop
 from mxrl.nn.operands import Form
 from mxrl.nn.paths.reference import emulated_matmul
 from mxrl.nn.weight import QWeight
-from mxrl.recipe import TensorSpec
+from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
 
 LOW_BIT_GEMM_FORMATS = (Format.NVFP4, Format.MXFP8)
@@ -157,11 +157,20 @@ class RolloutPath:
         return uses_low_bit_gemm(spec, self.backend) or uses_fp8_block_gemm(spec, self.backend)
 
     def linear(
-        self, x: torch.Tensor, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
+        self,
+        x: torch.Tensor,
+        w: QWeight | torch.Tensor | None,
+        master: torch.Tensor | None,
+        spec: TensorSpec,
+        mode: Backward | None,
+        backend: Backend | None,
     ) -> torch.Tensor:
         """x [T, K] -> [T, N] in x's dtype, `tile` rows at a time; w: the QWeight received, or
-        the high-precision weight (None: nothing loaded yet)."""
-        return tiled(functools.partial(self._matmul, w=w, spec=spec, packed=packed), x, self.tile)
+        the high-precision weight (None: nothing loaded yet). The trainer's paths' signature
+        (`GemmPath.linear`); `master`, `mode` and `backend` are not read: no autograd, and the
+        backend is the path's, as is the packed choice (`packed(spec)`, what the module holds)."""
+        matmul = functools.partial(self._matmul, w=w, spec=spec, packed=self.packed(spec))
+        return tiled(matmul, x, self.tile)
 
     def graph_safe(self, module: nn.Module) -> bool:
         """Whether `module`'s forward can be captured in a CUDA graph on this path: it reads
@@ -239,7 +248,7 @@ class RolloutLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         w = self.w if self.w is not None else self.weight
-        y = self.path.linear(x2, w, self.spec, self.packed)
+        y = self.path.linear(x2, w, None, self.spec, None, self.backend)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 

@@ -37,7 +37,7 @@ import torch
 
 from mxrl.formats import QTensor, decode_global_scale, dequantize
 from mxrl.formats.constants import MXFP8_BLOCK, Format
-from mxrl.kernels import Backend, Gemm, qdq_mxfp8
+from mxrl.kernels import Backend, qdq_mxfp8
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.emulated import apply_global_scales, emulated_gemm
@@ -203,28 +203,3 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
         (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend)[:rows],
     }
-
-
-class TensorCorePath:
-    """The tensor-core GEMM path (`Gemm.TENSOR_CORE`; a `mxrl.nn.paths.GemmPath`):
-    `TensorCoreQMatmul`, bf16 tensor cores with fp32 accumulation, block FP8 on
-    `torch._scaled_mm`."""
-
-    gemm = Gemm.TENSOR_CORE
-    autograd = True
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        w: QWeight,
-        master: torch.Tensor,
-        spec: TensorSpec,
-        mode: Backward,
-        backend: Backend,
-    ) -> torch.Tensor:
-        """y [T, N] in x's dtype for x [T, K]: `TensorCoreQMatmul` on `w` (the tensor-core
-        path's QWeight: nothing derived held), gradients into `master`."""
-        return TensorCoreQMatmul.apply(x, master, w, spec, mode, backend)
-
-    def __repr__(self) -> str:
-        return "TensorCorePath()"
