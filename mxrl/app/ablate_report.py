@@ -45,6 +45,7 @@ class RecipeNumbers:
     grad_norm_max: float
     spike_runs: list[str]
     times: dict[str, float]  # rollout, train, sync: mean seconds per step
+    at_once: float = math.nan  # runs running meanwhile, itself included (`runs_at_once`)
 
     @property
     def recipe(self) -> str:
@@ -58,8 +59,20 @@ def _groups(runs: list[RunRecord]) -> dict[str, list[RunRecord]]:
     return groups
 
 
+def runs_at_once(runs: list[RunRecord]) -> dict[str, float]:
+    """Per run, how many of `runs` were running during it on average, itself included (from
+    the records' event spans): the load its times were measured under. NaN without a span."""
+    spans = {rec.run_id: rec.span() for rec in runs}
+    out = {}
+    for run_id, (a, b) in ((k, v) for k, v in spans.items() if v is not None and v[1] > v[0]):
+        shared = sum(max(0.0, min(b, o[1]) - max(a, o[0])) for o in spans.values() if o)
+        out[run_id] = shared / (b - a)
+    return {rec.run_id: out.get(rec.run_id, math.nan) for rec in runs}
+
+
 def recipe_numbers(runs: list[RunRecord]) -> list[RecipeNumbers]:
     results = {r.recipe: r for r in recipe_results(runs)}
+    at_once = runs_at_once(runs)
     out = []
     for recipe, recs in _groups(runs).items():
         rows = [row for rec in recs for row in rec.metrics() if "reward/mean" in row]
@@ -79,7 +92,7 @@ def recipe_numbers(runs: list[RunRecord]) -> list[RecipeNumbers]:
             _mean(values("mismatch/logp_abs_diff_mean")),
             max(values("mismatch/logp_abs_diff_max"), default=math.nan),
             _mean(values("grad/norm")), max(values("grad/norm"), default=math.nan),
-            spikes, times,
+            spikes, times, _mean([at_once[rec.run_id] for rec in recs]),
         )  # fmt: skip
         out.append(number)
     return out
@@ -311,15 +324,17 @@ def _time_section(numbers: list[RecipeNumbers]) -> list[str]:
         "## Time per step",
         "",
         "Mean seconds per GRPO step, every run of the recipe; the runs shared one device, so "
-        "these are times under that load, comparable between recipes, not alone on the device.",
+        "these are times under that load: runs at once is how many of the runs were running "
+        "during the recipe's runs, on average, themselves included (from their event times). "
+        "Compare times between recipes whose loads are close.",
         "",
-        "| recipe | rollout | train | sync | step |",
-        "|---|---|---|---|---|",
+        "| recipe | rollout | train | sync | step | runs at once |",
+        "|---|---|---|---|---|---|",
     ]
     for n in numbers:
-        t = n.times
+        t, load = n.times, "—" if math.isnan(n.at_once) else f"{n.at_once:.1f}"
         lines.append(f"| {n.recipe} | {t['rollout']:.3f} | {t['train']:.3f} | {t['sync']:.3f} | "
-                     f"{sum(t.values()):.3f} |")  # fmt: skip
+                     f"{sum(t.values()):.3f} | {load} |")  # fmt: skip
     return [*lines, ""]
 
 

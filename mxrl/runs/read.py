@@ -7,6 +7,7 @@ unreadable is skipped and reported once (logging), as is a step logged twice.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import math
@@ -128,6 +129,15 @@ class RunReading:
         QuantizationEvent.to_dict)."""
         events = self._read(EVENTS_FILE).records
         return [dict(e) for e in events if type is None or e.get("type") == type]
+
+    def span(self) -> tuple[float, float] | None:
+        """(first, last) of the run's event times, POSIX seconds: when it wrote its first and
+        last events (a GRPO run: its first and last syncs); None without a timed event."""
+        times = []
+        for event in self.events():
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                times.append(dt.datetime.fromisoformat(str(event["time"])).timestamp())
+        return (min(times), max(times)) if times else None
 
     def notes(self) -> str:
         try:

@@ -4,12 +4,14 @@ the warm-up cache and the report's verdicts."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from mxrl.app import ablate as ablate_mod
+from mxrl.app import ablate_report as ablate_mod_report
 from mxrl.app.ablate_report import RecipeNumbers, equivalence, mismatch_ordering, num_params
 from mxrl.app.ablate_warmup import warm_start
 from mxrl.app.demo_report import RecipeResult
@@ -257,3 +259,23 @@ def test_as_many_runs_at_once_as_the_gpu_memory_holds():
     assert ablate_mod.runs_that_fit(int(77.5 * 2**30), params, kv) == 17
     assert ablate_mod.runs_that_fit(139 * 2**30, params, kv) >= 21
     assert ablate_mod.runs_that_fit(0, params, kv) == 1  # one at a time, never none
+
+
+def test_runs_at_once_is_the_mean_overlap_of_the_runs_spans():
+    class Run:
+        def __init__(self, run_id, span):
+            self.run_id, self._span = run_id, span
+
+        def span(self):
+            return self._span
+
+    runs = [Run("a", (0.0, 10.0)), Run("b", (0.0, 10.0)), Run("c", (5.0, 15.0)),
+            Run("later", (20.0, 30.0)), Run("none", None), Run("one-event", (3.0, 3.0))]  # fmt: skip
+    load = ablate_mod_report.runs_at_once(runs)
+    # a: itself 10 + b 10 + c 5 (5..10) over its 10 s = 2.5; c: a 5 + b 5 + itself 10 = 2.0;
+    # later overlaps nobody (1.0); no span, or a zero-length one: NaN
+    assert load["a"] == load["b"] == 2.5
+    assert load["c"] == 2.0
+    assert load["later"] == 1.0
+    assert math.isnan(load["none"]) and math.isnan(load["one-event"])
+    assert list(load) == ["a", "b", "c", "later", "none", "one-event"]

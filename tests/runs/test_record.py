@@ -399,3 +399,20 @@ def test_resume_rewrites_the_config_and_records_each_change(tmp_path):
     # resumed again from the same checkpoint: the changes of the first resume (from step 5) go
     rec.resume(4, checkpoint="ckpt-4")
     assert rec.events("config_change") == [] and len(rec.events("resume")) == 2
+
+
+def test_a_runs_span_is_its_first_and_last_event_time(tmp_path):
+    rec = RunRecord.create(tmp_path, "r")
+    assert RunRecord.open(rec.path).span() is None  # no event yet
+    lines = [
+        {"type": "sync_verified", "step": 1, "time": "2026-12-06T06:27:14.654Z"},
+        {"type": "note", "step": 2},  # no time: not counted
+        {"type": "sync_verified", "step": 2, "time": "2026-12-06T06:27:10.000Z"},  # earlier
+        {"type": "sync_verified", "step": 3, "time": "not a time"},  # unreadable: not counted
+        {"type": "sync_verified", "step": 4, "time": "2026-12-06T06:29:00.500Z"},
+    ]
+    (rec.path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    first, last = RunRecord.open(rec.path).span()
+    # 06:27:10.000 and 06:29:00.500 UTC on 2026-12-06: 110.5 s apart, POSIX seconds
+    assert last - first == 110.5
+    assert first == 1796538430.0
