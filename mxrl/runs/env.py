@@ -7,6 +7,7 @@ cannot be queried gives "unknown" / null, never an exception.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -58,6 +59,23 @@ def git_state(repo: Path | None = None) -> dict[str, Any]:
         return {"commit": "unknown", "dirty": None}
     status = _git(["status", "--porcelain", "--untracked-files=no"], repo)
     return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def source_sha256(package: Path | None = None) -> str | None:
+    """sha256 over the package's files, its sources and data (presets, configs), not
+    __pycache__ (each: its path relative to the package, a NUL, its bytes, a NUL; in path
+    order): the code that ran, also where git's commit cannot say it (a copied tree beside a
+    stale .git, an installed wheel). None when a file cannot be read."""
+    root = package if package is not None else Path(mxrl.__file__).resolve().parent
+    digest = hashlib.sha256()
+    try:
+        files = [p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _version(dists: tuple[str, ...]) -> str | None:
@@ -112,6 +130,7 @@ def capture_env(backend: str | None = None) -> dict[str, Any]:
     `mxrl.kernels.Backend` or its string), recorded as given."""
     return {
         "git": git_state(),
+        "source_sha256": source_sha256(),
         "versions": library_versions(),
         "device": device_info(),
         "backend": None if backend is None else str(getattr(backend, "value", backend)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -416,3 +417,24 @@ def test_a_runs_span_is_its_first_and_last_event_time(tmp_path):
     # 06:27:10.000 and 06:29:00.500 UTC on 2026-12-06: 110.5 s apart, POSIX seconds
     assert last - first == 110.5
     assert first == 1796538430.0
+
+
+def test_env_records_the_sources_sha256(tmp_path):
+    from mxrl.runs.env import capture_env, source_sha256
+
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "b.py").write_bytes(b"y = 2\n")
+    (pkg / "a.py").write_bytes(b"x = 1\n")
+    (pkg / "presets.yaml").write_bytes(b"name: p\n")
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\x00compiled")  # not counted
+    # by hand: each file's relative path, NUL, bytes, NUL, in path order
+    expected = hashlib.sha256(
+        b"a.py\x00x = 1\n\x00" + b"presets.yaml\x00name: p\n\x00" + b"sub/b.py\x00y = 2\n\x00"
+    ).hexdigest()
+    assert source_sha256(pkg) == expected
+    (pkg / "sub" / "b.py").write_bytes(b"y = 3\n")
+    assert source_sha256(pkg) != expected
+    env = capture_env()
+    assert env["source_sha256"] == source_sha256() and len(env["source_sha256"]) == 64
