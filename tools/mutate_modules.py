@@ -283,7 +283,8 @@ MODULES = {
     "nn.paths.reference": Module(
         ("mxrl/nn/paths/reference.py", "mxrl/nn/operands.py"),
         ("tests/nn/test_qmatmul.py", "tests/nn/test_operands.py",
-         "tests/nn/test_fp8_block_backward.py", "tests/nn/test_qmatmul_edges.py"),
+         "tests/nn/test_fp8_block_backward.py", "tests/nn/test_qmatmul_edges.py",
+         "tests/nn/test_paths.py"),
     ),
     # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
     # per-step cache and the layers that build it per GEMM path (path_weight, QLinear, QExperts);

@@ -198,3 +198,19 @@ def test_a_rollout_linear_runs_its_paths_tiles(tile):
     tiles = padded.split(tile) if tile else [x]
     want = torch.cat([emulated_matmul(t, linear.w, s)[0] for t in tiles])[:6]
     assert_bytes_equal(y, want, "tiles")
+
+
+@pytest.mark.parametrize("path", [ReferencePath(), TensorCorePath()], ids=repr)
+def test_a_paths_linear_hands_its_function_every_argument_as_given(path, monkeypatch):
+    # the backend especially: on the CPU the reference and Triton give the same bytes, so only
+    # the arguments themselves show a path dropping one (the GPU runs the one it is given)
+    import mxrl.nn.paths.grouped as grouped_mod
+    import mxrl.nn.paths.reference as reference_mod
+
+    calls = []
+    target = reference_mod.QMatmul if path.gemm is Gemm.REFERENCE else grouped_mod.TensorCoreQMatmul
+    monkeypatch.setattr(target, "apply", lambda *args: calls.append(args) or "y")
+    x, master, w, s = object(), object(), object(), object()
+    assert path.linear(x, w, master, s, Backward.QUANTIZED, Backend.TRITON) == "y"
+    assert calls == [(x, master, w, s, Backward.QUANTIZED, Backend.TRITON)]
+    assert repr(path) == f"{type(path).__name__}()"
