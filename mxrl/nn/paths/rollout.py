@@ -211,7 +211,21 @@ def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:
     return grouped_fp8_block_matmul(xq, w3, offsets, out_dtype=dtype).to(x.dtype)
 
 
-class RolloutLinear(nn.Module):
+class _OnRolloutPath(nn.Module):
+    """An engine module's backend and tile: its `RolloutPath`'s (`self.path`)."""
+
+    path: RolloutPath
+
+    @property
+    def backend(self) -> Backend:
+        return self.path.backend
+
+    @property
+    def tile(self) -> int:
+        return self.path.tile
+
+
+class RolloutLinear(_OnRolloutPath):
     """A projection holding what the engine received: a quantized weight (`w`, a QWeight: the
     QTensor, plus its fp32 operands where the GEMM is emulated) or a high-precision weight;
     the same emulated GEMM as the trainer's QLinear. Its GEMM runs on its `RolloutPath`, which
@@ -229,14 +243,6 @@ class RolloutLinear(nn.Module):
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
 
-    @property
-    def backend(self) -> Backend:
-        return self.path.backend
-
-    @property
-    def tile(self) -> int:
-        return self.path.tile
-
     def materialize(self, value: QTensor | torch.Tensor) -> dict:
         """What `install` will set, computed without touching the module (staging): a QTensor's
         QWeight (nothing derived where the GEMM reads it packed), or the weight in the compute
@@ -253,7 +259,7 @@ class RolloutLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class RolloutExperts(nn.Module):
+class RolloutExperts(_OnRolloutPath):
     """Grouped experts holding per-projection QTensors or weights; each expert's token group is
     tiled so that expert GEMM shapes never depend on how many tokens the batch routed there."""
 
@@ -297,14 +303,6 @@ class RolloutExperts(nn.Module):
             and torch.cuda.get_device_capability() >= (9, 0)
         )
         self._configs: dict[str, GemmConfig] = {}
-
-    @property
-    def backend(self) -> Backend:
-        return self.path.backend
-
-    @property
-    def tile(self) -> int:
-        return self.path.tile
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
         if isinstance(value, QTensor):
