@@ -3,20 +3,17 @@
 Legend: T tokens, H hidden, I expert intermediate size, E experts, k experts per token.
   gate_up_proj [E, 2I, H]   rows 0..I-1 of expert e are gate_proj, rows I..2I-1 up_proj
   down_proj    [E, H, I]
-Tokens are grouped by expert (a stable sort of the T*k assignments), each expert runs on its
-tokens, and the weighted outputs are scattered back with index_add. `QExperts` (mxrl.nn.qlinear)
-overrides `_gate_up` and `_down` to run the quantized GEMMs; the routing and reduction are shared.
-
-`forward` hands the module to its GEMM path (`mxrl.nn.paths`, `GemmPath.experts`): the loop
-(`loop`) is the reference's (`Gemm.REFERENCE`, the CPU default); with `Gemm.TENSOR_CORE` (the
-default on CUDA sm_90+) both projections run as grouped GEMMs instead where `grouped_fits`
-(`mxrl.nn.paths.grouped`: `_grouped_proj`, overridden by QExperts), with no Python loop and no
-host sync.
+`forward` hands the module to its GEMM path (`mxrl.nn.paths`, `GemmPath.experts`), which runs
+one of the dispatch's two forms (`mxrl.nn.moe`): the loop (`loop`: tokens grouped by expert,
+each expert on its tokens, the weighted outputs added back with index_add) is the reference's
+(`Gemm.REFERENCE`, the CPU default); with `Gemm.TENSOR_CORE` (the default on CUDA sm_90+) both
+projections run as grouped GEMMs instead where `grouped_fits` (`mxrl.nn.paths.grouped`:
+`_grouped_proj`), with no Python loop and no host sync. `QExperts` (mxrl.nn.qlinear) overrides
+`_gate_up`, `_down` and `_grouped_proj` to run the quantized GEMMs; the routing and reduction
+are shared.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,43 +22,13 @@ from torch import nn
 from mxrl.kernels.backend import Gemm
 from mxrl.nn import invariant
 from mxrl.nn.gemm import resolved_gemm
+from mxrl.nn.moe import moe_loop
 from mxrl.nn.paths import GemmPath, path_for
 from mxrl.nn.paths.grouped import GroupedLinear, grouped_supported
 
 # The two expert projections by role (the keys QExperts and the engine keep their specs under)
 # and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.
 EXPERT_PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
-
-
-def moe_loop(
-    x_TH: torch.Tensor,
-    ids_Tk: torch.Tensor,
-    weights_Tk: torch.Tensor,
-    num_experts: int,
-    expert: Callable[[int, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """The routed experts' loop form, the trainer's reference and the engine's emulated path
-    alike: the T*k assignments sorted by expert (stable: token order within an expert), each
-    expert run once on its tokens (`expert(e, x_nH) -> h_nH`), its outputs times their routing
-    weights (rounded to the output's dtype) added back with `index_add_` in ascending expert
-    order. One host read (the per-expert counts)."""
-    k = ids_Tk.shape[1]
-    flat_ids = ids_Tk.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    token_of = order // k  # which token each sorted assignment belongs to
-    weights = weights_Tk.reshape(-1)[order]
-    out = torch.zeros_like(x_TH)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        idx = token_of[start : start + n]
-        h = expert(e, x_TH[idx])
-        h = h * weights[start : start + n, None].to(h.dtype)
-        out.index_add_(0, idx, h.to(out.dtype))
-        start += n
-    return out
 
 
 class GroupedExperts(nn.Module):

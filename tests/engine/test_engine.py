@@ -249,7 +249,7 @@ def test_grouped_low_bit_experts_need_per_token_nvfp4_activations():
     from types import SimpleNamespace
 
     from mxrl.kernels import Backend
-    from mxrl.nn.paths.rollout import RolloutExperts
+    from mxrl.nn.paths.rollout import Grouping, RolloutExperts
 
     plan = Engine(tiny("nvfp4-hp"), "nvfp4-hp").plan
     specs = {
@@ -260,7 +260,8 @@ def test_grouped_low_bit_experts_need_per_token_nvfp4_activations():
     experts = SimpleNamespace(num_experts=8)
 
     def grouped(specs, backend=Backend.TRITON):
-        return RolloutExperts(experts, specs, torch.bfloat16, 8, backend).grouped
+        experts_ = RolloutExperts(experts, specs, torch.bfloat16, 8, backend)
+        return experts_.grouping is Grouping.LOW_BIT
 
     assert grouped(specs)
     assert not grouped(specs, Backend.REFERENCE)

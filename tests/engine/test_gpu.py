@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mxrl.engine import CacheOptions, Engine, SamplingParams
+from mxrl.nn.paths.rollout import Grouping, RolloutExperts
 from mxrl.weights import export_weights
 from tests.engine.test_engine import PRESETS, PROMPTS, tiny
 from tests.numerics import assert_bytes_equal, assert_same_outputs
@@ -28,7 +29,7 @@ def test_batch_invariance_on_cuda(preset, compute_dtype):
     ]
     batch = engine.generate(PROMPTS, params)
     if compute_dtype is torch.bfloat16 and preset == "bf16":
-        assert all(m.grouped_bf16 for m in _experts(engine))
+        assert all(m.grouping is Grouping.BF16 for m in _experts(engine))
     for i, prompt in enumerate(PROMPTS):
         alone = engine.generate([prompt], [params[i]])[0]
         assert alone.tokens == batch[i].tokens, f"request {i}"
@@ -37,8 +38,6 @@ def test_batch_invariance_on_cuda(preset, compute_dtype):
 
 
 def _experts(engine):
-    from mxrl.nn.paths.rollout import RolloutExperts
-
     return [m for m in engine.net.modules() if isinstance(m, RolloutExperts)]
 
 

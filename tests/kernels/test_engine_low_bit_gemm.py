@@ -11,6 +11,7 @@ import torch
 from mxrl.engine import Engine, SamplingParams
 from mxrl.formats import QTensor
 from mxrl.nn.paths.rollout import (
+    Grouping,
     RolloutExperts,
     RolloutLinear,
     uses_fp8_block_gemm,
@@ -39,7 +40,7 @@ def packed_modules(engine: Engine) -> tuple[int, int]:
         if isinstance(module, RolloutLinear) and uses_low_bit_gemm(module.spec, engine.backend):
             assert module.packed and held_packed(module.w), module.spec.name
             dense += 1
-        elif isinstance(module, RolloutExperts) and module.grouped:
+        elif isinstance(module, RolloutExperts) and module.grouping is Grouping.LOW_BIT:
             assert all(held_packed(v) for v in module.values.values())
             grouped += 1
     return dense, grouped
@@ -89,7 +90,7 @@ def test_block_fp8_experts_run_grouped_and_packed():
         experts = [m for m in engine.net.modules() if isinstance(m, RolloutExperts)]
         fp8 = [m for m in experts if m.specs["down"].format == "fp8_block"]
         assert len(fp8) == 3  # the last layer is bf16 (the preset's last 15%)
-        assert all(m.grouped_fp8 == (backend == "triton") for m in fp8)
+        assert all((m.grouping is Grouping.FP8_BLOCK) == (backend == "triton") for m in fp8)
         dense = [
             m for m in engine.net.modules()
             if isinstance(m, RolloutLinear) and m.spec.format == "fp8_block"

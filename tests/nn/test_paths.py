@@ -13,11 +13,12 @@ import torch
 from mxrl.formats import quantize
 from mxrl.kernels import Backend, Gemm
 from mxrl.nn import GroupedExperts, QExperts, QLinear, invariant
-from mxrl.nn.experts import moe_loop
+from mxrl.nn.moe import moe_loop
 from mxrl.nn.paths import PATHS, GemmPath, ReferencePath, TensorCorePath, path_for, set_gemm
 from mxrl.nn.paths.grouped import GroupedLinear, grouped_experts_forward
 from mxrl.nn.paths.reference import QMatmul, emulated_matmul
 from mxrl.nn.paths.rollout import (
+    Grouping,
     RolloutExperts,
     RolloutLinear,
     RolloutPath,
@@ -161,12 +162,13 @@ def test_the_rollout_path_captures_experts_only_when_they_run_grouped():
     experts = RolloutExperts(GroupedExperts(2, 32, 32), {"gate_up": gu, "down": down},
                              torch.float32, 8, Backend.REFERENCE)  # fmt: skip
     assert experts.path.tile == experts.tile == 8 and experts.backend is Backend.REFERENCE
-    assert not (experts.grouped or experts.grouped_bf16 or experts.grouped_fp8)
+    assert experts.grouping is None
     assert not experts.path.graph_safe(experts)
-    for flag in ("grouped", "grouped_bf16", "grouped_fp8"):
-        setattr(experts, flag, True)
-        assert experts.path.graph_safe(experts), flag
-        setattr(experts, flag, False)
+    for grouping in Grouping:
+        experts.grouping = grouping
+        assert experts.path.graph_safe(experts), grouping
+        experts.grouping = None
+    assert not experts.path.graph_safe(experts)
     linear = RolloutLinear(spec("mxfp8", shape=(32, 64)), torch.float32, Backend.REFERENCE, 8)
     assert linear.path.graph_safe(linear)
 

@@ -6,14 +6,14 @@ fixed-shape tiles, packed low-bit and block-FP8 GEMMs, no autograd).
 `GemmPath` is the strategy a quantized layer hands its GEMMs to, and `path_for(gemm)` the
 trainer's path for a `Gemm`. A trainer module holds its path (`path`, set by `set_gemm`; None:
 `Kernels.train_gemm` by device, resolved per call; `gemm_choice`, read-only, names it).
-Today `QLinear` runs its GEMM through it (`linear`) and `GroupedExperts` / `QExperts` their
-routed experts (`experts`: the reference's loop, each quantized projection `ReferencePath.linear`
-on one expert's slice; the tensor core's grouped GEMMs, each quantized projection
-`TensorCorePath.grouped`, where the formats and shapes allow); the engine's `RolloutLinear`
-runs its GEMM through its `RolloutPath` (`rollout.py`: tiles, no autograd; `linear` takes the
-same arguments, `master`, `mode` and `backend` unread; no `gemm`, no `experts`), while
-`RolloutExperts` still runs its expert GEMMs itself (redesign item 16 moves the engine onto
-`QLinear` / `QExperts`).
+`QLinear` runs its GEMM through it (`linear`) and `GroupedExperts` / `QExperts` their routed
+experts (`experts`: the reference's loop, each quantized projection `ReferencePath.linear` on
+one expert's slice; the tensor core's grouped GEMMs, each quantized projection
+`TensorCorePath.grouped`, where the formats and shapes allow). The engine's `RolloutLinear` and
+`RolloutExperts` run theirs through their `RolloutPath` (`rollout.py`: tiles, no autograd;
+`linear` takes the same arguments, `master`, `mode` and `backend` unread; `experts` the loop or
+one grouped launch per projection; no `gemm`: it is not a trainer path). Both forms of the
+routed experts are `mxrl.nn.moe`'s.
 """
 
 from __future__ import annotations

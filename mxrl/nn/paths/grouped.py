@@ -39,8 +39,8 @@ from mxrl.kernels import qdq_mxfp8, to_float32
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
-from mxrl.nn import invariant
 from mxrl.nn.gemm import grouped_mm
+from mxrl.nn.moe import moe_grouped
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
 from mxrl.nn.paths.reference import fp8_block_col, fp8_block_row
 from mxrl.nn.paths.tensor_core import BF16, TensorCoreQMatmul, quantize_activation
@@ -90,6 +90,17 @@ class ExpertLayout:
     def offsets(self) -> torch.Tensor:
         """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
         return torch.cat([self.ends.new_zeros(1), self.ends])
+
+    def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), with
+        autograd: the backward sums each token's k rows in slot order."""
+        return _GatherTokens.apply(x_TH, self)
+
+    def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
+        """Each token's k rows of h back in slot order, times their weights, summed over the
+        slots (no atomics: deterministic), in h's dtype."""
+        h_Tk = h_RH.index_select(0, self.inverse).view(self.num_tokens, self.top_k, -1)
+        return (h_Tk * weights_Tk.to(h_RH.dtype)[..., None]).sum(1)
 
 
 @dataclass(frozen=True)
@@ -285,14 +296,15 @@ def _widen(t_bf16: torch.Tensor, dtype: torch.dtype, backend) -> torch.Tensor:
 
 
 def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
-    """GroupedExperts' result through two grouped projections (`experts._grouped_proj`)."""
+    """GroupedExperts' result in the grouped form (`mxrl.nn.moe.moe_grouped`), each projection
+    `experts._grouped_proj`, combined in slot order (`ExpertLayout`)."""
     layout = ExpertLayout.build(ids_Tk, experts.num_experts)
-    x_sorted = _GatherTokens.apply(x_TH, layout)
-    gate, up = experts._grouped_proj("gate_up", x_sorted, layout).chunk(2, dim=-1)
-    h = experts._grouped_proj("down", invariant.silu_mul(gate, up), layout)
-    h_Tk = h.index_select(0, layout.inverse).view(layout.num_tokens, layout.top_k, -1)
-    out = (h_Tk * weights_Tk.to(h.dtype)[..., None]).sum(1)
-    return out.to(x_TH.dtype)
+    project = functools.partial(_project, experts, layout=layout)
+    return moe_grouped(x_TH, weights_Tk, layout, project)
+
+
+def _project(experts, which: str, x_sorted: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    return experts._grouped_proj(which, x_sorted, layout)
 
 
 def grouped_supported(

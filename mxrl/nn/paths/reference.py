@@ -199,7 +199,7 @@ class ReferencePath:
 
     def experts(self, x_TH, ids_Tk, weights_Tk, experts) -> torch.Tensor:
         """The routed experts' output [T, H], one expert at a time (`experts.loop`:
-        `mxrl.nn.experts.moe_loop`; a quantized projection's GEMM is this path's `linear` on
+        `mxrl.nn.moe.moe_loop`; a quantized projection's GEMM is this path's `linear` on
         the expert's slice of the weight)."""
         return experts.loop(x_TH, ids_Tk, weights_Tk)
 

@@ -21,8 +21,9 @@ grouped block-FP8 Triton kernel.
 
 from __future__ import annotations
 
+import enum
 import functools
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +48,11 @@ from mxrl.kernels.rowwise import (
     moe_group_reference,
 )
 from mxrl.nn import invariant
-from mxrl.nn.experts import GroupedExperts, moe_loop
+from mxrl.nn.experts import GroupedExperts
+from mxrl.nn.moe import moe_grouped, moe_loop
 from mxrl.nn.operands import Form
 from mxrl.nn.paths.reference import emulated_matmul
+from mxrl.nn.paths.tiles import tiled
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
@@ -97,52 +100,51 @@ def received_weight(q: QTensor, packed: bool, backend: Backend) -> QWeight:
     return w if packed else w.hold(Form.LP, Form.DEQ, dtype=torch.float32)
 
 
-def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
-    """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated;
-    tile 0: fn(x) at once (the engine's batch_invariant=False mode)."""
-    if tile == 0:
-        return fn(x)
-    t = x.shape[0]
-    if t == 0:
-        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
-    pad = (-t) % tile
-    if pad:  # one launch (a decode step pads its rows to one tile)
-        x = _padded(x, pad, tile)
-    if x.shape[0] == tile:
-        return fn(x)[:t]
-    return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
+class Grouping(enum.Enum):
+    """How the engine's routed experts run: one grouped launch per projection for all experts
+    (no host read: a CUDA graph can hold it), by the weights' formats (`RolloutPath.grouping`);
+    None: the loop (`moe_loop`), each expert's GEMMs on tiles."""
+
+    LOW_BIT = "low_bit"  # packed NVFP4 / MXFP8: the grouped low-bit GEMM
+    FP8_BLOCK = "fp8_block"  # packed 128x128 block FP8: the grouped block-FP8 kernel
+    BF16 = "bf16"  # bf16 weights computed in bf16 on sm90+: torch._grouped_mm
 
 
-_LAST_PAD: list = []  # [(source, key, padded)]: q, k and v pad one input once
-# zero rows to pad with, [tile, ...] per (device, dtype, tile, row shape): written once, never
-# freed nor replaced (a captured decode graph reads the one it was captured with)
-_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A batch's rows sorted by expert, as the engine's grouped GEMMs read them (a
+    `mxrl.nn.moe.Dispatch`; `moe_group`'s integers): offsets int32 [E + 1], order [R] (each
+    row's flat t * k + j), token_of [R], rows_Tk [T, k] (each token's rows in ascending expert
+    order). `combine` sums a token's k outputs in that order, the loop's `index_add_` order;
+    fused into one launch on the triton backend (the same bytes)."""
 
+    offsets: torch.Tensor
+    order: torch.Tensor
+    token_of: torch.Tensor
+    rows_Tk: torch.Tensor
+    backend: Backend
 
-def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
-    """x with `pad` (< tile) zero rows appended, in one launch (a concatenation with cached
-    zero rows; `F.pad` fills the whole output, then copies x in). The last result is reused
-    for the same bytes: the memo holds its source, so a match of (address, shape, strides,
-    dtype, version) is the same storage, unmodified (the attention's q, k and v projections
-    read one normed input)."""
-    key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, pad)
-    if _LAST_PAD and _LAST_PAD[0][1] == key:
-        return _LAST_PAD[0][2]
-    zkey = (x.device, x.dtype, tile, tuple(x.shape[1:]))
-    zeros = _ZERO_ROWS.get(zkey)
-    if zeros is None:
-        zeros = _ZERO_ROWS[zkey] = x.new_zeros((tile, *x.shape[1:]))
-    out = torch.cat([x, zeros[:pad]])
-    _LAST_PAD[:] = [(x, key, out)]
-    return out
+    @classmethod
+    def build(cls, ids_Tk: torch.Tensor, num_experts: int, backend: Backend) -> ExpertGroups:
+        group = moe_group if backend is Backend.TRITON else moe_group_reference
+        return cls(*group(ids_Tk, num_experts), backend)
+
+    def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return x_TH[self.token_of]
+
+    def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
+        combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
+        return combine(h_RH, weights_Tk.reshape(-1)[self.order], self.rows_Tk)
 
 
 class RolloutPath:
     """The engine's GEMM path (docs/design.md §4.5): no autograd; every GEMM of a module on
     fixed tiles of `tile` rows (`tiled`; 0: the rows at once, `batch_invariant=False`); a weight
     held packed (`packed`) through `backend`'s low-bit or block-FP8 kernels, a QWeight's fp32
-    operands through the emulated GEMM, a high-precision weight through `F.linear`.
-    `RolloutLinear` and `RolloutExperts` hold one (`path`)."""
+    operands through the emulated GEMM, a high-precision weight through `F.linear`; routed
+    experts in one grouped launch per projection where their formats allow (`grouping`), else
+    the loop with each expert's GEMMs on tiles. `RolloutLinear` and `RolloutExperts` hold one
+    (`path`)."""
 
     autograd = False
 
@@ -155,6 +157,35 @@ class RolloutPath:
         low-bit GEMM or block FP8's (the module docstring); otherwise a QWeight holds its fp32
         operands for the emulated GEMM."""
         return uses_low_bit_gemm(spec, self.backend) or uses_fp8_block_gemm(spec, self.backend)
+
+    def grouping(self, specs: dict[str, TensorSpec], dtype: torch.dtype) -> Grouping | None:
+        """How routed experts of these projections' specs, computed in `dtype`, run: both
+        projections packed low-bit (NVFP4 with per-token activation scales only: a per-tensor
+        scale belongs to one expert's tile), both block FP8 in 128x128 blocks computed in fp32
+        or bf16, or both bf16 computed in bf16 on a GPU of sm90+; else None (the loop)."""
+        if self.backend is not Backend.TRITON:
+            return None
+        formats = {spec.format for spec in specs.values()}
+        if all(
+            uses_low_bit_gemm(spec, self.backend)
+            and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
+            for spec in specs.values()
+        ):
+            return Grouping.LOW_BIT
+        if (
+            dtype in (torch.float32, torch.bfloat16)
+            and formats == {Format.FP8_BLOCK}
+            and all(spec.block == (128, 128) for spec in specs.values())
+        ):
+            return Grouping.FP8_BLOCK
+        if (
+            dtype is torch.bfloat16
+            and formats == {Format.BF16}
+            and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0)
+        ):
+            return Grouping.BF16
+        return None
 
     def linear(
         self,
@@ -172,13 +203,64 @@ class RolloutPath:
         matmul = functools.partial(self._matmul, w=w, spec=spec, packed=self.packed(spec))
         return tiled(matmul, x, self.tile)
 
+    def experts(
+        self,
+        x_TH: torch.Tensor,
+        ids_Tk: torch.Tensor,
+        weights_Tk: torch.Tensor,
+        experts: RolloutExperts,
+    ) -> torch.Tensor:
+        """The routed experts' output [T, H] for the weights `experts` holds: the grouped form
+        (`moe_grouped`, combined in expert order: `ExpertGroups`) by its `grouping`, else the
+        loop (`moe_loop`), each expert's projections through `linear` (emulated or
+        `F.linear`, on tiles) on its slice of the weights."""
+        if experts.grouping is None:
+            expert = functools.partial(self._expert, experts)
+            return moe_loop(x_TH, ids_Tk, weights_Tk, experts.num_experts, expert)
+        groups = ExpertGroups.build(ids_Tk, experts.num_experts, self.backend)
+        project = functools.partial(self._grouped, experts, offsets=groups.offsets)
+        return moe_grouped(x_TH, weights_Tk, groups, project)
+
     def graph_safe(self, module: nn.Module) -> bool:
         """Whether `module`'s forward can be captured in a CUDA graph on this path: it reads
         nothing back to the host. Routed experts only in one grouped launch per projection
         (the loop reads the per-expert counts); a projection's tiles always."""
         if isinstance(module, RolloutExperts):
-            return module.grouped or module.grouped_bf16 or module.grouped_fp8
+            return module.grouping is not None
         return True
+
+    def _expert(self, experts: RolloutExperts, e: int, x_nH: torch.Tensor) -> torch.Tensor:
+        """Expert e on its tokens in fixed tiles (its GEMM shapes never depend on the batch),
+        each projection on its slice of the held weight."""
+
+        def project(which: str, x: torch.Tensor) -> torch.Tensor:
+            v, spec = experts.values[which], experts.specs[which]
+            assert v is not None, f"{spec.name}: no weights loaded"
+            w = v.for_expert(e) if isinstance(v, QWeight) else v[e]
+            return self._matmul(x, w=w, spec=spec, packed=False)
+
+        def expert(x: torch.Tensor) -> torch.Tensor:
+            gate, up = project("gate_up", x).chunk(2, dim=-1)
+            return project("down", invariant.silu_mul(gate, up))
+
+        return tiled(expert, x_nH, self.tile)
+
+    def _grouped(
+        self, experts: RolloutExperts, which: str, x: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """One projection for all experts, x [rows sorted by expert, K], in one launch: the
+        activation quantized per the spec (the trainer's quantizer) for the packed kernels."""
+        w, spec = experts.values[which], experts.specs[which]
+        assert w is not None, f"{spec.name}: no weights loaded"
+        if experts.grouping is Grouping.BF16:
+            return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
+        xq = quantize_activation(x, spec, self.backend)
+        if experts.grouping is Grouping.FP8_BLOCK:
+            return grouped_fp8_block_matmul(xq, w.q, offsets, out_dtype=x.dtype)
+        config = _grouped_config(experts.num_experts, *w.q.shape[-2:], spec.format, w.q.device)
+        return grouped_low_bit_matmul(
+            xq, w.q, offsets, out_dtype=x.dtype, backend=self.backend, config=config
+        )
 
     def _matmul(
         self, x: torch.Tensor, *, w: QWeight | torch.Tensor | None, spec: TensorSpec, packed: bool
@@ -193,6 +275,17 @@ class RolloutPath:
             return emulated_matmul(x.float(), w, spec, self.backend)[0].to(x.dtype)
         assert w is not None, f"{spec.name}: no weights loaded"
         return F.linear(x, w)
+
+
+@functools.cache
+def _grouped_config(
+    num_experts: int, n: int, k: int, fmt: Format, device: torch.device
+) -> GemmConfig:
+    """The grouped low-bit launch configuration of an [E, N, K] weight, fixed by its shape
+    (batch invariance): `GROUPED_CONFIG_ROWS` rows per M tile, split-K sized for
+    `GROUPED_CONFIG_EXPERTS` busy experts."""
+    groups = min(num_experts, GROUPED_CONFIG_EXPERTS)
+    return choose_config(GROUPED_CONFIG_ROWS, groups, n, k, num_sms(device), fmt.value)
 
 
 def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:
@@ -260,8 +353,11 @@ class RolloutLinear(_OnRolloutPath):
 
 
 class RolloutExperts(_OnRolloutPath):
-    """Grouped experts holding per-projection QTensors or weights; each expert's token group is
-    tiled so that expert GEMM shapes never depend on how many tokens the batch routed there."""
+    """Routed experts holding what the engine received per projection (`values`: QWeights, or
+    weights in the compute dtype); their GEMMs run on their `RolloutPath` (`path.experts`), in
+    one grouped launch per projection where `grouping` says so, else expert by expert on
+    fixed tiles, so that expert GEMM shapes never depend on how many tokens the batch routed
+    there."""
 
     def __init__(
         self,
@@ -277,116 +373,16 @@ class RolloutExperts(_OnRolloutPath):
         self.specs = specs
         self.compute_dtype = dtype
         self.values: dict[str, QWeight | torch.Tensor | None] = dict.fromkeys(specs)
-        # both projections packed: one grouped low-bit GEMM launch each for all experts (NVFP4
-        # with per-token activation scales only: a per-tensor scale belongs to one expert's tile)
-        self.grouped = all(
-            uses_low_bit_gemm(spec, backend)
-            and (spec.format is not Format.NVFP4 or spec.activations == "per_token")
-            for spec in specs.values()
-        )
-        # block-FP8 experts on the triton backend: one grouped block-FP8 launch per projection
-        # (mxrl.kernels.fp8_gemm.grouped_fp8_block_matmul: codes and scales stay packed)
-        self.grouped_fp8 = (
-            backend is Backend.TRITON
-            and dtype in (torch.float32, torch.bfloat16)
-            and all(
-                spec.format is Format.FP8_BLOCK and spec.block == (128, 128)
-                for spec in specs.values()
-            )
-        )
-        # bf16 experts computed in bf16 on a GPU: one torch._grouped_mm per projection (sm90+)
-        self.grouped_bf16 = (
-            backend is Backend.TRITON
-            and dtype is torch.bfloat16
-            and all(spec.format is Format.BF16 for spec in specs.values())
-            and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (9, 0)
-        )
-        self._configs: dict[str, GemmConfig] = {}
+        self.grouping = self.path.grouping(specs, dtype)
 
     def materialize(self, which: str, value: QTensor | torch.Tensor):
+        """What `values[which]` will hold for a received value (staging, nothing installed): a
+        QTensor's QWeight (packed where a grouped kernel reads the codes), or the weight in the
+        compute dtype."""
         if isinstance(value, QTensor):
-            return received_weight(value, self.grouped or self.grouped_fp8, self.backend)
+            packed = self.grouping in (Grouping.LOW_BIT, Grouping.FP8_BLOCK)
+            return received_weight(value, packed, self.backend)
         return value.to(self.compute_dtype)
 
-    def _linear(self, which: str, e: int, x: torch.Tensor) -> torch.Tensor:
-        v = self.values[which]
-        if isinstance(v, QWeight):
-            y = emulated_matmul(x.float(), v.for_expert(e), self.specs[which], self.backend)[0]
-            return y.to(x.dtype)
-        assert v is not None, f"{self.specs[which].name}: no weights loaded"
-        return F.linear(x, v[e])
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear("gate_up", e, x).chunk(2, dim=-1)
-        return self._linear("down", e, invariant.silu(gate) * up)
-
     def forward(self, x_TH: torch.Tensor, ids_Tk: torch.Tensor, weights_Tk: torch.Tensor):
-        if self.grouped:
-            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped)
-        if self.grouped_bf16:
-            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_mm)
-        if self.grouped_fp8:
-            return self._forward_grouped(x_TH, ids_Tk, weights_Tk, self._grouped_fp8_block)
-        return moe_loop(x_TH, ids_Tk, weights_Tk, self.num_experts, self._tiled_expert)
-
-    def _tiled_expert(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
-        """Expert e on its tokens in fixed tiles (its GEMM shapes never depend on the batch)."""
-        return tiled(lambda t: self._expert(e, t), x_nH, self.tile)
-
-    # --- packed experts: grouped low-bit GEMMs ------------------------------------------------
-
-    def _config(self, which: str, wq: QTensor) -> GemmConfig:
-        """The launch configuration of one projection, fixed by its shape (batch invariance)."""
-        if which not in self._configs:
-            n, k = wq.shape[-2], wq.shape[-1]
-            groups = min(self.num_experts, GROUPED_CONFIG_EXPERTS)
-            sms = num_sms(wq.device)
-            fmt = self.specs[which].format.value
-            self._configs[which] = choose_config(GROUPED_CONFIG_ROWS, groups, n, k, sms, fmt)
-        return self._configs[which]
-
-    def _grouped(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        w = self.values[which]
-        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
-        wq = w.q
-        xq = quantize_activation(x, self.specs[which], self.backend)
-        return grouped_low_bit_matmul(
-            xq, wq, offsets, out_dtype=x.dtype, backend=self.backend, config=self._config(which, wq)
-        )
-
-    def _grouped_fp8_block(
-        self, which: str, x: torch.Tensor, offsets: torch.Tensor
-    ) -> torch.Tensor:
-        """block-FP8 experts: x [rows sorted by expert, K] quantized 1x128 (the trainer's
-        quantizer), one grouped launch; a fixed tile (batch invariance)."""
-        w = self.values[which]
-        assert isinstance(w, QWeight), f"{self.specs[which].name}: no weights loaded"
-        xq = quantize_activation(x, self.specs[which], self.backend)
-        return grouped_fp8_block_matmul(xq, w.q, offsets, out_dtype=x.dtype)
-
-    def _grouped_mm(self, which: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """bf16 experts: x [rows sorted by expert, K] through torch._grouped_mm (one launch)."""
-        w = self.values[which]
-        assert isinstance(w, torch.Tensor), f"{self.specs[which].name}: no weights loaded"
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets[1:])
-
-    def _forward_grouped(
-        self,
-        x_TH: torch.Tensor,
-        ids_Tk: torch.Tensor,
-        weights_Tk: torch.Tensor,
-        project: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> torch.Tensor:
-        """The expert loop's result from two grouped launches (`project`): rows sorted by
-        expert, each token's k outputs then summed in ascending expert order (the loop's
-        index_add order)."""
-        group = moe_group if self.backend is Backend.TRITON else moe_group_reference
-        offsets, order, token_of, rows_Tk = group(ids_Tk, self.num_experts)
-        x_sorted = x_TH[token_of]
-        gate, up = project("gate_up", x_sorted, offsets).chunk(2, dim=-1)
-        h = project("down", invariant.silu(gate) * up, offsets)
-        # each token's k outputs, weighted, summed in ascending expert order (the loop's
-        # index_add order); fused into one launch on the triton backend (the same bytes)
-        combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
-        return combine(h, weights_Tk.reshape(-1)[order], rows_Tk)
+        return self.path.experts(x_TH, ids_Tk, weights_Tk, self)

@@ -1,0 +1,50 @@
+"""Batch-invariant token tiling, the engine's GEMMs' fixed shapes (docs/engine.md): `tiled`
+runs a function on slices of exactly `tile` rows (the last one zero-padded), so each kernel it
+launches sees the same shapes whatever else is in the batch, and a row's result cannot depend on
+the other rows (`mxrl.nn.paths.rollout`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
+    """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated;
+    tile 0: fn(x) at once (the engine's batch_invariant=False mode)."""
+    if tile == 0:
+        return fn(x)
+    t = x.shape[0]
+    if t == 0:
+        return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
+    pad = (-t) % tile
+    if pad:  # one launch (a decode step pads its rows to one tile)
+        x = _padded(x, pad, tile)
+    if x.shape[0] == tile:
+        return fn(x)[:t]
+    return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
+
+
+_LAST_PAD: list = []  # [(source, key, padded)]: q, k and v pad one input once
+# zero rows to pad with, [tile, ...] per (device, dtype, tile, row shape): written once, never
+# freed nor replaced (a captured decode graph reads the one it was captured with)
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
+    """x with `pad` (< tile) zero rows appended, in one launch (a concatenation with cached
+    zero rows; `F.pad` fills the whole output, then copies x in). The last result is reused
+    for the same bytes: the memo holds its source, so a match of (address, shape, strides,
+    dtype, version) is the same storage, unmodified (the attention's q, k and v projections
+    read one normed input)."""
+    key = (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version, pad)
+    if _LAST_PAD and _LAST_PAD[0][1] == key:
+        return _LAST_PAD[0][2]
+    zkey = (x.device, x.dtype, tile, tuple(x.shape[1:]))
+    zeros = _ZERO_ROWS.get(zkey)
+    if zeros is None:
+        zeros = _ZERO_ROWS[zkey] = x.new_zeros((tile, *x.shape[1:]))
+    out = torch.cat([x, zeros[:pad]])
+    _LAST_PAD[:] = [(x, key, out)]
+    return out
