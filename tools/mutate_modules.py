@@ -64,7 +64,7 @@ MODULES = {
     "nn": Module(
         ("mxrl/nn/qlinear.py", "mxrl/nn/paths/reference.py", "mxrl/nn/gemm.py",
          "mxrl/nn/paths/grouped.py", "mxrl/nn/experts.py", "mxrl/nn/apply.py",
-         "mxrl/nn/paths/__init__.py"),
+         "mxrl/nn/paths/__init__.py", "mxrl/nn/moe.py"),
         ("tests/nn",),
     ),
     "weights": Module(("mxrl/weights/*.py",), ("tests/weights",)),
@@ -285,6 +285,14 @@ MODULES = {
         ("tests/nn/test_qmatmul.py", "tests/nn/test_operands.py",
          "tests/nn/test_fp8_block_backward.py", "tests/nn/test_qmatmul_edges.py",
          "tests/nn/test_paths.py"),
+    ),
+    # the routed experts' one dispatch (the loop form, the grouped form and its two combine
+    # orders) and the engine's batch-invariant tiles: their own tests, the paths' (a QExperts
+    # through each path against the Functions, a projection's tiles) and the engine's grouped
+    # form against the loop
+    "nn.moe": Module(
+        ("mxrl/nn/moe.py", "mxrl/nn/paths/tiles.py"),
+        ("tests/nn/test_moe.py", "tests/nn/test_tiles.py", "tests/nn/test_paths.py"),
     ),
     # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
     # per-step cache and the layers that build it per GEMM path (path_weight, QLinear, QExperts);

@@ -17,7 +17,7 @@ from mxrl.nn.paths.rollout import ExpertGroups, Grouping, RolloutPath
 from tests.nn.test_qmatmul import _expert_specs
 from tests.numerics import assert_bytes_equal
 
-T, K, E, H, I = 9, 3, 5, 16, 8
+T, K, E, H, INTER = 9, 3, 5, 16, 8
 
 
 def _inputs(dtype):
@@ -28,8 +28,8 @@ def _inputs(dtype):
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     weights = torch.rand(T, K, generator=g).to(dtype)
     w = {
-        "gate_up": torch.randn(E, 2 * I, H, generator=g).to(dtype),
-        "down": torch.randn(E, H, I, generator=g).to(dtype),
+        "gate_up": torch.randn(E, 2 * INTER, H, generator=g).to(dtype),
+        "down": torch.randn(E, H, INTER, generator=g).to(dtype),
     }
     return x, ids, weights, w
 
@@ -49,7 +49,9 @@ def test_the_engines_grouped_form_gives_the_loops_bytes(dtype):
     expert_of_row = torch.repeat_interleave(torch.arange(E), torch.diff(groups.offsets.long()))
 
     def project(which, rows):
-        return torch.cat([_row_exact(r[None], w[which][e]) for r, e in zip(rows, expert_of_row)])
+        return torch.cat(
+            [_row_exact(r[None], w[which][e]) for r, e in zip(rows, expert_of_row, strict=True)]
+        )
 
     def expert(e, x_nH):
         gate, up = _row_exact(x_nH, w["gate_up"][e]).chunk(2, dim=-1)
@@ -75,6 +77,81 @@ def test_the_trainers_grouped_form_sums_each_token_in_slot_order():
         ]
     )
     assert_bytes_equal(layout.combine(h, weights), want, "combine")
+
+
+def _loop_by_hand(x, ids, weights, w, expert_dtype):
+    """Each token's expert outputs (in `expert_dtype`) times their weights rounded to that
+    dtype, added to the token's row (x's dtype) in ascending expert order, ties (a repeated
+    expert) in slot order."""
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):  # stable
+            e = int(ids[t, j])
+            h = _row_exact(x[t : t + 1].to(expert_dtype), w[e])[0]
+            want[t] = want[t] + (h * weights[t, j].to(expert_dtype)).to(x.dtype)
+    return want
+
+
+def test_the_loop_adds_each_experts_rounded_outputs_in_expert_order():
+    """bf16 tokens, fp32 routing weights (the router's), the loop against the sums written out
+    (`_loop_by_hand`). Expert 0 gets no token, expert 1 exactly one, expert 3 none."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, H, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[2, 4], [4, 2], [1, 2], [2, 4]])
+    weights = torch.rand(4, 2, generator=g)
+    w = torch.randn(E, H, H, generator=g).to(torch.bfloat16)
+    calls = []
+
+    def expert(e, x_nH):
+        calls.append(e)
+        return _row_exact(x_nH, w[e])
+
+    got = moe_loop(x, ids, weights, E, expert)
+    assert calls == [1, 2, 4] and got.dtype == torch.bfloat16
+    assert_bytes_equal(got, _loop_by_hand(x, ids, weights, w, torch.bfloat16), "loop")
+
+
+@pytest.mark.parametrize("expert_dtype", [torch.float32, torch.bfloat16])
+def test_the_loop_keeps_a_repeated_experts_slot_order_and_the_tokens_dtype(expert_dtype):
+    """Routing replay may repeat an expert in a token's k slots: its rows are added in slot
+    order (the sort is stable; an unstable one reorders ties at this size, and fp32 sums of
+    three fp32 outputs then differ). An expert computing in bf16 (as under autocast) leaves the
+    tokens and the result in fp32."""
+    g = torch.Generator().manual_seed(1)
+    t, k = 300, 3
+    x = torch.randn(t, H, generator=g)
+    ids = torch.randint(0, 4, (t, k), generator=g)
+    weights = torch.rand(t, k, generator=g)
+    w = torch.randn(4, H, H, generator=g).to(expert_dtype)
+
+    def expert(e, x_nH):
+        return _row_exact(x_nH.to(expert_dtype), w[e])
+
+    got = moe_loop(x, ids, weights, 4, expert)
+    assert got.dtype == torch.float32
+    assert_bytes_equal(got, _loop_by_hand(x, ids, weights, w, expert_dtype), "loop")
+
+
+def test_the_grouped_form_returns_the_tokens_dtype():
+    """fp32 tokens through bf16 grouped GEMMs (the tensor-core path's): the result in fp32."""
+    x, ids, weights, w = _inputs(torch.float32)
+    groups = ExpertGroups.build(ids, E, Backend.REFERENCE)
+    expert_of_row = torch.repeat_interleave(torch.arange(E), torch.diff(groups.offsets.long()))
+
+    def project(which, rows):
+        rows = rows.to(torch.bfloat16)
+        return torch.cat(
+            [
+                _row_exact(r[None], w[which][e].bfloat16())
+                for r, e in zip(rows, expert_of_row, strict=True)
+            ]
+        )
+
+    got = moe_grouped(x, weights, groups, project)
+    assert got.dtype == torch.float32
+    gate, up = project("gate_up", groups.gather(x)).chunk(2, dim=-1)
+    h = project("down", invariant.silu_mul(gate, up))
+    assert_bytes_equal(got, groups.combine(h, weights).float(), "fp32 out")
 
 
 def _specs(fmt, **kw):
