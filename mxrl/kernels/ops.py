@@ -30,7 +30,12 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
-from mxrl.kernels.triton_dequant import launch_dequant, launch_error_sums, launch_widen_bf16
+from mxrl.kernels.triton_dequant import (
+    DequantOperands,
+    launch_dequant,
+    launch_error_sums,
+    launch_widen_bf16,
+)
 from mxrl.kernels.triton_fp8_block import launch_fp8_block
 from mxrl.kernels.triton_mxfp8 import launch_mxfp8
 from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
@@ -141,23 +146,26 @@ def dequantize_bf16(
     """fmt: 0 mxfp8, 1 nvfp4, 2 fp8_block (`triton_codecs.FMT_*`); scale as uint8 codes (or
     fp32 for fp8_block); decode_scale: NVFP4's fp32 S_dec ([] or [..., 1]) to multiply by, or
     None; (block_rows, block_k): one scale's block in the [prod(shape[:-1]), K] view."""
-    m, k, rows = _rows_and_decode_scale(qdata, decode_scale, fmt, shape)
-    out = launch_dequant(
-        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k)
-    )
-    return out.view(shape)
+    operands = _operands(qdata, scale, decode_scale, fmt, shape, (block_rows, block_k))
+    return launch_dequant(operands).view(shape)
 
 
-def _rows_and_decode_scale(
-    qdata: torch.Tensor, decode_scale: torch.Tensor | None, fmt: int, shape: list[int]
-) -> tuple[int, int, torch.Tensor | None]:
-    """(M, K) of the [prod(shape[:-1]), K] view and NVFP4's S_dec per row (fp32 [M]) or None."""
+def _operands(
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    decode_scale: torch.Tensor | None,
+    fmt: int,
+    shape: list[int],
+    block: tuple[int, int],
+) -> DequantOperands:
+    """The launchers' operands: dense bytes and scales, (M, K) of the [prod(shape[:-1]), K]
+    view and NVFP4's S_dec per row (fp32 [M]) or None."""
     k = shape[-1]
     m = qdata.numel() // (k // 2 if fmt == 1 else k) if k else 0
     rows = None
     if decode_scale is not None:
         rows = decode_scale.to(torch.float32).expand(*shape[:-1], 1).reshape(-1).contiguous()
-    return m, k, rows
+    return DequantOperands(qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, block)
 
 
 @_op
@@ -173,11 +181,8 @@ def dequantize_error_sums(
 ) -> torch.Tensor:
     """float64 [sum w^2, sum (w - dequantize(q))^2] of `master` (shape, fp32 or bf16) against
     the quantization given as `dequantize_bf16` takes it: one pass over both."""
-    m, k, rows = _rows_and_decode_scale(qdata, decode_scale, fmt, shape)
-    return launch_error_sums(
-        qdata.contiguous(), scale.contiguous(), rows, fmt, m, k, (block_rows, block_k),
-        master.contiguous().view(m, k),
-    )  # fmt: skip
+    operands = _operands(qdata, scale, decode_scale, fmt, shape, (block_rows, block_k))
+    return launch_error_sums(operands, master.contiguous().view(operands.m, operands.k))
 
 
 @_op

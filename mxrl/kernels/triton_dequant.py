@@ -20,6 +20,8 @@ layout above because no block crosses a matrix of the flattened leading dims.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -139,6 +141,21 @@ def _error_sums_kernel(
     tl.store(part_ptr + 2 * part + 1, tl.sum(tl.sum(d * d, axis=1), axis=0))
 
 
+class DequantOperands(NamedTuple):
+    """A quantized tensor as the kernels read it: contiguous packed bytes qdata_MP ([M, K], or
+    [M, K/2] for nvfp4), a contiguous scale of M/SR x K/SK elements (uint8 codes, or fp32 for
+    fp8_block), decode_rows (nvfp4 with its global scale: fp32 [M] S_dec per row; else None),
+    the format code fmt (`triton_codecs.FMT_*`), M, K and block = (SR, SK)."""
+
+    qdata_MP: torch.Tensor
+    scale: torch.Tensor
+    decode_rows: torch.Tensor | None
+    fmt: int
+    m: int
+    k: int
+    block: tuple[int, int]
+
+
 def _tile_config(block: tuple[int, int], config: dict | None) -> dict:
     """The launch config: a tile holds whole scale blocks (BLOCK_M a multiple of SR, BLOCK_K of
     SK, powers of two), at most 8192 elements."""
@@ -150,81 +167,69 @@ def _tile_config(block: tuple[int, int], config: dict | None) -> dict:
     return cfg
 
 
-def _check_operands(
-    qdata_MP: torch.Tensor, scale: torch.Tensor, m: int, k: int, block: tuple[int, int]
-) -> None:
+def _check_operands(operands: DequantOperands) -> None:
     """Dense packed bytes and scales, whole blocks of powers of two (the tiles hold whole ones)."""
+    qdata_MP, scale, _, _, m, k, block = operands
     sr, sk = block
     assert qdata_MP.is_contiguous() and scale.is_contiguous(), "the launcher gets dense inputs"
     assert k % sk == 0 and m % sr == 0 and scale.numel() == (m // sr) * (k // sk), (m, k, block)
     assert sr & (sr - 1) == 0 and sk & (sk - 1) == 0, f"blocks of powers of two, got {block}"
 
 
-def launch_error_sums(
-    qdata_MP: torch.Tensor,
-    scale: torch.Tensor,
-    decode_rows: torch.Tensor | None,
-    fmt: int,
-    m: int,
-    k: int,
-    block: tuple[int, int],
-    master_MK: torch.Tensor,
-) -> torch.Tensor:
+def _grid(operands: DequantOperands, cfg: dict) -> tuple[int, int]:
+    return triton.cdiv(operands.m, cfg["BLOCK_M"]), triton.cdiv(operands.k, cfg["BLOCK_K"])
+
+
+def _launch(kernel, cfg: dict, operands: DequantOperands, *outputs, **constexprs) -> None:
+    """`kernel` (`_dequant_kernel`, `_error_sums_kernel`) over the tiles of `operands`, its
+    `outputs` after the three input pointers."""
+    qdata_MP, scale, decode_rows, fmt, m, k, (sr, sk) = operands
+    launcher(kernel, qdata_MP)[_grid(operands, cfg)](
+        qdata_MP,
+        scale,
+        decode_rows if decode_rows is not None else scale,  # a dummy unless HAS_G
+        *outputs,
+        m,
+        k,
+        FMT=fmt,
+        SR=sr,
+        SK=sk,
+        HAS_G=decode_rows is not None,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"],
+        **constexprs,
+    )
+
+
+def launch_error_sums(operands: DequantOperands, master_MK: torch.Tensor) -> torch.Tensor:
     """float64 [sum w^2, sum (w - dequantize(q))^2] of a contiguous master [M, K] (fp32, bf16)
-    against its quantization (arguments as `launch_dequant`): each program's fp32 sums over its
-    tile, then added in float64 in program order (deterministic)."""
+    against its quantization: each program's fp32 sums over its tile, then added in float64 in
+    program order (deterministic)."""
+    qdata_MP, m, k = operands.qdata_MP, operands.m, operands.k
     assert master_MK.is_contiguous() and tuple(master_MK.shape) == (m, k), (master_MK.shape, m, k)
-    _check_operands(qdata_MP, scale, m, k, block)
-    cfg = _tile_config(block, None)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    _check_operands(operands)
+    cfg = _tile_config(operands.block, None)
+    grid = _grid(operands, cfg)
     parts = torch.zeros((grid[0] * grid[1], 2), dtype=torch.float32, device=qdata_MP.device)
     if m and k:
-        launcher(_error_sums_kernel, qdata_MP)[grid](
-            qdata_MP, scale, decode_rows if decode_rows is not None else scale, master_MK, parts,
-            m, k, FMT=fmt, SR=block[0], SK=block[1], HAS_G=decode_rows is not None,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-        )  # fmt: skip
+        _launch(_error_sums_kernel, cfg, operands, master_MK, parts)
     return parts.sum(dim=0, dtype=torch.float64)
 
 
 def launch_dequant(
-    qdata_MP: torch.Tensor,
-    scale: torch.Tensor,
-    decode_rows: torch.Tensor | None,
-    fmt: int,
-    m: int,
-    k: int,
-    block: tuple[int, int],
-    *,
-    hw: bool | None = None,
-    config: dict | None = None,
+    operands: DequantOperands, *, hw: bool | None = None, config: dict | None = None
 ) -> torch.Tensor:
-    """bf16 [M, K] from contiguous packed bytes qdata_MP ([M, K] or [M, K/2] for nvfp4), a
-    contiguous scale of M/SR x K/SK elements (uint8 codes, or fp32 for fp8_block) and, for
-    nvfp4 with its global scale, decode_rows: fp32 [M] S_dec per row."""
-    _check_operands(qdata_MP, scale, m, k, block)
-    cfg = _tile_config(block, config)
+    """bf16 [M, K] of the quantized tensor `operands`."""
+    _check_operands(operands)
+    qdata_MP, m, k = operands.qdata_MP, operands.m, operands.k
+    cfg = _tile_config(operands.block, config)
     hw = qdata_MP.is_cuda if hw is None else hw
     out = torch.empty((m, k), dtype=torch.bfloat16, device=qdata_MP.device)
     if m == 0 or k == 0:
         return out
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    launcher(_dequant_kernel, qdata_MP)[grid](
-        qdata_MP,
-        scale,
-        decode_rows if decode_rows is not None else scale,  # a dummy unless HAS_G
-        out if hw else out.view(torch.int16),  # not HW: the kernel stores the bf16 bits
-        m,
-        k,
-        FMT=fmt,
-        SR=block[0],
-        SK=block[1],
-        HAS_G=decode_rows is not None,
-        HW=hw,
-        BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"],
-    )
+    # not HW: the kernel stores the bf16 bits into an int16 view
+    _launch(_dequant_kernel, cfg, operands, out if hw else out.view(torch.int16), HW=hw)
     return out
 
 
