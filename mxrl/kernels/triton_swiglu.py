@@ -29,6 +29,13 @@ def _sigmoid(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _silu(x, dtype: tl.constexpr, IS_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """torch's silu of x (fp32): x / (1 + e^-x), its CUDA formula, rounded to the dtype; back
+    in fp32."""
+    return round_to(tl.div_rn(x, 1.0 + _exp(-x, LIBDEVICE)), dtype, IS_BF16).to(tl.float32)
+
+
+@triton.jit
 def silu_mul_fwd_kernel(
     gate_ptr,  # [M, N]
     up_ptr,  # [M, N]
@@ -49,7 +56,7 @@ def silu_mul_fwd_kernel(
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    s = round_to(tl.div_rn(x, 1.0 + _exp(-x, LIBDEVICE)), dtype, IS_BF16).to(tl.float32)
+    s = _silu(x, dtype, IS_BF16, LIBDEVICE)
     tl.store(out_ptr + row * stride_out + cols, round_to(s * u, dtype, IS_BF16), mask=mask)
 
 
@@ -80,7 +87,7 @@ def silu_mul_bwd_kernel(
     x = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = dgate_ptr.dtype.element_ty
-    silu = round_to(tl.div_rn(x, 1.0 + _exp(-x, LIBDEVICE)), dtype, IS_BF16).to(tl.float32)
+    silu = _silu(x, dtype, IS_BF16, LIBDEVICE)
     dup = round_to(dy * silu, dtype, IS_BF16)
     tl.store(dup_ptr + row * stride_dup + cols, dup, mask=mask)
     ds = round_to(dy * u, dtype, IS_BF16).to(tl.float32)
