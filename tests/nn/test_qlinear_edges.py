@@ -244,7 +244,7 @@ def test_the_loop_reads_the_reference_paths_cached_weight_with_the_layers_backen
             return real_apply(*args)
 
     monkeypatch.setattr(qlinear, "path_weight", build)
-    monkeypatch.setattr(reference_path, "QMatmul", Recorder)
+    monkeypatch.setattr(reference_path.ReferencePath, "function", Recorder)
     x = (torch.arange(3 * 32).reshape(3, 32) % 5 - 2).float()
     for e in range(2):
         q._down(e, x)

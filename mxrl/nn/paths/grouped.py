@@ -42,7 +42,7 @@ from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wg
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.moe import moe_grouped
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
-from mxrl.nn.paths.reference import fp8_block_col, fp8_block_row
+from mxrl.nn.paths.reference import FunctionPath, fp8_block_col, fp8_block_row
 from mxrl.nn.paths.tensor_core import BF16, TensorCoreQMatmul, quantize_activation
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
@@ -336,28 +336,15 @@ def grouped_supported(
     return all(d % 8 == 0 for d in dims)
 
 
-class TensorCorePath:
+class TensorCorePath(FunctionPath):
     """The tensor-core GEMM path (`Gemm.TENSOR_CORE`; a `mxrl.nn.paths.GemmPath`):
-    `TensorCoreQMatmul` (`tensor_core.py`), bf16 tensor cores with fp32 accumulation, block FP8
-    on `torch._scaled_mm`; routed experts as grouped GEMMs (`GroupedLinear`) where their formats
-    and shapes allow, else one at a time as the reference. Here, not in `tensor_core.py`: this
-    file imports that one."""
+    `TensorCoreQMatmul` (`tensor_core.py`) on the tensor-core path's QWeight (nothing derived
+    held), bf16 tensor cores with fp32 accumulation, block FP8 on `torch._scaled_mm`; routed
+    experts as grouped GEMMs (`GroupedLinear`) where their formats and shapes allow, else one
+    at a time as the reference. Here, not in `tensor_core.py`: this file imports that one."""
 
     gemm = Gemm.TENSOR_CORE
-    autograd = True
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        w: QWeight,
-        master: torch.Tensor,
-        spec: TensorSpec,
-        mode: Backward,
-        backend: Backend,
-    ) -> torch.Tensor:
-        """y [T, N] in x's dtype for x [T, K]: `TensorCoreQMatmul` on `w` (the tensor-core
-        path's QWeight: nothing derived held), gradients into `master`."""
-        return TensorCoreQMatmul.apply(x, master, w, spec, mode, backend)
+    function = TensorCoreQMatmul
 
     def grouped(
         self,

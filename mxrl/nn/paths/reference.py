@@ -177,12 +177,13 @@ def _reference_operands(ctx, dy: torch.Tensor, x_saved: torch.Tensor, w: torch.T
     }
 
 
-class ReferencePath:
-    """The reference GEMM path (`Gemm.REFERENCE`; a `mxrl.nn.paths.GemmPath`): `QMatmul`'s
-    fp32 emulated GEMMs, the CPU default and the test oracle."""
+class FunctionPath:
+    """A trainer path whose `linear` is one autograd Function (`function`): y [T, N] in x's
+    dtype for x [T, K] on the path's QWeight `w`, gradients into `master`. `ReferencePath` and
+    `TensorCorePath` (`paths/grouped.py`) are two."""
 
-    gemm = Gemm.REFERENCE
     autograd = True
+    function: type[torch.autograd.Function]
 
     def linear(
         self,
@@ -193,9 +194,16 @@ class ReferencePath:
         mode: Backward,
         backend: Backend,
     ) -> torch.Tensor:
-        """y [T, N] in x's dtype for x [T, K]: `QMatmul` on `w` (the reference's QWeight, its
-        fp32 operands held), gradients into `master`."""
-        return QMatmul.apply(x, master, w, spec, mode, backend)
+        return self.function.apply(x, master, w, spec, mode, backend)
+
+
+class ReferencePath(FunctionPath):
+    """The reference GEMM path (`Gemm.REFERENCE`; a `mxrl.nn.paths.GemmPath`): `QMatmul`'s
+    fp32 emulated GEMMs on the reference's QWeight (its fp32 operands held), the CPU default
+    and the test oracle."""
+
+    gemm = Gemm.REFERENCE
+    function = QMatmul
 
     def experts(self, x_TH, ids_Tk, weights_Tk, experts) -> torch.Tensor:
         """The routed experts' output [T, H], one expert at a time (`experts.loop`:
