@@ -89,7 +89,8 @@ class WeightLoading:
     def _stage(self, name: str, value: WeightValue) -> tuple:
         """(value on the engine's device, what its module holds for it): new tensors, nothing
         installed yet. The same structure as `_installed` gives for the live weights."""
-        if any(t.device != self.device for t in stored_tensors(value).values()):
+        device = _with_index(self.device)  # where .to(self.device) puts a tensor
+        if any(t.device != device for t in stored_tensors(value).values()):
             value = value.to(self.device)  # (a QTensor's .to builds a new one even in place)
         module, attr = self._target(name)
         if isinstance(module, RolloutLinear) and attr == "weight":
@@ -234,6 +235,13 @@ class WeightLoading:
         values = [self.weights[n] for n in names]
         for name, value, sum_ in zip(names, values, checksums(names, values), strict=True):
             yield WeightRecord(name, value, sum_)
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """`device` as `Tensor.to` resolves it: a CUDA device without an index is the current one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _leaves(obj) -> list[torch.Tensor | None]:

@@ -43,3 +43,28 @@ def test_an_engine_given_another_net_looks_its_names_up_there():
     engine.net = engine._build()  # the modules of another net
     owner = name.rpartition(".")[0]
     assert engine._target(name)[0] is engine.net.get_submodule(owner) is not old
+
+
+def test_a_value_is_staged_where_to_would_put_it():
+    """`_stage` moves a value only where `.to(engine.device)` would: a CUDA device without
+    an index is the current one (`_with_index`), any other device is itself."""
+    from mxrl.engine.loading import _with_index
+
+    assert _with_index(torch.device("cpu")) == torch.device("cpu")
+    assert _with_index(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    model = tiny(seed=0)
+    engine = Engine(model, "mxfp8", device="cpu")
+    exp = export(model, engine.plan, step=1)
+    records = list(exp.records())
+    q = next(r for r in records if r.name.endswith("q_proj.weight"))
+    staged, _ = engine._stage(q.name, q.value)
+    assert staged.qdata is q.value.qdata and staged.scale is q.value.scale
+
+
+@pytest.mark.gpu
+def test_a_cuda_device_without_an_index_is_the_current_one():
+    from mxrl.engine.loading import _with_index
+
+    current = torch.device("cuda", torch.cuda.current_device())
+    assert _with_index(torch.device("cuda")) == current
+    assert torch.zeros(1, device=current).to(torch.device("cuda")).device == current
