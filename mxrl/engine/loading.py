@@ -35,6 +35,7 @@ from mxrl.weights import (
     check_global_scales,
     check_record,
     checksums,
+    stored_tensors,
     verified_records,
 )
 
@@ -50,8 +51,17 @@ class WeightLoading:
     _invalidate_graphs)."""
 
     def _target(self, name: str) -> tuple[nn.Module, str]:
-        owner, _, attr = name.rpartition(".")
-        return self.net.get_submodule(owner), attr
+        """The module holding `name` and the attribute, looked up once per net: the engine
+        builds its modules once (`Engine._build`) and loads only set their attributes, so a
+        name's module is the same until `self.net` is another net (then looked up again)."""
+        cache = self.__dict__.get("_targets")
+        if cache is None or cache[0] is not self.net:
+            cache = self.__dict__["_targets"] = (self.net, {})
+        found = cache[1].get(name)
+        if found is None:
+            owner, _, attr = name.rpartition(".")
+            found = cache[1][name] = (self.net.get_submodule(owner), attr)
+        return found
 
     def _check(self, record: WeightRecord) -> None:
         """A record against the plan: a known name, then every field (kind, format, shape,
@@ -79,7 +89,9 @@ class WeightLoading:
     def _stage(self, name: str, value: WeightValue) -> tuple:
         """(value on the engine's device, what its module holds for it): new tensors, nothing
         installed yet. The same structure as `_installed` gives for the live weights."""
-        value = value.to(self.device)
+        device = _with_index(self.device)  # where .to(self.device) puts a tensor
+        if any(t.device != device for t in stored_tensors(value).values()):
+            value = value.to(self.device)  # (a QTensor's .to builds a new one even in place)
         module, attr = self._target(name)
         if isinstance(module, RolloutLinear) and attr == "weight":
             return value, module.materialize(value)
@@ -183,9 +195,10 @@ class WeightLoading:
         """
         received = self._verify(records, plan_hash, step, partial)
         # staged before any live byte is written: what cannot be loaded in place
+        live = {name: self._installed(name) for name in received}
         replaced: dict[str, tuple] = {}
         for name, record in received.items():
-            if not _same_layout(self._installed(name), (record.value, None), values_only=True):
+            if not _same_value_layout(live[name], record.value):
                 replaced[name] = self._stage(name, record.value)
         if before_write is not None:
             before_write()
@@ -193,17 +206,12 @@ class WeightLoading:
             for name, record in received.items():
                 if name in replaced:
                     continue
-                live, new = self._installed(name), self._stage(name, record.value)
-                if not _same_layout(live, new):
+                new = self._stage(name, record.value)
+                dsts, srcs = _leaves(live[name]), _leaves(new)
+                if not _same_leaves(dsts, srcs):
                     replaced[name] = new
                     continue
-                done = set()  # a held value is often its own operand: one copy per storage
-                for dst, src in zip(_leaves(live), _leaves(new), strict=True):
-                    if dst is None or (dst.data_ptr(), src.data_ptr()) in done:
-                        continue
-                    done.add((dst.data_ptr(), src.data_ptr()))
-                    if dst.data_ptr() != src.data_ptr():
-                        dst.copy_(src)
+                _copy_leaves(dsts, srcs)
         for name, staged in replaced.items():
             self._install(name, staged)
         for name, record in received.items():
@@ -229,19 +237,32 @@ class WeightLoading:
             yield WeightRecord(name, value, sum_)
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """`device` as `Tensor.to` resolves it: a CUDA device without an index is the current one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _leaves(obj) -> list[torch.Tensor | None]:
     """The tensors of a staged or installed weight, in a fixed order (None where absent)."""
     if obj is None or isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, QTensor):
-        return [getattr(obj, f) for f in ("qdata", "scale", "global_scale")]
+        return [obj.qdata, obj.scale, obj.global_scale]
     if isinstance(obj, (tuple, list)):
         return [t for item in obj for t in _leaves(item)]
     if isinstance(obj, dict):
         return [t for key in sorted(obj) for t in _leaves(obj[key])]
     if dataclasses.is_dataclass(obj):
-        return [t for f in dataclasses.fields(obj) for t in _leaves(getattr(obj, f.name))]
+        names = _FIELDS.get(type(obj))
+        if names is None:
+            names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+        return [t for name in names for t in _leaves(getattr(obj, name))]
     raise TypeError(f"no tensors known in {type(obj).__name__}")
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass type's field names, in order
 
 
 def _same_layout(live, new, *, values_only: bool = False) -> bool:
@@ -251,7 +272,16 @@ def _same_layout(live, new, *, values_only: bool = False) -> bool:
         return False
     if values_only:
         live, new = live[0], new[0]
-    a, b = _leaves(live), _leaves(new)
+    return _same_leaves(_leaves(live), _leaves(new), values_only=values_only)
+
+
+def _same_value_layout(live, value) -> bool:
+    """`_same_layout(live, (value, None), values_only=True)`: the held value against a
+    received one."""
+    return live is not None and _same_leaves(_leaves(live[0]), _leaves(value), values_only=True)
+
+
+def _same_leaves(a: list, b: list, *, values_only: bool = False) -> bool:
     if len(a) != len(b):
         return False
     for x, y in zip(a, b, strict=True):
@@ -262,3 +292,15 @@ def _same_layout(live, new, *, values_only: bool = False) -> bool:
         if x is not None and not values_only and x.device != y.device:
             return False
     return True
+
+
+def _copy_leaves(dsts: list, srcs: list) -> None:
+    """Each staged tensor into its live one (a held value is often its own operand: one copy
+    per pair of storages; none where they are one)."""
+    done = set()
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst is None or (dst.data_ptr(), src.data_ptr()) in done:
+            continue
+        done.add((dst.data_ptr(), src.data_ptr()))
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)

@@ -163,11 +163,12 @@ def error_sums(
     kernel takes): one pass reading both, fp32 sums per tile added in float64 (the same terms
     up to fp32 rounding inside a tile: a relative 1e-6, far below what a dB value shows)."""
     chosen = backend_for(backend, q.device)
+    master = master.detach() if master.requires_grad else master  # (the export's are detached)
     if chosen is not Backend.REFERENCE and master.dtype in (torch.float32, torch.bfloat16):
         operands = _dequant_operands(q, global_scale=True)
         if operands is not None:
-            return _kernel("dequantize_error_sums")(*operands, master.detach())
-    ref = master.detach().float()
+            return _kernel("dequantize_error_sums")(*operands, master)
+    ref = master.float()
     err = ref - reference_dequantize(q).to(device=ref.device, dtype=torch.float32)
     return torch.stack(
         [ref.square().sum(dtype=torch.float64), err.square().sum(dtype=torch.float64)]

@@ -183,5 +183,9 @@ def field_digests(
     if backend_for(backend, device) is Backend.TRITON:
         from mxrl.kernels import triton_digest  # noqa: F401  (registers the op)
 
-        return torch.ops.mxrl.checksum_digests([t.detach() for t in fields])
+        # records hold plain tensors without autograd history: a detach only for the others
+        plain = [
+            t if type(t) is torch.Tensor and not t.requires_grad else t.detach() for t in fields
+        ]
+        return torch.ops.mxrl.checksum_digests(plain)
     return torch.cat([field_digest_reference(t) for t in fields])

@@ -289,9 +289,10 @@ def _reduce_sqnr(meter: SqnrMeter, plan: Plan, group, device: torch.device) -> d
     if not keys:
         return {}
     zero = torch.zeros(2, dtype=torch.float64, device=device)
-    stacked = torch.stack([meter._sums.get(k, zero).to(device) for k in keys])
+    totals = meter.totals()
+    stacked = torch.stack([totals.get(k, zero).to(device) for k in keys])
     dist.all_reduce(stacked, group=group)
-    meter._sums = dict(zip(keys, stacked.unbind(0), strict=True))
+    meter.set_totals(dict(zip(keys, stacked.unbind(0), strict=True)))
     return meter.result()
 
 

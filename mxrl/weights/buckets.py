@@ -33,7 +33,7 @@ from mxrl.kernels import Backend
 from mxrl.recipe import Plan
 from mxrl.weights.digest import checksums
 from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
-from mxrl.weights.export import quantized_values
+from mxrl.weights.export import detached, quantized_values
 from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,8 @@ def export(
     if len(plan) == 0:
         raise ValueError("the plan holds no tensor: there is nothing to export")
     t0 = time.perf_counter()
-    params = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
+    named = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
+    params = {name: detached(t) for name, t in named.items()}  # once: check, quantize, SQNR
     values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend)
     # quantized_values checks every tensor for NaN/Inf before its first value: pulling that
     # value here makes the refusal happen now, before anything can be sent.

@@ -29,8 +29,8 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.models import CausalLM
 from mxrl.recipe import Plan, TensorSpec
-from mxrl.recipe.quantize import weight_global_scale, weight_layout
-from mxrl.weights.export import fuse_partners
+from mxrl.recipe.quantize import weight_global_scale
+from mxrl.weights.export import fuse_partners, spec_layout
 from mxrl.weights.record import WeightRecord
 
 _PER = {"tensor": "per tensor", "matrix": "per expert", "row": "per row (one per gate/up half)"}
@@ -89,7 +89,7 @@ def check_record(
             f"{name}: the plan stores {_what(spec)}, got a column-wise copy (blocks along dim "
             f"{value.axis}); send the row-wise quantization"
         )
-    want_fields = weight_layout(spec)
+    want_fields = spec_layout(spec)  # derived once per spec
     got_fields = value.layout()
     for key in [*want_fields, *(k for k in got_fields if k not in want_fields)]:
         want, got = want_fields.get(key), got_fields.get(key)

@@ -27,11 +27,43 @@ from mxrl.kernels.backend import Backend
 from mxrl.kernels.digest import DIGEST_BYTES, VERSION, field_digests
 from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, stored_tensors
 
+_HEADERS: dict[tuple, bytes] = {}  # header_key(...) -> header(...): the same records each sync
+_MAX_HEADERS = 1 << 16
+
+
+def _header_key(name: str, value: WeightValue) -> tuple | None:
+    """Everything `header` reads of (name, value), as a dict key; None: not cached (a name that
+    is not exactly a str)."""
+    if type(name) is not str:
+        return None
+    if isinstance(value, QTensor):
+        gs = value.global_scale
+        return (
+            name, value.fmt, tuple(value.shape), value.axis,
+            value.qdata.dtype, tuple(value.qdata.shape), value.scale.dtype,
+            tuple(value.scale.shape), None if gs is None else (gs.dtype, tuple(gs.shape)),
+        )  # fmt: skip
+    return (name, None, value.dtype, tuple(value.shape))
+
 
 def header(name: str, value: WeightValue) -> bytes:
     """What the checksum binds besides the bytes: the record's name, its format, shape, axis,
     each field's dtype and shape (so whose bytes they are, and the length and meaning of every
-    byte). The name is JSON-quoted: no name can forge the lines after it."""
+    byte). The name is JSON-quoted: no name can forge the lines after it. Each distinct
+    (name, layout) is formatted once (`_header_key`: every input of the text)."""
+    key = _header_key(name, value) if isinstance(value, (QTensor, torch.Tensor)) else None
+    found = _HEADERS.get(key) if key is not None else None
+    if found is not None:
+        return found
+    text = _header(name, value)
+    if key is not None:
+        if len(_HEADERS) >= _MAX_HEADERS:
+            _HEADERS.clear()
+        _HEADERS[key] = text
+    return text
+
+
+def _header(name: str, value: WeightValue) -> bytes:
     if not isinstance(name, str):
         raise TypeError(f"checksum: a record's name must be a str, got {type(name).__name__}")
     if isinstance(value, QTensor):

@@ -104,10 +104,13 @@ class SqnrSample:
 
 
 class SqnrMeter:
-    """Per-layer sums of master^2 and error^2, kept on the device until `result()`."""
+    """Per-layer sums of master^2 and error^2: each added tensor's float64 [2] kept on its device
+    until `result()`, which reads them all at once and adds them per layer on the host, in the
+    order they were added (float64 additions on the host round as on the device: the same sums
+    as a running sum on the device, without a launch per tensor)."""
 
     def __init__(self, sample: SqnrSample | None = None) -> None:
-        self._sums: dict[str, torch.Tensor] = {}  # key -> float64 [2] (signal, noise)
+        self._parts: list[tuple[str, torch.Tensor]] = []  # (key, float64 [signal, noise])
         self.sample = SqnrSample() if sample is None else sample
 
     def add(
@@ -131,21 +134,37 @@ class SqnrMeter:
                     return  # none of this shard's experts is in the sample
                 start, stop = idx[0], idx[-1] + 1  # contiguous: views, no copy
                 master, q = master[start:stop], _experts(q, start, stop)
-        sums = _squared_sums(master, q)
-        self._sums[key] = self._sums[key] + sums if key in self._sums else sums
+        self._parts.append((key, _squared_sums(master, q)))
+
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Each key's float64 [signal, noise], summed on the device in the order added (what
+        the sharded export all-reduces over its ranks)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, sums in self._parts:
+            out[key] = out[key] + sums if key in out else sums
+        return out
+
+    def set_totals(self, totals: Mapping[str, torch.Tensor]) -> None:
+        """Replace what was added by these per-key sums (the sharded export's reduced ones)."""
+        self._parts = list(totals.items())
 
     def result(self) -> dict[str, float]:
         def order(key: str) -> tuple[int, int]:
             return (1, 0) if key == OTHER else (0, int(key.split(".")[1]))
 
-        keys = sorted(self._sums, key=order)
-        if not keys:
+        if not self._parts:
             return {}
-        device = next(iter(self._sums.values())).device
-        host = torch.stack([s.to(device) for s in self._sums.values()]).tolist()  # one read
-        by_key = dict(zip(self._sums, host, strict=True))
+        device = self._parts[0][1].device
+        host = torch.stack([s.to(device) for _, s in self._parts]).tolist()  # one read
+        by_key: dict[str, list[float]] = {}
+        for (key, _), (s, n) in zip(self._parts, host, strict=True):
+            if key in by_key:
+                by_key[key][0] += s
+                by_key[key][1] += n
+            else:
+                by_key[key] = [s, n]
         out = {}
-        for key in keys:
+        for key in sorted(by_key, key=order):
             s, n = by_key[key]
             out[key] = math.inf if n == 0.0 else (-math.inf if s == 0.0 else 10 * math.log10(s / n))
         return out
@@ -155,12 +174,15 @@ class SqnrMeter:
 def _squared_sums(master: torch.Tensor, q: QTensor) -> torch.Tensor:
     """float64 [sum master^2, sum (master - dequantize(q))^2], on the master's device; a 3-D
     tensor a group of whole experts at a time (bounded temporary memory)."""
-    master = master.detach()
+    master = master.detach() if master.requires_grad else master
     if master.dim() == 3 and q.axis in (-1, 2):
-        step = max(1, _SQNR_ELEMENTS // max(1, master[0].numel()))
+        count = master.shape[0]
+        step = max(1, _SQNR_ELEMENTS // max(1, math.prod(master.shape[1:])))
+        if step >= count:  # one group: its sums as they are (0 + x is x: no launch for it)
+            return error_sums(q, master)
         total = torch.zeros(2, dtype=torch.float64, device=master.device)
-        for start in range(0, master.shape[0], step):
-            stop = min(start + step, master.shape[0])
+        for start in range(0, count, step):
+            stop = min(start + step, count)
             total += error_sums(_experts(q, start, stop), master[start:stop])
         return total
     return error_sums(q, master)  # the device's default: one fused pass on a GPU

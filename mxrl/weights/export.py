@@ -12,6 +12,7 @@ uses; a spec the kernels do not take (a block FP8 block size outside theirs) tak
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -41,6 +42,19 @@ def check_names(params: Mapping[str, torch.Tensor], plan: Plan, what: str = "exp
         )
 
 
+def detached(t: torch.Tensor) -> torch.Tensor:
+    """`t.detach()` where autograd tracks t; t itself otherwise (already detached: the same
+    values and storage, one dispatch fewer per tensor on every sync)."""
+    return t.detach() if t.requires_grad else t
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def spec_layout(spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """`weight_layout(spec)`, derived once per spec (a frozen, hashed TensorSpec: another plan's
+    spec is another key). The dict is shared: read it, never change it."""
+    return weight_layout(spec)
+
+
 def check_finite(
     named_tensors: Mapping[str, torch.Tensor], plan: Plan | None = None
 ) -> dict[str, torch.Tensor]:
@@ -53,7 +67,7 @@ def check_finite(
     they are all finite exactly when the tensor is), which are returned by name for the
     quantizer (`quantized_values`): the check and the global amax are one read, not two."""
     checked = [
-        (name, t.detach())
+        (name, detached(t))
         for name, t in named_tensors.items()
         if t.is_floating_point() and t.numel()
     ]
@@ -61,10 +75,12 @@ def check_finite(
     if not checked:
         return amaxes
     # each tensor's probe values (its min and max, or its global amaxes) on its device, one
-    # isfinite and one host read per device for all of them: no launch per tensor but its read
-    probes: dict[torch.device, list[torch.Tensor]] = {}
-    sizes: dict[torch.device, int] = {}
-    spans = []
+    # isfinite and one host read per device for all of them: no launch per tensor but its read.
+    # The 0-d mins and maxes are stacked at once (one op, not a view each), ahead of the amaxes.
+    scalars: dict[torch.device, list[torch.Tensor]] = {}
+    vectors: dict[torch.device, list[torch.Tensor]] = {}
+    sizes: dict[torch.device, int] = {}  # elements in vectors
+    spans = []  # (device, True: in scalars / False: in vectors, start, stop)
     for name, t in checked:
         spec = plan.get(name) if plan is not None else None
         if spec is not None and spec.format is Format.NVFP4 and tuple(t.shape) == spec.shape:
@@ -72,15 +88,20 @@ def check_finite(
             # and |±Inf| = Inf: this read is the check and the quantizer's global amax
             amax = own_weight_amax(t, spec, finite=True)
             amaxes[name] = amax
-            probe = [amax.reshape(-1)]
+            vectors.setdefault(t.device, []).append(amax.reshape(-1))
+            start = sizes.get(t.device, 0)
+            sizes[t.device] = start + amax.numel()
+            spans.append((t.device, False, start, sizes[t.device]))
         else:
-            probe = [m.reshape(1) for m in torch.aminmax(t)]  # one pass; NaN goes into both
-        probes.setdefault(t.device, []).extend(probe)
-        start = sizes.get(t.device, 0)
-        sizes[t.device] = start + sum(p.numel() for p in probe)
-        spans.append((t.device, start, sizes[t.device]))
-    flags = {device: torch.isfinite(torch.cat(p)).tolist() for device, p in probes.items()}
-    on_host = iter([all(flags[device][a:b]) for device, a, b in spans])
+            held = scalars.setdefault(t.device, [])
+            spans.append((t.device, True, len(held), len(held) + 2))
+            held.extend(torch.aminmax(t))  # one pass; NaN goes into both
+    flags = {}
+    for device in {d for d, *_ in spans}:
+        probe = [torch.stack(scalars[device])] if device in scalars else []
+        flags[device] = torch.isfinite(torch.cat(probe + vectors.get(device, []))).tolist()
+    base = {device: len(held) for device, held in scalars.items()}  # where the amaxes start
+    on_host = iter([all(flags[d][o + a : o + b]) for d, o, a, b in _offset(spans, base)])
     bad = []
     for name, t in checked:
         if next(on_host):
@@ -101,6 +122,13 @@ def check_finite(
     return amaxes
 
 
+def _offset(spans, base: dict[torch.device, int]):
+    """(device, offset, start, stop) of each probe span: amaxes come after the device's
+    stacked mins and maxes."""
+    for device, lone, a, b in spans:
+        yield device, 0 if lone else base.get(device, 0), a, b
+
+
 def quantized_values(
     named_params: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
     plan: Plan,
@@ -116,13 +144,14 @@ def quantized_values(
     Each master is read once by the check and once by its quantizer (an NVFP4 tensor's global
     amax is the check's read).
     """
-    params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+    items = named_params.items() if isinstance(named_params, Mapping) else named_params
+    params = {name: detached(t) for name, t in items}  # once: the check and the quantizer
     check_names(params, plan)
     amaxes = check_finite(params, plan)
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
-        w = params[name].detach()
+        w = params[name]
         if spec.format is Format.BF16:
             # one copy, contiguous whatever the master's strides, never aliased
             # the fp32 tensors (DeepSeek's router bias) stay fp32 (mxrl.arch.names.keeps_fp32)
@@ -133,10 +162,10 @@ def quantized_values(
                 chosen[w.device] = backend_for(backend, w.device)
             partner = partners.get(name)
             amax = _global_amax(name, w, partner, amaxes)
-            partner_w = params[partner].detach() if partner is not None else None
+            partner_w = params[partner] if partner is not None else None
             value = _quantize(w, spec, partner_w, amax, chosen[w.device])
             # the layout every receiver checks records against (mxrl.weights.check)
-            assert value.layout() == weight_layout(spec), (name, value.layout())
+            assert value.layout() == spec_layout(spec), (name, value.layout())
         yield name, value
 
 

@@ -133,3 +133,16 @@ def test_check_global_scales_refuses_each_unusable_value():
     with pytest.raises(ValueError, match=f"{gate} and {up}: gate and up share one"):
         check_global_scales([records[gate], unshared], plan)
     check_global_scales([records[gate]], plan)  # a partial update: no pair to compare
+
+
+def test_the_layout_kept_per_spec_is_each_specs_own():
+    """`spec_layout` (what check_record and the export compare against) derives a spec's
+    layout once: a spec of another plan (another shape, format or block) is another key."""
+    from mxrl.weights.export import spec_layout
+
+    _, plan = mixed_plan()
+    specs = [s for s in plan.values() if s.format.value != "bf16"]
+    others = [dataclasses.replace(s, shape=(s.shape[0] * 2, *s.shape[1:])) for s in specs]
+    for spec in specs + others + specs:
+        assert spec_layout(spec) == weight_layout(spec)
+    assert all(spec_layout(a) != spec_layout(b) for a, b in zip(specs, others, strict=True))

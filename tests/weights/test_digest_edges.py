@@ -194,3 +194,27 @@ def test_values_on_another_gpu_than_the_current_one_are_read_after_their_copy():
     with torch.cuda.device(0):
         for _ in range(3):
             assert checksums(names, [t.to("cuda:1") for t in host]) == want
+
+
+def test_a_header_formatted_once_per_layout_is_the_one_formatted_each_time():
+    """`header` keeps each (name, layout) it formatted: the same name with another format,
+    axis, shape or field dtype gets its own, equal to formatting it anew."""
+    values = [
+        torch.zeros(2, 32),
+        torch.zeros(2, 32, dtype=torch.bfloat16),
+        torch.zeros(32, 2),
+        quantize(X, "mxfp8"),
+        quantize(X.T.contiguous(), "mxfp8", axis=0),
+        quantize(X, "nvfp4"),
+        quantize(X, "fp8_block", block=(1, 32)),
+    ]
+    heads = [digest.header("w", v) for v in values]
+    assert len(set(heads)) == len(values)
+    for v, head in zip(values * 2, heads * 2, strict=True):  # the second pass: kept ones
+        assert digest.header("w", v) == head == digest._header("w", v)
+    assert digest.header("v", values[0]) == digest._header("v", values[0]) != heads[0]
+
+    class Name(str):  # not exactly a str: formatted each time, the same text
+        pass
+
+    assert digest.header(Name("w"), values[0]) == heads[0]
