@@ -148,7 +148,7 @@ MODULES = {
     # prefix-cache reset or test_engine.py's refusals (9-25 s each on two shared cores)
     "engine.loading": Module(
         ("mxrl/engine/loading.py",),
-        ("tests/engine/test_loading_edges.py",
+        ("tests/engine/test_loading_edges.py", "tests/engine/test_load_cache.py",
          "tests/engine/test_load_in_place.py::test_a_changed_layout_installs_new_buffers_and_drops_the_graphs"),
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
