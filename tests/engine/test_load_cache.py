@@ -68,3 +68,35 @@ def test_a_cuda_device_without_an_index_is_the_current_one():
     current = torch.device("cuda", torch.cuda.current_device())
     assert _with_index(torch.device("cuda")) == current
     assert torch.zeros(1, device=current).to(torch.device("cuda")).device == current
+
+
+def test_a_names_module_is_looked_up_once_per_net(monkeypatch):
+    """`_target` asks the net for a name's module once; the next loads reuse it, until the
+    engine holds another net."""
+    model = tiny(seed=0)
+    engine = Engine(model, "mxfp8", device="cpu")
+    name = next(iter(engine.plan))
+    engine.net = engine._build()  # a net none of whose names was looked up yet
+    calls = []
+    real = engine.net.get_submodule
+    monkeypatch.setattr(
+        engine.net, "get_submodule", lambda owner: calls.append(owner) or real(owner)
+    )
+    first = engine._target(name)
+    assert engine._target(name) == first and len(calls) == 1
+    other = next(n for n in engine.plan if n != name)
+    engine._target(other)
+    engine._target(name)
+    assert calls == [name.rpartition(".")[0], other.rpartition(".")[0]]
+
+
+def test_the_held_value_is_compared_with_a_received_one_on_any_device():
+    """Before staging, a received value is compared with the held one by shapes and dtypes
+    alone: records on another device (the meta device stands in for one) still load in place."""
+    from mxrl.engine.loading import _same_value_layout
+
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    assert _same_value_layout((cpu, "what the module holds"), meta)
+    assert not _same_value_layout(None, cpu)  # nothing held yet: a first load installs
+    assert not _same_value_layout((cpu, None), torch.zeros(3))
+    assert not _same_value_layout((cpu, None), torch.zeros(2, dtype=torch.bfloat16))
