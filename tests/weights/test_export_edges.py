@@ -19,7 +19,8 @@ from mxrl.recipe import Plan, resolve
 from mxrl.weights import export_weights, quantized_values
 from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
 from mxrl.weights.export import check_finite, check_names, fuse_partners, quantize_tensor
-from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32
+from mxrl.weights.record import stored_tensors
+from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, tiny
 
 export_module = importlib.import_module("mxrl.weights.export")  # the module, not the function
 
@@ -370,3 +371,35 @@ def test_the_finite_check_launches_one_read_per_tensor_and_one_check_for_all():
         k: v for k, v in many.items() if k != "aminmax"
     }
     assert many["cat"] == 1
+
+
+@pytest.mark.parametrize("bad", [None, (0, 0), (63, 63)])
+def test_a_device_holding_only_nvfp4_tensors_is_checked_by_their_amaxes(bad):
+    """Every tensor the plan makes NVFP4: no min/max probe on that device, its amaxes alone are
+    the check (read from their own start), and a NaN in the first or the last element is found."""
+    plan = plan_of({GATE: (64, 64), UP: (64, 64)}, ALL_NVFP4)
+    gate, up = torch.ones(64, 64), torch.full((64, 64), 0.5)
+    if bad is not None:
+        up[bad] = math.nan
+    if bad is None:
+        amaxes = check_finite({GATE: gate, UP: up}, plan)
+        assert float(amaxes[GATE]) == 1.0 and float(amaxes[UP]) == 0.5
+        return
+    with pytest.raises(ValueError, match=rf"{UP}: 1 non-finite") as err:
+        check_finite({GATE: gate, UP: up}, plan)
+    assert GATE not in str(err.value)
+
+
+def test_exported_values_carry_no_autograd_history():
+    """The masters are parameters autograd tracks; what the export hands on (bf16 copies,
+    QTensor fields) and the amaxes its check returns are plain tensors, detached once."""
+    model = tiny(seed=0)
+    assert all(p.requires_grad for p in model.parameters())
+    plan = resolve("nvfp4-dequantized", {n: p.shape for n, p in model.named_parameters()})
+    values = dict(quantized_values(model.named_parameters(), plan))
+    assert any(isinstance(v, torch.Tensor) for v in values.values())  # bf16 ones too
+    for name, value in values.items():
+        for t in (value,) if isinstance(value, torch.Tensor) else stored_tensors(value).values():
+            assert not t.requires_grad, name
+    amaxes = check_finite(dict(model.named_parameters()), plan)
+    assert amaxes and not any(a.requires_grad for a in amaxes.values())

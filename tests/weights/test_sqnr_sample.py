@@ -108,3 +108,29 @@ def test_an_export_with_a_sample_measures_the_sampled_experts():
             signal += float((ref * ref).sum())
             noise += float(((ref - deq) ** 2).sum())
     assert exp.event.sqnr_db["layer.1"] == pytest.approx(10 * math.log10(signal / noise), rel=1e-9)
+
+
+def _sums(w: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """[sum w^2, sum (w - dequantize(q))^2] in float64, written out."""
+    err = w - dequantize(q)
+    return torch.stack([w.double().square().sum(), err.double().square().sum()])
+
+
+def test_the_meters_totals_add_each_layers_sums_in_order_and_can_be_replaced():
+    """`totals` (what the sharded export all-reduces): each key's float64 sums added in the
+    order the tensors were; `set_totals` replaces them, and `result` reads only those."""
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(8, 64, generator=g) for _ in range(3)]
+    qs = [quantize(w, "mxfp8") for w in ws]
+    meter = SqnrMeter()
+    meter.add(0, ws[0], qs[0])
+    meter.add(1, ws[1], qs[1])
+    meter.add(0, ws[2], qs[2])
+    totals = meter.totals()
+    assert sorted(totals) == ["layer.0", "layer.1"]
+    torch.testing.assert_close(totals["layer.0"], _sums(ws[0], qs[0]) + _sums(ws[2], qs[2]))
+    torch.testing.assert_close(totals["layer.1"], _sums(ws[1], qs[1]))
+    s, n = totals["layer.0"].tolist()
+    assert meter.result()["layer.0"] == pytest.approx(10 * math.log10(s / n))
+    meter.set_totals({"layer.3": torch.tensor([100.0, 1.0], dtype=torch.float64)})
+    assert meter.result() == {"layer.3": pytest.approx(20.0)}
