@@ -218,3 +218,63 @@ def test_a_header_formatted_once_per_layout_is_the_one_formatted_each_time():
         pass
 
     assert digest.header(Name("w"), values[0]) == heads[0]
+
+
+_FORMAT = digest._header  # the header formatted now, no memo (a test may stand in for it)
+
+
+def _fresh(name, value) -> bytes:
+    return _FORMAT(name, value)
+
+
+def test_the_header_memo_formats_each_name_and_layout_once(monkeypatch):
+    """`header` formats a (name, layout) once and hands the same text back; a name that is not
+    exactly a str (a subclass could format itself otherwise) is formatted every time."""
+    monkeypatch.setattr(digest, "_HEADERS", {})
+    calls = []
+    monkeypatch.setattr(digest, "_header", lambda n, v: calls.append(n) or _fresh(n, v))
+    q = quantize(X, "mxfp8")
+    first = digest.header("m.w", q)
+    assert digest.header("m.w", q) == first == _fresh("m.w", q) and calls == ["m.w"]
+    assert digest.header("m.b", X) == _fresh("m.b", X)
+    assert digest.header("m.b", X.clone()) == _fresh("m.b", X) and calls == ["m.w", "m.b"]
+
+    class Name(str):
+        pass
+
+    digest.header(Name("m.w"), q)
+    digest.header(Name("m.w"), q)
+    assert calls == ["m.w", "m.b", "m.w", "m.w"]
+
+
+def test_the_header_memo_tells_apart_every_input_of_the_text(monkeypatch):
+    """Values that differ only in the name, the format, the shape, the axis, a field's dtype or
+    shape, or the global scale's shape each get their own text, whatever came before."""
+    monkeypatch.setattr(digest, "_HEADERS", {})
+    w = torch.arange(2 * 32 * 32, dtype=torch.float32).view(2, 32, 32) / 64 - 8
+    per_tensor = quantize(w, "nvfp4")
+    per_expert = quantize(w, "nvfp4", global_amax=w.abs().amax(dim=(1, 2), keepdim=True))
+    assert per_tensor.global_scale.shape != per_expert.global_scale.shape
+    y = torch.arange(32 * 64, dtype=torch.float32).view(32, 64) / 256 - 4
+    values = [
+        ("m.w", quantize(y, "mxfp8")),
+        ("m.v", quantize(y, "mxfp8")),  # another name
+        ("m.w", quantize(y, "mxfp8", axis=0)),  # another axis
+        ("m.w", quantize(y, "nvfp4")),  # another format
+        ("m.w", quantize(y.reshape(64, 32), "mxfp8")),  # another shape
+        ("m.w", X),
+        ("m.w", X.to(torch.bfloat16)),  # another dtype
+        ("m.e", per_tensor),
+        ("m.e", per_expert),  # the global scale's shape alone
+    ]
+    for name, value in values + values[::-1]:
+        assert digest.header(name, value) == _fresh(name, value), name
+
+
+def test_the_header_memo_is_bounded(monkeypatch):
+    """At `_MAX_HEADERS` entries the memo starts again, so it never holds more."""
+    monkeypatch.setattr(digest, "_HEADERS", {})
+    monkeypatch.setattr(digest, "_MAX_HEADERS", 2)
+    for i in range(5):
+        digest.header(f"m.{i}", X)
+        assert len(digest._HEADERS) <= 2
