@@ -276,9 +276,8 @@ def _same_layout(live, new, *, values_only: bool = False) -> bool:
 
 
 def _same_value_layout(live, value) -> bool:
-    """`_same_layout(live, (value, None), values_only=True)`: the held value against a
-    received one."""
-    return live is not None and _same_leaves(_leaves(live[0]), _leaves(value), values_only=True)
+    """The held value against a received one (shapes and dtypes; the devices may differ)."""
+    return _same_layout(live, (value, None), values_only=True)
 
 
 def _same_leaves(a: list, b: list, *, values_only: bool = False) -> bool:

@@ -33,8 +33,9 @@ _MAX_HEADERS = 1 << 16
 
 def _header_key(name: str, value: WeightValue) -> tuple | None:
     """Everything `header` reads of (name, value), as a dict key; None: not cached (a name that
-    is not exactly a str)."""
-    if type(name) is not str:
+    is not exactly a str, a value that is neither a QTensor nor a tensor: `_header` refuses
+    them)."""
+    if type(name) is not str or not isinstance(value, (QTensor, torch.Tensor)):
         return None
     if isinstance(value, QTensor):
         gs = value.global_scale
@@ -51,8 +52,8 @@ def header(name: str, value: WeightValue) -> bytes:
     each field's dtype and shape (so whose bytes they are, and the length and meaning of every
     byte). The name is JSON-quoted: no name can forge the lines after it. Each distinct
     (name, layout) is formatted once (`_header_key`: every input of the text)."""
-    key = _header_key(name, value) if isinstance(value, (QTensor, torch.Tensor)) else None
-    found = _HEADERS.get(key) if key is not None else None
+    key = _header_key(name, value)
+    found = _HEADERS.get(key)  # (None is never stored)
     if found is not None:
         return found
     text = _header(name, value)
