@@ -14,7 +14,11 @@ default (`mxrl.kernels.Kernels.resolve`: tensor cores on an sm_90 GPU) or `--gem
 None between steps, or with `--optimizer` the trainers' fused AdamW step after it (the full
 trainer step; the HF rows' AdamW on their own parameters: fp32, or bf16 with no master).
 `--breakdown` profiles one step per mxrl preset and splits its GPU time by operation
-(benchmarks/step_breakdown.py). Timed: median of
+(benchmarks/step_breakdown.py). `--micro-batches K`: a step is K forward + backward passes of
+the B x S tokens (gradients accumulated) before the optimizer, as an RL step's training pass
+runs (tokens and TFLOP/s count all K). `--bf16-weights`: the routed experts' bf16 GEMMs read a
+copy of the master held from one optimizer step to the next (`held`, the trainer's default,
+`rl.hold_bf16_weights`) or cast for each forward and dgrad (`cast`). Timed: median of
 `--repeats` steps after `--warmup` steps (weight quantization, autotuning, allocator), twice:
 with the quantized weights cached (the micro-batches after the first of one optimizer step), and
 "fresh": every step the first after an optimizer step (`mxrl.nn.weights_changed()` before it, as
@@ -149,22 +153,29 @@ def measure(step, device: torch.device, warmup: int, repeats: int) -> dict:
 
 
 def make_step(
-    model, ids: torch.Tensor, autocast: torch.dtype | None, hf: bool = False, optimizer=None
+    model,
+    ids: torch.Tensor,
+    autocast: torch.dtype | None,
+    hf: bool = False,
+    optimizer=None,
+    micro_batches: int = 1,
 ):
-    """Forward, loss, backward; then `optimizer`'s step (inside the breakdown's optimizer range)
-    and its zero_grad, or without one the gradients set to None."""
+    """`micro_batches` x (forward, loss, backward); then `optimizer`'s step (inside the
+    breakdown's optimizer range) and its zero_grad, or without one the gradients set to None."""
     from torch.profiler import record_function
 
     inputs, targets = ids[:, :-1], ids[:, 1:].reshape(-1)
 
     def step():
-        with torch.autocast(
-            ids.device.type, dtype=autocast or torch.bfloat16, enabled=bool(autocast)
-        ):
-            out = model(input_ids=inputs) if hf else model(inputs)
-            logits = out.logits if hf else out
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
-        loss.backward()
+        for _ in range(micro_batches):
+            with torch.autocast(
+                ids.device.type, dtype=autocast or torch.bfloat16, enabled=bool(autocast)
+            ):
+                out = model(input_ids=inputs) if hf else model(inputs)
+                logits = out.logits if hf else out
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
+            loss.backward()
+            del out, logits
         if optimizer is None:
             for p in model.parameters():
                 p.grad = None
@@ -195,9 +206,15 @@ def mxrl_row(base_state, config, preset, ids, device, args) -> dict:
     if args.gemm:
         set_gemm(model, args.gemm)
     compute = None if args.compute == "fp32" else torch.bfloat16
-    model.set_training_options(compute_dtype=compute, checkpoint_layers=args.checkpoint_layers)
+    model.set_training_options(
+        compute_dtype=compute,
+        checkpoint_layers=args.checkpoint_layers,
+        hold_bf16_weights=args.bf16_weights == "held",
+    )
     model.train()
-    step = make_step(model, ids, None, optimizer=_optimizer(model, args))
+    step = make_step(
+        model, ids, None, optimizer=_optimizer(model, args), micro_batches=args.micro_batches
+    )
     got = measure(step, device, args.warmup, args.repeats)
 
     def fresh_step():
@@ -228,7 +245,9 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
     ):
         model, impl = load_hf(path, dtype)
         model = model.to(device).train()
-        step = make_step(model, ids, autocast, hf=True, optimizer=_optimizer(model, args))
+        step = make_step(
+            model, ids, autocast, True, _optimizer(model, args), micro_batches=args.micro_batches
+        )
         got = measure(step, device, args.warmup, args.repeats)
         version = transformers.__version__
         rows.append({"impl": name, "preset": name, "experts_implementation": impl,
@@ -279,6 +298,15 @@ def parse_args(argv):
         action="store_true",
         help="profile one step per mxrl preset: ms by operation (benchmarks/step_breakdown.py)",
     )
+    ap.add_argument(
+        "--micro-batches", type=int, default=1, help="forward + backward passes per step"
+    )
+    ap.add_argument(
+        "--bf16-weights",
+        choices=["held", "cast"],
+        default="held",
+        help="the bf16 experts' copy of the master: held per optimizer step, or cast per GEMM",
+    )
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -322,14 +350,15 @@ def main(argv=None) -> int:
         for b, s in args.shapes:
             gen = torch.Generator().manual_seed(b * 100003 + s)
             ids = torch.randint(1, config.vocab_size, (b, s + 1), generator=gen).to(device)
-            flops = step_flops(config, b, s, counts["active_params_per_token"])
+            flops = args.micro_batches * step_flops(config, b, s, counts["active_params_per_token"])
             shape_rows = [] if args.skip_hf else hf_rows(Path(tmp), ids, device, args)
             for preset in args.presets:
                 row = mxrl_row(base_state, config, preset, ids, device, args)
                 print(f"  {preset} {b}x{s}: {row['s_step']:.3f} s/step")
                 shape_rows.append(row)
             for row in shape_rows:
-                row.update(B=b, S=s, tokens=b * s, tflops=flops / row["s_step"] / 1e12)
+                row.update(B=b, S=s, tokens=args.micro_batches * b * s)
+                row.update(micro_batches=args.micro_batches, tflops=flops / row["s_step"] / 1e12)
                 row["mfu"] = row["tflops"] / peak if peak else None
             _ratios(shape_rows)
             rows += shape_rows
@@ -349,6 +378,8 @@ def main(argv=None) -> int:
         "gemm": gemm,
         "compute": args.compute,
         "checkpoint_layers": args.checkpoint_layers,
+        "bf16_weights": args.bf16_weights,
+        "micro_batches": args.micro_batches,
         "optimizer": "adamw fused (mxrl.rl.optim)" if args.optimizer else None,
         "warmup": args.warmup,
         "repeats": args.repeats,

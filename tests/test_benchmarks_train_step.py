@@ -31,3 +31,34 @@ def test_deepseek_tiny_cpu_run_writes_hf_and_mxrl_rows(tmp_path, monkeypatch):
     assert rows["hf bf16"]["experts_implementation"] in ("grouped_mm", "eager")
     assert rows["hf bf16"]["transformers"]
     assert rows["bf16"]["bf16_x_hf_bf16"] > 0 and rows["fp8-block"]["s_step_fresh"] > 0
+
+
+def test_micro_batches_and_bf16_weights_reach_the_rows_and_the_model(tmp_path, monkeypatch):
+    """`--micro-batches 3`: make_step asked for three forwards and backwards per step, tokens x3;
+    `--bf16-weights cast|held` sets the experts' option and is written in the section."""
+    train_step = load_benchmark("train_step", monkeypatch)
+    seen = []
+    build = train_step.make_step
+
+    def counting(model, *a, **kw):
+        seen.append((kw.get("micro_batches"), {m.hold_bf16 for m in _experts(model)}))
+        return build(model, *a, **kw)
+
+    monkeypatch.setattr(train_step, "make_step", counting)
+    for how in ("cast", "held"):
+        out = tmp_path / f"{how}.json"
+        args = ["--tiny", "--device", "cpu", "--layers", "1", "--shapes", "2x8", "--presets",
+                "bf16", "--skip-hf", "--warmup", "0", "--repeats", "1", "--micro-batches", "3",
+                "--bf16-weights", how, "--optimizer", "--out", str(out)]  # fmt: skip
+        assert train_step.main(args) == 0
+        section = json.loads(out.read_text())["train_step"]
+        assert (section["bf16_weights"], section["micro_batches"]) == (how, 3)
+        (row,) = section["rows"]
+        assert (row["tokens"], row["micro_batches"]) == (3 * 2 * 8, 3)
+    assert seen == [(3, {False}), (3, {True})]
+
+
+def _experts(model):
+    from mxrl.nn import GroupedExperts
+
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]

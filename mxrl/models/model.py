@@ -160,14 +160,25 @@ class CausalLM(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # None: compute in the parameters' dtype
 
     def set_training_options(
-        self, *, compute_dtype: torch.dtype | None = None, checkpoint_layers: bool = False
+        self,
+        *,
+        compute_dtype: torch.dtype | None = None,
+        checkpoint_layers: bool = False,
+        hold_bf16_weights: bool = False,
     ) -> None:
         """compute_dtype (e.g. torch.bfloat16): run forward under `torch.autocast` in that dtype,
         master weights unchanged (fp32 master, bf16 compute; the quantized ops keep their own
         numerics, docs/nn.md). checkpoint_layers: recompute each decoder layer in the backward
-        (less activation memory, one more forward). Defaults: neither (the CPU reference)."""
+        (less activation memory, one more forward). hold_bf16_weights: the routed experts'
+        grouped bf16 GEMMs cast each master once per optimizer step and hold the copy (2 bytes
+        a weight) instead of casting it for every forward and dgrad (`GroupedExperts`; not
+        under FSDP2, where it would hold whole unsharded weights). Defaults: none (the CPU
+        reference)."""
         self.compute_dtype = compute_dtype
         self.model.checkpoint_layers = checkpoint_layers
+        for module in self.modules():
+            if isinstance(module, GroupedExperts):
+                module.set_hold_bf16(hold_bf16_weights)
 
     @property
     def moe_layer_indices(self) -> list[int]:

@@ -11,6 +11,12 @@ projections run as grouped GEMMs instead where `grouped_fits` (`mxrl.nn.paths.gr
 `_grouped_proj`), with no Python loop and no host sync. `QExperts` (mxrl.nn.qlinear) overrides
 `_gate_up`, `_down` and `_grouped_proj` to run the quantized GEMMs; the routing and reduction
 are shared.
+
+The grouped bf16 projections read a bf16 copy of their fp32 master. `hold_bf16` False: cast
+where each GEMM runs (the forward's and the dgrad's: two casts a micro-batch, nothing held);
+True (`CausalLM.set_training_options(hold_bf16_weights=True)`): cast once per optimizer step and
+held (`WeightCache`) for every forward and backward until the weights change, at 2 bytes a
+weight. Same bytes either way.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.moe import moe_loop
 from mxrl.nn.paths import GemmPath, path_for
 from mxrl.nn.paths.grouped import GroupedLinear, grouped_supported
+from mxrl.nn.weight import WeightCache
 
 # The two expert projections by role (the keys QExperts and the engine keep their specs under)
 # and the parameter each is stored in: a plan names them `{experts module}.{parameter}`.
@@ -53,6 +60,24 @@ class GroupedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
         self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        self.hold_bf16 = False  # module docstring; `set_hold_bf16`
+        self._bf16 = {which: WeightCache() for which in EXPERT_PARAMS}
+
+    def set_hold_bf16(self, hold: bool) -> None:
+        """Hold the grouped GEMMs' bf16 weight copies from one optimizer step to the next (module
+        docstring); False frees the held ones."""
+        self.hold_bf16 = hold
+        if not hold:
+            for cache in self._bf16.values():
+                cache.clear()
+
+    def bf16_weight(self, which: str) -> torch.Tensor | None:
+        """Projection `which`'s held bf16 weight, cast when the master changed (`WeightCache`:
+        every optimizer step, any in-place write); None when not `hold_bf16` (cast per GEMM)."""
+        if not self.hold_bf16:
+            return None
+        param = getattr(self, EXPERT_PARAMS[which])
+        return self._bf16[which].get((param,), lambda: param.detach().to(torch.bfloat16), "bf16")
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)
@@ -97,8 +122,9 @@ class GroupedExperts(nn.Module):
         return {"gate_up": None, "down": None}
 
     def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
-        param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        return GroupedLinear.apply(x_sorted, param, layout, None, None, None, None)
+        param = getattr(self, EXPERT_PARAMS[which])
+        held = self.bf16_weight(which)
+        return GroupedLinear.apply(x_sorted, param, layout, held, None, None, None)
 
     def _gate_up(self, e: int, x_nH: torch.Tensor) -> torch.Tensor:
         return F.linear(x_nH, self.gate_up_proj[e])

@@ -180,6 +180,8 @@ class QExperts(GroupedExperts):
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
         q.path = getattr(experts, "path", None)
+        q.hold_bf16 = False  # a bf16 projection's held copy (GroupedExperts, `set_hold_bf16`)
+        q._bf16 = {"gate_up": WeightCache(), "down": WeightCache()}
         return q
 
     def _grouped_specs(self) -> dict:

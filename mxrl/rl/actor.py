@@ -145,7 +145,9 @@ class LocalActor:
         self.ranks = OneRank()
         apply_plan(model, self.plan, backend=resolved.kernels)
         model.set_training_options(
-            compute_dtype=autocast_dtype(model, resolved), checkpoint_layers=cfg.checkpoint_layers
+            compute_dtype=autocast_dtype(model, resolved),
+            checkpoint_layers=cfg.checkpoint_layers,
+            hold_bf16_weights=cfg.hold_bf16_weights,
         )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
@@ -199,6 +201,7 @@ class ShardedActor:
         apply_plan(model, self.plan, backend=resolved.kernels)
         compute = autocast_dtype(model, resolved)  # as on one process
         self.model = parallelize(model, self.plan, layout.train_mesh, compute)
+        # no held bf16 expert copies: each would be a whole unsharded weight on every rank
         model.set_training_options(compute_dtype=compute, checkpoint_layers=cfg.checkpoint_layers)
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

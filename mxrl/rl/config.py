@@ -185,6 +185,11 @@ class GRPOConfig:
     # recompute each decoder layer in the backward: activations of one layer per micro-batch
     # instead of all of them, for one more forward (the knob when a sequence alone does not fit)
     checkpoint_layers: bool = field(default=False, metadata=rule(APPLY, boolean))
+    # the routed experts' bf16 grouped GEMMs (CUDA) cast each fp32 master once per optimizer
+    # step and hold the copy (2 bytes a weight) for every micro-batch's forward and dgrad and
+    # the logprob passes, instead of casting it for each of them; on one process only (FSDP2
+    # casts its gathered shards per use)
+    hold_bf16_weights: bool = field(default=True, metadata=rule(APPLY, boolean))
 
     def __post_init__(self) -> None:
         _validate(self, "rl.")

@@ -198,7 +198,10 @@ def estimate_memory(
         master_weights=numel * master // train_ranks,
         gradients=numel * master // train_ranks,
         optimizer=2 * numel * master // train_ranks,  # fused AdamW: exp_avg, exp_avg_sq
-        train_weight_copies=train_copy_bytes(plan, model_cfg, master, compute, cuda) // train_ranks,
+        train_weight_copies=train_copy_bytes(
+            plan, model_cfg, master, compute, cuda, rl.hold_bf16_weights and not train_cfg.placement
+        )
+        // train_ranks,
         engine_weights=engine_weight_bytes(plan, engine, cuda),
         kv_cache=kv_cache_bytes(
             model_cfg, rl, seq, engine, cuda, rollout_ranks, plan.kv_cache == "fp8"

@@ -83,11 +83,14 @@ def _contract_bytes(spec: Any) -> int:
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in weight_layout(spec).values())
 
 
-def train_copy_bytes(plan: Any, c: Any, master: int, compute: int, cuda: bool) -> int:
+def train_copy_bytes(
+    plan: Any, c: Any, master: int, compute: int, cuda: bool, hold_bf16: bool = False
+) -> int:
     """What the training ops hold besides the master weights: each quantized weight's cache
     (mxrl.nn: its packed bytes on CUDA's tensor-core path, fp32 operands on the CPU reference;
-    a column-wise copy for the quantized backward), and under autocast the bf16 casts of the
-    bf16 matmul weights, saved for the backward."""
+    a column-wise copy for the quantized backward), under autocast the bf16 casts of the
+    bf16 matmul weights, saved for the backward, and with `hold_bf16` (rl.hold_bf16_weights on
+    one process) the bf16 routed experts' held copies of their fp32 masters on CUDA."""
     from mxrl.formats.constants import Format
     from mxrl.recipe import Backward
 
@@ -97,7 +100,10 @@ def train_copy_bytes(plan: Any, c: Any, master: int, compute: int, cuda: bool) -
         if spec.format is Format.BF16:
             matmul = spec.kind != "norm" and (spec.kind != "embedding" or c.tie_word_embeddings)
             if spec.kind == "routed_expert" and cuda:
-                matmul = False  # the grouped GEMMs cast expert weights per call, keep none
+                # the grouped GEMMs cast expert weights per call and keep none, or hold one
+                # copy (in any compute dtype: they run in bf16)
+                total += 2 * n if master == 4 and hold_bf16 else 0
+                continue
             total += 2 * n if master == 4 and compute == 2 and matmul else 0
             continue
         col = plan.backward is Backward.QUANTIZED

@@ -62,6 +62,7 @@ def test_defaults_are_valid_and_ints_are_accepted_for_floats():
     assert type(cfg.lr) is float and type(cfg.betas) is tuple
     assert GRPOConfig(correction="none").correction is None
     assert GRPOConfig(correction="tis").correction == "tis"
+    assert GRPOConfig().hold_bf16_weights is True and GRPOConfig().checkpoint_layers is False
 
 
 @pytest.mark.parametrize(
@@ -82,6 +83,7 @@ def test_defaults_are_valid_and_ints_are_accepted_for_floats():
         ({"lr": "5e-4"}, "rl.lr: expected a number > 0, got '5e-4' (a string); write it without"),
         ({"max_new_tokens": 9}, "rl.max_new_tokens: builtin:tiny-moe generates at most 8"),
         ({"recipe": ""}, "rl.recipe: expected a non-empty string"),
+        ({"hold_bf16_weights": "yes"}, "rl.hold_bf16_weights: expected true or false"),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_the_fix(rl, needle):

@@ -127,6 +127,26 @@ def test_weight_terms_against_hand_counts():
     assert bf16.master_weights == 2 * numel and bf16.optimizer == 4 * numel
 
 
+def test_held_bf16_expert_copies_on_one_cuda_process_only():
+    """rl.hold_bf16_weights (default on): a bf16 routed expert's held copy of its fp32 master, 2
+    bytes a weight, on CUDA's grouped GEMMs; none on the CPU (the loop), with a bf16 master (its
+    cast is itself), when off, or under a placement (FSDP2 casts per use)."""
+    hf = _hf(**HAND)
+    experts = 4 * 64 * 64 + 4 * 64 * 32
+    held = _estimate(hf, {"device": "cuda"}, capacity=None)
+    cast = _estimate(hf, {"device": "cuda", "hold_bf16_weights": False}, capacity=None)
+    assert held.train_weight_copies - cast.train_weight_copies == 2 * experts
+    for rl, dtype in (({"device": "cpu"}, "float32"), ({"device": "cuda"}, "bfloat16")):
+        on = _estimate(hf, rl, capacity=None, dtype=dtype)
+        off = _estimate(hf, {**rl, "hold_bf16_weights": False}, capacity=None, dtype=dtype)
+        assert on.train_weight_copies == off.train_weight_copies, (rl, dtype)
+    placed = _estimate_placed(hf, {"device": "cuda"}, {"train_ranks": 1, "rollout_ranks": 1})
+    unheld = _estimate_placed(
+        hf, {"device": "cuda", "hold_bf16_weights": False}, {"train_ranks": 1, "rollout_ranks": 1}
+    )
+    assert placed.train_weight_copies == unheld.train_weight_copies
+
+
 def test_budget_derived_from_capacity_holds_the_longest_sequence():
     hf = _hf()
     whole = _estimate(hf, {"max_new_tokens": 8}, capacity=None)

@@ -202,3 +202,14 @@ def test_a_step_whose_batch_logits_exceed_the_memory_cap_runs_on_cuda(tmp_path):
     assert tokens * vocab * 4 > cap / 2  # their fp32 logits alone: over half the cap
     assert metrics["memory/train_peak_gib"] < (held + cap) / (1 << 30)
     assert torch.isfinite(torch.tensor(metrics["loss/pg"])) and metrics["grad/norm"] > 0
+
+
+def test_the_trainer_holds_bf16_expert_copies_as_configured(tmp_path):
+    """rl.hold_bf16_weights reaches every experts module of a one-process trainer (the CPU
+    reference's loop reads no copy; the grouped GEMMs' is tests/nn/test_hold_bf16.py)."""
+    from mxrl.nn import GroupedExperts
+
+    for hold in (True, False):
+        trainer = tiny_trainer(tmp_path, f"hold-{hold}", hold_bf16_weights=hold)
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        assert experts and all(m.hold_bf16 is hold for m in experts)

@@ -8,7 +8,9 @@ starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torc
 (bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @ [E, N, K]; wgrad
 [N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes
 (through the table in `mxrl.nn.operands`):
-  bf16 experts    x, w cast to bf16 (w re-cast in the backward: no bf16 weight copy is kept)
+  bf16 experts    x, w cast to bf16 (w re-cast in the backward: no bf16 weight copy is kept),
+                  or, given the held bf16 copy of w (`GroupedExperts.hold_bf16`), that copy in
+                  both GEMMs (the same bytes: it is w cast, made once per optimizer step)
   quantized fwd   lp(Qa(x)) and lp(Qw(w)) exact in bf16; the NVFP4 global scales (per token,
                   per expert) multiply the bf16 output rows
   high_precision  dgrad on bf16(w), wgrad on bf16(x)
@@ -162,16 +164,19 @@ def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
 
 class GroupedLinear(torch.autograd.Function):
     """y [R, N] (bf16) = x [R, K] @ w[e]^T for the rows of expert e; w [E, N, K] the master
-    weight. spec None: bf16 experts; else tw holds the quantized weight (module docstring)."""
+    weight. spec None: bf16 experts, tw the held bf16 copy of w or None (cast here); else tw
+    holds the quantized weight (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w, layout: ExpertLayout, tw: QWeight | None, spec, mode, backend):
+    def forward(ctx, x, w, layout: ExpertLayout, tw: QWeight | torch.Tensor | None, spec, mode,
+                backend):  # fmt: skip
         ctx.layout, ctx.tw, ctx.mode, ctx.backend, ctx.spec = layout, tw, mode, backend, spec
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         if spec is None:
             a = x.to(BF16)
-            y = grouped_mm(a, w.to(BF16).transpose(-2, -1), layout.ends)
-            ctx.save_for_backward(a, w)
+            w_bf16 = tw if tw is not None else w.to(BF16)
+            y = grouped_mm(a, w_bf16.transpose(-2, -1), layout.ends)
+            ctx.save_for_backward(a, w)  # w: the version check (a write since is refused)
             return y
         x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
         if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
@@ -245,7 +250,7 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
 
     return {
         (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
-        (Operand.FWD_WEIGHT, Form.HP): lambda: saved()[-1].to(BF16),
+        (Operand.FWD_WEIGHT, Form.HP): lambda: _hp_weight(ctx, saved()),
         (Operand.FWD_INPUT, Form.HP): lambda: saved()[0],
         (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.operand(Form.DEQ, BF16),
         (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
@@ -254,6 +259,15 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
         (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend),
     }
+
+
+def _hp_weight(ctx, saved: tuple) -> torch.Tensor:
+    """The dgrad's bf16 weight: bf16 experts' held copy (the forward's, `ctx.tw`) where given,
+    else the saved master cast again. Read after `saved`, which refuses a weight written since
+    the forward."""
+    if ctx.spec is None and ctx.tw is not None:
+        return ctx.tw
+    return saved[-1].to(BF16)
 
 
 def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
