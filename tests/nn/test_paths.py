@@ -106,6 +106,9 @@ class _Direct:
         mode, backend = q.backward_mode, Backend.REFERENCE
         return param, q.qweight(which, self.gemm), q.specs[which], mode, backend
 
+    def _grouped_specs(self):
+        return self.q._grouped_specs()
+
     def _grouped_proj(self, which, x_sorted, layout):
         param, w, s, mode, backend = self._args(which)
         return GroupedLinear.apply(x_sorted, param, layout, w, s, mode, backend)

@@ -66,7 +66,10 @@ class ExpertLayout:
 
     order [R]: sorted row -> flat (token * k + slot) index; inverse [R]: its inverse;
     token_of [R]: each sorted row's token; row_expert [R]: its expert;
-    ends [E] int32: each expert's end row (torch._grouped_mm's offsets)."""
+    ends [E] int32: each expert's end row (torch._grouped_mm's offsets);
+    rows_dtype: the gathered rows' dtype when the first projection reads them in it (bf16
+    experts read bf16 rows: x [T, H] is cast before the gather, not its k copies after), None
+    for x's own."""
 
     order: torch.Tensor
     inverse: torch.Tensor
@@ -75,9 +78,12 @@ class ExpertLayout:
     ends: torch.Tensor
     num_tokens: int
     top_k: int
+    rows_dtype: torch.dtype | None = None
 
     @classmethod
-    def build(cls, ids_Tk: torch.Tensor, num_experts: int) -> ExpertLayout:
+    def build(
+        cls, ids_Tk: torch.Tensor, num_experts: int, rows_dtype: torch.dtype | None = None
+    ) -> ExpertLayout:
         t, k = ids_Tk.shape
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -87,15 +93,16 @@ class ExpertLayout:
         # each expert's end row, without a host sync (CUDA bincount reads the max back)
         experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
         ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
-        return cls(order, inverse, order // k, row_expert, ends, t, k)
+        return cls(order, inverse, order // k, row_expert, ends, t, k, rows_dtype)
 
     def offsets(self) -> torch.Tensor:
         """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
         return torch.cat([self.ends.new_zeros(1), self.ends])
 
     def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), with
-        autograd: the backward sums each token's k rows in slot order."""
+        """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), in
+        `rows_dtype` where given, with autograd: the backward sums each token's k rows in slot
+        order, in x's dtype."""
         return _GatherTokens.apply(x_TH, self)
 
     def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
@@ -138,18 +145,21 @@ class PaddedLayout:
 
 
 class _GatherTokens(torch.autograd.Function):
-    """x [T, H] -> x_sorted [R, H]; the backward sums each token's k rows in slot order."""
+    """x [T, H] -> x_sorted [R, H] (in the layout's `rows_dtype`); the backward sums each
+    token's k rows in slot order, accumulating in x's dtype (bf16 rows' gradients summed in
+    fp32 for an fp32 x: the bytes of widening them first, without the [R, H] fp32 copy)."""
 
     @staticmethod
     def forward(ctx, x, layout: ExpertLayout):
-        ctx.layout = layout
-        return x.index_select(0, layout.token_of)
+        ctx.layout, ctx.x_dtype = layout, x.dtype
+        rows = layout.rows_dtype
+        return (x if rows is None else x.to(rows)).index_select(0, layout.token_of)
 
     @staticmethod
     def backward(ctx, g):
         lay: ExpertLayout = ctx.layout
         g_tk = g.index_select(0, lay.inverse).view(lay.num_tokens, lay.top_k, -1)
-        return g_tk.sum(1), None
+        return g_tk.sum(1, dtype=ctx.x_dtype), None
 
 
 def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
@@ -312,7 +322,10 @@ def _widen(t_bf16: torch.Tensor, dtype: torch.dtype, backend) -> torch.Tensor:
 def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
     """GroupedExperts' result in the grouped form (`mxrl.nn.moe.moe_grouped`), each projection
     `experts._grouped_proj`, combined in slot order (`ExpertLayout`)."""
-    layout = ExpertLayout.build(ids_Tk, experts.num_experts)
+    # bf16 gate/up weights read x's rows in bf16: gather them so (GroupedLinear casts them
+    # first thing anyway, so the same bytes), not an fp32 [R, H] copy cast after
+    bf16_rows = experts._grouped_specs()["gate_up"] is None
+    layout = ExpertLayout.build(ids_Tk, experts.num_experts, BF16 if bf16_rows else None)
     project = functools.partial(_project, experts, layout=layout)
     return moe_grouped(x_TH, weights_Tk, layout, project)
 
