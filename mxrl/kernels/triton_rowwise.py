@@ -141,17 +141,25 @@ def rope_kernel(
     NK,
     D: tl.constexpr,
     IS_BF16: tl.constexpr,
+    BACKWARD: tl.constexpr = False,
 ):
     """out = x * cos + rotate_half(x) * sin for one head of one token, each product and the sum
-    rounded to the dtype as the eager ops do (rotate_half(x) = cat(-x[D/2:], x[:D/2]))."""
+    rounded to the dtype as the eager ops do (rotate_half(x) = cat(-x[D/2:], x[:D/2])).
+    BACKWARD: x is the output's gradient g and out the input's, g * cos + rotate_half^T(g * sin)
+    (rotate_half^T(y) = cat(y[D/2:], -y[:D/2])), the terms eager autograd adds. fp32 launches
+    must not contract a product and the sum into one FMA (`enable_fp_fusion=False`)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     half: tl.constexpr = D // 2
     partner = (d + half) % D
-    sign = tl.where(d < half, -1.0, 1.0)
     cos = tl.load(cos_ptr + t * stride_ct + d).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
+    if BACKWARD:  # the partner's product with its sign flipped (rounding commutes with a sign)
+        sign = tl.where(d < half, 1.0, -1.0)
+        sin = tl.load(sin_ptr + t * stride_st + partner).to(tl.float32)
+    else:
+        sign = tl.where(d < half, -1.0, 1.0)
+        sin = tl.load(sin_ptr + t * stride_st + d).to(tl.float32)
     dtype = q_out_ptr.dtype.element_ty
     if h < N:
         src = q_ptr + t * stride_qt + h * stride_qh

@@ -22,6 +22,7 @@ from torch import nn
 from mxrl.arch.config import ModelConfig
 from mxrl.kernels.backend import Backend
 from mxrl.kernels.norm_train import fused_norm_fits, rms_norm_train
+from mxrl.kernels.rope_train import rope_train
 from mxrl.kernels.rowwise import rope_reference, topk_softmax
 from mxrl.models import yarn
 from mxrl.models.context import get_forward_context
@@ -153,7 +154,13 @@ class RotaryEmbedding(nn.Module):
 
 class ApplyRope(nn.Module):
     """RoPE applied to a layer's queries and keys: a module (no parameters), so the rollout
-    engine can swap in a fused launch (mxrl.kernels.rowwise.rope, the same bytes)."""
+    engine can swap in a fused launch (mxrl.kernels.rowwise.rope, the same bytes). `rowwise`
+    TRITON (set by `apply_plan` as for the norms): the trainer's fused forward and backward
+    (mxrl.kernels.rope_train, the eager ops' bytes and their autograd's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rowwise = Backend.REFERENCE
 
     def forward(
         self,
@@ -162,6 +169,8 @@ class ApplyRope(nn.Module):
         cos_BSD: torch.Tensor,
         sin_BSD: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rowwise is Backend.TRITON:
+            return rope_train(q_BNSD, k_BKSD, cos_BSD, sin_BSD)
         return rope_reference(q_BNSD, k_BKSD, cos_BSD, sin_BSD)
 
 

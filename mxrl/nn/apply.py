@@ -46,10 +46,11 @@ def apply_plan(
 def _set_rowwise(
     model: nn.Module, backend: Kernels | Backend | str | None, device: torch.device
 ) -> None:
-    """The row-wise kernels of the model's norms (modules with a `rowwise` choice: the models'
-    RMSNorm): a `Kernels` record's, or the device default's where none is given (Triton on
-    CUDA: the fused training RMSNorm, mxrl.kernels.norm_train). A backend given by name picks
-    the quantizer only: the norms stay the eager reference."""
+    """The row-wise kernels of the model's norms and RoPE (modules with a `rowwise` choice: the
+    models' RMSNorm and ApplyRope): a `Kernels` record's, or the device default's where none is
+    given (Triton on CUDA: the fused training RMSNorm and RoPE, mxrl.kernels.norm_train and
+    rope_train). A backend given by name picks the quantizer only: they stay the eager
+    reference."""
     if isinstance(backend, Kernels):
         rowwise = backend.rowwise
     elif backend is None:

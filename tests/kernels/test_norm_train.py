@@ -221,14 +221,19 @@ def _tiny_with_plan(backend):
 @interpreter
 def test_apply_plan_fuses_the_norms_where_the_rowwise_kernels_are_triton():
     from mxrl.kernels import Backend, Kernels
+    from mxrl.models.layers import ApplyRope
 
-    _, norms = _tiny_with_plan(Kernels.resolve("triton", "cpu"))
+    def ropes(model):
+        return [m for m in model.modules() if isinstance(m, ApplyRope)]
+
+    model, norms = _tiny_with_plan(Kernels.resolve("triton", "cpu"))
     assert len(norms) == 4 * 4 + 1  # per layer: input, post-attention, q and k; the final norm
     assert all(m.rowwise is Backend.TRITON for m in norms)
+    assert len(ropes(model)) == 4 and all(m.rowwise is Backend.TRITON for m in ropes(model))
     # the reference record, a backend by name (the quantizer only) and the CPU default: eager
     for backend in (Kernels.resolve("reference", "cpu"), "triton", "reference", None):
-        _, norms = _tiny_with_plan(backend)
-        assert all(m.rowwise is Backend.REFERENCE for m in norms), backend
+        model, norms = _tiny_with_plan(backend)
+        assert all(m.rowwise is Backend.REFERENCE for m in norms + ropes(model)), backend
 
 
 @interpreter

@@ -62,8 +62,19 @@ def compile_all() -> dict[str, dict[str, int]]:
              "q_out_ptr": "*bf16", "k_out_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32",
              "stride_kt": "i32", "stride_kh": "i32", "stride_ct": "i32", "stride_st": "i32",
              "N": "i32", "NK": "i32"},
-            {"D": 128, "IS_BF16": True},
+            {"D": 128, "IS_BF16": True, "BACKWARD": False},
         ),
+        **{
+            f"rope_train_fp32{suffix}": (
+                rw.rope_kernel,
+                {"q_ptr": "*fp32", "k_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                 "q_out_ptr": "*fp32", "k_out_ptr": "*fp32", "stride_qt": "i32",
+                 "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "stride_ct": "i32",
+                 "stride_st": "i32", "N": "i32", "NK": "i32"},
+                {"D": 128, "IS_BF16": False, "BACKWARD": backward},
+            )
+            for suffix, backward in (("", False), ("_backward", True))
+        },
         "moe_route_bf16": (
             rw.moe_route_kernel,
             {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "stride_l": "i32",
@@ -140,6 +151,8 @@ def _aligned(fn, name: str):
 
 
 def _opts(name: str) -> dict:
+    if name.startswith("rope_train"):  # the trainer's launch (mxrl.kernels.rope_train)
+        return {"num_warps": 1, "enable_fp_fusion": False}
     return {"num_warps": 8, "num_stages": 3} if name.startswith("fp8_block_kgrouped") else None
 
 
@@ -155,7 +168,7 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
         "rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "sample_race_fp32",
         "sample_partials_fp32", "sample_pick_fp32", "fp8_block_kgrouped",
         "fp8_block_grouped_bf16_fp8", "fp8_block_kgrouped_fp8",
-        "moe_group", "rope_bf16", "moe_route_bf16",
+        "moe_group", "rope_bf16", "moe_route_bf16", "rope_train_fp32", "rope_train_fp32_backward",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
         counts = ptx_report[name]
@@ -164,6 +177,10 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     # RMSNorm's sum of squares may contract (its order is fixed either way, within the bound)
     assert ptx_report["moe_combine_bf16"]["fma"] == 0
     assert ptx_report["rope_bf16"]["fma"] == 0  # RoPE rounds both products before their sum
+    # the trainer's fp32 RoPE: no contraction of a product and the sum (the eager bytes)
+    assert (
+        ptx_report["rope_train_fp32"]["fma"] == ptx_report["rope_train_fp32_backward"]["fma"] == 0
+    )
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
     # the router's weights: one IEEE division (its bound counts exp as ex2.approx, nothing else)
