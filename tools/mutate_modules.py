@@ -294,6 +294,32 @@ MODULES = {
         ("mxrl/nn/moe.py", "mxrl/nn/paths/tiles.py"),
         ("tests/nn/test_moe.py", "tests/nn/test_tiles.py", "tests/nn/test_paths.py"),
     ),
+    # bf16 experts over fp32 masters: the held bf16 copy (GroupedExperts.set_hold_bf16 /
+    # bf16_weight / _grouped_proj) and the grouped form's bf16 rows and their gradient's sum
+    # (ExpertLayout.build, _GatherTokens, grouped_experts_forward, GroupedLinear's dgrad weight):
+    # the functions this touches, on the CPU's grouped GEMMs
+    "nn.experts": Module(
+        ("mxrl/nn/experts.py", "mxrl/nn/paths/grouped.py"),
+        ("tests/nn/test_hold_bf16.py", "tests/nn/test_gather_rows.py", "tests/nn/test_moe.py",
+         "tests/nn/test_fast.py::test_layouts",
+         "tests/nn/test_fast.py::test_gather_tokens_backward_sums_each_tokens_rows",
+         "tests/nn/test_fast.py::test_grouped_experts_module_runs_and_routes_like_the_loop"),
+        functions=(
+            "mxrl/nn/experts.py::GroupedExperts.set_hold_bf16",
+            "mxrl/nn/experts.py::GroupedExperts.bf16_weight",
+            "mxrl/nn/experts.py::GroupedExperts._grouped_proj",
+            "mxrl/nn/paths/grouped.py::ExpertLayout.build",
+            "mxrl/nn/paths/grouped.py::_GatherTokens.forward",
+            "mxrl/nn/paths/grouped.py::_GatherTokens.backward",
+            "mxrl/nn/paths/grouped.py::_hp_weight",
+            "mxrl/nn/paths/grouped.py::grouped_experts_forward",
+        ),
+    ),
+    # the trainer's fused RoPE: its launcher, its checks and its autograd Function, under
+    # Triton's interpreter
+    "kernels.rope_train": Module(
+        ("mxrl/kernels/rope_train.py",), ("tests/kernels/test_rope_train.py",)
+    ),
     # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
     # per-step cache and the layers that build it per GEMM path (path_weight, QLinear, QExperts);
     # node ids: test_fast.py's CPU tests of the held bytes, the column copy's refusal and the
