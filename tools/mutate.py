@@ -88,8 +88,8 @@ do_not_mutate_patterns = {_toml_list(DO_NOT_MUTATE)}
     (work / "pyproject.toml").write_text(text)
 
 
-def _run_mutmut(work: Path, max_children: int, names: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+def _run_mutmut(work: Path, max_children: int, names: list[str], extra_env: dict) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", **extra_env}
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children), *names]
     print("tools/mutate.py:", " ".join(cmd), f"(in {work})", flush=True)
     subprocess.run(cmd, cwd=work, env=env, check=False)
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         _sync(work)
         _configure(work, module)
-        _run_mutmut(work, args.max_children, args.mutant or module.mutant_globs())
+        globs = args.mutant or module.mutant_globs()
+        _run_mutmut(work, args.max_children, globs, dict(module.env))
     mutants = _collect(work, module)
     if not mutants:
         print(f"tools/mutate.py: no results in {work}/mutants; run without --report-only")

@@ -13,6 +13,9 @@ class Module:
     # the functions in scope, "path.py::function" or "path.py::Class.method", where a module is
     # a few functions of larger files: only their mutants are run and reported (empty: all)
     functions: tuple[str, ...] = ()
+    # environment for the test runs: TRITON_INTERPRET=1 for Triton kernels' launchers (the
+    # interpreter must be chosen before anything imports triton)
+    env: tuple[tuple[str, str], ...] = ()
 
     def mutant_globs(self) -> list[str]:
         """mutmut's names of the in-scope functions' mutants, as globs
@@ -318,7 +321,9 @@ MODULES = {
     # the trainer's fused RoPE: its launcher, its checks and its autograd Function, under
     # Triton's interpreter
     "kernels.rope_train": Module(
-        ("mxrl/kernels/rope_train.py",), ("tests/kernels/test_rope_train.py",)
+        ("mxrl/kernels/rope_train.py",),
+        ("tests/kernels/test_rope_train.py",),
+        env=(("TRITON_INTERPRET", "1"),),
     ),
     # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
     # per-step cache and the layers that build it per GEMM path (path_weight, QLinear, QExperts);

@@ -77,7 +77,7 @@ class GroupedExperts(nn.Module):
         if not self.hold_bf16:
             return None
         param = getattr(self, EXPERT_PARAMS[which])
-        return self._bf16[which].get((param,), lambda: param.detach().to(torch.bfloat16), "bf16")
+        return self._bf16[which].get((param,), lambda: param.detach().to(torch.bfloat16))
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate_up_proj, std=std)

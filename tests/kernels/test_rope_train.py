@@ -106,6 +106,10 @@ def test_what_the_kernel_does_not_take_runs_the_reference():
         "last dim strided": (q[..., ::2], k[..., ::2], cos[..., ::2], sin[..., ::2]),
     }
     assert not rope_train_fits(q[0], k[0], cos[0], sin[0]), "3-D"
+    assert not rope_train_fits(q[0], k, cos, sin), "3-D q beside 4-D k"
+    # one batch row: its batch stride is never read, whatever it is
+    one = [torch.as_strided(t[:1], t[:1].shape, (12345, *t.stride()[1:])) for t in (q, k)]
+    assert rope_train_fits(*one, cos[:1], sin[:1])
     for what, args in refused.items():
         assert not rope_train_fits(*args), what
         want = rope_reference(*args)

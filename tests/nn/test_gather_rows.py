@@ -49,9 +49,8 @@ def test_bf16_rows_give_the_bytes_of_fp32_rows(device):
 
 
 def test_the_gather_casts_x_before_it_and_sums_the_gradient_in_x_dtype():
-    """x [T, H] is cast once (T rows), not its R = T*k gathered copies; the backward's sum of
-    each token's k bf16 rows accumulates in fp32: a sum that would round each partial sum to
-    bf16 gives other bytes."""
+    """x [T, H] is cast once (T rows), not its R = T*k gathered copies; the backward sums each
+    token's k bf16 rows in fp32: a bf16 sum, rounded to bf16 at the end, gives other bytes."""
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
     ids = torch.tensor([[1, 0], [0, 1]])
     layout = ExpertLayout.build(ids, 2, BF16)

@@ -146,8 +146,10 @@ class PaddedLayout:
 
 class _GatherTokens(torch.autograd.Function):
     """x [T, H] -> x_sorted [R, H] (in the layout's `rows_dtype`); the backward sums each
-    token's k rows in slot order, accumulating in x's dtype (bf16 rows' gradients summed in
-    fp32 for an fp32 x: the bytes of widening them first, without the [R, H] fp32 copy)."""
+    token's k rows in slot order in x's dtype: bf16 rows' gradients are put in token order,
+    widened (exact) and summed by the same fp32 reduction over the same [T, k, H] layout as
+    before the rows were bf16, so the same bytes on any device (a sum reading bf16 with an fp32
+    accumulator may group its additions differently on CUDA)."""
 
     @staticmethod
     def forward(ctx, x, layout: ExpertLayout):
@@ -159,7 +161,7 @@ class _GatherTokens(torch.autograd.Function):
     def backward(ctx, g):
         lay: ExpertLayout = ctx.layout
         g_tk = g.index_select(0, lay.inverse).view(lay.num_tokens, lay.top_k, -1)
-        return g_tk.sum(1, dtype=ctx.x_dtype), None
+        return g_tk.to(ctx.x_dtype).sum(1), None
 
 
 def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
