@@ -180,7 +180,7 @@ class QExperts(GroupedExperts):
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
         q.path = getattr(experts, "path", None)
-        q.hold_bf16 = False  # a bf16 projection's held copy (GroupedExperts, `set_hold_bf16`)
+        q.hold_bf16 = experts.hold_bf16  # a bf16 projection's held copy (`set_hold_bf16`)
         q._bf16 = {"gate_up": WeightCache(), "down": WeightCache()}
         return q
 

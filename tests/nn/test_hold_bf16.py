@@ -163,3 +163,7 @@ def test_training_options_set_every_experts_module_and_qexperts_bf16_projections
         assert q._bf16["gate_up"]._value is None, "a quantized projection holds no bf16 copy"
     for a, b in zip(*outs, strict=True):
         assert_bytes_equal(a, b)
+    # set before the plan is applied: the swapped-in QExperts keeps the choice
+    held = _experts()
+    held.set_hold_bf16(True)
+    assert QExperts.from_experts(held, gate_up, down, "dequantized").hold_bf16 is True
