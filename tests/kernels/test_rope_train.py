@@ -141,3 +141,33 @@ def test_apply_rope_runs_the_kernel_where_the_rowwise_kernels_are_triton(monkeyp
 def test_on_cuda_the_eager_bytes(dtype):
     """The compiled kernel (no FMA contraction in fp32) at the model's head dim."""
     _check_bytes(dtype, "cuda", d=128, b=4, s=64, n=8, nk=2)
+
+
+def test_the_launch_is_the_compiled_one_and_an_empty_batch_launches_nothing(monkeypatch):
+    """The launcher asks for what test_rowwise_compile.py compiles and checks (no FMA
+    contraction, one warp a head of 128), B x S programs; no launch for no tokens. A flat
+    gradient is read in place, another layout copied once."""
+    import mxrl.kernels.rope_train as rt
+    import mxrl.kernels.triton_rowwise as rw
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(rw, "rope_kernel", Kernel())
+    for d, warps in ((128, 1), (256, 2)):
+        q, k, cos, sin, _, _ = _inputs(torch.float32, d=d, b=2, s=3, n=4, nk=2)
+        rt._launch(q, k, cos, sin, backward=True)
+        grid, kw = launches.pop()
+        assert grid == (2 * 3, 4 + 2)
+        assert kw["enable_fp_fusion"] is False and kw["num_warps"] == warps
+        assert kw["BACKWARD"] is True and kw["IS_BF16"] is False and kw["D"] == d
+    q, k, cos, sin, _, _ = _inputs(torch.float32, s=0)
+    oq, ok = rt._launch(q, k, cos, sin, backward=False)
+    assert launches == [] and oq.shape == q.shape and ok.shape == k.shape
+    g = _inputs(torch.float32)[4]  # [B, N, S, D] contiguous: not token-major
+    flat = g.transpose(1, 2).contiguous().transpose(1, 2)
+    assert rt._token_major(flat) is flat
+    assert torch.equal(rt._token_major(g), g) and rt._token_major(g) is not g
