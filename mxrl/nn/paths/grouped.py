@@ -146,10 +146,8 @@ class PaddedLayout:
 
 class _GatherTokens(torch.autograd.Function):
     """x [T, H] -> x_sorted [R, H] (in the layout's `rows_dtype`); the backward sums each
-    token's k rows in slot order in x's dtype: bf16 rows' gradients are put in token order,
-    widened (exact) and summed by the same fp32 reduction over the same [T, k, H] layout as
-    before the rows were bf16, so the same bytes on any device (a sum reading bf16 with an fp32
-    accumulator may group its additions differently on CUDA)."""
+    token's k rows in slot order in x's dtype, bf16 rows widened first (exact): the fp32 sum
+    over the [T, k, H] layout of fp32 rows, the same bytes on any device."""
 
     @staticmethod
     def forward(ctx, x, layout: ExpertLayout):
@@ -274,9 +272,8 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
 
 
 def _hp_weight(ctx, saved: tuple) -> torch.Tensor:
-    """The dgrad's bf16 weight: bf16 experts' held copy (the forward's, `ctx.tw`) where given,
-    else the saved master cast again. Read after `saved`, which refuses a weight written since
-    the forward."""
+    """The dgrad's bf16 weight: bf16 experts' held copy (`ctx.tw`) where given, else the saved
+    master cast again; after `saved`, which refuses a weight written since the forward."""
     if ctx.spec is None and ctx.tw is not None:
         return ctx.tw
     return saved[-1].to(BF16)
