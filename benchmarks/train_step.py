@@ -245,8 +245,9 @@ def hf_rows(path: Path, ids: torch.Tensor, device, args) -> list[dict]:
     ):
         model, impl = load_hf(path, dtype)
         model = model.to(device).train()
+        optimizer = _optimizer(model, args)
         step = make_step(
-            model, ids, autocast, True, _optimizer(model, args), micro_batches=args.micro_batches
+            model, ids, autocast, hf=True, optimizer=optimizer, micro_batches=args.micro_batches
         )
         got = measure(step, device, args.warmup, args.repeats)
         version = transformers.__version__

@@ -60,16 +60,14 @@ class GroupedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
         self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
-        self.hold_bf16 = False  # module docstring; `set_hold_bf16`
-        self._bf16 = {which: WeightCache() for which in EXPERT_PARAMS}
+        self.set_hold_bf16(False)
 
     def set_hold_bf16(self, hold: bool) -> None:
         """Hold the grouped GEMMs' bf16 weight copies from one optimizer step to the next (module
-        docstring); False frees the held ones."""
+        docstring). Either way it starts from empty caches: off frees the held copies, on makes
+        them at the next forward."""
         self.hold_bf16 = hold
-        if not hold:
-            for cache in self._bf16.values():
-                cache.clear()
+        self._bf16 = {which: WeightCache() for which in EXPERT_PARAMS}
 
     def bf16_weight(self, which: str) -> torch.Tensor | None:
         """Projection `which`'s held bf16 weight, cast when the master changed (`WeightCache`:
