@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mxrl.kernels.backend import Gemm
+from mxrl.kernels.backend import Backend, Gemm
 from mxrl.nn import invariant
 from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.moe import moe_loop
@@ -60,6 +60,9 @@ class GroupedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, **kw)
         )
         self.path: GemmPath | None = None  # None: by device (mxrl.kernels.Kernels.resolve)
+        # TRITON: the grouped form's permutation kernels (mxrl.nn.paths.permute), set by
+        # apply_plan with the norms' (the same bytes but the routing weights' gradient)
+        self.rowwise = Backend.REFERENCE
         self.set_hold_bf16(False)
 
     def set_hold_bf16(self, hold: bool) -> None:

@@ -180,6 +180,7 @@ class QExperts(GroupedExperts):
                 _check_mode(spec, q.backward_mode)
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
         q.path = getattr(experts, "path", None)
+        q.rowwise = experts.rowwise
         q.set_hold_bf16(experts.hold_bf16)  # a bf16 projection's held copy
         return q
 

@@ -24,7 +24,8 @@ from mxrl.models.layers import LayerInputs
 from mxrl.nn import GroupedExperts, QExperts, apply_plan, set_gemm
 from mxrl.nn.gemm import resolved_gemm
 from mxrl.nn.operands import Form
-from mxrl.nn.paths.grouped import ExpertLayout, PaddedLayout, _GatherTokens
+from mxrl.nn.paths.grouped import PaddedLayout
+from mxrl.nn.paths.permute import ExpertLayout, _GatherTokens
 from mxrl.recipe import resolve
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route, inputs, make_linear
 from tests.numerics import HostReads, assert_bytes_equal

@@ -14,7 +14,8 @@ import torch
 from mxrl.kernels import Gemm
 from mxrl.nn import QExperts, set_gemm
 from mxrl.nn.moe import moe_grouped
-from mxrl.nn.paths.grouped import ExpertLayout, _project, grouped_experts_forward
+from mxrl.nn.paths.grouped import _project, grouped_experts_forward
+from mxrl.nn.paths.permute import ExpertLayout
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route
 from tests.numerics import assert_bytes_equal
 
@@ -79,9 +80,9 @@ def test_quantized_gate_up_keeps_x_dtype_rows_and_bf16_gate_up_takes_bf16():
 
     def spy(layout_build):
         @functools.wraps(layout_build)
-        def build(ids, e, rows_dtype=None):
+        def build(ids, e, rows_dtype=None, fused=False):
             seen.append(rows_dtype)
-            return layout_build(ids, e, rows_dtype)
+            return layout_build(ids, e, rows_dtype, fused)
 
         return build
 

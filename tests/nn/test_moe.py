@@ -12,7 +12,7 @@ import torch
 from mxrl.kernels import Backend
 from mxrl.nn import invariant
 from mxrl.nn.moe import moe_grouped, moe_loop
-from mxrl.nn.paths.grouped import ExpertLayout
+from mxrl.nn.paths.permute import ExpertLayout
 from mxrl.nn.paths.rollout import ExpertGroups, Grouping, RolloutPath
 from tests.nn.test_qmatmul import _expert_specs
 from tests.numerics import assert_bytes_equal

@@ -19,7 +19,7 @@ import mxrl.nn.weight as weight
 from mxrl.formats import decode_global_scale, quantize
 from mxrl.kernels import Backend, Gemm
 from mxrl.nn import GroupedExperts, QExperts, QLinear, set_gemm
-from mxrl.nn.paths.grouped import ExpertLayout
+from mxrl.nn.paths.permute import ExpertLayout
 from mxrl.nn.qlinear import path_weight
 from mxrl.recipe import Backward
 from tests.nn.test_qmatmul import _expert_specs, spec

@@ -4,7 +4,7 @@ Legend: T tokens, k experts per token, R = T*k (token, slot) rows, H hidden, N /
 output / input features, E experts, P rows of the 32-aligned padded layout.
 
 The R rows are sorted by expert (a stable sort, as the loop's); expert e owns rows
-starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torch._grouped_mm`
+starts[e]:ends[e] (`ExpertLayout`, mxrl.nn.paths.permute: device tensors). Each projection is one `torch._grouped_mm`
 (bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @ [E, N, K]; wgrad
 [N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes
 (through the table in `mxrl.nn.operands`):
@@ -22,8 +22,8 @@ starts[e]:ends[e] (`ExpertLayout`, device tensors). Each projection is one `torc
                   transposed (`grouped_fp8_block_matmul(transpose_w=True)`), wgrad dy^T and x^T
                   quantized 1x128 along the tokens, each expert's rows padded to 128
                   (`grouped_fp8_block_wgrad`, fp32 straight into the master's gradient)
-The (token, slot) outputs are scattered back by a permutation and each token's k outputs summed
-in slot order (no atomics: deterministic). Activation quantization is per row (MXFP8 1x32, NVFP4
+The (token, slot) outputs are put back by a permutation and each token's k outputs summed in
+slot order (no atomics: deterministic; one Triton launch where the row-wise kernels are Triton). Activation quantization is per row (MXFP8 1x32, NVFP4
 per token), so sorting the rows leaves their bytes as the loop's.
 """
 
@@ -44,6 +44,7 @@ from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wg
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.moe import moe_grouped
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
+from mxrl.nn.paths.permute import ExpertLayout
 from mxrl.nn.paths.reference import FunctionPath, fp8_block_col, fp8_block_row
 from mxrl.nn.paths.tensor_core import BF16, TensorCoreQMatmul, quantize_activation
 from mxrl.nn.weight import QWeight
@@ -58,58 +59,6 @@ GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 FORWARD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DGRAD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
 WGRAD_TILE = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, fp8_mma=True)
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """The R = T*k assignments sorted by expert, on the device.
-
-    order [R]: sorted row -> flat (token * k + slot) index; inverse [R]: its inverse;
-    token_of [R]: each sorted row's token; row_expert [R]: its expert;
-    ends [E] int32: each expert's end row (torch._grouped_mm's offsets);
-    rows_dtype: the gathered rows' dtype when the first projection reads them in it (bf16
-    experts read bf16 rows: x [T, H] is cast before the gather, not its k copies after), None
-    for x's own."""
-
-    order: torch.Tensor
-    inverse: torch.Tensor
-    token_of: torch.Tensor
-    row_expert: torch.Tensor
-    ends: torch.Tensor
-    num_tokens: int
-    top_k: int
-    rows_dtype: torch.dtype | None = None
-
-    @classmethod
-    def build(
-        cls, ids_Tk: torch.Tensor, num_experts: int, rows_dtype: torch.dtype | None = None
-    ) -> ExpertLayout:
-        t, k = ids_Tk.shape
-        flat = ids_Tk.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        row_expert = flat[order]
-        # each expert's end row, without a host sync (CUDA bincount reads the max back)
-        experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
-        ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
-        return cls(order, inverse, order // k, row_expert, ends, t, k, rows_dtype)
-
-    def offsets(self) -> torch.Tensor:
-        """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
-        return torch.cat([self.ends.new_zeros(1), self.ends])
-
-    def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), in
-        `rows_dtype` where given, with autograd: the backward sums each token's k rows in slot
-        order, in x's dtype."""
-        return _GatherTokens.apply(x_TH, self)
-
-    def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
-        """Each token's k rows of h back in slot order, times their weights, summed over the
-        slots (no atomics: deterministic), in h's dtype."""
-        h_Tk = h_RH.index_select(0, self.inverse).view(self.num_tokens, self.top_k, -1)
-        return (h_Tk * weights_Tk.to(h_RH.dtype)[..., None]).sum(1)
 
 
 @dataclass(frozen=True)
@@ -142,24 +91,6 @@ class PaddedLayout:
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         out = t.new_zeros((self.rows, t.shape[1]))
         return out.index_copy_(0, self.dest, t)
-
-
-class _GatherTokens(torch.autograd.Function):
-    """x [T, H] -> x_sorted [R, H] (in the layout's `rows_dtype`); the backward sums each
-    token's k rows in slot order in x's dtype, bf16 rows widened first (exact): the fp32 sum
-    over the [T, k, H] layout of fp32 rows, the same bytes on any device."""
-
-    @staticmethod
-    def forward(ctx, x, layout: ExpertLayout):
-        ctx.layout, ctx.x_dtype = layout, x.dtype
-        rows = layout.rows_dtype
-        return (x if rows is None else x.to(rows)).index_select(0, layout.token_of)
-
-    @staticmethod
-    def backward(ctx, g):
-        lay: ExpertLayout = ctx.layout
-        g_tk = g.index_select(0, lay.inverse).view(lay.num_tokens, lay.top_k, -1)
-        return g_tk.to(ctx.x_dtype).sum(1), None
 
 
 def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
@@ -324,7 +255,9 @@ def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
     # bf16 gate/up weights read x's rows in bf16: gather them so (GroupedLinear casts them
     # first thing anyway, so the same bytes), not an fp32 [R, H] copy cast after
     bf16_rows = experts._grouped_specs()["gate_up"] is None
-    layout = ExpertLayout.build(ids_Tk, experts.num_experts, BF16 if bf16_rows else None)
+    fused = experts.rowwise is Backend.TRITON  # the permutation's kernels (nn.paths.permute)
+    rows = BF16 if bf16_rows else None
+    layout = ExpertLayout.build(ids_Tk, experts.num_experts, rows, fused)
     project = functools.partial(_project, experts, layout=layout)
     return moe_grouped(x_TH, weights_Tk, layout, project)
 

@@ -1,0 +1,117 @@
+"""The routed experts' rows sorted by expert and put back (`ExpertLayout`), with autograd, for the
+grouped GEMMs of mxrl.nn.paths.grouped.
+
+Legend: T tokens, k experts per token, R = T*k (token, slot) rows, H hidden, E experts.
+
+The R rows are sorted by expert (a stable sort, as the loop's); expert e owns rows
+starts[e]:ends[e]. Every sum over a token's k slots adds them in slot order into an fp32
+accumulator from +0 (mxrl.kernels.moe_train: the references fix the bytes, on every device).
+With `fused` (the model's row-wise kernels are Triton: `GroupedExperts.rowwise`), the gather's
+backward and the combine forward and backward are one Triton launch each, the same bytes but
+the routing weights' gradient, which is within that module's stated bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mxrl.kernels import moe_train
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The R = T*k assignments sorted by expert, on the device.
+
+    order [R]: sorted row -> flat (token * k + slot) index; inverse [R]: its inverse;
+    token_of [R]: each sorted row's token; row_expert [R]: its expert;
+    ends [E] int32: each expert's end row (torch._grouped_mm's offsets);
+    rows_dtype: the gathered rows' dtype when the first projection reads them in it (bf16
+    experts read bf16 rows: x [T, H] is cast before the gather, not its k copies after), None
+    for x's own; fused: the Triton kernels (module docstring)."""
+
+    order: torch.Tensor
+    inverse: torch.Tensor
+    token_of: torch.Tensor
+    row_expert: torch.Tensor
+    ends: torch.Tensor
+    num_tokens: int
+    top_k: int
+    rows_dtype: torch.dtype | None = None
+    fused: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        ids_Tk: torch.Tensor,
+        num_experts: int,
+        rows_dtype: torch.dtype | None = None,
+        fused: bool = False,
+    ) -> ExpertLayout:
+        t, k = ids_Tk.shape
+        flat = ids_Tk.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        row_expert = flat[order]
+        # each expert's end row, without a host sync (CUDA bincount reads the max back)
+        experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
+        ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
+        return cls(order, inverse, order // k, row_expert, ends, t, k, rows_dtype, fused)
+
+    def offsets(self) -> torch.Tensor:
+        """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
+        return torch.cat([self.ends.new_zeros(1), self.ends])
+
+    def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), in
+        `rows_dtype` where given, with autograd: the backward sums each token's k rows in slot
+        order, in x's dtype."""
+        return _GatherTokens.apply(x_TH, self)
+
+    def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
+        """Each token's k rows of h times their weights (in h's dtype), summed in slot order
+        (no atomics: deterministic), in h's dtype, with autograd."""
+        return _Unpermute.apply(h_RH, weights_Tk.to(h_RH.dtype), self)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """x [T, H] -> x_sorted [R, H] (in the layout's `rows_dtype`); the backward sums each
+    token's k rows in x's dtype (`moe_train.permute_backward_reference`: bf16 rows widened
+    first, exact; fp32 sums in slot order)."""
+
+    @staticmethod
+    def forward(ctx, x, layout: ExpertLayout):
+        ctx.layout, ctx.x_dtype = layout, x.dtype
+        rows = layout.rows_dtype
+        return (x if rows is None else x.to(rows)).index_select(0, layout.token_of)
+
+    @staticmethod
+    def backward(ctx, g):
+        lay: ExpertLayout = ctx.layout
+        if lay.fused and moe_train.permute_backward_fits(g, ctx.x_dtype):
+            dx = moe_train.permute_backward(g, lay.inverse, lay.top_k, ctx.x_dtype)
+        else:
+            dx = moe_train.permute_backward_reference(g, lay.inverse, lay.top_k, ctx.x_dtype)
+        return dx, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """h [R, H], w [T, k] in h's dtype -> [T, H] (`moe_train.unpermute_reference`); the
+    backward gives h's and w's gradients (`moe_train.unpermute_backward_reference`)."""
+
+    @staticmethod
+    def forward(ctx, h, w, layout: ExpertLayout):
+        ctx.layout = layout
+        ctx.save_for_backward(h, w)
+        ctx.fused = layout.fused and moe_train.unpermute_fits(h, w)
+        run = moe_train.unpermute if ctx.fused else moe_train.unpermute_reference
+        return run(h, w, layout.inverse)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        run = moe_train.unpermute_backward if ctx.fused else moe_train.unpermute_backward_reference
+        g_h, g_w = run(g, h, w, ctx.layout.inverse)
+        return g_h, g_w, None
