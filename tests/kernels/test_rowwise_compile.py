@@ -34,6 +34,7 @@ PATTERNS = {
 
 def compile_all() -> dict[str, dict[str, int]]:
     from mxrl.kernels import triton_fp8_block_gemm as fb
+    from mxrl.kernels import triton_moe_train as mt
     from mxrl.kernels import triton_rowwise as rw
     from mxrl.kernels import triton_sampling as ts
 
@@ -75,6 +76,26 @@ def compile_all() -> dict[str, dict[str, int]]:
             )
             for suffix, backward in (("", False), ("_backward", True))
         },
+        # the trainer's MoE permutation (mxrl.kernels.moe_train)
+        "moe_unpermute": (
+            mt.unpermute_kernel,
+            {"h_ptr": "*bf16", "w_ptr": "*bf16", "inv_ptr": "*i64", "out_ptr": "*bf16",
+             "stride_h": "i32", "stride_o": "i32", "H": "i32"},
+            {"K": 8, "BLOCK": 1024},
+        ),
+        "moe_unpermute_backward": (
+            mt.unpermute_backward_kernel,
+            {"g_ptr": "*bf16", "h_ptr": "*bf16", "w_ptr": "*bf16", "inv_ptr": "*i64",
+             "gh_ptr": "*bf16", "gw_ptr": "*bf16", "stride_g": "i32", "stride_h": "i32",
+             "stride_gh": "i32", "H": "i32"},
+            {"K": 8, "BLOCK": 2048},
+        ),
+        "moe_permute_backward": (
+            mt.permute_backward_kernel,
+            {"g_ptr": "*bf16", "inv_ptr": "*i64", "out_ptr": "*fp32", "stride_g": "i32",
+             "stride_o": "i32", "H": "i32"},
+            {"K": 8, "BLOCK": 1024, "OUT_BF16": False},
+        ),
         "moe_route_bf16": (
             rw.moe_route_kernel,
             {"logits_ptr": "*bf16", "ids_ptr": "*i64", "w_ptr": "*bf16", "stride_l": "i32",
@@ -153,6 +174,8 @@ def _aligned(fn, name: str):
 def _opts(name: str) -> dict:
     if name.startswith("rope_train"):  # the trainer's launch (mxrl.kernels.rope_train)
         return {"num_warps": 1, "enable_fp_fusion": False}
+    if name.startswith(("moe_unpermute", "moe_permute")):  # mxrl.kernels.moe_train's launches
+        return {"num_warps": 4, "enable_fp_fusion": False}
     return {"num_warps": 8, "num_stages": 3} if name.startswith("fp8_block_kgrouped") else None
 
 
@@ -169,6 +192,7 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
         "sample_partials_fp32", "sample_pick_fp32", "fp8_block_kgrouped",
         "fp8_block_grouped_bf16_fp8", "fp8_block_kgrouped_fp8",
         "moe_group", "rope_bf16", "moe_route_bf16", "rope_train_fp32", "rope_train_fp32_backward",
+        "moe_unpermute", "moe_unpermute_backward", "moe_permute_backward",
     }  # fmt: skip
     for name in ("rms_norm_bf16", "moe_combine_bf16", "fp8_block_grouped_bf16", "moe_route_bf16"):
         counts = ptx_report[name]
@@ -181,6 +205,10 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     assert (
         ptx_report["rope_train_fp32"]["fma"] == ptx_report["rope_train_fp32_backward"]["fma"] == 0
     )
+    # the trainer's MoE permutation: every product rounded before its sum, no flush to zero
+    for name in ("moe_unpermute", "moe_unpermute_backward", "moe_permute_backward"):
+        counts = ptx_report[name]
+        assert counts["fma"] == 0 and counts["ftz"] == 0 and counts["approx"] == 0, (name, counts)
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
     # the router's weights: one IEEE division (its bound counts exp as ex2.approx, nothing else)

@@ -98,7 +98,7 @@ class _Direct:
     GEMMs, on the layer's cached weights of that path."""
 
     def __init__(self, q, gemm):
-        self.q, self.gemm, self.num_experts = q, gemm, q.num_experts
+        self.q, self.gemm, self.num_experts, self.rowwise = q, gemm, q.num_experts, q.rowwise
 
     def _args(self, which):
         q = self.q
