@@ -302,27 +302,39 @@ MODULES = {
     # (ExpertLayout.build, _GatherTokens, grouped_experts_forward, GroupedLinear's dgrad weight):
     # the functions this touches, on the CPU's grouped GEMMs
     "nn.experts": Module(
-        ("mxrl/nn/experts.py", "mxrl/nn/paths/grouped.py"),
+        ("mxrl/nn/experts.py", "mxrl/nn/paths/grouped.py", "mxrl/nn/paths/permute.py"),
         ("tests/nn/test_hold_bf16.py", "tests/nn/test_gather_rows.py", "tests/nn/test_moe.py",
          "tests/nn/test_fast.py::test_layouts",
          "tests/nn/test_fast.py::test_gather_tokens_backward_sums_each_tokens_rows",
-         "tests/nn/test_fast.py::test_grouped_experts_module_runs_and_routes_like_the_loop"),
+         "tests/nn/test_fast.py::test_grouped_experts_module_runs_and_routes_like_the_loop",
+         "tests/kernels/test_moe_train.py"),
         functions=(
             "mxrl/nn/experts.py::GroupedExperts.set_hold_bf16",
             "mxrl/nn/experts.py::GroupedExperts.bf16_weight",
             "mxrl/nn/experts.py::GroupedExperts._grouped_proj",
-            "mxrl/nn/paths/grouped.py::ExpertLayout.build",
-            "mxrl/nn/paths/grouped.py::_GatherTokens.forward",
-            "mxrl/nn/paths/grouped.py::_GatherTokens.backward",
+            "mxrl/nn/paths/permute.py::ExpertLayout.build",
+            "mxrl/nn/paths/permute.py::ExpertLayout.combine",
+            "mxrl/nn/paths/permute.py::_GatherTokens.forward",
+            "mxrl/nn/paths/permute.py::_GatherTokens.backward",
+            "mxrl/nn/paths/permute.py::_Unpermute.forward",
+            "mxrl/nn/paths/permute.py::_Unpermute.backward",
             "mxrl/nn/paths/grouped.py::_hp_weight",
             "mxrl/nn/paths/grouped.py::grouped_experts_forward",
         ),
+        env=(("TRITON_INTERPRET", "1"),),
     ),
     # the trainer's fused RoPE: its launcher, its checks and its autograd Function, under
     # Triton's interpreter
     "kernels.rope_train": Module(
         ("mxrl/kernels/rope_train.py",),
         ("tests/kernels/test_rope_train.py",),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
+    # the trainer's MoE permutation: its references, launchers and checks, under Triton's
+    # interpreter
+    "kernels.moe_train": Module(
+        ("mxrl/kernels/moe_train.py",),
+        ("tests/kernels/test_moe_train.py",),
         env=(("TRITON_INTERPRET", "1"),),
     ),
     # one quantized weight (QWeight's operands, holds, column-wise copy, experts' views), its
