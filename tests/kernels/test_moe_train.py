@@ -96,6 +96,34 @@ def test_the_weight_grad_bound_is_tight_enough_to_mean_something():
     assert ((wrong.double() - g_w.double()).abs() > bound).any()
 
 
+def test_the_references_cast_the_weights_to_hs_dtype():
+    """fp32 weights give what their bf16 roundings give (the product is bf16 times bf16)."""
+    h, _, grad, inv = _case(t=4, k=2, h=24)
+    w = torch.rand(4, 2, generator=torch.Generator().manual_seed(3))
+    assert not torch.equal(w, w.to(BF16).float())
+    assert_bytes_equal(
+        mt.unpermute_reference(h, w, inv), mt.unpermute_reference(h, w.to(BF16), inv)
+    )
+    got = mt.unpermute_backward_reference(grad, h, w, inv)
+    want = mt.unpermute_backward_reference(grad, h, w.to(BF16), inv)
+    for a, b in zip(got, want, strict=True):
+        assert_bytes_equal(a, b)
+
+
+def test_the_weight_grad_bound_formula_by_hand():
+    """g = 1 (bf16), h = [1, 2, -4, 8]: p = h, s = 7, sum|p| = 15, H - 1 = 3: the bound is
+    2 (3 * 2^-24 * 15 + 2^-8 (7 + 3 * 2^-24 * 15)). g and each product are rounded to bf16."""
+    h_Tk = torch.tensor([[[1.0, 2.0, -4.0, 8.0]]], dtype=BF16)
+    reorder = 3 * 2.0**-24 * 15
+    want = 2 * (reorder + 2.0**-8 * (7 + reorder))
+    got = mt.unpermute_weight_grad_bound(torch.ones(1, 4), h_Tk)
+    assert got.shape == (1, 1) and got.item() == want
+    # H = 1, g = 1 + 3 * 2^-9 rounds to 1 + 2^-7 in bf16, and p = 3 (1 + 2^-7) = 3.0234375 to
+    # 3.03125 (a tie, to even); rounding neither gives 3.015625, rounding g only 3.0234375
+    got = mt.unpermute_weight_grad_bound(torch.full((1, 1), 1 + 3 * 2.0**-9), h_Tk[..., 1:2] + 1)
+    assert got.item() == 2 * 2.0**-8 * 3.03125
+
+
 # --- the kernels ---------------------------------------------------------------------------------
 
 
@@ -120,7 +148,7 @@ def _check_kernels(device, **kw):
 
 @interpreter
 @pytest.mark.parametrize(
-    ("t", "k", "h"), [(5, 4, 40), (3, 8, 1500), (4, 1, 16), (2, 2, 2048), (1, 8, 1)]
+    ("t", "k", "h"), [(5, 4, 40), (3, 8, 1500), (4, 1, 16), (2, 2, 2048), (1, 8, 1), (2, 2, 1025)]
 )
 def test_kernels_give_the_references_bytes(t, k, h):
     """Widths under, over and across the 1024-column programs, k = 1 to 8."""
@@ -132,6 +160,17 @@ def test_signed_zeros_as_autograd_leaves_them():
     """-0 products come out of the combine's backward as +0 (autograd's index_add into zeros)
     and the sums start at +0, in the kernels as in the references."""
     _check_kernels("cpu", t=5, k=4, h=40, zeros=True)
+
+
+@interpreter
+def test_a_gradient_in_another_layout():
+    """The combine's gradient as a transposed view (its last dim not contiguous) is copied."""
+    h, w, grad, inv = _case(t=6, k=2, h=24)
+    g_t = grad.t().contiguous().t()
+    assert g_t.stride(-1) != 1
+    got = mt.unpermute_backward(g_t, h, w, inv)
+    want = mt.unpermute_backward_reference(grad, h, w, inv)
+    assert_bytes_equal(got[0], want[0], "g_h")
 
 
 @interpreter
@@ -153,6 +192,8 @@ def test_what_the_kernels_take():
     assert not mt.unpermute_fits(h[:-1], w)
     assert not mt.unpermute_fits(h.t(), w)
     assert not mt.unpermute_fits(torch.zeros(4, 16385, dtype=BF16), w[:1])
+    assert mt.unpermute_fits(torch.zeros(4, 16384, dtype=BF16), w[:1])
+    assert not mt.unpermute_fits(torch.zeros(4, 0, dtype=BF16), w[:1])
     assert mt.permute_backward_fits(h, torch.float32)
     assert not mt.permute_backward_fits(h.half(), torch.float32)
     assert not mt.permute_backward_fits(h, torch.float16)
@@ -175,18 +216,24 @@ def test_the_launches(monkeypatch):
 
     for name in ("unpermute_kernel", "unpermute_backward_kernel", "permute_backward_kernel"):
         monkeypatch.setattr(tk, name, Kernel(name))
-    h, w, grad, inv = _case(t=3, k=2, h=2500)
-    mt.unpermute(h, w, inv)
-    mt.unpermute_backward(grad, h, w, inv)
-    mt.permute_backward(h, inv, 2, BF16)
-    got = {name: (grid, kw) for name, grid, kw in launches}
-    assert got["unpermute_kernel"][0] == (3, 3)
-    assert got["unpermute_backward_kernel"][0] == (3,)
-    assert got["unpermute_backward_kernel"][1]["BLOCK"] == 4096
-    assert got["permute_backward_kernel"][0] == (3, 3)
-    assert got["permute_backward_kernel"][1]["OUT_BF16"] is True
-    for _, kw in got.values():
-        assert kw["enable_fp_fusion"] is False and kw["K"] == 2
+    for hdim, blocks, row, warps in ((2500, 3, 4096, 8), (2048, 2, 2048, 4)):
+        h, w, grad, inv = _case(t=3, k=2, h=hdim)
+        mt.unpermute(h, w, inv)
+        mt.unpermute_backward(grad, h, w, inv)
+        mt.permute_backward(h, inv, 2, BF16)
+        got = {name: (grid, kw) for name, grid, kw in launches}
+        launches.clear()
+        assert got["unpermute_kernel"][0] == (3, blocks)
+        assert got["unpermute_kernel"][1]["BLOCK"] == 1024
+        assert got["unpermute_backward_kernel"][0] == (3,)
+        assert got["unpermute_backward_kernel"][1]["BLOCK"] == row
+        assert got["unpermute_backward_kernel"][1]["num_warps"] == warps
+        assert got["permute_backward_kernel"][0] == (3, blocks)
+        assert got["permute_backward_kernel"][1]["OUT_BF16"] is True
+        for name in ("unpermute_kernel", "permute_backward_kernel"):
+            assert got[name][1]["num_warps"] == 4
+        for _, kw in got.values():
+            assert kw["enable_fp_fusion"] is False and kw["K"] == 2
 
 
 # --- through the model's grouped experts ---------------------------------------------------------
