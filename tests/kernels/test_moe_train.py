@@ -260,19 +260,38 @@ def _experts_run(fused: bool, device: str, dtype=torch.float32):
     return out.detach(), grads, w.grad
 
 
-def _check_experts(device):
-    out, grads, g_w = _experts_run(True, device)
-    want_out, want_grads, want_w = _experts_run(False, device)
+def _check_experts(device, dtype=torch.float32):
+    out, grads, g_w = _experts_run(True, device, dtype)
+    want_out, want_grads, want_w = _experts_run(False, device, dtype)
     assert_bytes_equal(out, want_out, "out")
     for name, a, b in zip(("x", "gate_up", "down"), grads, want_grads, strict=True):
         assert_bytes_equal(a, b, name)
-    assert torch.allclose(g_w, want_w, rtol=2.0**-6, atol=1e-6)
+    assert torch.allclose(g_w.float(), want_w.float(), rtol=2.0**-6, atol=1e-6)
 
 
 @interpreter
-def test_grouped_experts_fused_are_the_reference_layouts_bytes():
-    """All but the routing weights' gradient byte for byte (it is within the bound above)."""
-    _check_experts("cpu")
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_grouped_experts_fused_are_the_reference_layouts_bytes(dtype):
+    """All but the routing weights' gradient byte for byte (it is within the bound above),
+    under fp32 and bf16 masters."""
+    _check_experts("cpu", dtype)
+
+
+@interpreter
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_layout_runs_the_kernels_exactly_when_fused(monkeypatch, fused):
+    """With the row-wise kernels Triton, each of the three launches once per layer pass; with
+    the reference, none (the references instead); a layout is unfused unless asked."""
+    calls = []
+    for name in ("unpermute", "unpermute_backward", "permute_backward"):
+        for fn in (name, f"{name}_reference"):
+            real = getattr(mt, fn)
+            monkeypatch.setattr(mt, fn, lambda *a, _f=fn, _real=real: calls.append(_f) or _real(*a))
+    _experts_run(fused, "cpu")
+    names = ("unpermute", "permute_backward", "unpermute_backward")
+    want = names if fused else tuple(f"{n}_reference" for n in names)
+    assert sorted(calls) == sorted(want)
+    assert not ExpertLayout.build(torch.tensor([[0, 1]]), 2).fused
 
 
 @pytest.mark.gpu

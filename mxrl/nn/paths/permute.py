@@ -36,7 +36,6 @@ class ExpertLayout:
     token_of: torch.Tensor
     row_expert: torch.Tensor
     ends: torch.Tensor
-    num_tokens: int
     top_k: int
     rows_dtype: torch.dtype | None = None
     fused: bool = False
@@ -49,7 +48,7 @@ class ExpertLayout:
         rows_dtype: torch.dtype | None = None,
         fused: bool = False,
     ) -> ExpertLayout:
-        t, k = ids_Tk.shape
+        k = ids_Tk.shape[1]
         flat = ids_Tk.reshape(-1)
         order = torch.argsort(flat, stable=True)
         inverse = torch.empty_like(order)
@@ -58,7 +57,7 @@ class ExpertLayout:
         # each expert's end row, without a host sync (CUDA bincount reads the max back)
         experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
         ends = torch.searchsorted(row_expert, experts, right=True).to(torch.int32)
-        return cls(order, inverse, order // k, row_expert, ends, t, k, rows_dtype, fused)
+        return cls(order, inverse, order // k, row_expert, ends, k, rows_dtype, fused)
 
     def offsets(self) -> torch.Tensor:
         """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
