@@ -27,6 +27,7 @@ PATTERNS = {
     "approx": r"(div|rcp|sqrt|rsqrt)\.(full|approx)",
     "ftz": r"\.ftz",
     "fma": r"\bfma\.rn\.f32",
+    "add_zero": r"\badd\.rn\.f32\s+[^;]*0f00000000",  # x + 0: -0 -> +0
     "ld_b8": r"ld\.global(\.\w+)*\.b8",
     "cp_async": r"cp\.async\.\w+\.shared\.global",
 }
@@ -209,6 +210,9 @@ def test_rowwise_kernels_compile_with_ieee_arithmetic(ptx_report):
     for name in ("moe_unpermute", "moe_unpermute_backward", "moe_permute_backward"):
         counts = ptx_report[name]
         assert counts["fma"] == 0 and counts["ftz"] == 0 and counts["approx"] == 0, (name, counts)
+    # the combine's backward keeps its + 0 (autograd's index_add into zeros: -0 -> +0), which
+    # an optimizer assuming no signed zeros would drop
+    assert ptx_report["moe_unpermute_backward"]["add_zero"] >= 1
     assert ptx_report["rms_norm_bf16"]["div_rn"] >= 2
     assert ptx_report["rms_norm_bf16"]["sqrt_rn"] == 1
     # the router's weights: one IEEE division (its bound counts exp as ex2.approx, nothing else)
