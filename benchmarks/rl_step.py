@@ -184,7 +184,8 @@ def loop_sync(trainer: GRPOTrainer) -> None:
 def memory_sizes(path: Path, model, cfg: GRPOConfig, plan, args) -> dict:
     """What `mxrl train` hands its trainer from the memory estimate (`mxrl.rl.memory`, checked:
     a batch that cannot fit is refused before the first step): the training pass's micro-batch
-    budget (unless `--micro-batch-tokens`) and the engine's KV cache (unless `--kv-cache-gb`)."""
+    budget (unless `--micro-batch-tokens`), the engine's KV cache (unless `--kv-cache-gb`) and
+    whether the bf16 experts' copies are held (rl.hold_bf16_weights auto)."""
     train_cfg = TrainConfig(model=str(path), rl=cfg)
     est = estimate_memory(
         model.config, plan, train_cfg, prompt_tokens=args.prompt,
@@ -192,7 +193,11 @@ def memory_sizes(path: Path, model, cfg: GRPOConfig, plan, args) -> dict:
     )  # fmt: skip
     est.check()
     kv = int(args.kv_cache_gb * 2**30) if args.kv_cache_gb else est.kv_cache
-    return {"micro_batch_tokens": est.micro_batch_tokens, "kv_cache_bytes": kv}
+    return {
+        "micro_batch_tokens": est.micro_batch_tokens,
+        "kv_cache_bytes": kv,
+        "hold_bf16_weights": est.hold_bf16_weights,
+    }
 
 
 def engine_limits(engine, longest: int) -> dict:

@@ -149,7 +149,11 @@ def _run(cfg: TrainConfig, checked: Checked, layout: Layout | None) -> RunRecord
     memory = checked.memory
     sizes: dict[str, Any] = {}  # the estimate's micro-batch budget and KV cache for the trainer
     if memory is not None:
-        sizes = {"micro_batch_tokens": memory.micro_batch_tokens, "kv_cache_bytes": memory.kv_cache}
+        sizes = {
+            "micro_batch_tokens": memory.micro_batch_tokens,
+            "kv_cache_bytes": memory.kv_cache,
+            "hold_bf16_weights": memory.hold_bf16_weights,
+        }
         for line in memory.lines() if writer else ():
             logger.info("mxrl train: %s", line)
     model, source = _build_in_turn(cfg, device, checked.dataset, layout)

@@ -140,14 +140,18 @@ class LocalActor:
 
     newer_keys = ("rng",)
 
-    def __init__(self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved) -> None:
+    def __init__(
+        self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved, *, hold_bf16: bool = True
+    ) -> None:
+        """hold_bf16: the bf16 routed experts' copies held per optimizer step (the trainer's
+        decision: rl.hold_bf16_weights, auto by the memory estimate)."""
         self.cfg, self.model, self.plan = cfg, model, resolved.plan
         self.ranks = OneRank()
         apply_plan(model, self.plan, backend=resolved.kernels)
         model.set_training_options(
             compute_dtype=autocast_dtype(model, resolved),
             checkpoint_layers=cfg.checkpoint_layers,
-            hold_bf16_weights=cfg.hold_bf16_weights,
+            hold_bf16_weights=hold_bf16,
         )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

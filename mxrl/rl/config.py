@@ -118,6 +118,7 @@ def _placement(path: str, value: Any) -> Any:
 
 
 APPLY, REFUSE, LAUNCH = OnResume.APPLY, OnResume.REFUSE, OnResume.LAUNCH
+AUTO = "auto"  # rl.hold_bf16_weights: held where the run fits with the copies (mxrl.rl.memory)
 POSITIVE = {"low": 0.0, "low_open": True}
 _GROUP = integer(2, " (GRPO normalises rewards within a prompt's group of samples)")
 # RL samples: at 0 (greedy) every sample of a group gives the same answer (no advantage),
@@ -133,6 +134,13 @@ _SPIKE_WINDOW = integer(10, " (the spike detector's 10 steps of history)")
 _BACKEND = choice(*BACKENDS, why=" (null: by device)")
 _ACTION, _DTYPE = choice(*SpikeAction), choice(*ComputeDtype)
 _EVERY = integer(0, " (0: never)")
+
+
+def _hold(path: str, value: Any) -> bool | str:
+    """true, false or auto (rl.hold_bf16_weights)."""
+    if isinstance(value, bool) or value == AUTO:
+        return value
+    raise ValueError(f"{path}: expected true, false or auto, got {show(value)}")
 
 
 # --- the schema -----------------------------------------------------------------------------
@@ -188,8 +196,9 @@ class GRPOConfig:
     # the routed experts' bf16 grouped GEMMs (CUDA) cast each fp32 master once per optimizer
     # step and hold the copy (2 bytes a weight) for every micro-batch's forward and dgrad and
     # the logprob passes, instead of casting it for each of them; on one process only (FSDP2
-    # casts its gathered shards per use)
-    hold_bf16_weights: bool = field(default=True, metadata=rule(APPLY, boolean))
+    # casts its gathered shards per use). auto: held where the run fits with the copies
+    # (mxrl.rl.memory decides), else cast
+    hold_bf16_weights: bool | str = field(default=AUTO, metadata=rule(APPLY, _hold))
 
     def __post_init__(self) -> None:
         _validate(self, "rl.")

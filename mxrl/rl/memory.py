@@ -61,6 +61,12 @@ class MemoryEstimate:
     colocated: bool  # the trainer and the engine share the device
     checkpoint_layers: bool
     one_sequence_with_checkpointing: int  # activation bytes of the longest sequence with it
+    # the bf16 routed experts' copies held per optimizer step (rl.hold_bf16_weights, decided
+    # here for auto: held where the run fits with them); held_bf16_bytes: what they take (0 where
+    # nothing is held or there is nothing to hold)
+    hold_bf16_weights: bool = False
+    held_bf16_bytes: int = 0
+    not_held_bytes: int = 0  # auto: what the copies would take where the run does not fit with them
 
     @property
     def train_fixed(self) -> int:
@@ -110,6 +116,13 @@ class MemoryEstimate:
         )
         where = "" if self.colocated else " (split: the larger of train and rollout ranks)"
         ckpt = ", checkpoint_layers" if self.checkpoint_layers else ""
+        if self.held_bf16_bytes:
+            copies += f" (held bf16 expert copies {_g(self.held_bf16_bytes)})"
+        elif self.not_held_bytes:
+            copies += (
+                f" (bf16 expert copies not held: their {_g(self.not_held_bytes)} GiB do not fit; "
+                "rl.hold_bf16_weights auto)"
+            )
         return [
             f"memory (estimate, {self.device} of {of}): weights {_g(self.master_weights)} + grads "
             f"{_g(self.gradients)} + AdamW {_g(self.optimizer)}{copies} + engine weights "
@@ -139,12 +152,17 @@ class MemoryEstimate:
             return
         head = f"memory: the run needs more than {self.device}'s {_g(usable)} GiB usable"
         head += f" ({SAFETY:.0%} of {_g(self.capacity)} GiB)"
+        unhold = (
+            f"set rl.hold_bf16_weights: false or auto (frees {_g(self.held_bf16_bytes)} GiB), "
+            if self.held_bf16_bytes
+            else ""
+        )
         if max(self.train_side + self.logits_chunk, self.rollout_fixed) > usable:
             raise ValueError(
                 f"{head} before any activation: weights {_g(self.master_weights)} + grads "
                 f"{_g(self.gradients)} + AdamW {_g(self.optimizer)} + train copies "
                 f"{_g(self.train_weight_copies)} + engine weights {_g(self.engine_weights)} + KV "
-                f"{_g(self.kv_cache)} GiB; lower rl.prompts_per_step, rl.samples_per_prompt or "
+                f"{_g(self.kv_cache)} GiB; {unhold}lower rl.prompts_per_step, rl.samples_per_prompt or "
                 "rl.max_new_tokens (the KV cache), set dtype: bfloat16 (halves weights, grads and "
                 "AdamW), choose a smaller rl.recipe (engine weights), or shard over more ranks "
                 "(placement, docs/scale.md)"
@@ -160,7 +178,7 @@ class MemoryEstimate:
             )
             raise ValueError(
                 f"{head}: one sequence of {seq} tokens needs {_g(one)} GiB of activations and "
-                f"{_g(left)} GiB are left after the weights, optimizer and rollout; {fix}lower "
+                f"{_g(left)} GiB are left after the weights, optimizer and rollout; {fix}{unhold}lower "
                 "rl.max_new_tokens, rl.prompts_per_step or rl.samples_per_prompt, or shard over "
                 "more ranks (placement, docs/scale.md)"
             )
@@ -177,7 +195,30 @@ def estimate_memory(
     model_cfg: Any, plan: Any, train_cfg: TrainConfig, *, prompt_tokens: int, capacity: int | None
 ) -> MemoryEstimate:
     """The estimate for this config (`MemoryEstimate`); `prompt_tokens`: the longest prompt's
-    tokens; `capacity`: the device's bytes (`device_capacity`), None if unknown."""
+    tokens; `capacity`: the device's bytes (`device_capacity`), None if unknown.
+
+    rl.hold_bf16_weights auto: the estimate with the held bf16 expert copies where it fits (or
+    the capacity is unknown), else the one without them (whose check then says what fails)."""
+    hold = train_cfg.rl.hold_bf16_weights
+    if hold is True or hold is False:
+        return _estimate(model_cfg, plan, train_cfg, prompt_tokens, capacity, hold)
+    held = _estimate(model_cfg, plan, train_cfg, prompt_tokens, capacity, True)
+    try:
+        held.check()
+    except ValueError:
+        cast = _estimate(model_cfg, plan, train_cfg, prompt_tokens, capacity, False)
+        return dataclasses.replace(cast, not_held_bytes=held.held_bf16_bytes)
+    return held
+
+
+def _estimate(
+    model_cfg: Any,
+    plan: Any,
+    train_cfg: TrainConfig,
+    prompt_tokens: int,
+    capacity: int | None,
+    hold: bool,
+) -> MemoryEstimate:
     rl = train_cfg.rl
     cuda = rl.device.startswith("cuda")
     master = 4 if train_cfg.dtype == "float32" else 2
@@ -192,16 +233,16 @@ def estimate_memory(
     per_token = sum(activation_bytes(model_cfg, master, compute, cuda, seq, rl.checkpoint_layers))
     with_ckpt = sum(activation_bytes(model_cfg, master, compute, cuda, seq, True))
     sequences = math.ceil(rl.prompts_per_step / train_ranks) * rl.samples_per_prompt
+    hold = hold and not train_cfg.placement  # one process only (FSDP2 casts per use)
+    copies = train_copy_bytes(plan, model_cfg, master, compute, cuda, hold) // train_ranks
+    held = copies - train_copy_bytes(plan, model_cfg, master, compute, cuda) // train_ranks
     est = MemoryEstimate(
         device=rl.device,
         capacity=capacity,
         master_weights=numel * master // train_ranks,
         gradients=numel * master // train_ranks,
         optimizer=2 * numel * master // train_ranks,  # fused AdamW: exp_avg, exp_avg_sq
-        train_weight_copies=train_copy_bytes(
-            plan, model_cfg, master, compute, cuda, rl.hold_bf16_weights and not train_cfg.placement
-        )
-        // train_ranks,
+        train_weight_copies=copies,
         engine_weights=engine_weight_bytes(plan, engine, cuda),
         kv_cache=kv_cache_bytes(
             model_cfg, rl, seq, engine, cuda, rollout_ranks, plan.kv_cache == "fp8"
@@ -215,6 +256,8 @@ def estimate_memory(
         colocated=colocated,
         checkpoint_layers=rl.checkpoint_layers,
         one_sequence_with_checkpointing=with_ckpt * seq,
+        hold_bf16_weights=hold and held > 0,
+        held_bf16_bytes=held,
     )
     tokens, how = rl.max_tokens_per_micro_batch, "given"
     if tokens == 0:

@@ -78,6 +78,7 @@ class GRPOTrainer:
         micro_batch_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
         resolved: Resolved | None = None,
+        hold_bf16_weights: bool | None = None,
     ) -> None:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
         # padded tokens per micro-batch of the training pass: cfg.max_tokens_per_micro_batch,
@@ -87,7 +88,11 @@ class GRPOTrainer:
         # the run's choices: the caller's (`mxrl train`: the plan it printed), else made here
         resolved = resolved or resolve_train(cfg, model, layout.device if layout else None)
         self.resolved, self.plan = resolved, resolved.plan
-        self.actor, self.rollout = _seams(cfg, model, resolved, layout, kv_cache_bytes)
+        # rl.hold_bf16_weights as given, or for auto the caller's memory estimate's decision
+        # (None: held)
+        hold = cfg.hold_bf16_weights
+        hold = hold if isinstance(hold, bool) else hold_bf16_weights is not False
+        self.actor, self.rollout = _seams(cfg, model, resolved, layout, kv_cache_bytes, hold)
         self.model = self.actor.model if self.actor is not None else None
         self.opt = self.actor.optimizer if self.actor is not None else None
         self.engine = self.rollout.engine
@@ -383,12 +388,14 @@ class GRPOTrainer:
 
 
 def _seams(
-    cfg: GRPOConfig, model: CausalLM, resolved: Resolved, layout: Layout | None, kv_bytes: int | None
+    cfg: GRPOConfig, model: CausalLM, resolved: Resolved, layout: Layout | None,
+    kv_bytes: int | None, hold_bf16: bool = True,
 ) -> tuple[Actor | None, Rollout]:  # fmt: skip
     """The actor (None on a rank that does not train) and the rollout of this process."""
     cache = CacheOptions(kv_cache_bytes=kv_bytes)
     if layout is None:
-        actor = LocalActor(cfg, model, resolved)  # the engine is built from the model it prepared
+        # the engine is built from the model the actor prepared
+        actor = LocalActor(cfg, model, resolved, hold_bf16=hold_bf16)
         return actor, LocalRollout(model, resolved, cache)
     if cfg.prompts_per_step < max(len(layout.train_ranks), len(layout.rollout_ranks)):
         raise ValueError(

@@ -40,14 +40,22 @@ def tiny_config(**overrides) -> GRPOConfig:
 
 
 def tiny_trainer(
-    root: Path, run_id: str, micro_batch_tokens: int | None = None, **overrides
+    root: Path,
+    run_id: str,
+    micro_batch_tokens: int | None = None,
+    decided: bool | None = None,
+    **overrides,
 ) -> GRPOTrainer:
-    """`micro_batch_tokens`: the budget a memory estimate would hand the trainer."""
+    """`micro_batch_tokens`: the budget a memory estimate would hand the trainer; `decided`:
+    its rl.hold_bf16_weights decision (auto)."""
     cfg = tiny_config(**overrides)
     model = build_model(builtin_config("tiny-moe"), seed=0)
     record = RunRecord.create(root, run_id, config=cfg)
     source = ParitySource(ArithmeticTask(seed=0))
-    return GRPOTrainer(cfg, model, source, record, micro_batch_tokens=micro_batch_tokens)
+    return GRPOTrainer(
+        cfg, model, source, record, micro_batch_tokens=micro_batch_tokens,
+        hold_bf16_weights=decided,
+    )  # fmt: skip
 
 
 def numerics(rows: list[dict]) -> list[dict]:

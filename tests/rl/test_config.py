@@ -62,7 +62,9 @@ def test_defaults_are_valid_and_ints_are_accepted_for_floats():
     assert type(cfg.lr) is float and type(cfg.betas) is tuple
     assert GRPOConfig(correction="none").correction is None
     assert GRPOConfig(correction="tis").correction == "tis"
-    assert GRPOConfig().hold_bf16_weights is True and GRPOConfig().checkpoint_layers is False
+    assert GRPOConfig().hold_bf16_weights == "auto" and GRPOConfig().checkpoint_layers is False
+    for hold in (True, False, "auto"):
+        assert GRPOConfig(hold_bf16_weights=hold).hold_bf16_weights is hold
 
 
 @pytest.mark.parametrize(
@@ -83,7 +85,8 @@ def test_defaults_are_valid_and_ints_are_accepted_for_floats():
         ({"lr": "5e-4"}, "rl.lr: expected a number > 0, got '5e-4' (a string); write it without"),
         ({"max_new_tokens": 9}, "rl.max_new_tokens: builtin:tiny-moe generates at most 8"),
         ({"recipe": ""}, "rl.recipe: expected a non-empty string"),
-        ({"hold_bf16_weights": "yes"}, "rl.hold_bf16_weights: expected true or false"),
+        ({"hold_bf16_weights": "yes"}, "rl.hold_bf16_weights: expected true, false or auto"),
+        ({"hold_bf16_weights": 1}, "rl.hold_bf16_weights: expected true, false or auto"),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_the_fix(rl, needle):

@@ -4,6 +4,7 @@ saves, its weight terms against sums worked out by hand, its refusals and `mxrl 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -128,14 +129,18 @@ def test_weight_terms_against_hand_counts():
 
 
 def test_held_bf16_expert_copies_on_one_cuda_process_only():
-    """rl.hold_bf16_weights (default on): a bf16 routed expert's held copy of its fp32 master, 2
-    bytes a weight, on CUDA's grouped GEMMs; none on the CPU (the loop), with a bf16 master (its
-    cast is itself), when off, or under a placement (FSDP2 casts per use)."""
+    """rl.hold_bf16_weights (default auto, held when the capacity is unknown): a bf16 routed
+    expert's held copy of its fp32 master, 2 bytes a weight, on CUDA's grouped GEMMs; none on
+    the CPU (the loop), with a bf16 master (its cast is itself), when off, or under a placement
+    (FSDP2 casts per use)."""
     hf = _hf(**HAND)
     experts = 4 * 64 * 64 + 4 * 64 * 32
     held = _estimate(hf, {"device": "cuda"}, capacity=None)
     cast = _estimate(hf, {"device": "cuda", "hold_bf16_weights": False}, capacity=None)
     assert held.train_weight_copies - cast.train_weight_copies == 2 * experts
+    assert held.hold_bf16_weights and held.held_bf16_bytes == 2 * experts
+    assert not cast.hold_bf16_weights and cast.held_bf16_bytes == 0
+    assert "held bf16 expert copies" in held.lines()[0]
     for rl, dtype in (({"device": "cpu"}, "float32"), ({"device": "cuda"}, "bfloat16")):
         on = _estimate(hf, rl, capacity=None, dtype=dtype)
         off = _estimate(hf, {**rl, "hold_bf16_weights": False}, capacity=None, dtype=dtype)
@@ -236,3 +241,25 @@ def test_mxrl_train_refuses_a_run_that_cannot_fit(tmp_path, monkeypatch, capsys)
     assert len(errors) == 1 and errors[0].startswith("mxrl: error: memory:"), errors
     assert "rl.prompts_per_step" in errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_auto_holds_the_bf16_copies_only_where_the_run_fits_with_them():
+    """rl.hold_bf16_weights auto: held while the run fits with the copies; where only the run
+    without them fits, not held (and said so); true refuses there, naming the knob."""
+    hf = _hf(**HAND)
+    rl = {"device": "cuda", "max_new_tokens": 8}
+    cast = _estimate(hf, {**rl, "hold_bf16_weights": False}, capacity=None)
+    held = _estimate(hf, {**rl, "hold_bf16_weights": True}, capacity=None)
+    one = cast.activation_bytes_per_token * cast.longest_sequence
+    # room for the run without the copies and one sequence, not for the copies too
+    need = cast.train_side + cast.logits_chunk + one
+    tight = int((need + held.held_bf16_bytes // 2) / memory.SAFETY)
+    auto = _estimate(hf, rl, capacity=tight)
+    auto.check()
+    assert not auto.hold_bf16_weights and auto.held_bf16_bytes == 0
+    assert auto.not_held_bytes == held.held_bf16_bytes
+    assert "not held" in auto.lines()[0]
+    with pytest.raises(ValueError, match=re.escape("set rl.hold_bf16_weights: false or auto")):
+        _estimate(hf, {**rl, "hold_bf16_weights": True}, capacity=tight).check()
+    roomy = _estimate(hf, rl, capacity=tight * 4)
+    assert roomy.hold_bf16_weights and roomy.not_held_bytes == 0

@@ -213,3 +213,10 @@ def test_the_trainer_holds_bf16_expert_copies_as_configured(tmp_path):
         trainer = tiny_trainer(tmp_path, f"hold-{hold}", hold_bf16_weights=hold)
         experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
         assert experts and all(m.hold_bf16 is hold for m in experts)
+    # auto: the caller's memory estimate decides (held without one)
+    for decided, want in ((None, True), (True, True), (False, False)):
+        trainer = tiny_trainer(
+            tmp_path, f"auto-{decided}", hold_bf16_weights="auto", decided=decided
+        )
+        experts = [m for m in trainer.model.modules() if isinstance(m, GroupedExperts)]
+        assert experts and all(m.hold_bf16 is want for m in experts), decided
