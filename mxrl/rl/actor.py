@@ -141,17 +141,19 @@ class LocalActor:
     newer_keys = ("rng",)
 
     def __init__(
-        self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved, *, hold_bf16: bool = True
+        self, cfg: GRPOConfig, model: CausalLM, resolved: Resolved, hold: bool | None = None
     ) -> None:
-        """hold_bf16: the bf16 routed experts' copies held per optimizer step (the trainer's
-        decision: rl.hold_bf16_weights, auto by the memory estimate)."""
+        """hold: the memory estimate's choice for rl.hold_bf16_weights auto (None: held); true
+        or false in the config are taken as given."""
         self.cfg, self.model, self.plan = cfg, model, resolved.plan
+        given = cfg.hold_bf16_weights
+        hold = given if isinstance(given, bool) else hold is not False
         self.ranks = OneRank()
         apply_plan(model, self.plan, backend=resolved.kernels)
         model.set_training_options(
             compute_dtype=autocast_dtype(model, resolved),
             checkpoint_layers=cfg.checkpoint_layers,
-            hold_bf16_weights=hold_bf16,
+            hold_bf16_weights=hold,
         )
         self.optimizer = adamw(
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay

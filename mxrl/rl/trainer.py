@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from mxrl.engine import CacheOptions, Completion, SamplingParams
+from mxrl.engine import Completion, SamplingParams
 from mxrl.models import CausalLM
 from mxrl.rl import micro_batch
-from mxrl.rl.actor import Actor, LocalActor, ShardedActor
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
@@ -47,7 +46,8 @@ from mxrl.rl.metrics import Progress, memory_peak, settle, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resolve import Resolved, resolve_train
 from mxrl.rl.resume import CHECKPOINT_DIR, read_state
-from mxrl.rl.rollout import LocalRollout, RankRollout, Rollout, request_seed
+from mxrl.rl.rollout import request_seed
+from mxrl.rl.seams import build_seams
 from mxrl.rl.source import PromptSource
 from mxrl.rl.stability import GradSpikeDetector, layer_grad_norms, top_growth
 from mxrl.runs import FINISHED, RunRecord
@@ -83,16 +83,14 @@ class GRPOTrainer:
         self.cfg, self.source, self.record, self.layout = cfg, source, record, layout
         # padded tokens per micro-batch of the training pass: cfg.max_tokens_per_micro_batch,
         # or when it is 0 the caller's, from its memory estimate (None: one micro-batch); the
-        # engines' KV cache: the caller's size (None: the engine's default, CacheOptions)
+        # engines' KV cache: the caller's size (None: the engine's default, CacheOptions); the
+        # held bf16 copies under rl.hold_bf16_weights auto: the estimate's choice (None: held)
         self.micro_batch_tokens = cfg.max_tokens_per_micro_batch or micro_batch_tokens
         # the run's choices: the caller's (`mxrl train`: the plan it printed), else made here
         resolved = resolved or resolve_train(cfg, model, layout.device if layout else None)
         self.resolved, self.plan = resolved, resolved.plan
-        # rl.hold_bf16_weights as given, or for auto the caller's memory estimate's decision
-        # (None: held)
-        hold = cfg.hold_bf16_weights
-        hold = hold if isinstance(hold, bool) else hold_bf16_weights is not False
-        self.actor, self.rollout = _seams(cfg, model, resolved, layout, kv_cache_bytes, hold)
+        seams = (cfg, model, resolved, layout, kv_cache_bytes, hold_bf16_weights)
+        self.actor, self.rollout = build_seams(*seams)
         self.model = self.actor.model if self.actor is not None else None
         self.opt = self.actor.optimizer if self.actor is not None else None
         self.engine = self.rollout.engine
@@ -385,23 +383,3 @@ class GRPOTrainer:
                 path, served[:12], state["engine_digest"][:12], self.step,
             )  # fmt: skip
         return self.step
-
-
-def _seams(
-    cfg: GRPOConfig, model: CausalLM, resolved: Resolved, layout: Layout | None,
-    kv_bytes: int | None, hold_bf16: bool = True,
-) -> tuple[Actor | None, Rollout]:  # fmt: skip
-    """The actor (None on a rank that does not train) and the rollout of this process."""
-    cache = CacheOptions(kv_cache_bytes=kv_bytes)
-    if layout is None:
-        # the engine is built from the model the actor prepared
-        actor = LocalActor(cfg, model, resolved, hold_bf16=hold_bf16)
-        return actor, LocalRollout(model, resolved, cache)
-    if cfg.prompts_per_step < max(len(layout.train_ranks), len(layout.rollout_ranks)):
-        raise ValueError(
-            f"rl.prompts_per_step {cfg.prompts_per_step} is smaller than the number of train "
-            f"({len(layout.train_ranks)}) or rollout ({len(layout.rollout_ranks)}) ranks: "
-            "every rank needs at least one prompt group"
-        )
-    rollout = RankRollout(model, resolved, layout, cache)  # the whole master, before sharding
-    return (ShardedActor(cfg, model, resolved, layout) if layout.trains else None), rollout

@@ -4,10 +4,10 @@ Legend: T tokens, k experts per token, R = T*k (token, slot) rows, H hidden, N /
 output / input features, E experts, P rows of the 32-aligned padded layout.
 
 The R rows are sorted by expert (a stable sort, as the loop's); expert e owns rows
-starts[e]:ends[e] (`ExpertLayout`, mxrl.nn.paths.permute: device tensors). Each projection is one `torch._grouped_mm`
-(bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @ [E, N, K]; wgrad
-[N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow docs/nn.md's modes
-(through the table in `mxrl.nn.operands`):
+starts[e]:ends[e] (`ExpertLayout`, mxrl.nn.paths.permute: device tensors). Each projection is
+one `torch._grouped_mm` (bf16, fp32 accumulation) forward and two backward (dgrad [R, N] @
+[E, N, K]; wgrad [N, R] @ [R, K] -> [E, N, K]), in `GroupedLinear`, whose operands follow
+docs/nn.md's modes (through the table in `mxrl.nn.operands`):
   bf16 experts    x, w cast to bf16 (w re-cast in the backward: no bf16 weight copy is kept),
                   or, given the held bf16 copy of w (`GroupedExperts.hold_bf16`), that copy in
                   both GEMMs (the same bytes: it is w cast, made once per optimizer step)
@@ -23,8 +23,9 @@ starts[e]:ends[e] (`ExpertLayout`, mxrl.nn.paths.permute: device tensors). Each 
                   quantized 1x128 along the tokens, each expert's rows padded to 128
                   (`grouped_fp8_block_wgrad`, fp32 straight into the master's gradient)
 The (token, slot) outputs are put back by a permutation and each token's k outputs summed in
-slot order (no atomics: deterministic; one Triton launch where the row-wise kernels are Triton). Activation quantization is per row (MXFP8 1x32, NVFP4
-per token), so sorting the rows leaves their bytes as the loop's.
+slot order (no atomics: deterministic; one Triton launch where the row-wise kernels are
+Triton). Activation quantization is per row (MXFP8 1x32, NVFP4 per token), so sorting the rows
+leaves their bytes as the loop's.
 """
 
 from __future__ import annotations
