@@ -170,6 +170,17 @@ MODULES = {
         ("tests/rl",),
     ),
     "rl.grpo": Module(("mxrl/rl/grpo.py",), ("tests/rl/test_grpo.py", "tests/rl/test_grpo_edges.py")),
+    # the memory estimate's assembly and rl.hold_bf16_weights auto (which estimate a run gets),
+    # and the line a run prints; not the refusals' wording (check) nor the terms (memory_terms)
+    "rl.memory": Module(
+        ("mxrl/rl/memory.py",),
+        ("tests/rl/test_memory.py",),
+        functions=(
+            "mxrl/rl/memory.py::estimate_memory",
+            "mxrl/rl/memory.py::_estimate",
+            "mxrl/rl/memory.py::MemoryEstimate.lines",
+        ),
+    ),
     "rl.logprobs": Module(
         ("mxrl/rl/logprobs.py",), ("tests/rl/test_logprobs.py", "tests/rl/test_logprobs_edges.py")
     ),
