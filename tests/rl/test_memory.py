@@ -3,6 +3,7 @@ saves, its weight terms against sums worked out by hand, its refusals and `mxrl 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -142,9 +143,10 @@ def test_held_bf16_expert_copies_on_one_cuda_process_only():
     assert not cast.hold_bf16_weights and cast.held_bf16_bytes == 0
     assert "held bf16 expert copies" in held.lines()[0]
     for rl, dtype in (({"device": "cpu"}, "float32"), ({"device": "cuda"}, "bfloat16")):
-        on = _estimate(hf, rl, capacity=None, dtype=dtype)
+        on = _estimate(hf, {**rl, "hold_bf16_weights": True}, capacity=None, dtype=dtype)
         off = _estimate(hf, {**rl, "hold_bf16_weights": False}, capacity=None, dtype=dtype)
         assert on.train_weight_copies == off.train_weight_copies, (rl, dtype)
+        assert on.hold_bf16_weights is False and on.held_bf16_bytes == 0  # nothing to hold
     placed = _estimate_placed(hf, {"device": "cuda"}, {"train_ranks": 1, "rollout_ranks": 1})
     unheld = _estimate_placed(
         hf, {"device": "cuda", "hold_bf16_weights": False}, {"train_ranks": 1, "rollout_ranks": 1}
@@ -256,10 +258,39 @@ def test_auto_holds_the_bf16_copies_only_where_the_run_fits_with_them():
     tight = int((need + held.held_bf16_bytes // 2) / memory.SAFETY)
     auto = _estimate(hf, rl, capacity=tight)
     auto.check()
-    assert not auto.hold_bf16_weights and auto.held_bf16_bytes == 0
+    assert auto.hold_bf16_weights is False and auto.held_bf16_bytes == 0
     assert auto.not_held_bytes == held.held_bf16_bytes
     assert "not held" in auto.lines()[0]
     with pytest.raises(ValueError, match=re.escape("set rl.hold_bf16_weights: false or auto")):
         _estimate(hf, {**rl, "hold_bf16_weights": True}, capacity=tight).check()
     roomy = _estimate(hf, rl, capacity=tight * 4)
     assert roomy.hold_bf16_weights and roomy.not_held_bytes == 0
+
+
+def test_the_printed_line_names_every_term():
+    """The estimate's line, worked out by hand for chosen byte counts (GiB to one decimal)."""
+    est = _estimate(_hf(**HAND), {"device": "cuda"}, capacity=None)
+    g = memory.GIB
+    est = dataclasses.replace(
+        est, capacity=int(139.8 * g), master_weights=int(9.8 * g), gradients=int(9.7 * g),
+        optimizer=int(19.5 * g), train_weight_copies=int(3.3 * g), engine_weights=int(4.9 * g),
+        kv_cache=int(0.9 * g), activation_bytes_per_token=int(1.19 * memory.MIB) + 1,
+        micro_batch_tokens=1000, budget="derived", logits_chunk=int(0.7 * g), colocated=True,
+        checkpoint_layers=True, hold_bf16_weights=True, held_bf16_bytes=int(2.2 * g),
+    )  # fmt: skip
+    want = (
+        "memory (estimate, cuda of 139.8 GiB): weights 9.8 + grads 9.7 + AdamW 19.5 + train "
+        "copies 3.3 (held bf16 expert copies 2.2) + engine weights 4.9 + KV 0.9 GiB fixed; "
+        "training 1.19 MiB/token x 1000-token micro-batches (derived, checkpoint_layers) = "
+        "1.2 GiB; logits chunk 0.7 GiB; peak 50.0 GiB"  # 48.1 fixed + 1.16 + 0.7
+    )
+    assert est.lines() == [want]
+    split = dataclasses.replace(
+        est, colocated=False, checkpoint_layers=False, hold_bf16_weights=False,
+        held_bf16_bytes=0, not_held_bytes=int(2.2 * g), train_weight_copies=0,
+    )  # fmt: skip
+    line = split.lines()[0]
+    assert "AdamW 19.5 (bf16 expert copies not held: their 2.2 GiB do not fit; " in line
+    assert "rl.hold_bf16_weights auto) + engine weights 4.9" in line
+    assert "GiB fixed (split: the larger of train and rollout ranks); training" in line
+    assert "micro-batches (derived) =" in line
