@@ -287,9 +287,11 @@ def test_the_printed_line_names_every_term():
     assert est.lines() == [want]
     split = dataclasses.replace(
         est, colocated=False, checkpoint_layers=False, hold_bf16_weights=False,
-        held_bf16_bytes=0, not_held_bytes=int(2.2 * g), train_weight_copies=0,
+        held_bf16_bytes=0, not_held_bytes=int(2.2 * g),
     )  # fmt: skip
     line = split.lines()[0]
+    assert "AdamW 19.5 + train copies 3.3 (bf16 expert copies not held: their 2.2 GiB do " in line
+    line = dataclasses.replace(split, train_weight_copies=0).lines()[0]
     assert "AdamW 19.5 (bf16 expert copies not held: their 2.2 GiB do not fit; " in line
     assert "rl.hold_bf16_weights auto) + engine weights 4.9" in line
     assert "GiB fixed (split: the larger of train and rollout ranks); training" in line
