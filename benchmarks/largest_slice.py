@@ -86,8 +86,9 @@ def main(argv=None) -> int:
               f"micro-batches of {r.get('micro_batch_tokens', 0)} tokens, held "
               f"{r.get('held')}; one more: {r['one_more_refused'][:90]}")  # fmt: skip
     if args.out:
-        meta = {"capacity_bytes": capacity, "batch": [args.prompts, args.samples, args.new_tokens],
-                "prompt_tokens": PROMPT_TOKENS, "vocab": 32000, "how": "mxrl.rl.memory estimate"}  # fmt: skip
+        batch = [args.prompts, args.samples, args.new_tokens]
+        meta = {"capacity_bytes": capacity, "batch": batch, "prompt_tokens": PROMPT_TOKENS,
+                "vocab": 32000, "how": "mxrl.rl.memory estimate"}  # fmt: skip
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return 0
 

@@ -61,12 +61,15 @@ class MemoryEstimate:
     colocated: bool  # the trainer and the engine share the device
     checkpoint_layers: bool
     one_sequence_with_checkpointing: int  # activation bytes of the longest sequence with it
-    # the bf16 routed experts' copies held per optimizer step (rl.hold_bf16_weights, decided
-    # here for auto: held where the run fits with them); held_bf16_bytes: what they take (0 where
-    # nothing is held or there is nothing to hold)
-    hold_bf16_weights: bool = False
+    # what the bf16 routed experts' copies held per optimizer step take (rl.hold_bf16_weights,
+    # decided here for auto: held where the run fits with them); 0: none held, or none to hold
     held_bf16_bytes: int = 0
     not_held_bytes: int = 0  # auto: what the copies would take where the run does not fit with them
+
+    @property
+    def hold_bf16_weights(self) -> bool:
+        """The trainer holds the bf16 expert copies (what `mxrl train` hands it for auto)."""
+        return self.held_bf16_bytes > 0
 
     @property
     def train_fixed(self) -> int:
@@ -135,7 +138,8 @@ class MemoryEstimate:
     def fields(self) -> dict[str, Any]:
         """Every byte count, and the peaks: the run record's `memory_estimate` event."""
         peaks = {"rollout_peak": self.rollout_peak, "train_peak": self.train_peak}
-        return {**dataclasses.asdict(self), **peaks, "peak": self.peak}
+        held = {"hold_bf16_weights": self.hold_bf16_weights}
+        return {**dataclasses.asdict(self), **held, **peaks, "peak": self.peak}
 
     def check(self) -> None:
         """ValueError naming the knob to turn when the run cannot fit (or its budget is below
@@ -162,10 +166,10 @@ class MemoryEstimate:
                 f"{head} before any activation: weights {_g(self.master_weights)} + grads "
                 f"{_g(self.gradients)} + AdamW {_g(self.optimizer)} + train copies "
                 f"{_g(self.train_weight_copies)} + engine weights {_g(self.engine_weights)} + KV "
-                f"{_g(self.kv_cache)} GiB; {unhold}lower rl.prompts_per_step, rl.samples_per_prompt or "
-                "rl.max_new_tokens (the KV cache), set dtype: bfloat16 (halves weights, grads and "
-                "AdamW), choose a smaller rl.recipe (engine weights), or shard over more ranks "
-                "(placement, docs/scale.md)"
+                f"{_g(self.kv_cache)} GiB; {unhold}lower rl.prompts_per_step, "
+                "rl.samples_per_prompt or rl.max_new_tokens (the KV cache), set dtype: bfloat16 "
+                "(halves weights, grads and AdamW), choose a smaller rl.recipe (engine weights), "
+                "or shard over more ranks (placement, docs/scale.md)"
             )
         left = usable - self.train_side - self.logits_chunk
         one = self.activation_bytes_per_token * seq
@@ -178,9 +182,9 @@ class MemoryEstimate:
             )
             raise ValueError(
                 f"{head}: one sequence of {seq} tokens needs {_g(one)} GiB of activations and "
-                f"{_g(left)} GiB are left after the weights, optimizer and rollout; {fix}{unhold}lower "
-                "rl.max_new_tokens, rl.prompts_per_step or rl.samples_per_prompt, or shard over "
-                "more ranks (placement, docs/scale.md)"
+                f"{_g(left)} GiB are left after the weights, optimizer and rollout; {fix}{unhold}"
+                "lower rl.max_new_tokens, rl.prompts_per_step or rl.samples_per_prompt, or shard "
+                "over more ranks (placement, docs/scale.md)"
             )
         if self.activations > left:
             fits = left // self.activation_bytes_per_token
@@ -256,7 +260,6 @@ def _estimate(
         colocated=colocated,
         checkpoint_layers=rl.checkpoint_layers,
         one_sequence_with_checkpointing=with_ckpt * seq,
-        hold_bf16_weights=hold and held > 0,
         held_bf16_bytes=held,
     )
     tokens, how = rl.max_tokens_per_micro_batch, "given"

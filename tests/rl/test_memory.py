@@ -276,7 +276,7 @@ def test_the_printed_line_names_every_term():
         optimizer=int(19.5 * g), train_weight_copies=int(3.3 * g), engine_weights=int(4.9 * g),
         kv_cache=int(0.9 * g), activation_bytes_per_token=int(1.19 * memory.MIB) + 1,
         micro_batch_tokens=1000, budget="derived", logits_chunk=int(0.7 * g), colocated=True,
-        checkpoint_layers=True, hold_bf16_weights=True, held_bf16_bytes=int(2.2 * g),
+        checkpoint_layers=True, held_bf16_bytes=int(2.2 * g),
     )  # fmt: skip
     want = (
         "memory (estimate, cuda of 139.8 GiB): weights 9.8 + grads 9.7 + AdamW 19.5 + train "
@@ -286,7 +286,7 @@ def test_the_printed_line_names_every_term():
     )
     assert est.lines() == [want]
     split = dataclasses.replace(
-        est, colocated=False, checkpoint_layers=False, hold_bf16_weights=False,
+        est, colocated=False, checkpoint_layers=False,
         held_bf16_bytes=0, not_held_bytes=int(2.2 * g),
     )  # fmt: skip
     line = split.lines()[0]
