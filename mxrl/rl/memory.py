@@ -253,7 +253,7 @@ def _estimate(
         ),
         activation_bytes_per_token=per_token,
         logits_chunk=logits_chunk_bytes(model_cfg.vocab_size, sequences * seq),
-        micro_batch_tokens=0,
+        micro_batch_tokens=rl.max_tokens_per_micro_batch,
         budget="given",
         longest_sequence=seq,
         step_tokens=sequences * seq,
@@ -262,15 +262,15 @@ def _estimate(
         one_sequence_with_checkpointing=with_ckpt * seq,
         held_bf16_bytes=held,
     )
-    tokens, how = rl.max_tokens_per_micro_batch, "given"
-    if tokens == 0:
-        tokens, how = est.step_tokens, "whole step"
-        if est.usable is not None:
-            left = est.usable - est.train_side - est.logits_chunk
-            fits = max(left, 0) // per_token
-            if fits < est.step_tokens:
-                tokens, how = fits // ROUND_TOKENS * ROUND_TOKENS, "derived"
-                tokens = max(tokens, seq) if fits >= seq else fits  # fits < seq: check refuses
+    if rl.max_tokens_per_micro_batch:
+        return est
+    tokens, how = est.step_tokens, "whole step"
+    if est.usable is not None:
+        left = est.usable - est.train_side - est.logits_chunk
+        fits = max(left, 0) // per_token
+        if fits < est.step_tokens:
+            tokens, how = fits // ROUND_TOKENS * ROUND_TOKENS, "derived"
+            tokens = max(tokens, seq) if fits >= seq else fits  # fits < seq: check refuses
     return dataclasses.replace(est, micro_batch_tokens=tokens, budget=how)
 
 

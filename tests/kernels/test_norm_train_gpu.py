@@ -95,10 +95,13 @@ def test_no_rows():
 
 
 def test_a_training_step_of_the_tiny_model_with_fused_norms():
-    """fp32 master weights, bf16 autocast (the trainer's setting): every norm fused by default
-    on CUDA; loss and gradients close to the eager norms' (they differ within the bounds per
-    norm, then through 4 layers of bf16 compute, where a flipped bf16 rounding can flip a token's
-    experts: a tenth of each gradient's norm is far above that, far below a wrong gradient)."""
+    """fp32 master weights, bf16 autocast (the trainer's setting): every norm, RoPE and the MoE
+    permutation fused by default on CUDA; loss and gradients close to the eager reference's.
+    The fused run replays the reference's routing: the norms differ within their bounds, and
+    through 4 layers of bf16 compute a flipped bf16 rounding can flip a token's experts, which
+    moves the router's gradient by a fifth (measured) without anything being wrong. With the
+    same experts, the gradients differ by the bounds carried through the layers: a fiftieth of
+    each gradient's norm is far above that, far below a wrong gradient."""
     from mxrl.arch import builtin_config
     from mxrl.kernels import Backend, Kernels
     from mxrl.models import RMSNorm, build_model
@@ -106,7 +109,7 @@ def test_a_training_step_of_the_tiny_model_with_fused_norms():
     from mxrl.recipe import resolve
 
     ids = torch.randint(1, 64, (4, 65), generator=torch.Generator().manual_seed(0)).to(CUDA)
-    results = []
+    results, replay = [], None
     for backend in ("reference", None):
         model = build_model(builtin_config("tiny-moe"), seed=0, device="cuda")
         plan = resolve("bf16", {n: p.shape for n, p in model.named_parameters()})
@@ -115,7 +118,8 @@ def test_a_training_step_of_the_tiny_model_with_fused_norms():
         want = Backend.REFERENCE if backend else Backend.TRITON
         assert norms and all(m.rowwise is want for m in norms)
         model.set_training_options(compute_dtype=torch.bfloat16)
-        logits = model(ids[:, :-1])
+        logits, routing = model(ids[:, :-1], return_routing=True, replay_routing=replay)
+        replay = routing
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -126,4 +130,4 @@ def test_a_training_step_of_the_tiny_model_with_fused_norms():
             assert grads[name] is None, name
             continue
         diff = (grads[name].double() - g.double()).norm()
-        assert diff <= 0.1 * g.double().norm() + 1e-12, (name, diff.item(), g.norm().item())
+        assert diff <= 0.02 * g.double().norm() + 1e-12, (name, diff.item(), g.norm().item())
