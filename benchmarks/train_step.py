@@ -365,7 +365,7 @@ def main(argv=None) -> int:
             rows += shape_rows
     print(format_table(rows, [
         ("preset", "run", ""), ("B", "B", "d"), ("S", "S", "d"), ("s_step", "s/step", ".3f"),
-        ("x_bf16", "x bf16 time", ".2f"), ("peak_gb", "peak GB", ".1f"),
+        ("x_bf16", "x bf16 time", ".2f"), ("x_hf_bf16", "x HF bf16", ".2f"), ("peak_gb", "peak GB", ".1f"),
         ("mem_x_bf16", "x bf16 mem", ".2f"), ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".3f"),
         ("host_s", "host s", ".3f"), ("s_step_fresh", "fresh s/step", ".3f"),
         ("x_bf16_fresh", "fresh x bf16", ".2f"), ("peak_gb_fresh", "fresh GB", ".1f"),
@@ -414,6 +414,9 @@ def _ratios(rows: list[dict]) -> None:
     for key, name in (("bf16_x_hf_autocast", "hf fp32+autocast"), ("bf16_x_hf_bf16", "hf bf16")):
         if base and name in by:
             base[key] = base["s_step"] / by[name]["s_step"]
+    hf = by.get("hf bf16")
+    for r in rows:  # every row's time over HF's bf16-parameter step (issue 29's x_hf_bf16)
+        r["x_hf_bf16"] = r["s_step"] / hf["s_step"] if hf else None
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ def test_deepseek_tiny_cpu_run_writes_hf_and_mxrl_rows(tmp_path, monkeypatch):
     assert rows["hf bf16"]["experts_implementation"] in ("grouped_mm", "eager")
     assert rows["hf bf16"]["transformers"]
     assert rows["bf16"]["bf16_x_hf_bf16"] > 0 and rows["fp8-block"]["s_step_fresh"] > 0
+    hf_s = rows["hf bf16"]["s_step"]
+    for r in rows.values():  # each row's time over HF's bf16 step, its own row 1
+        assert r["x_hf_bf16"] == r["s_step"] / hf_s
+    assert rows["hf bf16"]["x_hf_bf16"] == 1.0
+    assert rows["bf16"]["x_hf_bf16"] == rows["bf16"]["bf16_x_hf_bf16"]
 
 
 def test_micro_batches_and_bf16_weights_reach_the_rows_and_the_model(tmp_path, monkeypatch):
