@@ -58,6 +58,7 @@ def test_a_value_is_staged_where_to_would_put_it():
     records = list(exp.records())
     q = next(r for r in records if r.name.endswith("q_proj.weight"))
     staged, _ = engine._stage(q.name, q.value)
+    assert staged is q.value  # not even a new QTensor around the same fields (its .to's)
     assert staged.qdata is q.value.qdata and staged.scale is q.value.scale
 
 
