@@ -341,6 +341,13 @@ MODULES = {
         ("tests/kernels/test_rope_train.py",),
         env=(("TRITON_INTERPRET", "1"),),
     ),
+    # the trainer's fused RMSNorm: its reference, launchers, split and autograd Function, under
+    # Triton's interpreter
+    "kernels.norm_train": Module(
+        ("mxrl/kernels/norm_train.py",),
+        ("tests/kernels/test_norm_train.py",),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
     # the trainer's MoE permutation: its references, launchers and checks, under Triton's
     # interpreter
     "kernels.moe_train": Module(

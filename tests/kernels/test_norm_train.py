@@ -287,3 +287,121 @@ def test_a_fused_module_runs_inputs_the_kernels_do_not_take_eagerly():
     want = norm(x)
     norm.rowwise = Backend.TRITON
     assert_bytes_equal(norm(x), want, "float64")
+
+
+# --- the launches, by hand ---------------------------------------------------------------------
+
+
+def _spy_launches(monkeypatch) -> list:
+    """The three kernels replaced by recorders of (name, grid, args, kwargs): nothing runs."""
+    import mxrl.kernels.triton_norm as tn
+
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
+
+    for name in ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "sum_partials_kernel"):
+        monkeypatch.setattr(tn, name, Kernel(name))
+    return launches
+
+
+@pytest.mark.parametrize(
+    ("h", "block", "warps", "block_r", "bwd_warps", "programs"),
+    [
+        (1, 16, 4, 128, 4, 1),  # the smallest block, 16 columns; 3 rows in one step
+        (17, 32, 4, 64, 4, 1),
+        (64, 64, 4, 32, 4, 1),
+        (65, 128, 4, 16, 4, 1),
+        (2048, 2048, 4, 1, 4, 3),  # a row fills the backward's 2048-element step
+        (2049, 4096, 8, 1, 8, 3),  # wider: 8 warps, one row a step
+    ],
+)
+def test_the_launches_by_hand(monkeypatch, h, block, warps, block_r, bwd_warps, programs):
+    """Forward: one program a row, the row's next power of two (>= 16) as its block, 4 warps up
+    to 2048 columns, 8 above; out in the promoted dtype and rstd in fp32, on x's device.
+    Backward: BLOCK_R = 2048 // block rows a step (at least 1), 4 warps while a step holds at
+    most 2048 elements; the partials fp32 [P, H], summed by programs of min(block, 1024)
+    columns with 4 warps."""
+    launches = _spy_launches(monkeypatch)
+    x = torch.ones(3, h, dtype=torch.bfloat16)
+    w = torch.ones(h, dtype=torch.float32)
+    out, rstd = rms_norm_forward(x, w, EPS)
+    assert out.dtype == torch.float32 and rstd.dtype == torch.float32 and rstd.shape == (3,)
+    rms_norm_backward(out, x, w, rstd)
+    (fwd, grid, args, kw), bwd, sums = launches
+    assert (fwd, grid) == ("rms_norm_fwd_kernel", (3,))
+    assert args[2] is out and args[3] is rstd and args[4:7] == (h, h, h)
+    assert (kw["BLOCK"], kw["num_warps"], kw["X_BF16"], kw["OUT_BF16"]) == (
+        block,
+        warps,
+        True,
+        False,
+    )
+    name, grid, args, kw = bwd
+    assert (name, grid) == ("rms_norm_bwd_kernel", (programs,))
+    dx, part = args[4], args[5]
+    assert dx.dtype == torch.bfloat16 and dx.shape == (3, h)
+    assert part.dtype == torch.float32 and part.shape == (programs, h)
+    assert args[6:9] == (3, h, block_r) and args[9:12] == (h, h, h)
+    assert (kw["BLOCK_R"], kw["BLOCK"], kw["num_warps"], kw["X_BF16"]) == (
+        block_r,
+        block,
+        bwd_warps,
+        True,
+    )
+    name, grid, args, kw = sums
+    assert (name, grid) == ("sum_partials_kernel", (-(-h // min(block, 1024)),))
+    assert args[0] is part and args[1].dtype == torch.float32 and args[1].shape == (h,)
+    assert args[2:4] == (programs, h)
+    assert (kw["BLOCK"], kw["OUT_BF16"], kw["num_warps"]) == (min(block, 1024), False, 4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "h", "split"),
+    [
+        (1, 64, (32, 32, 1)),
+        (1, 4096, (1, 1, 1)),  # wider than a step: one row a step
+        (3, 2048, (1, 1, 3)),
+        (5000, 2048, (1, 5, 1000)),  # 5000 steps over at most 1024 programs: 5 rows each
+        (83, 96, (16, 16, 6)),
+    ],
+)
+def test_the_backward_split_by_hand(rows, h, split):
+    """(BLOCK_R, rows per program, programs): BLOCK_R = max(1, 2048 // block); the steps of
+    BLOCK_R rows shared by at most 1024 programs, a program's rows a whole number of steps."""
+    assert norm_train.backward_split(rows, h) == split
+
+
+def test_what_the_kernels_take():
+    """x [..., H] and weight [H], fp32 / bf16 / fp16, H <= 16384; not a 0-d x, whatever the
+    weight (a 0-d x has no rows: its H is no length)."""
+    from mxrl.kernels.norm_train import fused_norm_fits
+
+    assert fused_norm_fits(torch.empty(1, 16384), torch.empty(16384))
+    assert not fused_norm_fits(torch.empty(1, 16385), torch.empty(16385))
+    assert fused_norm_fits(torch.empty(2, 3, 8, dtype=torch.float16), torch.empty(8))
+    assert not fused_norm_fits(torch.empty(2, 8, dtype=torch.float64), torch.empty(8))
+    for w in (torch.empty(1), torch.empty(0), torch.empty(())):
+        assert not fused_norm_fits(torch.tensor(1.0), w)
+
+
+@interpreter
+def test_x_and_its_gradient_in_another_layout():
+    """A 2-row x whose last dim is not contiguous (stride 2) and a gradient laid out the same
+    way are copied once, and give the contiguous inputs' bytes."""
+    x, w, g = inputs(2, 96, torch.float32, torch.float32, seed=7)
+    x_t = x.t().contiguous().t().requires_grad_()  # [2, 96], strides (1, 2)
+    g_t = g.t().contiguous().t()
+    assert x_t.stride() == (1, 2) and g_t.stride() == (1, 2)
+    out_t = rms_norm_train(x_t, w, EPS)
+    out_t.backward(g_t)
+    x_c = x.clone().requires_grad_()
+    out_c = rms_norm_train(x_c, w, EPS)
+    out_c.backward(g)
+    assert_bytes_equal(out_t, out_c, "out")
+    assert_bytes_equal(x_t.grad, x_c.grad, "dx")
