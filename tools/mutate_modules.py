@@ -348,6 +348,13 @@ MODULES = {
         ("tests/kernels/test_norm_train.py",),
         env=(("TRITON_INTERPRET", "1"),),
     ),
+    # the fused SwiGLU (the trainer's and the engine's): its checks, launchers and autograd
+    # Function, under Triton's interpreter
+    "kernels.swiglu": Module(
+        ("mxrl/kernels/swiglu.py",),
+        ("tests/kernels/test_swiglu.py",),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
     # the trainer's MoE permutation: its references, launchers and checks, under Triton's
     # interpreter
     "kernels.moe_train": Module(

@@ -142,3 +142,119 @@ def test_leading_dims_and_no_rows():
 def test_refuses_operands_of_two_dtypes():
     with pytest.raises(ValueError, match="one dtype"):
         silu_mul(torch.ones(2, 8), torch.ones(2, 8, dtype=torch.bfloat16))
+
+
+def test_refuses_operands_of_two_shapes_or_another_dtype():
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul(torch.ones(2, 8), torch.ones(2, 9))
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        silu_mul(torch.ones(2, 8, dtype=torch.float64), torch.ones(2, 8, dtype=torch.float64))
+
+
+# --- the launches, by hand ---------------------------------------------------------------------
+
+
+def _spy_launches(monkeypatch) -> list:
+    """The two kernels replaced by recorders of (name, grid, args, kwargs): nothing runs."""
+    import mxrl.kernels.triton_swiglu as ts
+
+    launches = []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
+
+    for name in ("silu_mul_fwd_kernel", "silu_mul_bwd_kernel"):
+        monkeypatch.setattr(ts, name, Kernel(name))
+    return launches
+
+
+@pytest.mark.parametrize(
+    ("n", "block", "blocks"),
+    [(1, 16, 1), (17, 32, 1), (64, 64, 1), (65, 128, 1), (1024, 1024, 1), (1025, 1024, 2),
+     (3000, 1024, 3)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_launches_by_hand(monkeypatch, dtype, n, block, blocks):
+    """(row, column block) programs, a block the row's next power of two from 16 to 1024, four
+    warps, libdevice's exp unless under the interpreter; the outputs contiguous [M, N] in the
+    operands' dtype, on their device, each row's stride passed."""
+    from mxrl.kernels.backend import triton_interpreter_enabled
+
+    launches = _spy_launches(monkeypatch)
+    gate_up = torch.ones(3, 2 * n, dtype=dtype)
+    gate, up = gate_up.chunk(2, dim=-1)  # rows of stride 2n, columns contiguous: no copy
+    out = silu_mul(gate, up)
+    dout = torch.ones(3, n, dtype=dtype)
+    dgate, dup = silu_mul_backward(dout, gate, up)
+    for t in (out, dgate, dup):
+        assert t.dtype == dtype and t.shape == (3, n) and t.is_contiguous()
+    assert dgate.data_ptr() != dup.data_ptr()
+    (fwd, grid, args, kw), (bwd, bgrid, bargs, bkw) = launches
+    assert (fwd, grid) == ("silu_mul_fwd_kernel", (3, blocks))
+    assert (bwd, bgrid) == ("silu_mul_bwd_kernel", (3, blocks))
+    assert args[0] is gate and args[1] is up and args[2].data_ptr() == out.data_ptr()
+    assert args[3:] == (n, 2 * n, 2 * n, n)
+    assert bargs[0] is dout and bargs[3] is dgate and bargs[4] is dup
+    assert bargs[5:] == (n, n, 2 * n, 2 * n, n, n)
+    for k in (kw, bkw):
+        assert k == {
+            "BLOCK": block, "IS_BF16": dtype == torch.bfloat16,
+            "LIBDEVICE": not triton_interpreter_enabled(), "num_warps": 4,
+        }  # fmt: skip
+
+
+def test_no_rows_or_no_columns_launch_nothing(monkeypatch):
+    launches = _spy_launches(monkeypatch)
+    for m, n in ((0, 8), (3, 0)):
+        gate = torch.ones(m, n)
+        assert silu_mul_forward(gate, gate).shape == (m, n)
+        assert [t.shape for t in silu_mul_backward(gate, gate, gate)] == [(m, n), (m, n)]
+    assert launches == []
+
+
+@interpreter
+def test_operands_in_another_layout():
+    """gate and up whose last dim is not contiguous (a 2-row transposed view, stride 2), and such
+    a gradient, are copied once and give the contiguous operands' bytes."""
+    gate, up, dout = operands(2, 40, torch.float32, seed=4)
+    views = [t.t().contiguous().t().requires_grad_(i < 2) for i, t in enumerate((gate, up, dout))]
+    assert all(v.stride() == (1, 2) for v in views)
+    g_t, u_t, d_t = views
+    out_t = silu_mul(g_t, u_t)
+    out_t.backward(d_t)
+    g_c, u_c = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    out_c = silu_mul(g_c, u_c)
+    out_c.backward(dout)
+    assert_bytes_equal(out_t, out_c, "out")
+    assert_bytes_equal(g_t.grad, g_c.grad, "dgate")
+    assert_bytes_equal(u_t.grad, u_c.grad, "dup")
+
+
+@interpreter
+def test_a_vector():
+    """A 1-D gate and up are one row."""
+    gate, up, dout = operands(1, 40, torch.bfloat16, seed=5)
+    g1, u1 = gate[0].clone().requires_grad_(), up[0].clone().requires_grad_()
+    out = silu_mul(g1, u1)
+    out.backward(dout[0])
+    assert out.shape == (40,)
+    assert_bytes_equal(out, silu_mul_forward(gate, up)[0], "out")
+    dgate, dup = silu_mul_backward(dout, gate, up)
+    assert_bytes_equal(g1.grad, dgate[0], "dgate")
+    assert_bytes_equal(u1.grad, dup[0], "dup")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_reference_is_within_the_forwards_bound(dtype):
+    """The eager ops (`silu_mul_reference`, what the models run without the kernels) within the
+    bound the kernel's output keeps to float64."""
+    from mxrl.kernels.swiglu import silu_mul_reference
+
+    gate, up, dout = operands(5, 96, dtype, seed=6)
+    out64 = exact(gate, up, dout)[0]
+    rel = (1 + E) * (1 + UNIT[dtype]) ** 2 * (1 + U) - 1
+    check_within(silu_mul_reference(gate, up), out64, rel * out64.abs(), "reference")
