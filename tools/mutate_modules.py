@@ -174,7 +174,7 @@ MODULES = {
     # and the line a run prints; not the refusals' wording (check) nor the terms (memory_terms)
     "rl.memory": Module(
         ("mxrl/rl/memory.py",),
-        ("tests/rl/test_memory.py",),
+        ("tests/rl/test_memory.py", "tests/rl/test_memory_assembly.py"),
         functions=(
             "mxrl/rl/memory.py::estimate_memory",
             "mxrl/rl/memory.py::_estimate",

@@ -12,6 +12,7 @@ import torch
 
 from mxrl.kernels import moe_train as mt
 from mxrl.nn.paths.permute import ExpertLayout
+from tests.kernels.launches import spy_launches
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
@@ -206,23 +207,14 @@ def test_the_launches(monkeypatch):
     programs, the combine's backward one program a token over its whole row."""
     import mxrl.kernels.triton_moe_train as tk
 
-    launches = []
-
-    class Kernel:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, grid, kw))
-
-    for name in ("unpermute_kernel", "unpermute_backward_kernel", "permute_backward_kernel"):
-        monkeypatch.setattr(tk, name, Kernel(name))
+    names = ("unpermute_kernel", "unpermute_backward_kernel", "permute_backward_kernel")
+    launches = spy_launches(monkeypatch, tk, names)
     for hdim, blocks, row, warps in ((2500, 3, 4096, 8), (2048, 2, 2048, 4)):
         h, w, grad, inv = _case(t=3, k=2, h=hdim)
         mt.unpermute(h, w, inv)
         mt.unpermute_backward(grad, h, w, inv)
         mt.permute_backward(h, inv, 2, BF16)
-        got = {name: (grid, kw) for name, grid, kw in launches}
+        got = {name: (grid, kw) for name, grid, _, kw in launches}
         launches.clear()
         assert got["unpermute_kernel"][0] == (3, blocks)
         assert got["unpermute_kernel"][1]["BLOCK"] == 1024

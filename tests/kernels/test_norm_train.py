@@ -19,6 +19,7 @@ from mxrl.kernels.norm_train import (
     rms_norm_train_reference,
 )
 from mxrl.kernels.rowwise import rms_norm
+from tests.kernels.launches import spy_launches
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
@@ -296,18 +297,8 @@ def _spy_launches(monkeypatch) -> list:
     """The three kernels replaced by recorders of (name, grid, args, kwargs): nothing runs."""
     import mxrl.kernels.triton_norm as tn
 
-    launches = []
-
-    class Kernel:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
-
-    for name in ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "sum_partials_kernel"):
-        monkeypatch.setattr(tn, name, Kernel(name))
-    return launches
+    names = ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "sum_partials_kernel")
+    return spy_launches(monkeypatch, tn, names)
 
 
 @pytest.mark.parametrize(
@@ -336,24 +327,16 @@ def test_the_launches_by_hand(monkeypatch, h, block, warps, block_r, bwd_warps, 
     (fwd, grid, args, kw), bwd, sums = launches
     assert (fwd, grid) == ("rms_norm_fwd_kernel", (3,))
     assert args[2] is out and args[3] is rstd and args[4:7] == (h, h, h)
-    assert (kw["BLOCK"], kw["num_warps"], kw["X_BF16"], kw["OUT_BF16"]) == (
-        block,
-        warps,
-        True,
-        False,
-    )
+    want = (block, warps, True, False)
+    assert (kw["BLOCK"], kw["num_warps"], kw["X_BF16"], kw["OUT_BF16"]) == want
     name, grid, args, kw = bwd
     assert (name, grid) == ("rms_norm_bwd_kernel", (programs,))
     dx, part = args[4], args[5]
     assert dx.dtype == torch.bfloat16 and dx.shape == (3, h)
     assert part.dtype == torch.float32 and part.shape == (programs, h)
     assert args[6:9] == (3, h, block_r) and args[9:12] == (h, h, h)
-    assert (kw["BLOCK_R"], kw["BLOCK"], kw["num_warps"], kw["X_BF16"]) == (
-        block_r,
-        block,
-        bwd_warps,
-        True,
-    )
+    want = (block_r, block, bwd_warps, True)
+    assert (kw["BLOCK_R"], kw["BLOCK"], kw["num_warps"], kw["X_BF16"]) == want
     name, grid, args, kw = sums
     assert (name, grid) == ("sum_partials_kernel", (-(-h // min(block, 1024)),))
     assert args[0] is part and args[1].dtype == torch.float32 and args[1].shape == (h,)

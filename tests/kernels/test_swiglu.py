@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mxrl.kernels.swiglu import silu_mul, silu_mul_backward, silu_mul_forward
+from tests.kernels.launches import spy_launches
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
@@ -158,18 +159,7 @@ def _spy_launches(monkeypatch) -> list:
     """The two kernels replaced by recorders of (name, grid, args, kwargs): nothing runs."""
     import mxrl.kernels.triton_swiglu as ts
 
-    launches = []
-
-    class Kernel:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, grid, args, kw))
-
-    for name in ("silu_mul_fwd_kernel", "silu_mul_bwd_kernel"):
-        monkeypatch.setattr(ts, name, Kernel(name))
-    return launches
+    return spy_launches(monkeypatch, ts, ("silu_mul_fwd_kernel", "silu_mul_bwd_kernel"))
 
 
 @pytest.mark.parametrize(
