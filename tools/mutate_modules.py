@@ -355,6 +355,15 @@ MODULES = {
         ("tests/kernels/test_swiglu.py",),
         env=(("TRITON_INTERPRET", "1"),),
     ),
+    # the FP8 KV cache's numbers (quantize, dequantize, the trainer's straight-through fake
+    # quantization) and the paged attention's tiles and launcher (its checks, what it reads of
+    # an FP8 cache), under Triton's interpreter
+    "kv": Module(
+        ("mxrl/nn/kv_quant.py", "mxrl/kernels/attention.py"),
+        ("tests/engine/test_kv_fp8.py", "tests/kernels/test_attention.py",
+         "tests/kernels/test_attention_launch.py"),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
     # the trainer's MoE permutation: its references, launchers and checks, under Triton's
     # interpreter
     "kernels.moe_train": Module(
