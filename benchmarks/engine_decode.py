@@ -38,7 +38,11 @@ Per preset, the engine is built from the exported records of the same master wei
   untimed warm-up call of each kind, each repeat times generate() with N new tokens (t_N) and
   with 1 (t_1: prefill plus one sample), by wall clock between torch.cuda.synchronize() calls;
   medians over repeats. ms per decode step = (t_N - t_1) / (N - 1) (one step feeds the whole
-  batch); tokens/s = B * N / t_N (end to end); decode tokens/s = B / step time;
+  batch); tokens/s = B * N / t_N (end to end); decode tokens/s = B / step time. Beside it,
+  `decode_step_ms`: the median of the engine's own clock over the timed N-token calls' decode-only
+  steps (`GenerateStats.decode_step_s`, as benchmarks/rollout.py reports). At long prompts the
+  difference is not a decode step: on an H100 at 4064-token prompts, B = 64, it gave 6.85 ms
+  where the decode-only steps took 2.6-3.2 ms (docs/benchmarks.md, "Decode at 4k contexts");
 - contract weight bytes one decode step must read (dense weights without the embedding, plus,
   per MoE layer, the experts the batch routed to at that step, from the completions' routing
   record) per second, against `dst.copy_(x)` bandwidth measured in this run (CUDA);
@@ -59,6 +63,7 @@ import argparse
 import dataclasses
 import gc
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -198,13 +203,15 @@ def bench_batch(engine: Engine, prompts: list[list[int]], args) -> tuple[dict, l
     n = args.new_tokens
     _, first = timed_generate(engine, prompts, n)  # warm-up (allocator, autotuning, caches)
     timed_generate(engine, prompts, 1)  # and of the prefill-only call (its cache shapes)
-    t_n, t_1, runs = [], [], [first]
+    t_n, t_1, runs, steps_s = [], [], [first], []
     for _ in range(args.repeats):
         t, outs = timed_generate(engine, prompts, n)
         t_n.append(t)
+        steps_s += engine.stats.decode_step_s  # the decode-only steps, by the engine's clock
         runs.append(outs)
         t_1.append(timed_generate(engine, prompts, 1)[0])
     timing = decode_timing(t_n, t_1, len(prompts), n)
+    timing["decode_step_ms"] = statistics.median(steps_s) * 1e3 if steps_s else None
     b, step_ms = timing["batch"], timing["ms_per_step"]
     tokens = [[o.tokens for o in outs] for outs in runs]
     same_logprobs = all(
@@ -306,6 +313,7 @@ DECODE_COLUMNS = [
     ("preset", "preset", "s"),
     ("batch", "B", "d"),
     ("ms_per_step", "ms/step", ".2f"),
+    ("decode_step_ms", "engine step ms", ".2f"),
     ("decode_tokens_per_s", "decode tok/s", ".1f"),
     ("tokens_per_s", "tok/s (e2e)", ".1f"),
     ("speedup_vs_bf16", "x bf16", ".2f"),

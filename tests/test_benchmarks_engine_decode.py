@@ -49,6 +49,7 @@ def test_tiny_cpu_run_writes_every_preset(engine_decode, tmp_path):
     for r in section["rows"]:
         assert r["tokens_per_s"] > 0 and r["total_s"] > 0
         assert r["ms_per_step"] is None or r["ms_per_step"] > 0  # None: CPU timing noise
+        assert r["decode_step_ms"] > 0  # 3 new tokens: 2 decode-only steps a call
         assert r["step_weight_bytes"] > 0
         assert r["deterministic"] is True and r["logprobs_identical"] is True
     assert section["settings"]["new_tokens"] == 3 and section["settings"]["batches"] == BATCHES
