@@ -7,6 +7,8 @@ one is), one layer:
 - the engine's kernel (`mxrl.kernels.triton_attention`: one program per query tile and KV head,
   walking the request's blocks in order), at its launch and with other warps and pipeline
   stages, which keep its bytes (each row says so);
+- the engine's `attention_split` (mxrl/kernels/triton_attention_split.py: the keys cut at
+  fixed positions, one program per split walking one block at a time, merged in order);
 - a split-KV prototype: the keys cut at fixed positions (`--split` keys), one program per
   (tile, KV head, split) walking STEP cache blocks at a time, the partial softmaxes combined in
   split order by a second kernel. Batch-invariant (a row's splits depend on its own position
@@ -186,6 +188,14 @@ def engine_kernel(q, kc, vc, bt, tiles, scale, warps=4, stages=None):
     return out
 
 
+def engine_split(q, kc, vc, bt, tiles, scale, split_keys):
+    """The engine's `attention_split` (mxrl/kernels/triton_attention_split.py)."""
+    from mxrl.kernels.attention import paged_attention
+
+    return paged_attention(q, kc, vc, bt, tiles, scale, split_keys=split_keys,
+                           max_keys=bt.shape[1] * BS)  # fmt: skip
+
+
 def timed_s(fn, device: torch.device, reps: int = 20) -> float:
     fn()
     if device.type != "cuda":
@@ -215,13 +225,15 @@ def copy_gbps(device: torch.device) -> float | None:
 def variants(device: torch.device) -> list[tuple[str, dict]]:
     """(name, settings): the engine's kernel first, then its launch variants, then splits."""
     if device.type != "cuda":  # the interpreter: the logic only
-        return [("engine", {}), ("split 32 step 2", dict(split=32, step=2))]
+        return [("engine", {}), ("split 32 step 2", dict(split=32, step=2)),
+                ("engine attention_split 32", dict(engine_split=32))]  # fmt: skip
     rows = [("engine (4 warps)", {})]
     rows += [(f"engine {w} warps {s} stages", dict(warps=w, stages=s))
              for w, s in ((4, 1), (4, 2), (4, 4), (8, 3), (2, 3))]  # fmt: skip
     rows += [(f"split {sk} step {st} {w} warps", dict(split=sk, step=st, warps=w))
              for sk, st, w in ((512, 1, 4), (512, 4, 4), (1024, 4, 4), (256, 4, 4), (512, 8, 4),
                                (512, 4, 8), (1024, 8, 8))]  # fmt: skip
+    rows += [(f"engine attention_split {sk}", dict(engine_split=sk)) for sk in (256, 512, 1024)]
     return rows
 
 
@@ -247,7 +259,9 @@ def run(context: int, batches: list[int], device: torch.device) -> list[dict]:
         ref = engine_kernel(q, kc, vc, bt, tiles, scale)
         for label, cfg in variants(device):
             ops = (q, kc, vc, bt, tiles, scale)
-            if "split" in cfg:
+            if "engine_split" in cfg:
+                fn = lambda cfg=cfg, ops=ops: engine_split(*ops, cfg["engine_split"])  # noqa: E731
+            elif "split" in cfg:
                 fn = lambda cfg=cfg, ops=ops: split_attention(  # noqa: E731
                     *ops, cfg["split"], cfg["step"], cfg.get("warps", 4)
                 )

@@ -69,6 +69,11 @@ class EngineConfig:
       are read (`Scheduler.schedule_ahead`); its rows whose request stopped are dropped. The
       same bytes as one step at a time (docs/engine.md). None: on CUDA, where the device runs
       ahead of the host (on the CPU a step is done when its kernels return: nothing to overlap).
+    attention_split: keys per split of the Triton paged attention; 0 (the default): one pass
+      over each request's keys. A positive multiple of the cache's block size splits them at
+      fixed positions, a program per split, merged in order: more programs at long contexts
+      and few requests (docs/engine.md, "Attention"), batch-invariant, but not the one-pass
+      bytes (another summation order), so a run that needs them keeps 0.
 
     A config whose device is known is resolved for it: `backend` holds the `Kernels` record,
     `tile` and `overlap` their values on that device. Build another config for another device:
@@ -84,6 +89,7 @@ class EngineConfig:
     batch_invariant: bool = True
     cuda_graphs: bool = True
     overlap: bool | None = None
+    attention_split: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -105,6 +111,12 @@ class EngineConfig:
             )
         if self.tile is not None and self.tile < 1:
             raise ValueError(f"tile must be >= 1, got {self.tile}")
+        split, bs = self.attention_split, self.cache.block_size
+        if type(split) is not int or split < 0 or split % bs:
+            raise ValueError(
+                f"attention_split must be 0 (one pass) or a positive multiple of the KV block "
+                f"size {bs} (e.g. {32 * bs}), got {split!r}"
+            )
         if self.device is None:
             return  # resolved when the engine knows its device
         device = torch.device(self.device)

@@ -197,6 +197,7 @@ class Engine(WeightLoading, GraphCapture):
                 self.config, self.cache_options, self.device, self.compute_dtype, scratch,
                 fp8=self.plan.kv_cache is KVCacheFormat.FP8, backend=self.kernels,
             )  # fmt: skip
+            self._kv.split_keys = self.options.attention_split
         if self._blocks is None:
             num_blocks = self._kv.k[0].shape[0] - scratch
             self._blocks = BlockManager(num_blocks, self.cache_options.block_size)

@@ -76,6 +76,9 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         v_shape = (*shape[:3], head_dim if v_head_dim is None else v_head_dim)
         self.block_size, self.dtype, self.fp8, self.backend = block_size, dtype, fp8, backend
+        # keys per split of the Triton attention over this cache (the engine's attention_split;
+        # 0: one pass): the kernel's step and graph launches read it here
+        self.split_keys = 0
         held = KV_CODE_DTYPE if fp8 else dtype
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -238,7 +241,10 @@ class PagedAttention:
             q = q_NTD.transpose(0, 1).to(cache.dtype)  # [T, N, D]
             kc, vc = cache.k[layer_idx], cache.v[layer_idx]
             scales = (cache.k_scale[layer_idx], cache.v_scale[layer_idx]) if cache.fp8 else None
-            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, scale, scales)
+            # the most keys a request reads: what its block table can hold (a graph's width)
+            max_keys = self.block_tables.shape[1] * cache.block_size
+            o = paged_attention(q, kc, vc, self.block_tables, self.tiles, scale, scales,
+                                split_keys=cache.split_keys, max_keys=max_keys)  # fmt: skip
             return o.transpose(0, 1).to(q_NTD.dtype)
         tiles = [
             (start + t0, min(QUERY_TILE, n - t0), kv_len - n + t0, table)

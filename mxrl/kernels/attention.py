@@ -66,6 +66,9 @@ def paged_attention(
     tiles: AttentionTiles,
     scale: float,
     fp8_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    split_keys: int = 0,
+    max_keys: int = 0,
 ) -> torch.Tensor:
     """Causal attention of every new token over its request's cached keys (already written).
 
@@ -73,7 +76,10 @@ def paged_attention(
     head dims any width >= 16, DV = DK but for MLA); block_tables int32 [R, max_blocks]; q
     [T, N, DK] in the cache's dtype. fp8_scales: an FP8 cache (k_cache and v_cache uint8 E4M3
     codes) and its (key, value) scales, fp32 [num_blocks, B, K], contiguous; q is then in the
-    dtype the cache is read as. Returns [T, N, DV]."""
+    dtype the cache is read as. split_keys: 0, the one-pass kernel; else the keys split every
+    `split_keys` positions (a multiple of B; mxrl/kernels/triton_attention_split.py: other
+    bytes, batch-invariant), `max_keys` the most keys a request of the step holds (it sizes
+    the splits' scratch). Returns [T, N, DV]."""
     import triton
 
     from mxrl.kernels.triton_attention import paged_attention_kernel
@@ -111,6 +117,12 @@ def paged_attention(
     q = q_TND.contiguous()
     out = q.new_empty((q.shape[0], heads, dv))
     if tiles.num_tiles == 0:
+        return out
+    if split_keys:
+        from mxrl.kernels.attention_split import split_attention
+
+        split_attention(q, k_cache, v_cache, k_scale, v_scale, out, block_tables, tiles, scale,
+                        fp8_scales is not None, split_keys, max_keys)  # fmt: skip
         return out
     paged_attention_kernel[(tiles.num_tiles, heads_kv)](
         q, k_cache, v_cache, k_scale, v_scale, out, block_tables,

@@ -108,14 +108,14 @@ def paged_attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
         k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + dk[None, :]
         v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + dv[None, :]
-        k_raw = _load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
-        v_raw = _load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
+        k_raw = load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
+        v_raw = load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
         if FP8:
             s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
             k_sf = tl.load(k_scale_ptr + s_off)
             v_sf = tl.load(v_scale_ptr + s_off)
-            k = (_e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
-            v = (_e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
+            k = (e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
+            v = (e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
         else:
             k = k_raw
             v = v_raw
@@ -146,7 +146,7 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def _load_cols(ptrs, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def load_cols(ptrs, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """A cache block's rows: every column when the head dim is a power of two (the unmasked
     load the kernel always made), else its WIDTH columns and zeros up to BLOCK (an FP8 code 0
     decodes to +0: the padding is exact zeros either way)."""
@@ -156,7 +156,7 @@ def _load_cols(ptrs, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_values(codes, HW: tl.constexpr):
+def e4m3_values(codes, HW: tl.constexpr):
     """uint8 E4M3 codes -> their exact fp32 values. On a GPU the hardware conversion (sm_89+:
     one cvt per pair of bytes; every E4M3 value, subnormals included, is exact in fp16 and
     fp32); under the interpreter the integer decode of `triton_codecs` (the same values: its

@@ -134,6 +134,18 @@ _SPIKE_WINDOW = integer(10, " (the spike detector's 10 steps of history)")
 _BACKEND = choice(*BACKENDS, why=" (null: by device)")
 _ACTION, _DTYPE = choice(*SpikeAction), choice(*ComputeDtype)
 _EVERY = integer(0, " (0: never)")
+_WHOLE = integer(0)
+
+
+def _attention_split(path: str, value: Any) -> int:
+    """0, or a positive multiple of the engine's KV block (16 tokens): rl.engine_attention_split."""
+    value = _WHOLE(path, value)
+    if value % 16:
+        raise ValueError(
+            f"{path}: must be 0 (one pass) or a multiple of the KV block size 16 (e.g. 512), "
+            f"got {value}"
+        )
+    return value
 
 
 def _hold(path: str, value: Any) -> bool | str:
@@ -180,6 +192,9 @@ class GRPOConfig:
     sqnr_expert_stride: int = field(default=16, metadata=rule(APPLY, integer(1)))
     eval_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
     engine_tile: int = field(default=32, metadata=rule(APPLY, integer(1)))
+    # keys per split of the engine's Triton paged attention (0: one pass; docs/engine.md,
+    # "Attention"): batch-invariant, faster at long contexts, not the one-pass bytes
+    engine_attention_split: int = field(default=0, metadata=rule(APPLY, _attention_split))
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
     # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
     compute_dtype: ComputeDtype = field(default=ComputeDtype.AUTO, metadata=rule(APPLY, _DTYPE))

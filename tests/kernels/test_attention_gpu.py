@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mxrl.engine.kv_cache import KVCache, PagedAttention
-from mxrl.kernels.triton_attention import _e4m3_values
+from mxrl.kernels.triton_attention import e4m3_values
 from mxrl.nn.kv_quant import dequantize_kv
 from tests.numerics import assert_bytes_equal
 
@@ -100,11 +100,11 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _decode_rows(codes_ptr, scales_ptr, out_ptr, D: tl.constexpr):
-    """One program a row: the kernel's own decode (`_e4m3_values` with the hardware
+    """One program a row: the kernel's own decode (`e4m3_values` with the hardware
     conversion), times the row's scale, cast to the output's dtype, as the attention loads it."""
     row = tl.program_id(0)
     d = tl.arange(0, D)
-    values = _e4m3_values(tl.load(codes_ptr + row * D + d), True)
+    values = e4m3_values(tl.load(codes_ptr + row * D + d), True)
     scaled = values * tl.load(scales_ptr + row)
     tl.store(out_ptr + row * D + d, scaled.to(out_ptr.dtype.element_ty))
 

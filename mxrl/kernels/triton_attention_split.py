@@ -1,0 +1,185 @@
+"""Paged attention with the keys split at fixed positions (the engine's `attention_split`): more
+programs at long contexts and few requests, where the one-pass kernel (triton_attention.py)
+runs one program per query tile and KV head down 256 dependent block loads at 4k keys.
+
+Legend as in triton_attention.py; S = SPLIT cache blocks a split (SPLIT * B keys).
+
+Work split: one program per (query tile, KV head, split); split s walks the request's blocks
+[s * S, (s + 1) * S) in order with the online softmax, exactly as the one-pass kernel walks all
+of them, and stores its running state (acc, m, l) in fp32. `combine_splits_kernel` merges a
+tile's splits in split order from the first and normalises: m = max(m, m_s), acc = acc
+e^(m - m_new) + acc_s e^(m_s - m_new), likewise l.
+
+Why a row's bytes still depend on nothing but its query and its request's keys up to its
+position (batch and chunk invariance, prefill and decode alike):
+- where the splits fall is fixed by key positions, not by the batch or the tile: a row at
+  position p has the splits 0 .. p // (S * B), each computed as the one-pass kernel computes
+  its blocks (fixed shapes, fixed order, keys past the row masked to exact zeros);
+- a tile holding rows at other positions may have one split more than a row needs: that row
+  has no key there, its state stays m = -inf, l = 0, acc = 0, and the merge adds e^-inf = 0
+  times it and multiplies by e^0 = 1: exact no-ops. Split 0 holds position 0, so m is finite
+  from the first merge on.
+The bytes are not the one-pass kernel's (another summation order); a recipe run that needs them
+keeps the engine's default, `attention_split: 0`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mxrl.kernels.triton_attention import e4m3_values, load_cols
+
+
+@triton.jit
+def paged_attention_split_kernel(
+    q_ptr,  # [T, N, DK]
+    k_cache_ptr,  # [num_blocks, B, K, DK] (FP8: uint8 E4M3 codes)
+    v_cache_ptr,  # [num_blocks, B, K, DV]
+    k_scale_ptr,  # FP8: fp32 [num_blocks, B, K], contiguous (else unused)
+    v_scale_ptr,
+    part_ptr,  # fp32 [tiles, K, SPLITS, BLOCK_M, BLOCK_DV + 2]: acc, then m and l
+    block_tables_ptr,  # int32 [R, max_blocks]
+    tile_token_ptr,  # int32 [tiles]: index in T of the tile's first token
+    tile_rows_ptr,  # int32 [tiles]: tokens in the tile (<= QT)
+    tile_pos_ptr,  # int32 [tiles]: position of the tile's first token in its request
+    tile_req_ptr,  # int32 [tiles]: the request (row of block_tables)
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    scale,
+    SPLITS,  # splits a (tile, KV head) has room for in part_ptr (the grid's third dim)
+    G: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8: tl.constexpr,
+    HEADS_KV: tl.constexpr,
+    HW: tl.constexpr,
+    SPLIT: tl.constexpr,  # cache blocks a split holds
+):
+    tile = tl.program_id(0)
+    head_kv = tl.program_id(1)
+    split = tl.program_id(2)
+    t0 = tl.load(tile_token_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    req = tl.load(tile_req_ptr + tile)
+
+    m_idx = tl.arange(0, BLOCK_M)
+    qi = m_idx // G  # token of the tile
+    head = head_kv * G + m_idx % G  # query head
+    valid = qi < rows
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q_off = (t0 + qi)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + dk[None, :]
+    q = tl.load(q_ptr + q_off, mask=valid[:, None] & (dk < DK)[None, :], other=0.0)
+    q_pos = pos0 + qi
+
+    n_idx = tl.arange(0, BLOCK_N)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    first = split * SPLIT
+    end = tl.minimum((pos0 + rows - 1) // BLOCK_N + 1, first + SPLIT)
+    for b in range(first, end):
+        block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
+        k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + dk[None, :]
+        v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + dv[None, :]
+        k_raw = load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
+        v_raw = load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
+        if FP8:
+            s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
+            k_sf = tl.load(k_scale_ptr + s_off)
+            v_sf = tl.load(v_scale_ptr + s_off)
+            k = (e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
+            v = (e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
+        else:
+            k = k_raw
+            v = v_raw
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        k_pos = b * BLOCK_N + n_idx
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row with no key in this split so far: its state stays zeros (no -inf - -inf)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    w: tl.constexpr = BLOCK_DV + 2
+    base = ((tile * HEADS_KV + head_kv) * SPLITS + split).to(tl.int64) * BLOCK_M * w
+    tl.store(part_ptr + base + m_idx[:, None] * w + dv[None, :], acc)
+    tl.store(part_ptr + base + m_idx * w + BLOCK_DV, m_i)
+    tl.store(part_ptr + base + m_idx * w + BLOCK_DV + 1, l_i)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_ptr,  # fp32 [tiles, K, SPLITS, BLOCK_M, BLOCK_DV + 2]
+    o_ptr,  # [T, N, DV]
+    tile_token_ptr,
+    tile_rows_ptr,
+    tile_pos_ptr,
+    stride_ot,
+    stride_oh,
+    SPLITS,
+    G: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEADS_KV: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """One program per (query tile, KV head): the tile's splits merged in order (module
+    docstring), normalised and stored."""
+    tile = tl.program_id(0)
+    head_kv = tl.program_id(1)
+    t0 = tl.load(tile_token_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    splits = ((pos0 + rows - 1) // BLOCK_N) // SPLIT + 1
+    w: tl.constexpr = BLOCK_DV + 2
+    m_idx = tl.arange(0, BLOCK_M)
+    dv = tl.arange(0, BLOCK_DV)
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    for s in range(0, splits):
+        base = ((tile * HEADS_KV + head_kv) * SPLITS + s).to(tl.int64) * BLOCK_M * w
+        acc_s = tl.load(part_ptr + base + m_idx[:, None] * w + dv[None, :])
+        m_s = tl.load(part_ptr + base + m_idx * w + BLOCK_DV)
+        l_s = tl.load(part_ptr + base + m_idx * w + BLOCK_DV + 1)
+        m_new = tl.maximum(m, m_s)  # finite from split 0 on (it holds position 0)
+        a = tl.exp(m - m_new)
+        b = tl.exp(m_s - m_new)
+        l_sum = l_sum * a + l_s * b
+        acc = acc * a[:, None] + acc_s * b[:, None]
+        m = m_new
+    out = acc / l_sum[:, None]
+    qi = m_idx // G
+    head = head_kv * G + m_idx % G
+    valid = qi < rows
+    o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dv[None, :]
+    o_mask = valid[:, None] & (dv < DV)[None, :]
+    tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
