@@ -356,12 +356,21 @@ MODULES = {
         env=(("TRITON_INTERPRET", "1"),),
     ),
     # the FP8 KV cache's numbers (quantize, dequantize, the trainer's straight-through fake
-    # quantization) and the paged attention's tiles and launcher (its checks, what it reads of
-    # an FP8 cache), under Triton's interpreter
+    # quantization) and the paged attention's tiles and launchers (its checks, what it reads of
+    # an FP8 cache, the split-keys launcher), under Triton's interpreter
+    # the engine's paged KV cache (sizing, allocation, the FP8 writes and reads) and its
+    # reference attention, under Triton's interpreter (the kernel path of PagedAttention)
+    "engine.kv_cache": Module(
+        ("mxrl/engine/kv_cache.py",),
+        ("tests/engine/test_kv_cache.py", "tests/engine/test_kv_fp8.py",
+         "tests/kernels/test_attention.py", "tests/kernels/test_attention_launch.py",
+         "tests/engine/test_config.py"),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
     "kv": Module(
-        ("mxrl/nn/kv_quant.py", "mxrl/kernels/attention.py"),
+        ("mxrl/nn/kv_quant.py", "mxrl/kernels/attention.py", "mxrl/kernels/attention_split.py"),
         ("tests/engine/test_kv_fp8.py", "tests/kernels/test_attention.py",
-         "tests/kernels/test_attention_launch.py"),
+         "tests/kernels/test_attention_launch.py", "tests/kernels/test_attention_split.py"),
         env=(("TRITON_INTERPRET", "1"),),
     ),
     # the trainer's MoE permutation: its references, launchers and checks, under Triton's

@@ -266,7 +266,7 @@ def _attend(
     [N, T, D]. Tiles go in batches (bounded memory); within one, tiles are padded to QT rows and
     to the batch's number of key blocks (padding blocks are masked: exact zeros, module
     docstring), so each score and value GEMM is one `[G*QT, D] x [D, B]` / `[G*QT, B] x [B, D]`
-    matrix of a batched matmul."""
+    matrix of a batched matmul; the weighted values are summed block by block in q's dtype."""
     heads, num_tokens, d = q_NTD.shape
     _, bs, heads_kv, _ = cache.k[layer].shape
     dv = cache.v[layer].shape[-1]

@@ -126,7 +126,7 @@ def paged_attention_split_kernel(
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    w: tl.constexpr = BLOCK_DV + 2
+    w = BLOCK_DV + 2  # acc, m, l per row
     base = ((tile * HEADS_KV + head_kv) * SPLITS + split).to(tl.int64) * BLOCK_M * w
     tl.store(part_ptr + base + m_idx[:, None] * w + dv[None, :], acc)
     tl.store(part_ptr + base + m_idx * w + BLOCK_DV, m_i)
@@ -159,7 +159,7 @@ def combine_splits_kernel(
     rows = tl.load(tile_rows_ptr + tile)
     pos0 = tl.load(tile_pos_ptr + tile)
     splits = ((pos0 + rows - 1) // BLOCK_N) // SPLIT + 1
-    w: tl.constexpr = BLOCK_DV + 2
+    w = BLOCK_DV + 2  # acc, m, l per row
     m_idx = tl.arange(0, BLOCK_M)
     dv = tl.arange(0, BLOCK_DV)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)

@@ -10,10 +10,12 @@ import torch
 
 import mxrl.kernels.triton_attention as ta
 import mxrl.nn.kv_quant as kv_quant
+from mxrl.engine.kv_cache import KVCache, PagedAttention
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels.attention import attention_tiles, block_m, paged_attention
 from tests.kernels.launches import spy_launches
+from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
 BS = 16
@@ -167,3 +169,100 @@ def test_the_quantizer_backend_by_head_dim(monkeypatch, d, chosen):
     want_backend = given if chosen == "given" else Backend.REFERENCE
     assert calls == [((6, d), Format.FP8_BLOCK, dict(block=(1, d), backend=want_backend))]
     assert codes.shape == (3, 2, d) and scales.shape == (3, 2)
+
+
+@interpreter
+def test_the_kernel_path_converts_queries_and_outputs():
+    """bf16 queries over an fp32 cache on the kernel's path: q cast to the cache's dtype (the
+    kernel refuses another), the output cast back to q's, close to the reference's."""
+    cache = KVCache(1, 3, BS, 2, 16, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    q = torch.randn(2, 5, 16, generator=g).bfloat16()
+    slots, zeros = torch.full((5,), 2 * BS), torch.zeros(2, 5, 16, dtype=torch.bfloat16)
+    out = {}
+    for kernel in (True, False):
+        att = PagedAttention(cache, slots, [(0, 5, 5, [0])], kernel=kernel)
+        out[kernel] = att(0, q, zeros, zeros)
+    assert out[True].dtype == out[False].dtype == torch.bfloat16
+    torch.testing.assert_close(out[True], out[False], rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize(("scratch", "chunks"), [(64 << 20, [(0, 2)]), (17408, [(0, 2)]),
+                                                 (17407, [(0, 1), (1, 2)]),
+                                                 (8704, [(0, 1), (1, 2)]),
+                                                 (15360, [(0, 1), (1, 2)]),
+                                                 (1, [(0, 1), (1, 2)])])  # fmt: skip
+def test_the_split_launches_by_hand(monkeypatch, scratch, chunks):
+    """split_keys 32 over 16-token blocks: 2 blocks a split; 64 keys at most: 2 splits. Per
+    tile 2 KV heads x 2 splits x 16 rows x (32 + 2) fp32 = 8,704 bytes of scratch, so chunks of
+    SCRATCH_BYTES // 8704 tiles (at least one): the split kernel's grid (tiles, K, splits),
+    then the combine's (tiles, K), each on its chunk's tiles and one shared scratch."""
+    import mxrl.kernels.attention_split as attention_split
+    import mxrl.kernels.triton_attention_split as tas
+
+    monkeypatch.setattr(attention_split, "SCRATCH_BYTES", scratch)
+    launches = spy_launches(monkeypatch, tas, ("paged_attention_split_kernel",
+                                               "combine_splits_kernel"))  # fmt: skip
+    q, k, v, tables = _operands(torch.float32, d=24, dv=20)
+    tiles = attention_tiles([(0, 3, 3), (3, 2, 40)], 4, "cpu")
+    out = paged_attention(q, k, v, tables, tiles, 0.5, split_keys=32, max_keys=64)
+    assert [(name, grid) for name, grid, _, _ in launches] == [
+        x for a, b in chunks
+        for x in (("paged_attention_split_kernel", (b - a, 2, 2)), ("combine_splits_kernel", (b - a, 2)))
+    ]  # fmt: skip
+    common = dict(G=4, BLOCK_DV=32, BLOCK_M=16, BLOCK_N=BS, HEADS_KV=2, SPLIT=2)
+    part = launches[0][2][5]
+    assert part.dtype == torch.float32 and part.shape == (chunks[0][1], 2, 2, 16, 34)
+    for i, (a, b) in enumerate(chunks):
+        (_, _, split_args, split_kw), (_, _, comb_args, comb_kw) = launches[2 * i : 2 * i + 2]
+        assert split_args[:7] == (q, k, v, k, k, part, tables)
+        for got, field in zip(split_args[7:11], ("token", "rows", "pos", "req"), strict=True):
+            assert torch.equal(got, getattr(tiles, field)[a:b]), field
+        assert split_args[11:] == (8 * 24, 24, BS * 2 * 24, 2 * 24, 24, BS * 2 * 20, 2 * 20,
+                                   20, 4, 0.5, 2)  # fmt: skip
+        assert split_kw == dict(DK=24, DV=20, BLOCK_DK=32, IEEE=True, FP8=False, HW=False,
+                                num_warps=4, **common)  # fmt: skip
+        assert comb_args[0] is part and comb_args[1] is out
+        for got, field in zip(comb_args[2:5], ("token", "rows", "pos"), strict=True):
+            assert torch.equal(got, getattr(tiles, field)[a:b]), field
+        assert comb_args[5:] == (8 * 20, 20, 2)
+        assert comb_kw == dict(DV=20, num_warps=4, **common)
+
+
+def test_the_split_launch_of_bf16_operands_and_an_fp8_cache(monkeypatch):
+    import mxrl.kernels.triton_attention_split as tas
+
+    launches = spy_launches(monkeypatch, tas, ("paged_attention_split_kernel",
+                                               "combine_splits_kernel"))  # fmt: skip
+    q, k, v, tables = _operands(torch.bfloat16)
+    tiles = attention_tiles([(0, 5, 5)], 4, "cpu")
+    paged_attention(q, k, v, tables, tiles, 1.0, split_keys=16, max_keys=5)
+    assert launches[0][1] == (2, 2, 1) and launches[0][3]["IEEE"] is False
+    q8 = torch.zeros(5, 8, 32, dtype=torch.float32)
+    scales = (torch.ones(k.shape[:-1]), torch.ones(k.shape[:-1]))
+    launches.clear()
+    paged_attention(q8, k.to(torch.uint8), v.to(torch.uint8), tables, tiles, 1.0, scales,
+                    split_keys=48, max_keys=49)  # fmt: skip
+    (_, grid, args, kw), _ = launches
+    assert grid == (2, 2, 2) and kw["FP8"] is True and kw["SPLIT"] == 3
+    assert args[3] is scales[0] and args[4] is scales[1]
+
+
+def test_the_splits_scratch_is_fp32_on_qs_device(monkeypatch):
+    """The running states are fp32 whatever the default dtype, on q's device (here `meta`:
+    nothing runs)."""
+    import mxrl.kernels.triton_attention_split as tas
+
+    launches = spy_launches(monkeypatch, tas, ("paged_attention_split_kernel",
+                                               "combine_splits_kernel"))  # fmt: skip
+    q, k, v, tables = (t.to("meta") for t in _operands(torch.bfloat16))
+    tiles = attention_tiles([(0, 5, 5)], 4, "meta")
+    torch.set_default_dtype(torch.float64)
+    try:
+        paged_attention(q, k, v, tables, tiles, 1.0, split_keys=16, max_keys=5)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    part = launches[0][2][5]
+    assert part.dtype == torch.float32 and part.device.type == "meta"

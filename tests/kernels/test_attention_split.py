@@ -143,6 +143,8 @@ def test_split_keys_the_kernel_does_not_take_are_refused():
         with pytest.raises(ValueError, match="split_keys must be a positive multiple"):
             paged_attention(q, cache.k[0], cache.v[0], tables, tiles, 1.0,
                             split_keys=split_keys, max_keys=max_keys)  # fmt: skip
+    with pytest.raises(ValueError, match="and max_keys >= 1, got 16 and 0"):  # max_keys unsaid
+        paged_attention(q, cache.k[0], cache.v[0], tables, tiles, 1.0, split_keys=16)
 
 
 def _cuda_cache(dtype, fp8=False):
