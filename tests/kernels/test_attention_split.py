@@ -11,6 +11,7 @@ import torch
 import mxrl.kernels.attention_split as attention_split
 from mxrl.engine.kv_cache import KVCache, PagedAttention
 from mxrl.kernels.attention import attention_tiles, paged_attention
+from tests.kernels.test_attention import _mla_cache
 from tests.kernels.test_decode_gemm import interpreter
 from tests.numerics import assert_bytes_equal
 
@@ -20,12 +21,7 @@ REQUESTS = [(0, 37, 37, [0, 1, 2]), (37, 1, 21, [3, 4]), (38, 5, 45, [5, 6, 7])]
 
 
 def _cache(dk=16, dv=16, fp8=False, seed=0):
-    cache = KVCache(1, 12, BS, KV_HEADS, dk, torch.float32, torch.device("cpu"), dv, fp8=fp8)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(KV_HEADS, 12 * BS, dk, generator=g) * 2
-    v = torch.randn(KV_HEADS, 12 * BS, dv, generator=g)
-    cache.write(0, torch.arange(12 * BS), k, v)
-    return cache
+    return _mla_cache(dk, dv, fp8, seed)  # keys x2, values as drawn: test_attention.py's
 
 
 def _attend(cache, requests, q_NTD, group, split_keys=0):
