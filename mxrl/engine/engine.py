@@ -271,7 +271,7 @@ class Engine(WeightLoading, GraphCapture):
                 tokens, lps = pending.read()  # one sync a step
                 now = time.perf_counter()
                 if all(s.num_tokens == 1 for s in pending.batch):  # the step is done
-                    stats.decode_step_s.append(now - max(pending.started, last_read))
+                    stats.decode(pending.batch, now - max(pending.started, last_read))
                 last_read = now
                 self._advance(pending, tokens, lps, scheduler, blocks)
                 pending = launched

@@ -68,7 +68,7 @@ class GenerateStats:
     """What the last `generate` did: steps (of which replayed as CUDA graphs), the most KV
     blocks held at once and the tokens the step's sequences held then (their ratio is the
     paging overhead; prefix sharing can take it below one block per block_size tokens), and the
-    wall time of every decode step."""
+    wall time, sequences and keys read of every decode step."""
 
     steps: int = 0
     graph_steps: int = 0
@@ -80,6 +80,10 @@ class GenerateStats:
     # wall time of every decode-only step: from its scheduling, or from the read of the step
     # before when it was queued ahead (overlapped decoding), to its sampled tokens on the host
     decode_step_s: list[float] = field(default_factory=list)
+    # of each of those steps: the sequences it decoded, and the keys its attention read per
+    # layer (every sequence's cached tokens and its own)
+    decode_step_rows: list[int] = field(default_factory=list)
+    decode_step_keys: list[int] = field(default_factory=list)
 
     def observe(self, batch, blocks: BlockManager) -> None:
         self.steps += 1
@@ -88,6 +92,12 @@ class GenerateStats:
         if used > self.peak_kv_blocks:
             self.peak_kv_blocks = used
             self.peak_kv_tokens = sum(s.start + s.num_tokens for s in batch)
+
+    def decode(self, batch, seconds: float) -> None:
+        """One decode-only step done (every sequence fed one token) in `seconds`."""
+        self.decode_step_s.append(seconds)
+        self.decode_step_rows.append(len(batch))
+        self.decode_step_keys.append(sum(s.start + 1 for s in batch))
 
 
 def per_request(params, n: int) -> list[SamplingParams]:
