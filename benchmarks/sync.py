@@ -16,7 +16,9 @@ scheduled (`mxrl.sync.broadcast`); the same syncs from a fresh sender, which goe
 bucket, are timed too (`sync_s_per_bucket`), in the same run.
 
 Per preset: seconds per sync (with the per-layer SQNR off, and on as the loop runs it), GB/s of
-engine bytes (every record's data, scales and global scales), the ratio to the copy bandwidth
+engine bytes (every record's data, scales and global scales), in-process the byte floor (the
+masters read twice, the engine bytes written, checksummed twice and copied in: `byte_floor`,
+2 M + 5 E bytes at the copy bandwidth) and the sync's time over it, the ratio to the copy bandwidth
 (in-process: a device-to-device `copy_` counting bytes read + written; --nccl: a peer copy
 cuda:0 -> cuda:1, and a raw NCCL broadcast and send/recv of the same size), the peak memory the
 sync allocates beyond what trainer and engine hold, and the share of each stage, each timed
@@ -218,6 +220,17 @@ def row_common(preset, engine, seconds, seconds_sqnr, stages, transfer_s, peak, 
     }
 
 
+def byte_floor(master_bytes: int, engine_bytes: int, copy_gbps: float) -> dict:
+    """The in-process sync's byte floor: the masters read twice (the NaN/Inf check, or NVFP4's
+    global amax, which is that check; then the quantizer or the bf16 cast), the engine bytes
+    written once by the quantizer, read by the two checksums (sent, verified) and copied into
+    the engine's buffers (read + write): 2 M + 5 E bytes at the copy bandwidth (bytes read +
+    written per second), SQNR off."""
+    traffic = 2 * master_bytes + 5 * engine_bytes
+    floor_s = traffic / (copy_gbps * 1e9)
+    return {"floor_bytes": traffic, "floor_s": floor_s, "floor_gbps": engine_bytes / floor_s / 1e9}
+
+
 def print_row(r: dict) -> None:
     s = r["share"]
     peak = r["peak_extra_bytes"]
@@ -228,6 +241,11 @@ def print_row(r: dict) -> None:
         f"{s['quantize']:.0%} checksum {s['checksum']:.0%} transfer {s['transfer']:.0%} load "
         f"{s['load']:.0%}; peak extra {'-' if peak is None else f'{peak / 2**20:.0f} MiB'}; "
         f"48 layers {r['sync_s_48_layers']:.2f} s"
+        + (
+            f"; byte floor {r['floor_s'] * 1e3:.1f} ms ({r['floor_gbps']:.0f} GB/s)"
+            if "floor_s" in r
+            else ""
+        )
     )
 
 
@@ -272,6 +290,9 @@ def in_process(args, device: torch.device) -> dict:
             profile_call(lambda o=once, s=sample: o(s), device, f"sync {preset}")
         row["sync_with_sampled_sqnr_s"] = seconds_sampled
         row["sampled_sqnr_share"] = 1.0 - seconds / seconds_sampled
+        masters = sum(p.numel() * p.element_size() for p in model.parameters())
+        row.update(byte_floor(masters, row["engine_bytes"], bandwidth["gbps"]))
+        row["x_floor"] = seconds / row["floor_s"]
         rows.append(row)
         print_row(row)
         del engine, sync

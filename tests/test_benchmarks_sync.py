@@ -27,6 +27,8 @@ def test_tiny_cpu_run_writes_every_preset(sync_bench, tmp_path):
     section = data["sync"]
     assert section["mode"] == "in_process" and section["copy_bandwidth"]["gbps"] > 0
     assert [r["preset"] for r in section["rows"]] == list(sync_bench.DEFAULT_PRESETS)
+    tiny = sync_bench.config_of(2, 256, True)  # --tiny caps the vocabulary at 256
+    params = sum(p.numel() for p in sync_bench.build_model(tiny).parameters())
     for r in section["rows"]:
         assert r["engine_bytes"] == r["engine_bytes_formula"] > 0
         assert r["sync_s"] > 0 and r["gbps"] > 0 and r["sync_with_sqnr_s"] > 0
@@ -34,4 +36,11 @@ def test_tiny_cpu_run_writes_every_preset(sync_bench, tmp_path):
         assert set(r["share"]) == {"quantize", "checksum", "transfer", "load"}
         assert abs(sum(r["share"].values()) - 1) < 1e-9 and r["share"]["transfer"] == 0
         assert r["peak_extra_bytes"] is None  # CPU: no allocator statistics
+        # the byte floor: the fp32 masters (4 bytes a parameter) read twice, the engine bytes
+        # written, checksummed twice and copied in (read + write)
+        assert r["floor_bytes"] == 2 * 4 * params + 5 * r["engine_bytes"]
+        floor_s = r["floor_bytes"] / (section["copy_bandwidth"]["gbps"] * 1e9)
+        assert r["floor_s"] == pytest.approx(floor_s, rel=1e-12)
+        assert r["x_floor"] == pytest.approx(r["sync_s"] / floor_s, rel=1e-12)
+        assert r["floor_gbps"] == pytest.approx(r["engine_bytes"] / floor_s / 1e9, rel=1e-12)
     assert section["environment"]["device"].startswith("cpu")
