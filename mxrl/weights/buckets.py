@@ -13,16 +13,13 @@ raises there, naming the tensor, before any bucket exists.
 
 Buckets: records are added in plan order until the next one would take the bucket past
 `bucket_bytes`; a record bigger than the limit travels alone. Records are quantized as the
-buckets are pulled, one bucket ahead: bucket k is handed out once bucket k + 1 is quantized and
-its checksums are queued, so the device works on the next bucket while the consumer takes this
-one (two buckets, plus the one record of look-ahead that tells a bucket it is full, exist at a
-time on the export's side). A bucket's checksums are computed together, on the device, with one
-host read per bucket. Only the last bucket knows `num_buckets`.
+buckets are pulled (one bucket, plus the one record of look-ahead that tells a bucket it is the
+last, exists at a time on the export's side), and a bucket's checksums are computed together,
+on the device, with one host read per bucket. Only the last bucket knows `num_buckets`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -34,7 +31,7 @@ from torch import nn
 from mxrl.formats import QTensor
 from mxrl.kernels import Backend
 from mxrl.recipe import Plan
-from mxrl.weights.digest import PendingChecksums
+from mxrl.weights.digest import checksums
 from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
 from mxrl.weights.export import detached, quantized_values
 from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
@@ -122,23 +119,16 @@ class Export:
         self._started = True
         return self._buckets()
 
-    def _bucket(self, index: int, pending: list, sums: PendingChecksums, **last) -> Bucket:
-        """Bucket `index` of `pending`'s (name, value) pairs once their checksums are read."""
-        records = tuple(
-            WeightRecord(n, v, h) for (n, v), h in zip(pending, sums.wait(), strict=True)
-        )
-        self.hashes.update((r.name, r.hash) for r in records)
-        return Bucket(index, self.plan_hash, records, step=self.step, **last)
+    @staticmethod
+    def _records(pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
+        sums = checksums([n for n, _ in pending], [v for _, v in pending])  # one host read
+        return tuple(WeightRecord(n, v, h) for (n, v), h in zip(pending, sums, strict=True))
 
     def _buckets(self) -> Iterator[Bucket]:
-        """The buckets, one behind: a full bucket's checksums are queued on the device, and the
-        one before it is read and handed out only then, so the device quantizes and digests a
-        bucket while the consumer (a transport, the engine's checks) takes the previous one."""
         meter = SqnrMeter(self._sample)
         num_tensors = num_bytes = index = 0
         pending: list[tuple[str, WeightValue]] = []
         pending_bytes = 0
-        queued: tuple[list, PendingChecksums] | None = None  # the full bucket not handed out
         t0 = time.perf_counter()
         for name, value in self._values:
             nbytes = value_nbytes(value)
@@ -147,26 +137,19 @@ class Export:
             num_tensors += 1
             num_bytes += nbytes
             if pending and pending_bytes + nbytes > self.bucket_bytes:
-                full = (pending, _pending_checksums(pending))  # one host read, later
-                if queued is not None:
-                    bucket = self._bucket(index, *queued, last=False)
-                    self._seconds += time.perf_counter() - t0
-                    yield bucket
-                    t0 = time.perf_counter()
-                    index += 1
-                queued = full
+                records = self._records(pending)
+                self.hashes.update((r.name, r.hash) for r in records)
+                bucket = Bucket(index, self.plan_hash, records, last=False, step=self.step)
+                self._seconds += time.perf_counter() - t0
+                yield bucket
+                t0 = time.perf_counter()
+                index += 1
                 pending, pending_bytes = [], 0
             pending.append((name, value))
             pending_bytes += nbytes
-        sums = _pending_checksums(pending)
-        if queued is not None:
-            bucket = self._bucket(index, *queued, last=False)
-            self._seconds += time.perf_counter() - t0
-            yield bucket
-            t0 = time.perf_counter()
-            index += 1
+        records = self._records(pending)
+        self.hashes.update((r.name, r.hash) for r in records)
         sqnr_db = meter.result()
-        last = self._bucket(index, pending, sums, last=True, num_buckets=index + 1)
         self._seconds += time.perf_counter() - t0
         self._event = QuantizationEvent(
             step=self.step,
@@ -182,7 +165,15 @@ class Export:
         )  # fmt: skip
         if self._on_event is not None:
             self._on_event(self._event)
-        yield dataclasses.replace(last, event=self._event)
+        yield Bucket(
+            index,
+            self.plan_hash,
+            records,
+            last=True,
+            num_buckets=index + 1,
+            step=self.step,
+            event=self._event,
+        )
 
 
 def export(
@@ -236,10 +227,6 @@ def export(
         seconds=time.perf_counter() - t0,
         bf16_dtype=bf16_dtype,
     )
-
-
-def _pending_checksums(pending: list[tuple[str, WeightValue]]) -> PendingChecksums:
-    return PendingChecksums([n for n, _ in pending], [v for _, v in pending])
 
 
 def _chain(first, rest: Iterator) -> Iterator:

@@ -169,38 +169,3 @@ def test_pairs_and_a_mapping_are_exported_alike():
     w = weights()
     want = {r.name: r.hash for r in export(w, plan_of(w)).records()}
     assert {r.name: r.hash for r in export(list(w.items()), plan_of(w)).records()} == want
-
-
-def test_a_bucket_is_handed_out_once_the_next_one_is_quantized_and_its_checksums_queued(
-    monkeypatch,
-):
-    """Three buckets of one record each (4000 bytes: module docstring): bucket 0 comes out once
-    NORM (bucket 1) is quantized and its checksums queued, and LAST (the record that tells
-    bucket 1 it is full) is quantized; the last bucket after every value."""
-    pulled, queued = [], []
-    real_values, real_pending = buckets_module.quantized_values, buckets_module.PendingChecksums
-
-    def values(*args, **kwargs):
-        for name, value in real_values(*args, **kwargs):
-            pulled.append(name)
-            yield name, value
-
-    def pending(names, vals):
-        queued.append(list(names))
-        return real_pending(names, vals)
-
-    monkeypatch.setattr(buckets_module, "quantized_values", values)
-    monkeypatch.setattr(buckets_module, "PendingChecksums", pending)
-    w = weights()
-    it = iter(export(w, plan_of(w), bucket_bytes=4000))
-    assert pulled == [Q]  # export() pulls the first value (the NaN/Inf refusal)
-    first = next(it)
-    assert [r.name for r in first.records] == [Q]
-    assert pulled == [Q, NORM, LAST] and queued == [[Q], [NORM]]
-    second = next(it)
-    assert [r.name for r in second.records] == [NORM] and not second.last
-    assert queued == [[Q], [NORM], [LAST]]
-    third = next(it)
-    assert [r.name for r in third.records] == [LAST] and third.last and third.num_buckets == 3
-    assert next(it, None) is None
-    assert [b.index for b in (first, second, third)] == [0, 1, 2]
