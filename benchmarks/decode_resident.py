@@ -28,7 +28,6 @@ import dataclasses
 import gc
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,12 +41,12 @@ from common import (
     format_table,
     update_results,
 )
-from engine_decode import step_weight_bytes
+from engine_decode import step_weight_bytes, timed_generate
 from families import describe, kv_token_bytes, model_config
 
 ensure_repo_on_path()
 
-from mxrl.engine import Engine, SamplingParams  # noqa: E402
+from mxrl.engine import Engine  # noqa: E402
 from mxrl.models import build_model  # noqa: E402
 from mxrl.recipe import load_recipe, resolve  # noqa: E402
 
@@ -67,15 +66,9 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 def resident_row(engine: Engine, prompts, args) -> tuple[dict, list]:
     """One timed `generate` (after a warm-up call at the same batch: graphs, autotuning)."""
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
-    engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=8))
+    timed_generate(engine, prompts, 8)
     engine.reset_prefix_cache()
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync()
-    total = time.perf_counter() - start
+    total, outs = timed_generate(engine, prompts, args.new_tokens)
     st, b, c = engine.stats, len(prompts), engine.config
     # the first `window` decode-only steps that decoded every request
     window = [i for i, rows in enumerate(st.decode_step_rows) if rows == b][: args.window]
@@ -86,11 +79,11 @@ def resident_row(engine: Engine, prompts, args) -> tuple[dict, list]:
     row = {
         "batch": b,
         "total_s": total,
-        "decode_only_steps": len(engine.stats.decode_step_s),
+        "decode_only_steps": len(st.decode_step_s),
         "window_steps": len(steps),
         "step_ms": statistics.median(steps) * 1e3 if steps else None,
         "step_min_ms": min(steps) * 1e3 if steps else None,
-        "peak_kv_blocks": engine.stats.peak_kv_blocks,
+        "peak_kv_blocks": st.peak_kv_blocks,
         "window_keys_per_layer": keys,
         "step_weight_bytes": weights,
         "step_kv_bytes": kv_bytes,
