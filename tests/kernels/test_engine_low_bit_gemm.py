@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mxrl.engine import Engine, SamplingParams
-from mxrl.formats import QTensor
+from mxrl.formats import QTensor, quantize
+from mxrl.kernels import Backend
 from mxrl.nn.paths.rollout import (
     Grouping,
     RolloutExperts,
@@ -20,6 +21,7 @@ from mxrl.nn.paths.rollout import (
 from mxrl.nn.weight import QWeight
 from tests.engine.test_engine import PROMPTS, tiny
 from tests.kernels.test_decode_gemm import interpreter
+from tests.nn.test_qmatmul import spec
 from tests.numerics import assert_bytes_equal
 
 
@@ -111,3 +113,43 @@ def test_block_fp8_experts_run_grouped_and_packed():
     alone = engine.generate([PROMPTS[2]], _greedy(1))[0]
     assert alone.tokens == outs["triton"][2].tokens
     assert_bytes_equal(alone.logprobs, outs["triton"][2].logprobs, "alone")
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("fmt", "activations", "launches"),
+    [
+        ("mxfp8", None, 1),
+        ("nvfp4", "per_token", 1),
+        ("nvfp4", "per_tensor", 3),
+        ("fp8_block", None, 3),
+    ],
+)
+def test_a_prefills_tiles_through_a_packed_weight_keep_each_tiles_bytes(
+    fmt, activations, launches, monkeypatch
+):
+    """A packed projection over several tiles (a prefill): each row's bytes are those of its
+    tile run alone, the last tile zero-padded. NVFP4 / MXFP8 with a row-wise activation
+    quantization take one low-bit launch for all tiles, at the tile's configuration; NVFP4 with
+    a per-tensor activation scale (one scale per tile) and block FP8 keep a launch per tile."""
+    import mxrl.nn.paths.rollout as rollout
+
+    extra = {"activations": activations} if activations else {}
+    s = spec(fmt, shape=(128, 256), **extra)
+    linear = RolloutLinear(s, torch.float32, Backend.TRITON, 8)
+    assert linear.packed
+    torch.manual_seed(0)
+    w = quantize(
+        torch.randn(128, 256), fmt, **({"block": (128, 128)} if fmt == "fp8_block" else {})
+    )
+    linear.w = linear.materialize(w)["w"]
+    x = torch.randn(19, 256)  # three tiles of 8, the last one 3 rows and 5 of padding
+    alone = torch.cat([linear(x[i : i + 8]) for i in range(0, 19, 8)])
+    calls = []
+    gemm = rollout.low_bit_matmul if fmt != "fp8_block" else rollout.grouped_fp8_block_matmul
+    name = gemm.__name__
+    monkeypatch.setattr(rollout, name, lambda *a, **k: calls.append(1) or gemm(*a, **k))
+    y = linear(x)
+    assert len(calls) == launches
+    assert y.shape == (19, 128)
+    assert_bytes_equal(y, alone, "rows")

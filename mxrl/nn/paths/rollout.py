@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +36,18 @@ from mxrl.kernels.backend import num_sms
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
     choose_config,
+    default_config,
     grouped_low_bit_matmul,
     low_bit_matmul,
 )
 from mxrl.kernels.fp8_gemm import fp8_block_matmul, grouped_fp8_block_matmul
-from mxrl.kernels.rowwise import (
-    moe_combine,
-    moe_combine_reference,
-    moe_group,
-    moe_group_reference,
-)
 from mxrl.nn import invariant
 from mxrl.nn.experts import GroupedExperts
 from mxrl.nn.moe import moe_grouped, moe_loop
 from mxrl.nn.operands import Form
+from mxrl.nn.paths.expert_groups import ExpertGroups
 from mxrl.nn.paths.reference import emulated_matmul
-from mxrl.nn.paths.tiles import tiled
+from mxrl.nn.paths.tiles import padded_rows, tiled
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
@@ -86,6 +81,12 @@ def uses_fp8_block_gemm(spec: TensorSpec, backend: Backend) -> bool:
     )
 
 
+def _row_wise(spec: TensorSpec) -> bool:
+    """Whether the activation quantization of `spec` is row by row (MXFP8 1x32, block FP8
+    1x128, NVFP4 per token): a row's bytes never depend on the rows quantized with it."""
+    return spec.format is not Format.NVFP4 or spec.activations == "per_token"
+
+
 def quantize_activation(x: torch.Tensor, spec: TensorSpec, backend: Backend) -> QTensor:
     """x [T, K] quantized as the GEMM of `spec` takes it (the trainer's quantizer options)."""
     return kernel_quantize(x, spec.format, **activation_quantizer_kwargs(spec), backend=backend)
@@ -108,33 +109,6 @@ class Grouping(enum.Enum):
     LOW_BIT = "low_bit"  # packed NVFP4 / MXFP8: the grouped low-bit GEMM
     FP8_BLOCK = "fp8_block"  # packed 128x128 block FP8: the grouped block-FP8 kernel
     BF16 = "bf16"  # bf16 weights computed in bf16 on sm90+: torch._grouped_mm
-
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """A batch's rows sorted by expert, as the engine's grouped GEMMs read them (a
-    `mxrl.nn.moe.Dispatch`; `moe_group`'s integers): offsets int32 [E + 1], order [R] (each
-    row's flat t * k + j), token_of [R], rows_Tk [T, k] (each token's rows in ascending expert
-    order). `combine` sums a token's k outputs in that order, the loop's `index_add_` order;
-    fused into one launch on the triton backend (the same bytes)."""
-
-    offsets: torch.Tensor
-    order: torch.Tensor
-    token_of: torch.Tensor
-    rows_Tk: torch.Tensor
-    backend: Backend
-
-    @classmethod
-    def build(cls, ids_Tk: torch.Tensor, num_experts: int, backend: Backend) -> ExpertGroups:
-        group = moe_group if backend is Backend.TRITON else moe_group_reference
-        return cls(*group(ids_Tk, num_experts), backend)
-
-    def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH[self.token_of]
-
-    def combine(self, h_RH: torch.Tensor, weights_Tk: torch.Tensor) -> torch.Tensor:
-        combine = moe_combine if self.backend is Backend.TRITON else moe_combine_reference
-        return combine(h_RH, weights_Tk.reshape(-1)[self.order], self.rows_Tk)
 
 
 class RolloutPath:
@@ -200,8 +174,27 @@ class RolloutPath:
         the high-precision weight (None: nothing loaded yet). The trainer's paths' signature
         (`GemmPath.linear`); `master`, `mode` and `backend` are not read: no autograd, and the
         backend is the path's, as is the packed choice (`packed(spec)`, what the module holds)."""
-        matmul = functools.partial(self._matmul, w=w, spec=spec, packed=self.packed(spec))
+        packed = self.packed(spec)
+        if packed and isinstance(w, QWeight) and 0 < self.tile < x.shape[0] and _row_wise(spec):
+            return self._packed_tiles(x, w, spec)
+        matmul = functools.partial(self._matmul, w=w, spec=spec, packed=packed)
         return tiled(matmul, x, self.tile)
+
+    def _packed_tiles(self, x: torch.Tensor, w: QWeight, spec: TensorSpec) -> torch.Tensor:
+        """Several tiles through a packed weight, the bytes of `tiled` (a prefill's launches):
+        the row-wise activation quantization once for every tile, then NVFP4 / MXFP8 in one
+        low-bit launch at the tile's configuration (each of its M tiles computes as that tile's
+        own launch: same program, same split-K order), block FP8 tile by tile on the codes."""
+        t, tile = x.shape[0], self.tile
+        xp = padded_rows(x, tile)
+        xq = quantize_activation(xp, spec, self.backend)
+        if spec.format is Format.FP8_BLOCK:
+            k = xq.shape[1]
+            rows = [QTensor(xq.qdata[i : i + tile], xq.scale[i : i + tile], xq.fmt, (tile, k))
+                    for i in range(0, xp.shape[0], tile)]  # fmt: skip
+            return torch.cat([_fp8_block(q, w.q, xp[:tile]) for q in rows])[:t]
+        cfg = default_config(tile, w.q, x.device)
+        return low_bit_matmul(xq, w.q, out_dtype=x.dtype, backend=self.backend, config=cfg)[:t]
 
     def experts(
         self,

@@ -18,12 +18,17 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int
     t = x.shape[0]
     if t == 0:
         return fn(x.new_zeros((tile, *x.shape[1:])))[:0]
-    pad = (-t) % tile
-    if pad:  # one launch (a decode step pads its rows to one tile)
-        x = _padded(x, pad, tile)
+    x = padded_rows(x, tile)  # one launch (a decode step pads its rows to one tile)
     if x.shape[0] == tile:
         return fn(x)[:t]
     return torch.cat([fn(chunk) for chunk in x.split(tile)])[:t]
+
+
+def padded_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """x [T, ...] (T > 0) with zero rows appended up to a whole number of tiles, as `tiled`
+    pads it (one concatenation, the same memo)."""
+    pad = (-x.shape[0]) % tile
+    return _padded(x, pad, tile) if pad else x
 
 
 _LAST_PAD: list = []  # [(source, key, padded)]: q, k and v pad one input once
