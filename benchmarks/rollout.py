@@ -10,7 +10,8 @@ Engine modes (`--modes`): `invariant` (the default engine: batch-invariant, CUDA
 `fast` (batch_invariant=False: no fixed-shape tiles; the cost of invariance is its ratio to
 `invariant`), `eager` (invariant, no CUDA graphs: what the graphs buy), `stepwise` (invariant,
 overlap=False: each decode step read back before the next is queued; what overlapped decoding
-buys).
+buys), `grouped` (invariant, `dense_gemm="grouped"`: each bf16 projection's rows in one launch
+instead of one per 128-row tile; what that buys in prefill).
 
 RL-shaped (`--rl`): `--groups` prompts x `--samples` samples each (GRPO groups, sharing their
 prompt's KV blocks), prompt `--rl-prompt` tokens, sampled at temperature 1, up to
@@ -114,6 +115,7 @@ MODES = {
     "fast": {"batch_invariant": False},
     "eager": {"cuda_graphs": False},
     "stepwise": {"overlap": False},
+    "grouped": {"dense_gemm": "grouped"},
 }
 
 

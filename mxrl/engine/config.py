@@ -18,6 +18,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV cache on the CPU when kv_cache_bytes is
 # sequences, where a 128-row tile costs a decode GEMM no more than one row (both read the
 # weights once)
 DEFAULT_TILE_CPU, DEFAULT_TILE_CUDA = 32, 128
+DENSE_GEMMS = ("tiles", "grouped")  # EngineConfig.dense_gemm
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class EngineConfig:
       fixed positions, a program per split, merged in order: more programs at long contexts
       and few requests (docs/engine.md, "Attention"), batch-invariant, but not the one-pass
       bytes (another summation order), so a run that needs them keeps 0.
+    dense_gemm: "tiles" (the default): every bf16 projection (attention, router, dense MLP,
+      lm_head) on fixed tiles of `tile` rows, one cuBLAS launch per tile; "grouped": on a GPU
+      of sm90+ in bf16 compute, all of a step's rows in one launch (`torch._grouped_mm` with
+      one group, the bf16 experts' kernel): batch-invariant, one launch per projection in
+      prefill instead of one per tile, but not the tiles' bytes, so a run that needs them keeps
+      "tiles". Quantized projections are not affected.
 
     A config whose device is known is resolved for it: `backend` holds the `Kernels` record,
     `tile` and `overlap` their values on that device. Build another config for another device:
@@ -90,6 +97,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     overlap: bool | None = None
     attention_split: int = 0
+    dense_gemm: str = "tiles"
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -117,6 +125,8 @@ class EngineConfig:
                 f"attention_split must be 0 (one pass) or a positive multiple of the KV block "
                 f"size {bs} (e.g. {32 * bs}), got {split!r}"
             )
+        if self.dense_gemm not in DENSE_GEMMS:
+            raise ValueError(f"dense_gemm must be one of {DENSE_GEMMS}, got {self.dense_gemm!r}")
         if self.device is None:
             return  # resolved when the engine knows its device
         device = torch.device(self.device)

@@ -110,6 +110,10 @@ class Engine(WeightLoading, GraphCapture):
         self.compute_dtype, self.weight_dtype = options.compute_dtype, options.weight_dtype
         self.cache_options = options.cache
         self.net = self._build()
+        if options.dense_gemm == "grouped" and self.batch_invariant:
+            for module in self.net.modules():
+                if isinstance(module, RolloutLinear):
+                    module.path.one_group = True
         self.weights: dict[str, QTensor | torch.Tensor] = {}
         self.hashes: dict[str, str] = {}  # content hash of each tensor, verified when it loaded
         self.weights_version = 0

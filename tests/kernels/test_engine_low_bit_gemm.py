@@ -115,16 +115,16 @@ def test_block_fp8_experts_run_grouped_and_packed():
     assert_bytes_equal(alone.logprobs, outs["triton"][2].logprobs, "alone")
 
 
+LAUNCHES = [
+    ("mxfp8", None, 1),
+    ("nvfp4", "per_token", 1),
+    ("nvfp4", "per_tensor", 3),
+    ("fp8_block", None, 3),
+]
+
+
 @interpreter
-@pytest.mark.parametrize(
-    ("fmt", "activations", "launches"),
-    [
-        ("mxfp8", None, 1),
-        ("nvfp4", "per_token", 1),
-        ("nvfp4", "per_tensor", 3),
-        ("fp8_block", None, 3),
-    ],
-)
+@pytest.mark.parametrize(("fmt", "activations", "launches"), LAUNCHES)
 def test_a_prefills_tiles_through_a_packed_weight_keep_each_tiles_bytes(
     fmt, activations, launches, monkeypatch
 ):
@@ -132,24 +132,40 @@ def test_a_prefills_tiles_through_a_packed_weight_keep_each_tiles_bytes(
     tile run alone, the last tile zero-padded. NVFP4 / MXFP8 with a row-wise activation
     quantization take one low-bit launch for all tiles, at the tile's configuration; NVFP4 with
     a per-tensor activation scale (one scale per tile) and block FP8 keep a launch per tile."""
+    _packed_tiles(fmt, activations, launches, monkeypatch, "cpu", 8, 19)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "activations", "launches"), LAUNCHES)
+def test_on_cuda_a_prefills_packed_tiles_keep_each_tiles_bytes(
+    fmt, activations, launches, monkeypatch
+):
+    """The same on CUDA at the engine's 128-row tile: 300 rows, three tiles (block FP8 through
+    cuBLAS's blockwise `_scaled_mm` a tile at a time)."""
+    _packed_tiles(fmt, activations, launches, monkeypatch, "cuda", 128, 300)
+
+
+def _packed_tiles(fmt, activations, launches, monkeypatch, device, tile, rows):
     import mxrl.nn.paths.rollout as rollout
 
     extra = {"activations": activations} if activations else {}
-    s = spec(fmt, shape=(128, 256), **extra)
-    linear = RolloutLinear(s, torch.float32, Backend.TRITON, 8)
+    s = spec(fmt, shape=(256, 512), **extra)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    linear = RolloutLinear(s, dtype, Backend.TRITON, tile)
     assert linear.packed
     torch.manual_seed(0)
-    w = quantize(
-        torch.randn(128, 256), fmt, **({"block": (128, 128)} if fmt == "fp8_block" else {})
-    )
-    linear.w = linear.materialize(w)["w"]
-    x = torch.randn(19, 256)  # three tiles of 8, the last one 3 rows and 5 of padding
-    alone = torch.cat([linear(x[i : i + 8]) for i in range(0, 19, 8)])
+    block = {"block": (128, 128)} if fmt == "fp8_block" else {}
+    linear.w = linear.materialize(quantize(torch.randn(256, 512, device=device), fmt, **block))["w"]
+    x = torch.randn(rows, 512, device=device, dtype=dtype)
+    alone = torch.cat([linear(x[i : i + tile]) for i in range(0, rows, tile)])
     calls = []
-    gemm = rollout.low_bit_matmul if fmt != "fp8_block" else rollout.grouped_fp8_block_matmul
-    name = gemm.__name__
-    monkeypatch.setattr(rollout, name, lambda *a, **k: calls.append(1) or gemm(*a, **k))
+    if fmt != "fp8_block":
+        gemm = rollout.low_bit_matmul
+    else:
+        gemm = rollout.fp8_block_matmul if device == "cuda" else rollout.grouped_fp8_block_matmul
+    spy = lambda *a, **k: calls.append(1) or gemm(*a, **k)  # noqa: E731
+    monkeypatch.setattr(rollout, gemm.__name__, spy)
     y = linear(x)
     assert len(calls) == launches
-    assert y.shape == (19, 128)
+    assert y.shape == (rows, 256)
     assert_bytes_equal(y, alone, "rows")

@@ -121,6 +121,7 @@ class RolloutPath:
     (`path`)."""
 
     autograd = False
+    one_group = False  # the engine's dense_gemm="grouped" (`_one_group`)
 
     def __init__(self, tile: int, backend: Backend) -> None:
         self.tile = tile
@@ -174,6 +175,8 @@ class RolloutPath:
         the high-precision weight (None: nothing loaded yet). The trainer's paths' signature
         (`GemmPath.linear`); `master`, `mode` and `backend` are not read: no autograd, and the
         backend is the path's, as is the packed choice (`packed(spec)`, what the module holds)."""
+        if self.one_group and _one_group_fits(x, w):
+            return _one_group(x, w)
         packed = self.packed(spec)
         if packed and isinstance(w, QWeight) and 0 < self.tile < x.shape[0] and _row_wise(spec):
             return self._packed_tiles(x, w, spec)
@@ -279,6 +282,22 @@ def _grouped_config(
     `GROUPED_CONFIG_EXPERTS` busy experts."""
     groups = min(num_experts, GROUPED_CONFIG_EXPERTS)
     return choose_config(GROUPED_CONFIG_ROWS, groups, n, k, num_sms(device), fmt.value)
+
+
+def _one_group_fits(x: torch.Tensor, w) -> bool:
+    """A bf16 weight, bf16 rows (at least one) on a GPU of sm90+ (`torch._grouped_mm`'s)."""
+    if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16 and x.is_cuda):
+        return False
+    return x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T in one launch whatever T: one group of `torch._grouped_mm`, the
+    bf16 experts' kernel (a CUTLASS tile computes each row alone; the GPU tier checks its
+    batch invariance), instead of a cuBLAS launch per tile (a prefill's launches). Other bytes
+    than the tiles: the engine's `dense_gemm="grouped"` only."""
+    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
 
 
 def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:
