@@ -135,6 +135,12 @@ _BACKEND = choice(*BACKENDS, why=" (null: by device)")
 _ACTION, _DTYPE = choice(*SpikeAction), choice(*ComputeDtype)
 _EVERY = integer(0, " (0: never)")
 _WHOLE = integer(0)
+_DENSE_GEMM = choice("tiles", "grouped")  # mxrl.engine.config.DENSE_GEMMS (not imported here)
+_TILE = integer(1, " (null: the engine's default for the device)")
+
+
+def _engine_tile(path: str, value: Any) -> int | None:
+    return None if value is None else _TILE(path, value)
 
 
 def _attention_split(path: str, value: Any) -> int:
@@ -191,10 +197,15 @@ class GRPOConfig:
     # of every expert stack's experts (1: all; mxrl/weights/event.py): 1/16 of the expert bytes
     sqnr_expert_stride: int = field(default=16, metadata=rule(APPLY, integer(1)))
     eval_every: int = field(default=0, metadata=rule(APPLY, _EVERY))
-    engine_tile: int = field(default=32, metadata=rule(APPLY, integer(1)))
+    # rows per engine GEMM tile; null: the engine's default for the device (128 on CUDA, where
+    # a decode step of up to 128 sequences is one launch reading each weight once; 32 on the CPU)
+    engine_tile: int | None = field(default=None, metadata=rule(APPLY, _engine_tile))
     # keys per split of the engine's Triton paged attention (0: one pass; docs/engine.md,
     # "Attention"): batch-invariant, faster at long contexts, not the one-pass bytes
     engine_attention_split: int = field(default=0, metadata=rule(APPLY, _attention_split))
+    # the engine's bf16 projections: tiles (one launch per tile) or grouped (one launch for a
+    # step's rows on sm90+; docs/engine.md): both batch-invariant, not the same bytes
+    engine_dense_gemm: str = field(default="tiles", metadata=rule(APPLY, _DENSE_GEMM))
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
     # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
     compute_dtype: ComputeDtype = field(default=ComputeDtype.AUTO, metadata=rule(APPLY, _DTYPE))

@@ -62,6 +62,6 @@ def resolve_train(
     engine = EngineConfig(
         device=device, compute_dtype=compute_dtype_on(cfg.compute_dtype, device),
         tile=cfg.engine_tile, backend=Kernels.resolve(cfg.backend, device),
-        attention_split=cfg.engine_attention_split,
+        attention_split=cfg.engine_attention_split, dense_gemm=cfg.engine_dense_gemm,
     )  # fmt: skip
     return Resolved(plan, engine)

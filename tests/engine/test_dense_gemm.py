@@ -73,3 +73,29 @@ def test_on_cuda_batch_chunk_and_graph_invariant(monkeypatch):
     )
     for g, t in zip(got, tiles, strict=True):  # the first sampled token's logprob
         torch.testing.assert_close(g.logprobs[:1], t.logprobs[:1], rtol=0, atol=0.1)
+
+
+def test_the_run_config_takes_it_and_checks_it():
+    from mxrl.engine.config import DENSE_GEMMS
+    from mxrl.rl.config import GRPOConfig
+    from mxrl.rl.resolve import resolve_train
+
+    assert GRPOConfig().engine_dense_gemm == "tiles"
+    for value in DENSE_GEMMS:  # the run config's choices are the engine's
+        assert GRPOConfig(engine_dense_gemm=value).engine_dense_gemm == value
+    with pytest.raises(ValueError, match=r"rl\.engine_dense_gemm: must be one of tiles, grouped"):
+        GRPOConfig(engine_dense_gemm="one")
+    resolved = resolve_train(GRPOConfig(engine_dense_gemm="grouped"), tiny(), "cpu")
+    assert resolved.engine.dense_gemm == "grouped"
+
+
+def test_the_run_configs_tile_defaults_to_the_engines_for_the_device():
+    from mxrl.engine.config import DEFAULT_TILE_CPU
+    from mxrl.rl.config import GRPOConfig
+    from mxrl.rl.resolve import resolve_train
+
+    assert GRPOConfig().engine_tile is None
+    assert resolve_train(GRPOConfig(), tiny(), "cpu").engine.tile == DEFAULT_TILE_CPU
+    assert resolve_train(GRPOConfig(engine_tile=16), tiny(), "cpu").engine.tile == 16
+    with pytest.raises(ValueError, match=r"rl\.engine_tile: must be >= 1"):
+        GRPOConfig(engine_tile=0)
