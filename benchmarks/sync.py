@@ -1,38 +1,31 @@
-"""Weight sync trainer -> engine: seconds per sync and GB/s of engine bytes per preset, against the
-device's copy bandwidth measured in the same run (issue 13).
+"""Weight sync trainer -> engine in one process: seconds and GB/s per sync, per preset.
+
+Seconds per sync and GB/s of engine bytes per preset, against the device's copy bandwidth
+measured in the same run (issue 13). The two-GPU sync over NCCL is benchmarks/sync_nccl.py,
+which imports its model, timing and rows from here.
 
     python benchmarks/sync.py                                   # H200: in-process, one GPU
-    torchrun --nproc-per-node 2 benchmarks/sync.py --nccl       # 2 GPUs: cuda:0 -> cuda:1
     python benchmarks/sync.py --tiny --device cpu               # the script's logic, in seconds
 
 Model: Qwen3-30B-A3B's layer shapes (benchmarks/families.py), `--layers` layers (4), vocab
 151936, seeded fp32 master weights on the device. A sync is what the GRPO loop runs after each
 optimizer step: `InProcessTransport(engine).send(export(model, plan, step=s))`, trainer and
-engine on the same GPU (the engine computing in bf16, its default backend); in --nccl mode
-`BroadcastSender.send` on rank 0 (cuda:0) and `BroadcastReceiver.receive` on rank 1 (cuda:1).
+engine on the same GPU (the engine computing in bf16, its default backend).
 Timed with the device synchronized before and after, the median of `--repeats` after a warm-up.
-In --nccl mode the warm-up teaches both ends the update's layout, so the timed syncs run
-scheduled (`mxrl.sync.broadcast`); the same syncs from a fresh sender, which goes bucket by
-bucket, are timed too (`sync_s_per_bucket`), in the same run.
 
 Per preset: seconds per sync (with the per-layer SQNR off, and on as the loop runs it), GB/s of
-engine bytes (every record's data, scales and global scales), in-process the byte floor (the
-masters read twice, the engine bytes written, checksummed twice and copied in: `byte_floor`,
-2 M + 5 E bytes at the copy bandwidth) and the sync's time over it, the ratio to the copy bandwidth
-(in-process: a device-to-device `copy_` counting bytes read + written; --nccl: a peer copy
-cuda:0 -> cuda:1, and a raw NCCL broadcast and send/recv of the same size), the peak memory the
-sync allocates beyond what trainer and engine hold, and the share of each stage, each timed
-alone and synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on
-receive), transfer (--nccl: a raw broadcast of the payload bytes; in-process: none, records are
-handed over by reference) and load (`load_weights` of records verified already, as the distributed receiver
-hands them: the copy into the engine's buffers and the GEMM operands derived from them). The
-shares are of the stages' work, not of the sync's wall time where stages overlap: in --nccl mode
-the receiver checksums bucket k while bucket k+1 is on the wire, so the row also gives what of
-its checksum the transfer did not hide, from `BroadcastReceiver.timings` (the last payload's
-arrival to the last checksum compared): `receiver_checksum_tail_s` and its share of the sync.
+engine bytes (every record's data, scales and global scales), the byte floor (the masters read
+twice, the engine bytes written, checksummed twice and copied in: `byte_floor`, 2 M + 5 E bytes
+at the copy bandwidth) and the sync's time over it, the ratio to the copy bandwidth (a
+device-to-device `copy_` counting bytes read + written), the peak memory the sync allocates
+beyond what trainer and engine hold, and the share of each stage, each timed alone and
+synchronized: quantize (`quantized_values`), checksum (twice: once on send, once on receive),
+transfer (in-process: none, records are handed over by reference) and load (`load_weights` of
+records verified already, as the distributed receiver hands them: the copy into the engine's
+buffers and the GEMM operands derived from them).
 The 48-layer row scales the sync time by the engine bytes of a 48-layer plan (resolved on the
 full model's shapes, bytes per format by formula).
-Writes the `sync` (in-process) or `sync_nccl` section of the results JSON.
+Writes the `sync` section of the results JSON.
 """
 
 from __future__ import annotations
@@ -40,8 +33,8 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -310,158 +303,19 @@ def in_process(args, device: torch.device) -> dict:
     }
 
 
-# --- two GPUs over NCCL -------------------------------------------------------------------------
-def nccl(args) -> dict | None:
-    import torch.distributed as dist
-
-    from mxrl.sync import BroadcastReceiver, BroadcastSender
-
-    rank = int(os.environ["RANK"])
-    if int(os.environ.get("WORLD_SIZE", "1")) != 2:
-        raise SystemExit(
-            "--nccl runs on two ranks: torchrun --nproc-per-node 2 benchmarks/sync.py --nccl"
-        )
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-    config = config_of(args.layers, args.vocab, args.tiny)
-    bandwidth = {"p2p_copy": None, "nccl_broadcast": None, "nccl_send_recv": None}
-    buf = torch.empty(args.copy_bytes, dtype=torch.uint8, device=device)
-
-    def rate(fn, on: torch.device) -> dict:  # args.copy_bytes moved once per call of fn
-        t = timed(fn, on, args.repeats)
-        return {"bytes": args.copy_bytes, "s": t, "gbps": args.copy_bytes / t / 1e9}
-
-    if rank == 0:  # a peer copy cuda:0 -> cuda:1, the bytes moved once
-        dst = torch.empty(args.copy_bytes, dtype=torch.uint8, device="cuda:1")
-        bandwidth["p2p_copy"] = rate(lambda: dst.copy_(buf), torch.device("cuda:1"))
-        del dst
-
-    def broadcast(nbytes=args.copy_bytes):
-        dist.broadcast(buf[:nbytes], src=0)
-
-    bandwidth["nccl_broadcast"] = rate(broadcast, device)
-
-    def send_recv(nbytes=args.copy_bytes):  # the point-to-point alternative, for comparison
-        if rank == 0:
-            dist.send(buf[:nbytes], dst=1)
-        else:
-            dist.recv(buf[:nbytes], src=0)
-
-    bandwidth["nccl_send_recv"] = rate(send_recv, device)
-    rows = []
-    model = build_model(config, seed=0).to(device)
-    for preset in args.presets:
-        engine = Engine(model, preset, device=device, compute_dtype=torch.bfloat16)
-        step = iter(range(1, 10**6))
-        if rank == 0:
-            end = BroadcastSender(src=0)
-
-            def once(sqnr=False, fresh=False, end=end, engine=engine, step=step):
-                dist.barrier()
-                exp = export(
-                    model, engine.plan, step=next(step), sqnr=sqnr, bucket_bytes=args.bucket_bytes
-                )
-                # fresh: a sender that has not learnt the layout, so the update goes per bucket
-                (BroadcastSender(src=0) if fresh else end).send(exp)
-        else:
-            end = BroadcastReceiver(engine, src=0)
-            tails: list[float] = []
-
-            def once(sqnr=False, fresh=False, end=end, tails=tails):
-                dist.barrier()
-                end.receive()
-                tails.append(end.timings["verified"] - end.timings["arrived"])
-
-        seconds = timed(once, device, args.repeats)  # the warm-up teaches both ends the layout
-        mode = end.last_mode
-        tail = statistics.median(tails[1:]) if rank == 1 else None  # the timed runs
-        per_bucket = timed(lambda once=once: once(fresh=True), device, args.repeats, warmup=False)
-        seconds_sqnr = timed(lambda once=once: once(True), device, args.repeats, warmup=False)
-        peak = peak_extra(once, device)
-        engine_bytes = sum(r.nbytes for r in engine.records())
-        transfer = timed(
-            lambda n=engine_bytes: broadcast(min(n, args.copy_bytes)), device, args.repeats
-        )
-        transfer *= engine_bytes / min(engine_bytes, args.copy_bytes)
-        stages = breakdown(model, engine, device, args.repeats)  # this rank's own stages
-        base = bandwidth["p2p_copy"]["gbps"] if rank == 0 else bandwidth["nccl_broadcast"]["gbps"]
-        row = row_common(preset, engine, seconds, seconds_sqnr, stages, transfer, peak, base, args)
-        row.update(rank=rank, mode=mode, sync_s_per_bucket=per_bucket)
-        row["gbps_per_bucket"] = engine_bytes / per_bucket / 1e9
-        if tail is not None:
-            row["receiver_checksum_tail_s"] = tail
-            row["receiver_checksum_tail_share"] = tail / seconds
-        gathered = [None, None]
-        dist.all_gather_object(gathered, {"row": row, "bandwidth": bandwidth})
-        if rank == 0:
-            sender, receiver = gathered[0]["row"], gathered[1]["row"]
-            p2p = bandwidth["p2p_copy"]["gbps"]
-            rows.append(
-                {
-                    "preset": preset,
-                    "engine_bytes": engine_bytes,
-                    "sync_s": sender["sync_s"],
-                    "sync_with_sqnr_s": sender["sync_with_sqnr_s"],
-                    "gbps": sender["gbps"],
-                    "ratio_to_p2p_copy": sender["gbps"] / p2p,
-                    "ratio_to_nccl_broadcast": sender["gbps"] / bandwidth["nccl_broadcast"]["gbps"],
-                    "ratio_to_nccl_send_recv": sender["gbps"] / bandwidth["nccl_send_recv"]["gbps"],
-                    "mode": sender["mode"],
-                    "sync_s_per_bucket": sender["sync_s_per_bucket"],
-                    "ratio_to_p2p_copy_per_bucket": sender["gbps_per_bucket"] / p2p,
-                    "sync_s_48_layers": sender["sync_s_48_layers"],
-                    "receiver_checksum_tail_share": receiver["receiver_checksum_tail_share"],
-                    "sender": sender,
-                    "receiver": receiver,
-                }
-            )
-            print_row(sender)
-            raw = {k: bandwidth[k]["gbps"] for k in ("nccl_broadcast", "nccl_send_recv")}
-            print(f"    raw NCCL 1 GiB: broadcast {raw['nccl_broadcast']:.0f} GB/s, "
-                  f"send/recv {raw['nccl_send_recv']:.0f} GB/s")  # fmt: skip
-            print(
-                f"    = {rows[-1]['ratio_to_p2p_copy']:.2f} x the peer copy ({p2p:.0f} GB/s) "
-                f"{sender['mode']}; per bucket {sender['sync_s_per_bucket']:.4f} s = "
-                f"{rows[-1]['ratio_to_p2p_copy_per_bucket']:.2f} x; "
-                "receiver checksum after the last payload "
-                f"{receiver['receiver_checksum_tail_s'] * 1e3:.2f} ms "
-                f"({receiver['receiver_checksum_tail_share']:.0%} of its sync)"
-            )
-        del engine, end
-        gc.collect()
-        torch.cuda.empty_cache()
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank != 0:
-        return None
-    return {
-        "mode": "nccl",
-        "model": {"layers": args.layers, "vocab": args.vocab, "tiny": args.tiny},
-        "bucket_bytes": args.bucket_bytes,
-        "repeats": args.repeats,
-        "baseline": (
-            "peer copy cuda:0 -> cuda:1 (bytes moved once); raw NCCL broadcast and send/recv"
-        ),
-        "bandwidth": bandwidth,
-        "rows": rows,
-    }
-
-
-def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options this script and sync_nccl.py share: the model, the timing, the output."""
     ap.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-bytes", type=int, default=512 * 2**20)
     ap.add_argument("--copy-bytes", type=int, default=1 << 30)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--nccl", action="store_true", help="2 GPUs under torchrun --nproc-per-node 2")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
-    ap.add_argument("--profile", action="store_true", help="in-process: a profiled sync per preset")
     ap.add_argument("--out", help="results JSON (default on CUDA: benchmarks/results/h200.json)")
-    args = ap.parse_args(argv)
+
+
+def shrink_tiny(args: argparse.Namespace) -> argparse.Namespace:
     if args.tiny:
         args.vocab = min(args.vocab, 256)
         args.copy_bytes = min(args.copy_bytes, 1 << 22)
@@ -469,25 +323,45 @@ def parse_args(argv):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    check_presets(args.presets)
-    if args.nccl:
-        section, key, device = nccl(args), "sync_nccl", torch.device("cuda", 0)
-        if section is None:
-            return 0
-    else:
-        device = check_device(args.device)
-        section, key = in_process(args, device), "sync"
+def write_section(out: str | None, key: str, section: dict, device: torch.device) -> None:
+    """The section with this run's environment into `out` (default on CUDA: h200.json)."""
     env = environment() if device.type == "cuda" else cpu_environment()
     if device.type == "cuda":
         env["num_gpus"] = torch.cuda.device_count()
-    out = args.out or (
+    out = out or (
         str(REPO_ROOT / "benchmarks/results/h200.json") if device.type == "cuda" else None
     )
     if out:
         update_results(Path(out), key, {**section, "environment": env}, {})
         print(f"wrote the {key} section of {out}")
+
+
+NCCL_MOVED = (
+    "sync.py --nccl has moved: run torchrun --nproc-per-node 2 benchmarks/sync_nccl.py "
+    "(same options, without --nccl)"
+)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Two GPUs over NCCL: torchrun --nproc-per-node 2 benchmarks/sync_nccl.py",
+    )
+    add_model_arguments(ap)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="a profiled sync per preset")
+    ap.add_argument("--nccl", action="store_true", help=argparse.SUPPRESS)  # moved: NCCL_MOVED
+    return shrink_tiny(ap.parse_args(argv))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.nccl:
+        print(NCCL_MOVED, file=sys.stderr)
+        return 2
+    check_presets(args.presets)
+    device = check_device(args.device)
+    write_section(args.out, "sync", in_process(args, device), device)
     return 0
 
 

@@ -1,6 +1,7 @@
 """benchmarks/sync.py end to end on the CPU, shrunk (--tiny): every preset gets its row, the
 48-layer extrapolation's byte formula equals the engine's bytes on the slice, the results file
-keeps the other sections."""
+keeps the other sections. Its old --nccl flag points to benchmarks/sync_nccl.py, which parses
+the shared options and asks for two ranks."""
 
 from __future__ import annotations
 
@@ -44,3 +45,19 @@ def test_tiny_cpu_run_writes_every_preset(sync_bench, tmp_path):
         assert r["x_floor"] == pytest.approx(r["sync_s"] / floor_s, rel=1e-12)
         assert r["floor_gbps"] == pytest.approx(r["engine_bytes"] / floor_s / 1e9, rel=1e-12)
     assert section["environment"]["device"].startswith("cpu")
+
+
+def test_nccl_flag_points_to_sync_nccl(sync_bench, capsys):
+    assert sync_bench.main(["--nccl", "--layers", "2", "--repeats", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2 benchmarks/sync_nccl.py" in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_sync_nccl_parses_and_asks_for_two_ranks(monkeypatch):
+    nccl_bench = load_benchmark("sync_nccl", monkeypatch, "sync_nccl_bench")
+    args = nccl_bench.parse_args(["--tiny", "--layers", "2", "--repeats", "2"])
+    assert (args.layers, args.repeats, args.vocab) == (2, 2, 256)  # --tiny caps the vocabulary
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit, match=r"torchrun --nproc-per-node 2 benchmarks/sync_nccl\.py"):
+        nccl_bench.nccl(args)
