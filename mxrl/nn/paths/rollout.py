@@ -285,17 +285,17 @@ def _grouped_config(
 
 
 def _one_group_fits(x: torch.Tensor, w) -> bool:
-    """A bf16 weight, bf16 rows (at least one) on a GPU of sm90+ (`torch._grouped_mm`'s)."""
+    """bf16 weight and rows (T > 0), N and K in whole 16 bytes, sm90+: `_grouped_mm`'s terms."""
     if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16 and x.is_cuda):
         return False
-    return x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    aligned = w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
+    return aligned and x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def _one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]^T in one launch whatever T: one group of `torch._grouped_mm`, the
-    bf16 experts' kernel (a CUTLASS tile computes each row alone; the GPU tier checks its
-    batch invariance), instead of a cuBLAS launch per tile (a prefill's launches). Other bytes
-    than the tiles: the engine's `dense_gemm="grouped"` only."""
+    """x [T, K] @ w [N, K]^T in one launch whatever T (not a cuBLAS launch per tile): one group
+    of `torch._grouped_mm`, the bf16 experts' kernel, batch-invariant (the GPU tier checks it);
+    not the tiles' bytes: the engine's `dense_gemm="grouped"` only."""
     offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
     return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
 
