@@ -11,6 +11,14 @@ from mxrl.kernels.attention import AttentionTiles, block_m
 SCRATCH_BYTES = 64 << 20  # the splits' running states of one launch, at most
 
 
+def split_step(split_blocks: int) -> int:
+    """Cache blocks a step of the split kernel's online softmax: 4 where they divide a split
+    (fewer, wider steps: on an H100 at 4,096 keys and 512-key splits the prototype's 4 blocks
+    a step took 3-11% less than 1, docs/benchmarks.md), else 2, else 1. Fixed by the split's size alone, so a
+    row's bytes still depend on nothing else (triton_attention_split.py)."""
+    return next(s for s in (4, 2, 1) if split_blocks % s == 0)
+
+
 def split_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -36,6 +44,7 @@ def split_attention(
             f"and max_keys >= 1, got {split_keys} and {max_keys}"
         )
     split_blocks = split_keys // bs
+    step = split_step(split_blocks)
 
     from mxrl.kernels.triton_attention_split import (
         combine_splits_kernel,
@@ -68,7 +77,7 @@ def split_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_tables.stride(0), scale, splits,
             DK=d, DV=dv, BLOCK_DK=width_dk, IEEE=q.dtype == torch.float32, FP8=fp8,
-            HW=q.is_cuda, num_warps=4, **common,
+            HW=q.is_cuda, STEP=step, num_warps=4, **common,
         )  # fmt: skip
         combine_splits_kernel[(stop - start, heads_kv)](
             part, out, token, n_rows, pos, out.stride(0), out.stride(1), splits, DV=dv,

@@ -5,19 +5,21 @@ runs one program per query tile and KV head down 256 dependent block loads at 4k
 Legend as in triton_attention.py; S = SPLIT cache blocks a split (SPLIT * B keys).
 
 Work split: one program per (query tile, KV head, split); split s walks the request's blocks
-[s * S, (s + 1) * S) in order with the online softmax, exactly as the one-pass kernel walks all
-of them, and stores its running state (acc, m, l) in fp32. `combine_splits_kernel` merges a
+[s * S, (s + 1) * S) in order with the online softmax, STEP blocks a step (one key tile of
+STEP * B keys: fewer dependent steps, wider dots; STEP = 1 is the one-pass kernel's walk), and
+stores its running state (acc, m, l) in fp32. `combine_splits_kernel` merges a
 tile's splits in split order from the first and normalises: m = max(m, m_s), acc = acc
 e^(m - m_new) + acc_s e^(m_s - m_new), likewise l.
 
 Why a row's bytes still depend on nothing but its query and its request's keys up to its
 position (batch and chunk invariance, prefill and decode alike):
-- where the splits fall is fixed by key positions, not by the batch or the tile: a row at
-  position p has the splits 0 .. p // (S * B), each computed as the one-pass kernel computes
-  its blocks (fixed shapes, fixed order, keys past the row masked to exact zeros);
-- a tile holding rows at other positions may have one split more than a row needs: that row
-  has no key there, its state stays m = -inf, l = 0, acc = 0, and the merge adds e^-inf = 0
-  times it and multiplies by e^0 = 1: exact no-ops. Split 0 holds position 0, so m is finite
+- where the splits and their steps fall is fixed by key positions, not by the batch or the
+  tile: a row at position p has the splits 0 .. p // (S * B), each walked in steps of STEP
+  blocks from its first (fixed shapes, fixed order, keys past the row masked to exact zeros);
+- a tile holding rows at other positions may have one split, or one step, more than a row
+  needs: that row has no key there; in a step its m stays, alpha = e^0 = 1 and p = 0 (exact
+  no-ops), and a split of no key keeps the state m = -inf, l = 0, acc = 0, which the merge adds
+  as e^-inf = 0 times it, multiplying by e^0 = 1: exact no-ops. Split 0 holds position 0, so m is finite
   from the first merge on.
 The bytes are not the one-pass kernel's (another summation order); a recipe run that needs them
 keeps the engine's default, `attention_split: 0`.
@@ -67,6 +69,7 @@ def paged_attention_split_kernel(
     HEADS_KV: tl.constexpr,
     HW: tl.constexpr,
     SPLIT: tl.constexpr,  # cache blocks a split holds
+    STEP: tl.constexpr,  # cache blocks a step of the online softmax (divides SPLIT)
 ):
     tile = tl.program_id(0)
     head_kv = tl.program_id(1)
@@ -86,20 +89,26 @@ def paged_attention_split_kernel(
     q = tl.load(q_ptr + q_off, mask=valid[:, None] & (dk < DK)[None, :], other=0.0)
     q_pos = pos0 + qi
 
-    n_idx = tl.arange(0, BLOCK_N)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
     first = split * SPLIT
     end = tl.minimum((pos0 + rows - 1) // BLOCK_N + 1, first + SPLIT)
-    for b in range(first, end):
-        block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
-        k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + dk[None, :]
-        v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + dv[None, :]
-        k_raw = load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
-        v_raw = load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
+    kn = tl.arange(0, STEP * BLOCK_N)  # STEP cache blocks a step: one [STEP * B, DK] key tile
+    slot = kn % BLOCK_N
+    for b in range(first, end, STEP):
+        blk = b + kn // BLOCK_N
+        # a block past the tile's last (the last step of a split) is not in the block table,
+        # which may end there: block 0 is read in its place, finite (the cache starts zeroed),
+        # and its keys lie past every row's position, so the causal mask gives them p = 0
+        inb = blk < end
+        block = tl.load(block_tables_ptr + req * stride_bt + blk, mask=inb, other=0).to(tl.int64)
+        k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + head_kv * stride_kh
+        v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + head_kv * stride_vh
+        k_raw = load_cols(k_cache_ptr + k_off + dk[None, :], dk, DK, BLOCK_DK)
+        v_raw = load_cols(v_cache_ptr + v_off + dv[None, :], dv, DV, BLOCK_DV)
         if FP8:
-            s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
+            s_off = (block * BLOCK_N + slot) * HEADS_KV + head_kv
             k_sf = tl.load(k_scale_ptr + s_off)
             v_sf = tl.load(v_scale_ptr + s_off)
             k = (e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
@@ -112,7 +121,7 @@ def paged_attention_split_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
-        k_pos = b * BLOCK_N + n_idx
+        k_pos = b * BLOCK_N + kn
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # a row with no key in this split so far: its state stays zeros (no -inf - -inf)

@@ -90,6 +90,41 @@ def test_batch_chunk_and_decode_invariant(split_keys):
         assert_bytes_equal(step, whole[:, p : p + 1], f"decode at {p}")
 
 
+def test_a_step_walks_4_blocks_where_they_divide_the_split_else_2_else_1():
+    assert [attention_split.split_step(n) for n in (1, 2, 3, 4, 6, 8, 12, 32, 5)] == [
+        1, 2, 1, 4, 2, 4, 4, 4, 1,
+    ]  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize("fp8", [False, True])
+def test_four_blocks_a_step_batch_chunk_and_decode_invariant(fp8):
+    """64-key splits walked 4 blocks a step: a 150-token request (blocks 0-9: the last split's
+    step holds 2 blocks and 2 past the request) alone, beside another request, in chunks across
+    split and step boundaries and one token at a time: the same bytes, close to the reference."""
+    cache = _cache(fp8=fp8)
+    group = 2
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(KV_HEADS * group, 150, 16, generator=g)
+    table = list(range(10))
+    whole = _attend(cache, [(0, 150, 150, table)], q, group, 64)
+    torch.testing.assert_close(
+        whole, _reference(cache, [(0, 150, 150, table)], q, group), rtol=1e-5, atol=1e-5
+    )
+    other = torch.randn(KV_HEADS * group, 7, 16, generator=g)
+    batched = _attend(cache, [(0, 7, 20, [10, 11]), (7, 150, 150, table)],
+                      torch.cat([other, q], dim=1), group, 64)  # fmt: skip
+    assert_bytes_equal(batched[:, 7:], whole, "beside another request")
+    start = 0
+    for n in (50, 14, 1, 66, 19):  # chunks ending at 50, 64, 65, 131, 150
+        chunk = _attend(cache, [(0, n, start + n, table)], q[:, start : start + n], group, 64)
+        assert_bytes_equal(chunk, whole[:, start : start + n], f"chunk {start}..{start + n}")
+        start += n
+    for p in (0, 15, 16, 63, 64, 127, 128, 149):  # decode steps around steps and splits
+        step = _attend(cache, [(0, 1, p + 1, table)], q[:, p : p + 1], group, 64)
+        assert_bytes_equal(step, whole[:, p : p + 1], f"decode at {p}")
+
+
 @interpreter
 def test_an_fp8_cache_attends_to_its_dequantized_values():
     fp8 = _cache(fp8=True)
