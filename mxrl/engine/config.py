@@ -79,8 +79,9 @@ class EngineConfig:
       lm_head) on fixed tiles of `tile` rows, one cuBLAS launch per tile; "grouped": on a GPU
       of sm90+ in bf16 compute, all of a step's rows in one launch (`torch._grouped_mm` with
       one group, the bf16 experts' kernel): batch-invariant, one launch per projection in
-      prefill instead of one per tile, but not the tiles' bytes, so a run that needs them keeps
-      "tiles". Quantized projections are not affected.
+      prefill instead of one per tile; the tiles' bytes only where the libraries' kernels agree
+      (they did on an H100, docs/benchmarks.md), so a run that needs them keeps "tiles".
+      Quantized projections are not affected.
 
     A config whose device is known is resolved for it: `backend` holds the `Kernels` record,
     `tile` and `overlap` their values on that device. Build another config for another device:

@@ -2,7 +2,7 @@
 tiles, "grouped" all of a step's rows in one `torch._grouped_mm` launch on a GPU of sm90+ in
 bf16 compute. Checked where it is set, carried to every projection, a no-op where the kernel
 does not apply (the CPU: the tiles' bytes), and on CUDA batch-, chunk- and graph-invariant byte
-for byte, close to the tiles (not their bytes)."""
+for byte, close to the tiles (their bytes are not promised)."""
 
 from __future__ import annotations
 

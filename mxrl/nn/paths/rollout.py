@@ -295,7 +295,7 @@ def _one_group_fits(x: torch.Tensor, w) -> bool:
 def _one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, K] @ w [N, K]^T in one launch whatever T (not a cuBLAS launch per tile): one group
     of `torch._grouped_mm`, the bf16 experts' kernel, batch-invariant (the GPU tier checks it);
-    not the tiles' bytes: the engine's `dense_gemm="grouped"` only."""
+    the tiles' bytes not by construction: the engine's `dense_gemm="grouped"` only."""
     offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
     return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
 
