@@ -195,9 +195,9 @@ def test_the_kernel_path_converts_queries_and_outputs():
                                                  (15360, [(0, 1), (1, 2)]),
                                                  (1, [(0, 1), (1, 2)])])  # fmt: skip
 def test_the_split_launches_by_hand(monkeypatch, scratch, chunks):
-    """split_keys 32 over 16-token blocks: 2 blocks a split; 64 keys at most: 2 splits. Per
-    tile 2 KV heads x 2 splits x 16 rows x (32 + 2) fp32 = 8,704 bytes of scratch, so chunks of
-    SCRATCH_BYTES // 8704 tiles (at least one): the split kernel's grid (tiles, K, splits),
+    """split_keys 32 over 16-token blocks: 2 blocks a split, walked 2 a step (`split_step`); 64
+    keys at most: 2 splits. Per tile 2 KV heads x 2 splits x 16 rows x (32 + 2) fp32 = 8,704
+    bytes of scratch, so chunks of SCRATCH_BYTES // 8704 tiles (at least one): the split kernel's grid (tiles, K, splits),
     then the combine's (tiles, K), each on its chunk's tiles and one shared scratch."""
     import mxrl.kernels.attention_split as attention_split
     import mxrl.kernels.triton_attention_split as tas
@@ -223,7 +223,7 @@ def test_the_split_launches_by_hand(monkeypatch, scratch, chunks):
         assert split_args[11:] == (8 * 24, 24, BS * 2 * 24, 2 * 24, 24, BS * 2 * 20, 2 * 20,
                                    20, 4, 0.5, 2)  # fmt: skip
         assert split_kw == dict(DK=24, DV=20, BLOCK_DK=32, IEEE=True, FP8=False, HW=False,
-                                num_warps=4, **common)  # fmt: skip
+                                STEP=2, num_warps=4, **common)  # fmt: skip
         assert comb_args[0] is part and comb_args[1] is out
         for got, field in zip(comb_args[2:5], ("token", "rows", "pos"), strict=True):
             assert torch.equal(got, getattr(tiles, field)[a:b]), field
