@@ -6,7 +6,7 @@ In the batch-invariant mode the engine runs every dense projection on 128-row ti
 cuBLAS launch each), so a prefill of 4,096 tokens is 32 launches per projection. For the
 Qwen3-30B-A3B slice's shapes (q, k/v, o, the router; lm_head tiled only) this compares, per
 projection, in bf16:
-- the tiles (`F.linear` on 128-row slices, zero-padded, as `mxrl.nn.paths.tiles.tiled`);
+- the tiles (`F.linear` on 128-row slices, zero-padded: `mxrl.nn.paths.tiles.tiled`);
 - one `torch._grouped_mm` launch with one group (the engine's `dense_gemm="grouped"`);
 - `F.linear` over all rows (the engine's `batch_invariant=False`, time only);
 and in block FP8 (the fp8-block preset's attention projections) `fp8_block_matmul` (cuBLAS's
@@ -23,10 +23,14 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import ensure_repo_on_path
 
-from mxrl.formats import QTensor
-from mxrl.kernels.api import quantize
-from mxrl.kernels.fp8_gemm import fp8_block_matmul
+ensure_repo_on_path()
+
+from mxrl.formats import QTensor  # noqa: E402
+from mxrl.kernels.api import quantize  # noqa: E402
+from mxrl.kernels.fp8_gemm import fp8_block_matmul  # noqa: E402
+from mxrl.nn.paths.tiles import tiled as engine_tiled  # noqa: E402
 
 TILE = 128
 ROWS = [1, 3, 16, 100, 128, 129, 255, 256, 1000, 2048, 4096, 8192]
@@ -36,11 +40,8 @@ FP8 = {"q": (4096, 2048), "kv": (512, 2048), "o": (2048, 4096)}
 
 
 def tiled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    t = x.shape[0]
-    pad = (-t) % TILE
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    return torch.cat([F.linear(c, w) for c in x.split(TILE)])[:t]
+    """The engine's tiles (`mxrl.nn.paths.tiles.tiled`): one `F.linear` per 128-row tile."""
+    return engine_tiled(lambda c: F.linear(c, w), x, TILE)
 
 
 def grouped(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels import quantize as kernel_quantize
-from mxrl.kernels.backend import num_sms
+from mxrl.kernels.backend import num_sms, tensor_cores_available
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
     choose_config,
@@ -286,10 +286,10 @@ def _grouped_config(
 
 def _one_group_fits(x: torch.Tensor, w) -> bool:
     """bf16 weight and rows (T > 0), N and K in whole 16 bytes, sm90+: `_grouped_mm`'s terms."""
-    if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16 and x.is_cuda):
+    if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16):
         return False
     aligned = w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
-    return aligned and x.shape[0] > 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return aligned and x.shape[0] > 0 and tensor_cores_available(x.device)  # cached per device
 
 
 def _one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
