@@ -131,7 +131,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         samples_per_prompt=args.samples, max_new_tokens=args.new_tokens, lr=1e-5, seed=0,
         device=str(device), verify_every=args.verify_every, engine_tile=args.tile,
         max_tokens_per_micro_batch=args.micro_batch_tokens or 0,
-        engine_attention_split=args.attention_split,
+        engine_attention_split=args.attention_split, engine_dense_gemm=args.dense_gemm,
     )  # fmt: skip
     record = RunRecord.create(out, label.replace("+", "_"), config={})
     source = RandomPrompts(model.config.vocab_size, args.prompt, seed=0)
@@ -160,6 +160,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
     row["micro_batch_tokens"] = trainer.micro_batch_tokens
     row["attention_split"] = trainer.engine.options.attention_split  # as the engine runs it
+    row["dense_gemm"] = trainer.engine.options.dense_gemm
     row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
     row["sync_gbps"] = row["engine_bytes"] / row["sync_s"] / 1e9
     row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
@@ -272,6 +273,8 @@ def parse_args(argv):
     ap.add_argument("--tile", type=int, default=128, help="the engine's GEMM tile")
     ap.add_argument("--attention-split", type=int, default=0,
                     help="rl.engine_attention_split: keys per split of the paged attention")  # fmt: skip
+    ap.add_argument("--dense-gemm", default="tiles", choices=["tiles", "grouped"],
+                    help="rl.engine_dense_gemm: the engine's bf16 / block-FP8 projections")  # fmt: skip
     ap.add_argument(
         "--kv-cache-gb", type=float, help="the engine's KV cache (default: the estimate's)"
     )

@@ -81,7 +81,8 @@ class EngineConfig:
       one group, the bf16 experts' kernel): batch-invariant, one launch per projection in
       prefill instead of one per tile; the tiles' bytes only where the libraries' kernels agree
       (they did on an H100, docs/benchmarks.md), so a run that needs them keeps "tiles".
-      Quantized projections are not affected.
+      A block-FP8 projection's prefill likewise takes one cuBLAS blockwise call for all its
+      tiles; NVFP4 / MXFP8 projections are not affected (already one launch, by construction).
 
     A config whose device is known is resolved for it: `backend` holds the `Kernels` record,
     `tile` and `overlap` their values on that device. Build another config for another device:

@@ -169,3 +169,29 @@ def _packed_tiles(fmt, activations, launches, monkeypatch, device, tile, rows):
     assert len(calls) == launches
     assert y.shape == (rows, 256)
     assert_bytes_equal(y, alone, "rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [129, 300, 600])
+def test_on_cuda_block_fp8_under_one_group_takes_one_call_with_the_tiles_bytes(rows, monkeypatch):
+    """The engine's dense_gemm="grouped": a block-FP8 prefill through a packed weight in one
+    cuBLAS blockwise call over all its (padded) rows instead of one a tile. Each row's bytes are
+    those of its tile run alone (the tiles' path): the call is invariant in its row count."""
+    import mxrl.nn.paths.rollout as rollout
+
+    s = spec("fp8_block", shape=(256, 512))
+    linear = RolloutLinear(s, torch.bfloat16, Backend.TRITON, 128)
+    linear.path.one_group = True
+    torch.manual_seed(0)
+    w = quantize(torch.randn(256, 512, device="cuda"), "fp8_block", block=(128, 128))
+    linear.w = linear.materialize(w)["w"]
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    alone = torch.cat([linear(x[i : i + 128]) for i in range(0, rows, 128)])
+    calls = []
+    gemm = rollout.fp8_block_matmul
+    monkeypatch.setattr(
+        rollout, "fp8_block_matmul", lambda *a, **k: calls.append(1) or gemm(*a, **k)
+    )
+    y = linear(x)
+    assert len(calls) == 1
+    assert_bytes_equal(y, alone, "rows")

@@ -32,7 +32,7 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
 from mxrl.kernels import quantize as kernel_quantize
-from mxrl.kernels.backend import num_sms, tensor_cores_available
+from mxrl.kernels.backend import num_sms
 from mxrl.kernels.decode_gemm import (
     GemmConfig,
     choose_config,
@@ -47,7 +47,7 @@ from mxrl.nn.moe import moe_grouped, moe_loop
 from mxrl.nn.operands import Form
 from mxrl.nn.paths.expert_groups import ExpertGroups
 from mxrl.nn.paths.reference import emulated_matmul
-from mxrl.nn.paths.tiles import padded_rows, tiled
+from mxrl.nn.paths.tiles import one_group, one_group_fits, padded_rows, tiled
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 from mxrl.recipe.quantize import activation_quantizer_kwargs
@@ -121,7 +121,7 @@ class RolloutPath:
     (`path`)."""
 
     autograd = False
-    one_group = False  # the engine's dense_gemm="grouped" (`_one_group`)
+    one_group = False  # the engine's dense_gemm="grouped" (`tiles.one_group`)
 
     def __init__(self, tile: int, backend: Backend) -> None:
         self.tile = tile
@@ -175,8 +175,8 @@ class RolloutPath:
         the high-precision weight (None: nothing loaded yet). The trainer's paths' signature
         (`GemmPath.linear`); `master`, `mode` and `backend` are not read: no autograd, and the
         backend is the path's, as is the packed choice (`packed(spec)`, what the module holds)."""
-        if self.one_group and _one_group_fits(x, w):
-            return _one_group(x, w)
+        if self.one_group and one_group_fits(x, w):
+            return one_group(x, w)
         packed = self.packed(spec)
         if packed and isinstance(w, QWeight) and 0 < self.tile < x.shape[0] and _row_wise(spec):
             return self._packed_tiles(x, w, spec)
@@ -187,10 +187,13 @@ class RolloutPath:
         """Several tiles through a packed weight, the bytes of `tiled` (a prefill's launches):
         the row-wise activation quantization once for every tile, then NVFP4 / MXFP8 in one
         low-bit launch at the tile's configuration (each of its M tiles computes as that tile's
-        own launch: same program, same split-K order), block FP8 tile by tile on the codes."""
+        own launch: same program, same split-K order), block FP8 tile by tile on the codes, or
+        in one cuBLAS call under `one_group` (invariant and the tiles' bytes as measured)."""
         t, tile = x.shape[0], self.tile
         xp = padded_rows(x, tile)
         xq = quantize_activation(xp, spec, self.backend)
+        if spec.format is Format.FP8_BLOCK and self.one_group and x.is_cuda:
+            return _fp8_block(xq, w.q, xp)[:t]
         if spec.format is Format.FP8_BLOCK:
             k = xq.shape[1]
             rows = [QTensor(xq.qdata[i : i + tile], xq.scale[i : i + tile], xq.fmt, (tile, k))
@@ -282,22 +285,6 @@ def _grouped_config(
     `GROUPED_CONFIG_EXPERTS` busy experts."""
     groups = min(num_experts, GROUPED_CONFIG_EXPERTS)
     return choose_config(GROUPED_CONFIG_ROWS, groups, n, k, num_sms(device), fmt.value)
-
-
-def _one_group_fits(x: torch.Tensor, w) -> bool:
-    """bf16 weight and rows (T > 0), N and K in whole 16 bytes, sm90+: `_grouped_mm`'s terms."""
-    if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16):
-        return False
-    aligned = w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
-    return aligned and x.shape[0] > 0 and tensor_cores_available(x.device)  # cached per device
-
-
-def _one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]^T in one launch whatever T (not a cuBLAS launch per tile): one group
-    of `torch._grouped_mm`, the bf16 experts' kernel, batch-invariant (the GPU tier checks it);
-    the tiles' bytes not by construction: the engine's `dense_gemm="grouped"` only."""
-    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-    return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
 
 
 def _fp8_block(xq: QTensor, w: QTensor, x: torch.Tensor) -> torch.Tensor:

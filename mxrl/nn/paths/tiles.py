@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import torch
 
+from mxrl.kernels.backend import tensor_cores_available
+
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile: int) -> torch.Tensor:
     """fn applied to [tile, ...] slices of x [T, ...] (zero-padded), results concatenated;
@@ -53,3 +55,19 @@ def _padded(x: torch.Tensor, pad: int, tile: int) -> torch.Tensor:
     out = torch.cat([x, zeros[:pad]])
     _LAST_PAD[:] = [(x, key, out)]
     return out
+
+
+def one_group_fits(x: torch.Tensor, w) -> bool:
+    """bf16 weight and rows (T > 0), N and K in whole 16 bytes, sm90+: `_grouped_mm`'s terms."""
+    if not (isinstance(w, torch.Tensor) and w.dtype is x.dtype is torch.bfloat16):
+        return False
+    aligned = w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
+    return aligned and x.shape[0] > 0 and tensor_cores_available(x.device)  # cached per device
+
+
+def one_group(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T in one launch whatever T (not a cuBLAS launch per tile): one group
+    of `torch._grouped_mm`, the bf16 experts' kernel, batch-invariant (the GPU tier checks it);
+    the tiles' bytes not by construction: the engine's `dense_gemm="grouped"` only."""
+    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
