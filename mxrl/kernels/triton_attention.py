@@ -108,34 +108,12 @@ def paged_attention_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + b).to(tl.int64)
         k_off = block * stride_kb + n_idx[:, None] * stride_ks + head_kv * stride_kh + dk[None, :]
         v_off = block * stride_vb + n_idx[:, None] * stride_vs + head_kv * stride_vh + dv[None, :]
-        k_raw = load_cols(k_cache_ptr + k_off, dk, DK, BLOCK_DK)
-        v_raw = load_cols(v_cache_ptr + v_off, dv, DV, BLOCK_DV)
-        if FP8:
-            s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv
-            k_sf = tl.load(k_scale_ptr + s_off)
-            v_sf = tl.load(v_scale_ptr + s_off)
-            k = (e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
-            v = (e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
-        else:
-            k = k_raw
-            v = v_raw
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        k_pos = b * BLOCK_N + n_idx
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        s_off = (block * BLOCK_N + n_idx) * HEADS_KV + head_kv  # FP8 scales (else unused)
+        m_i, l_i, acc = attend_keys(
+            q, q_pos, b * BLOCK_N + n_idx, k_cache_ptr + k_off, v_cache_ptr + v_off,
+            k_scale_ptr + s_off, v_scale_ptr + s_off, dk, dv, m_i, l_i, acc, scale,
+            DK, DV, BLOCK_DK, BLOCK_DV, IEEE, FP8, HW, False,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     o_off = (t0 + qi)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + dv[None, :]
     if BLOCK_DV == DV:
@@ -143,6 +121,47 @@ def paged_attention_kernel(
     else:
         o_mask = valid[:, None] & (dv < DV)[None, :]
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def attend_keys(
+    q, q_pos, k_pos, k_ptrs, v_ptrs, k_sf_ptrs, v_sf_ptrs, dk, dv, m_i, l_i, acc, scale,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IEEE: tl.constexpr, FP8: tl.constexpr, HW: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax, the one-pass and the split kernels' alike: a key tile
+    (its rows at `k_ptrs` / `v_ptrs`, key positions `k_pos`; FP8: decoded and scaled as the
+    module docstring says) attended by the query tile, keys past a row's position masked to
+    -inf; returns the running (m, l, acc). EMPTY_ROWS: a row may have seen no key yet (a split
+    past position 0), its state then stays exact zeros (no -inf - -inf)."""
+    k_raw = load_cols(k_ptrs, dk, DK, BLOCK_DK)
+    v_raw = load_cols(v_ptrs, dv, DV, BLOCK_DV)
+    if FP8:
+        k = (e4m3_values(k_raw, HW) * tl.load(k_sf_ptrs)[:, None]).to(q.dtype)
+        v = (e4m3_values(v_raw, HW) * tl.load(v_sf_ptrs)[:, None]).to(q.dtype)
+    else:
+        k = k_raw
+        v = v_raw
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
 
 
 @triton.jit

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxrl.kernels.triton_attention import e4m3_values, load_cols
+from mxrl.kernels.triton_attention import attend_keys
 
 
 @triton.jit
@@ -105,36 +105,12 @@ def paged_attention_split_kernel(
         block = tl.load(block_tables_ptr + req * stride_bt + blk, mask=inb, other=0).to(tl.int64)
         k_off = block[:, None] * stride_kb + slot[:, None] * stride_ks + head_kv * stride_kh
         v_off = block[:, None] * stride_vb + slot[:, None] * stride_vs + head_kv * stride_vh
-        k_raw = load_cols(k_cache_ptr + k_off + dk[None, :], dk, DK, BLOCK_DK)
-        v_raw = load_cols(v_cache_ptr + v_off + dv[None, :], dv, DV, BLOCK_DV)
-        if FP8:
-            s_off = (block * BLOCK_N + slot) * HEADS_KV + head_kv
-            k_sf = tl.load(k_scale_ptr + s_off)
-            v_sf = tl.load(v_scale_ptr + s_off)
-            k = (e4m3_values(k_raw, HW) * k_sf[:, None]).to(q_ptr.dtype.element_ty)
-            v = (e4m3_values(v_raw, HW) * v_sf[:, None]).to(q_ptr.dtype.element_ty)
-        else:
-            k = k_raw
-            v = v_raw
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * scale
-        k_pos = b * BLOCK_N + kn
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row with no key in this split so far: its state stays zeros (no -inf - -inf)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        s_off = (block * BLOCK_N + slot) * HEADS_KV + head_kv  # FP8 scales (else unused)
+        m_i, l_i, acc = attend_keys(
+            q, q_pos, b * BLOCK_N + kn, k_cache_ptr + k_off + dk[None, :],
+            v_cache_ptr + v_off + dv[None, :], k_scale_ptr + s_off, v_scale_ptr + s_off,
+            dk, dv, m_i, l_i, acc, scale, DK, DV, BLOCK_DK, BLOCK_DV, IEEE, FP8, HW, True,
+        )  # fmt: skip
     w = BLOCK_DV + 2  # acc, m, l per row
     base = ((tile * HEADS_KV + head_kv) * SPLITS + split).to(tl.int64) * BLOCK_M * w
     tl.store(part_ptr + base + m_idx[:, None] * w + dv[None, :], acc)
