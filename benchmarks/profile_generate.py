@@ -5,6 +5,7 @@ time against the GPU kernel time of the same call (torch.profiler), the kernels 
 the host's Python functions by own time (cProfile).
 
     python benchmarks/profile_generate.py --preset bf16 --batch 8 128 --prompt 128
+    python benchmarks/profile_generate.py --batch 32 --dense-gemm grouped   # one launch a projection
 
 RL-shaped (`--rl`): benchmarks/rollout.py's RL run (groups x samples sharing a prompt, sampled
 at temperature 1, stop tokens spread over the vocabulary): wall time, the engine's steps and
@@ -47,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shapes (the logic on a CPU)")
     ap.add_argument("--rl", action="store_true", help="the RL-shaped run (module doc)")
+    ap.add_argument("--dense-gemm", default="tiles", choices=["tiles", "grouped"],
+                    help="the engine's dense_gemm (docs/engine.md)")  # fmt: skip
     add_rl_shape_arguments(ap)
     args = ap.parse_args(argv)
     if args.rl:
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     model = build_model(model_config(layers=args.layers, vocab=32000, tiny=args.tiny), seed=0)
-    engine = Engine(model, args.preset, device=args.device, compute_dtype=torch.bfloat16)
+    engine = Engine(model, args.preset, device=args.device, compute_dtype=torch.bfloat16,
+                    dense_gemm=args.dense_gemm)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     gen = torch.Generator().manual_seed(0)
 
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
         launches = sum(e.count for e in events)
-        print(f"\n== {args.preset} B={b} prompt {args.prompt}: wall {wall * 1e3:.1f} ms, "
+        print(f"\n== {args.preset} [{args.dense_gemm}] B={b} prompt {args.prompt}: wall {wall * 1e3:.1f} ms, "
               f"{engine.stats.steps} steps, {launches} kernels, {kernel_ms:.1f} ms of kernel "
               f"time")  # fmt: skip
         events.sort(key=lambda e: -e.self_device_time_total)
