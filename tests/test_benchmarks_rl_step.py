@@ -26,7 +26,8 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
     out.write_text(json.dumps({"rollout": {"kept": True}}))
     args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--kv-fp8",
             "--prompts", "2", "--samples", "2", "--prompt", "8", "--new-tokens", "40",
-            "--steps", "1", "--tile", "16", "--attention-split", "32", "--out", str(out)]  # fmt: skip
+            "--steps", "1", "--tile", "16", "--attention-split", "32", "--dense-gemm", "grouped",
+            "--out", str(out)]  # fmt: skip
     assert rl_step.main(args) == 0
     data = json.loads(out.read_text())
     assert data["rollout"] == {"kept": True}
@@ -40,6 +41,7 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert r["step_s"] >= r["rollout_s"] + r["train_s"] + r["sync_s"]
         assert r["response_len_mean"] == sum(lengths) / 4  # the seeded lengths, every preset
         assert r["attention_split"] == 32  # rl.engine_attention_split, as the engine ran
+        assert r["dense_gemm"] == "grouped"  # rl.engine_dense_gemm (a no-op on the CPU)
         # each timed step's seconds (one here, so the median is that step's)
         assert r["per_step"] == {k: [r[k]] for k in ("rollout_s", "train_s", "sync_s", "step_s")}
     assert rows["bf16"]["step_delta_pct"] == 0.0
