@@ -123,19 +123,22 @@ def model_config(
     tiny: bool,
     tiny_layer: dict | None = None,
     family: str = "qwen3-moe",
+    min_positions: int = 0,
 ) -> ModelConfig:
     """The benchmarks' config: `family`'s layer (Qwen3-30B-A3B's or Moonlight-16B-A3B's), or its
-    tiny layer with `tiny`, at `layers` depth and a `vocab`-token vocabulary, untied embeddings."""
+    tiny layer with `tiny`, at `layers` depth and a `vocab`-token vocabulary, untied embeddings;
+    `max_position_embeddings` raised to `min_positions` where it is below (Qwen3-30B-A3B itself
+    takes 40,960 positions; the slice's config says 4096)."""
     keys = _DEEPSEEK_KEYS if family == "deepseek-v3" else _QWEN_KEYS
-    return ModelConfig.from_hf(
-        {
-            **keys,
-            **family_layer(family, tiny, tiny_layer),
-            "num_hidden_layers": layers,
-            "vocab_size": vocab,
-            "tie_word_embeddings": False,
-        }
-    )
+    hf = {
+        **keys,
+        **family_layer(family, tiny, tiny_layer),
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], min_positions)
+    return ModelConfig.from_hf(hf)
 
 
 def is_routed_expert(name: str) -> bool:

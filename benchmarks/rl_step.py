@@ -305,7 +305,11 @@ def main(argv=None) -> int:
         print(f"rl_step: {args.plot}")
         return 0
     device = check_device(args.device)
-    config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny)
+    # a request's prompt and its longest response fit the model's positions (the engine
+    # refuses a request that runs past them)
+    positions = args.prompt + args.new_tokens
+    config = model_config(layers=args.layers, vocab=args.vocab, tiny=args.tiny,
+                          min_positions=positions)  # fmt: skip
     count = args.prompts * args.samples
     lengths = response_lengths(count, args.new_tokens, seed=0)
     print(f"rl_step: {args.layers} layers, {args.prompts} x {args.samples} sequences, prompt "

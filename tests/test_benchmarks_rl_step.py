@@ -61,3 +61,16 @@ def test_kv_fp8_takes_the_presets_it_repeats(monkeypatch):
     assert rl_step.parse_args(presets).kv_fp8 is None
     with pytest.raises(SystemExit, match="unknown preset 'fp8-blok'"):
         rl_step.parse_args([*presets, "--kv-fp8", "fp8-blok"])
+
+
+def test_the_slice_takes_a_prompt_and_the_longest_response(monkeypatch):
+    """The default run (512-token prompts, responses up to 4096) fits the slice's positions:
+    the engine refuses a request past `max_position_embeddings` (4096 in the layer's config)."""
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    config = rl_step.model_config(layers=1, vocab=256, tiny=False, min_positions=512 + 4096)
+    assert config.max_positions == 4608
+    config.check_positions(512, 4096, "request 0", "max_new_tokens")
+    assert (
+        rl_step.model_config(layers=1, vocab=256, tiny=False, min_positions=100).max_positions
+        == 4096
+    )
