@@ -20,6 +20,9 @@ once from a seeded spread (exponential with mean `--new-tokens`/3, between 16 an
 (allocator, autotuning, CUDA-graph capture); the rows are the median of steps 2..1+`--steps`.
 `--kv-fp8 [PRESET ...]` adds those presets (none named: every one) once more with `kv_cache: fp8`.
 Writes the `rl_step` section after each preset, so the rows measured survive a later failure.
+Each row's `sync_allocator` holds, per timed step, the CUDA caching allocator's device
+allocations, frees and retries between the sync's export and its digest (each one waits for
+the device: what a sync slower than `benchmarks/sync.py`'s would show first).
 """
 
 from __future__ import annotations
@@ -107,6 +110,22 @@ class FixedLengthTrainer(GRPOTrainer):
     def __init__(self, *args, lengths: list[int], **kwargs) -> None:
         self.lengths = lengths
         super().__init__(*args, **kwargs)
+        # the caching allocator's device allocations, frees and retries inside each step's sync
+        # (the export to the digest): a cudaMalloc / cudaFree waits for the device
+        self.sync_allocator: list[dict[str, int]] = []
+        export, digest, before = self.actor.export, self.rollout.digest, {}
+
+        def counted_export(*a, **k):
+            before.update(allocator_counts(self.cfg.device))
+            return export(*a, **k)
+
+        def counted_digest(*a, **k):
+            out = digest(*a, **k)
+            after = allocator_counts(self.cfg.device)
+            self.sync_allocator.append({n: after[n] - before[n] for n in after})
+            return out
+
+        self.actor.export, self.rollout.digest = counted_export, counted_digest
 
     def _sampling(self, step: int, index: int) -> SamplingParams:
         params = super()._sampling(step, index)
@@ -164,6 +183,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
     row["sync_gbps"] = row["engine_bytes"] / row["sync_s"] / 1e9
     row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
+    row["sync_allocator"] = trainer.sync_allocator[1 : 1 + args.steps]  # the timed steps'
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
@@ -172,6 +192,15 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return row
+
+
+def allocator_counts(device: str) -> dict[str, int]:
+    """The CUDA caching allocator's cumulative counts on `device` (none elsewhere)."""
+    if torch.device(device).type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    names = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    return {n: stats.get(n, 0) for n in names}
 
 
 def loop_sync(trainer: GRPOTrainer) -> None:

@@ -42,6 +42,7 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert r["response_len_mean"] == sum(lengths) / 4  # the seeded lengths, every preset
         assert r["attention_split"] == 32  # rl.engine_attention_split, as the engine ran
         assert r["dense_gemm"] == "grouped"  # rl.engine_dense_gemm (a no-op on the CPU)
+        assert r["sync_allocator"] == [{}]  # one timed step's sync; the counts: CUDA only
         # each timed step's seconds (one here, so the median is that step's)
         assert r["per_step"] == {k: [r[k]] for k in ("rollout_s", "train_s", "sync_s", "step_s")}
     assert rows["bf16"]["step_delta_pct"] == 0.0
@@ -74,3 +75,25 @@ def test_the_slice_takes_a_prompt_and_the_longest_response(monkeypatch):
         rl_step.model_config(layers=1, vocab=256, tiny=False, min_positions=100).max_positions
         == 4096
     )
+
+
+def test_the_allocators_work_inside_each_sync_is_counted(tmp_path, monkeypatch):
+    """`sync_allocator`: the allocator's counts taken at the export and after the digest of each
+    step's sync, their differences per timed step (a fake counter stands in for CUDA's)."""
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    calls = []
+
+    def counts(device):
+        calls.append(device)
+        return {"num_device_alloc": 10 * len(calls), "num_alloc_retries": len(calls) // 2}
+
+    monkeypatch.setattr(rl_step, "allocator_counts", counts)
+    out = tmp_path / "results.json"
+    args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--prompts", "2",
+            "--samples", "2", "--prompt", "8", "--new-tokens", "24", "--steps", "2",
+            "--tile", "16", "--out", str(out)]  # fmt: skip
+    assert rl_step.main(args) == 0
+    row = json.loads(out.read_text())["rl_step"]["rows"][0]
+    assert calls == ["cpu"] * 6  # before and after each of the 3 steps' syncs
+    # steps 2 and 3 (the timed ones): counts 3 -> 4 and 5 -> 6
+    assert row["sync_allocator"] == [{"num_device_alloc": 10, "num_alloc_retries": 1}] * 2
