@@ -41,3 +41,14 @@ def test_profile_generate_rl_prints_the_decode_steps_by_size(monkeypatch, capsys
     assert profile.main(args) == 0
     text = capsys.readouterr().out
     assert "== RL bf16: 4 sequences" in text and "decode steps of <= 8 rows" in text
+
+
+def test_profile_generate_prefill_runs_on_the_cpu(monkeypatch, capsys):
+    """The prefill profile (the default mode) on the CPU: its ops by own CPU time (it asked the
+    profiler for CUDA activity only, and failed there); the engine's dense_gemm in the title."""
+    profile = load_benchmark("profile_generate", monkeypatch)
+    args = ["--tiny", "--device", "cpu", "--layers", "1", "--batch", "2", "--prompt", "8",
+            "--dense-gemm", "grouped", "--top", "3"]  # fmt: skip
+    assert profile.main(args) == 0
+    text = capsys.readouterr().out
+    assert "== bf16 [grouped] B=2 prompt 8" in text and "aten::" in text
