@@ -1,7 +1,8 @@
 """Batch-invariant token tiling, the engine's GEMMs' fixed shapes (docs/engine.md): `tiled`
 runs a function on slices of exactly `tile` rows (the last one zero-padded), so each kernel it
 launches sees the same shapes whatever else is in the batch, and a row's result cannot depend on
-the other rows (`mxrl.nn.paths.rollout`)."""
+the other rows (`mxrl.nn.paths.rollout`). `one_group` is the one-launch alternative of the
+engine's `dense_gemm="grouped"` (a bf16 projection's rows in one `_grouped_mm` launch)."""
 
 from __future__ import annotations
 
