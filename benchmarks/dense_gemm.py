@@ -30,6 +30,7 @@ ensure_repo_on_path()
 from mxrl.formats import QTensor  # noqa: E402
 from mxrl.kernels.api import quantize  # noqa: E402
 from mxrl.kernels.fp8_gemm import fp8_block_matmul  # noqa: E402
+from mxrl.nn.paths.tiles import one_group as grouped  # noqa: E402
 from mxrl.nn.paths.tiles import tiled as engine_tiled  # noqa: E402
 
 TILE = 128
@@ -42,11 +43,6 @@ FP8 = {"q": (4096, 2048), "kv": (512, 2048), "o": (2048, 4096)}
 def tiled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The engine's tiles (`mxrl.nn.paths.tiles.tiled`): one `F.linear` per 128-row tile."""
     return engine_tiled(lambda c: F.linear(c, w), x, TILE)
-
-
-def grouped(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
-    return torch._grouped_mm(x, w.unsqueeze(0).transpose(-2, -1), offs=offs)
 
 
 def rows_of(q: QTensor, a: int, b: int) -> QTensor:

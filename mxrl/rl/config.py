@@ -203,8 +203,9 @@ class GRPOConfig:
     # keys per split of the engine's Triton paged attention (0: one pass; docs/engine.md,
     # "Attention"): batch-invariant, faster at long contexts, not the one-pass bytes
     engine_attention_split: int = field(default=0, metadata=rule(APPLY, _attention_split))
-    # the engine's bf16 projections: tiles (one launch per tile) or grouped (one launch for a
-    # step's rows on sm90+; docs/engine.md): both batch-invariant, the same bytes not guaranteed
+    # the engine's bf16 / block-FP8 projections: tiles (one launch per tile) or grouped (one
+    # launch for a step's rows on sm90+; docs/engine.md): both batch-invariant, the same bytes
+    # not guaranteed
     engine_dense_gemm: str = field(default="tiles", metadata=rule(APPLY, _DENSE_GEMM))
     # the engine's compute dtype and the training forward's autocast: auto = bfloat16 on CUDA
     # (the CUDA-graph decode, tensor-core training GEMMs), float32 on the CPU (the reference)
