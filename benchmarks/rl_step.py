@@ -20,9 +20,11 @@ once from a seeded spread (exponential with mean `--new-tokens`/3, between 16 an
 (allocator, autotuning, CUDA-graph capture); the rows are the median of steps 2..1+`--steps`.
 `--kv-fp8 [PRESET ...]` adds those presets (none named: every one) once more with `kv_cache: fp8`.
 Writes the `rl_step` section after each preset, so the rows measured survive a later failure.
-Each row's `sync_allocator` holds, per timed step, the CUDA caching allocator's device
-allocations, frees and retries between the sync's export and its digest (each one waits for
-the device: what a sync slower than `benchmarks/sync.py`'s would show first).
+Each row's `sync_phases` holds, per timed step, the sync in phases (export, engine update,
+digest; seconds, each phase ending when the device is done), the Python garbage collector's
+pauses inside it, and the CUDA caching allocator's device allocations, frees and retries (the
+suspects for a loop's sync slower than `benchmarks/sync.py`'s); `gc_step_s` the collector's
+pauses in each whole timed step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import random
@@ -55,6 +58,7 @@ from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
 from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
 from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
+from mxrl.rl.metrics import settle  # noqa: E402
 from mxrl.rl.resolve import resolve_train  # noqa: E402
 from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
@@ -96,6 +100,34 @@ class RandomPrompts:
         self.step = int(state["step"])
 
 
+class GcClock:
+    """The Python garbage collector's pauses (seconds, collections) since the clock was
+    installed, from `gc.callbacks`: a full collection walks every live object, and a step holds
+    the rollout's token lists."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self.start, self.installed = 0.0, 0, 0.0, False
+
+    def install(self) -> GcClock:
+        if not self.installed:
+            gc.callbacks.append(self.callback)
+            self.installed = True
+        return self
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.start
+            self.collections += 1
+
+    def read(self) -> tuple[float, int]:
+        return self.seconds, self.collections
+
+
+GC_CLOCK = GcClock()
+
+
 def response_lengths(count: int, longest: int, seed: int) -> list[int]:
     """Seeded lengths: exponential with mean longest/3, clamped to [16, longest]."""
     rng = random.Random(seed)
@@ -110,22 +142,42 @@ class FixedLengthTrainer(GRPOTrainer):
     def __init__(self, *args, lengths: list[int], **kwargs) -> None:
         self.lengths = lengths
         super().__init__(*args, **kwargs)
-        # the caching allocator's device allocations, frees and retries inside each step's sync
-        # (the export to the digest): a cudaMalloc / cudaFree waits for the device
-        self.sync_allocator: list[dict[str, int]] = []
-        export, digest, before = self.actor.export, self.rollout.digest, {}
+        # each step's sync in phases (export, engine update, digest: seconds, each ended by
+        # waiting for the device), the Python GC's pauses inside it, and the caching allocator's
+        # device allocations, frees and retries (a cudaMalloc / cudaFree waits for the device)
+        self.sync_phases: list[dict[str, float]] = []
+        self.gc_clock = GC_CLOCK.install()
+        device = self.cfg.device
+        export, update, digest = self.actor.export, self.rollout.update, self.rollout.digest
+        marks: dict = {}
 
-        def counted_export(*a, **k):
-            before.update(allocator_counts(self.cfg.device))
-            return export(*a, **k)
-
-        def counted_digest(*a, **k):
-            out = digest(*a, **k)
-            after = allocator_counts(self.cfg.device)
-            self.sync_allocator.append({n: after[n] - before[n] for n in after})
+        def timed_export(*a, **k):
+            settle(device)
+            marks.update(allocator_counts(device), t=time.perf_counter(), gc=self.gc_clock.read())
+            out = export(*a, **k)
+            settle(device)
+            marks["export"] = time.perf_counter()
             return out
 
-        self.actor.export, self.rollout.digest = counted_export, counted_digest
+        def timed_update(*a, **k):
+            out = update(*a, **k)
+            settle(device)
+            marks["update"] = time.perf_counter()
+            return out
+
+        def timed_digest(*a, **k):
+            out = digest(*a, **k)
+            settle(device)
+            end, gc_end, after = time.perf_counter(), self.gc_clock.read(), allocator_counts(device)
+            phases = {"export_s": marks["export"] - marks["t"],
+                      "update_s": marks["update"] - marks["export"],
+                      "digest_s": end - marks["update"], "gc_s": gc_end[0] - marks["gc"][0],
+                      "gc_collections": gc_end[1] - marks["gc"][1]}  # fmt: skip
+            self.sync_phases.append(phases | {n: after[n] - marks[n] for n in after})
+            return out
+
+        self.actor.export, self.rollout.update = timed_export, timed_update
+        self.rollout.digest = timed_digest
 
     def _sampling(self, step: int, index: int) -> SamplingParams:
         params = super()._sampling(step, index)
@@ -161,13 +213,14 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     )
     rows = []
     for step in range(args.steps + 1):
-        start = time.perf_counter()
+        gc_start, start = GC_CLOCK.read()[0], time.perf_counter()
         metrics = trainer.train_step()
         wall = time.perf_counter() - start
         if step:  # step 1: the warm-up
             rows.append({"rollout_s": metrics["time/rollout_s"], "train_s": metrics["time/train_s"],
                          "sync_s": metrics["time/sync_s"], "step_s": wall,
-                         "response_len": metrics["response_len/mean"]})  # fmt: skip
+                         "response_len": metrics["response_len/mean"],
+                         "gc_s": GC_CLOCK.read()[0] - gc_start})  # fmt: skip
         print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
@@ -183,7 +236,9 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
     row["sync_gbps"] = row["engine_bytes"] / row["sync_s"] / 1e9
     row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
-    row["sync_allocator"] = trainer.sync_allocator[1 : 1 + args.steps]  # the timed steps'
+    row["sync_phases"] = trainer.sync_phases[1 : 1 + args.steps]  # the timed steps'
+    row["gc_step_s"] = [r["gc_s"] for r in rows]
+    print(f"  {label} sync phases: {row['sync_phases']}; GC per step {row['gc_step_s']}")
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )

@@ -42,7 +42,11 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert r["response_len_mean"] == sum(lengths) / 4  # the seeded lengths, every preset
         assert r["attention_split"] == 32  # rl.engine_attention_split, as the engine ran
         assert r["dense_gemm"] == "grouped"  # rl.engine_dense_gemm (a no-op on the CPU)
-        assert r["sync_allocator"] == [{}]  # one timed step's sync; the counts: CUDA only
+        (phases,) = r["sync_phases"]  # one timed step's sync; allocator counts: CUDA only
+        assert set(phases) == {"export_s", "update_s", "digest_s", "gc_s", "gc_collections"}
+        parts = phases["export_s"] + phases["update_s"] + phases["digest_s"]
+        assert 0 < parts <= r["sync_s"]  # the phases lie inside the loop's timed sync
+        assert len(r["gc_step_s"]) == 1 and r["gc_step_s"][0] >= phases["gc_s"] >= 0
         # each timed step's seconds (one here, so the median is that step's)
         assert r["per_step"] == {k: [r[k]] for k in ("rollout_s", "train_s", "sync_s", "step_s")}
     assert rows["bf16"]["step_delta_pct"] == 0.0
@@ -78,7 +82,7 @@ def test_the_slice_takes_a_prompt_and_the_longest_response(monkeypatch):
 
 
 def test_the_allocators_work_inside_each_sync_is_counted(tmp_path, monkeypatch):
-    """`sync_allocator`: the allocator's counts taken at the export and after the digest of each
+    """`sync_phases`: the allocator's counts taken at the export and after the digest of each
     step's sync, their differences per timed step (a fake counter stands in for CUDA's)."""
     rl_step = load_benchmark("rl_step", monkeypatch)
     calls = []
@@ -96,4 +100,17 @@ def test_the_allocators_work_inside_each_sync_is_counted(tmp_path, monkeypatch):
     row = json.loads(out.read_text())["rl_step"]["rows"][0]
     assert calls == ["cpu"] * 6  # before and after each of the 3 steps' syncs
     # steps 2 and 3 (the timed ones): counts 3 -> 4 and 5 -> 6
-    assert row["sync_allocator"] == [{"num_device_alloc": 10, "num_alloc_retries": 1}] * 2
+    for phases in row["sync_phases"]:
+        assert phases["num_device_alloc"] == 10 and phases["num_alloc_retries"] == 1
+
+
+def test_the_gc_clock_adds_the_collectors_pauses(monkeypatch):
+    """GcClock sums the time between each collection's start and stop callbacks."""
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    clock = rl_step.GcClock()
+    ticks = iter([1.0, 1.25, 3.0, 3.5])
+    monkeypatch.setattr(rl_step.time, "perf_counter", lambda: next(ticks))
+    for phase in ("start", "stop", "start", "stop"):
+        clock.callback(phase, {"generation": 2})
+    monkeypatch.undo()
+    assert clock.read() == (0.75, 2)
