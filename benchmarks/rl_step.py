@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import math
 import random
@@ -58,7 +57,7 @@ from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
 from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
 from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
-from mxrl.rl.metrics import settle  # noqa: E402
+from mxrl.rl.metrics import GC_PAUSES, settle  # noqa: E402
 from mxrl.rl.resolve import resolve_train  # noqa: E402
 from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
@@ -100,32 +99,9 @@ class RandomPrompts:
         self.step = int(state["step"])
 
 
-class GcClock:
-    """The Python garbage collector's pauses (seconds, collections) since the clock was
-    installed, from `gc.callbacks`: a full collection walks every live object, and a step holds
-    the rollout's token lists."""
-
-    def __init__(self) -> None:
-        self.seconds, self.collections, self.start, self.installed = 0.0, 0, 0.0, False
-
-    def install(self) -> GcClock:
-        if not self.installed:
-            gc.callbacks.append(self.callback)
-            self.installed = True
-        return self
-
-    def callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.start = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self.start
-            self.collections += 1
-
-    def read(self) -> tuple[float, int]:
-        return self.seconds, self.collections
-
-
-GC_CLOCK = GcClock()
+def gc_read() -> tuple[float, int]:
+    """The garbage collector's pauses so far: (seconds, collections)."""
+    return GC_PAUSES.seconds, GC_PAUSES.collections
 
 
 def response_lengths(count: int, longest: int, seed: int) -> list[int]:
@@ -146,14 +122,14 @@ class FixedLengthTrainer(GRPOTrainer):
         # waiting for the device), the Python GC's pauses inside it, and the caching allocator's
         # device allocations, frees and retries (a cudaMalloc / cudaFree waits for the device)
         self.sync_phases: list[dict[str, float]] = []
-        self.gc_clock = GC_CLOCK.install()
+        GC_PAUSES.install()
         device = self.cfg.device
         export, update, digest = self.actor.export, self.rollout.update, self.rollout.digest
         marks: dict = {}
 
         def timed_export(*a, **k):
             settle(device)
-            marks.update(allocator_counts(device), t=time.perf_counter(), gc=self.gc_clock.read())
+            marks.update(allocator_counts(device), t=time.perf_counter(), gc=gc_read())
             out = export(*a, **k)
             settle(device)
             marks["export"] = time.perf_counter()
@@ -168,7 +144,7 @@ class FixedLengthTrainer(GRPOTrainer):
         def timed_digest(*a, **k):
             out = digest(*a, **k)
             settle(device)
-            end, gc_end, after = time.perf_counter(), self.gc_clock.read(), allocator_counts(device)
+            end, gc_end, after = time.perf_counter(), gc_read(), allocator_counts(device)
             phases = {"export_s": marks["export"] - marks["t"],
                       "update_s": marks["update"] - marks["export"],
                       "digest_s": end - marks["update"], "gc_s": gc_end[0] - marks["gc"][0],
@@ -213,14 +189,14 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     )
     rows = []
     for step in range(args.steps + 1):
-        gc_start, start = GC_CLOCK.read()[0], time.perf_counter()
+        gc_start, start = GC_PAUSES.seconds, time.perf_counter()
         metrics = trainer.train_step()
         wall = time.perf_counter() - start
         if step:  # step 1: the warm-up
             rows.append({"rollout_s": metrics["time/rollout_s"], "train_s": metrics["time/train_s"],
                          "sync_s": metrics["time/sync_s"], "step_s": wall,
                          "response_len": metrics["response_len/mean"],
-                         "gc_s": GC_CLOCK.read()[0] - gc_start})  # fmt: skip
+                         "gc_s": GC_PAUSES.seconds - gc_start})  # fmt: skip
         print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")

@@ -102,15 +102,3 @@ def test_the_allocators_work_inside_each_sync_is_counted(tmp_path, monkeypatch):
     # steps 2 and 3 (the timed ones): counts 3 -> 4 and 5 -> 6
     for phases in row["sync_phases"]:
         assert phases["num_device_alloc"] == 10 and phases["num_alloc_retries"] == 1
-
-
-def test_the_gc_clock_adds_the_collectors_pauses(monkeypatch):
-    """GcClock sums the time between each collection's start and stop callbacks."""
-    rl_step = load_benchmark("rl_step", monkeypatch)
-    clock = rl_step.GcClock()
-    ticks = iter([1.0, 1.25, 3.0, 3.5])
-    monkeypatch.setattr(rl_step.time, "perf_counter", lambda: next(ticks))
-    for phase in ("start", "stop", "start", "stop"):
-        clock.callback(phase, {"generation": 2})
-    monkeypatch.undo()
-    assert clock.read() == (0.75, 2)

@@ -3,6 +3,7 @@ one progress line per step on stderr."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +30,33 @@ def memory_peak(device: torch.device | str) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # KiB on Linux
+
+
+class GcPauses:
+    """The Python garbage collector's pauses in this process (seconds, collections) since the
+    clock was installed (`gc.callbacks`): `time/gc_s` of a step. The loop allocates Python
+    objects at every decode step and every full collection walks all live ones, so the pauses
+    grow with the rollout's length and the process's heap; nothing else reports them."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self.start, self.installed = 0.0, 0, 0.0, False
+
+    def install(self) -> GcPauses:
+        """Start counting (once per process; the clock is shared)."""
+        if not self.installed:
+            gc.callbacks.append(self.callback)
+            self.installed = True
+        return self
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.start
+            self.collections += 1
+
+
+GC_PAUSES = GcPauses()
 
 
 def settle(device: torch.device | str) -> None:

@@ -42,7 +42,7 @@ from mxrl.rl import micro_batch
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.metrics import Progress, memory_peak, settle, step_metrics
+from mxrl.rl.metrics import GC_PAUSES, Progress, memory_peak, settle, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resolve import Resolved, resolve_train
 from mxrl.rl.resume import CHECKPOINT_DIR, read_state
@@ -121,7 +121,7 @@ class GRPOTrainer:
         n = cfg.samples_per_prompt
         device = self.layout.device if self.layout is not None else cfg.device
         memory_peak(device)  # from here: this step's stages
-        t0 = time.perf_counter()
+        gc_paused, t0 = GC_PAUSES.install().seconds, time.perf_counter()
         batch = self.source.next_batch(cfg.prompts_per_step)  # every rank: one data stream
         prompts = [p for p in batch.prompts for _ in range(n)]
         labels = [lab for lab in batch.labels for _ in range(n)]
@@ -161,7 +161,7 @@ class GRPOTrainer:
                 engine_digest=served, deep=deep,
             )  # fmt: skip
             metrics = self._metrics(outs, rewards, mask, train, times, t0, report.version)
-            metrics |= peaks
+            metrics |= peaks | {"time/gc_s": GC_PAUSES.seconds - gc_paused}
             if held_out is not None:
                 metrics["eval/accuracy"] = held_out
             self.record.log_metrics(step, metrics)

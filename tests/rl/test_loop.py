@@ -33,6 +33,7 @@ REQUIRED = [
     "time/rollout_s",
     "time/train_s",
     "time/sync_s",
+    "time/gc_s",
     "throughput/tokens_per_s",
 ]
 
@@ -51,6 +52,41 @@ def test_every_step_logs_the_required_metrics_and_verified_syncs(tmp_path):
     quant = trainer.record.events("quantization")
     assert len(quant) == 2 and set(quant[0]["sqnr_db"]) == {"layer.0", "layer.1", "layer.2"}
     assert rows[0]["grad/norm"] > 0  # the parity reward gives real gradients
+    assert all(0 <= r["time/gc_s"] < r["time/rollout_s"] + r["time/train_s"] for r in rows)
+
+
+def test_a_steps_gc_pauses_are_the_collections_inside_it(tmp_path, monkeypatch):
+    """`time/gc_s`: the collector's pauses between the step's start and its metrics, from
+    `gc.callbacks` (a collection forced inside the rollout counts; none before the step)."""
+    import gc
+
+    from mxrl.rl import metrics
+
+    clock = metrics.GcPauses()
+    monkeypatch.setattr(metrics, "GC_PAUSES", clock)
+    monkeypatch.setattr("mxrl.rl.trainer.GC_PAUSES", clock)
+    trainer = tiny_trainer(tmp_path, "gc", steps=1)
+    generate = trainer.rollout.generate
+    ticks = iter([10.0, 10.25])  # one collection of 0.25 s inside the rollout
+
+    def collecting(*a, **k):
+        monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
+        clock.callback("start", {"generation": 2})
+        clock.callback("stop", {"generation": 2})
+        monkeypatch.setattr(metrics.time, "perf_counter", real)
+        return generate(*a, **k)
+
+    real = metrics.time.perf_counter
+    trainer.rollout.generate = collecting
+    clock.seconds = 7.0  # pauses before the step are not its own
+    gc.disable()  # no real collection adds to the fake one
+    try:
+        trainer.run()
+    finally:
+        gc.enable()
+        gc.callbacks.remove(clock.callback)
+    (row,) = trainer.record.metrics()
+    assert row["time/gc_s"] == pytest.approx(0.25)
 
 
 def test_resumed_run_matches_an_uninterrupted_one(tmp_path):
