@@ -27,7 +27,7 @@ from mxrl.nn import apply_plan
 from mxrl.rl.config import GRPOConfig
 from mxrl.rl.optim import adamw
 from mxrl.rl.resume import apply_optimizer_settings
-from mxrl.weights import Export, export
+from mxrl.weights import WHOLE_UPDATE, Export, export
 from mxrl.weights.event import SqnrSample
 
 if TYPE_CHECKING:
@@ -160,7 +160,8 @@ class LocalActor:
         )
 
     def export(self, step: int, *, sqnr: bool | SqnrSample = True) -> Export:
-        return export(self.model, self.plan, step=step, sqnr=sqnr)
+        # for this process's engine (LocalRollout): one bucket, one host read of its checksums
+        return export(self.model, self.plan, step=step, sqnr=sqnr, bucket_bytes=WHOLE_UPDATE)
 
     def save(self, folder: Path | None, step: int, state: dict[str, Any]) -> Path:
         """folder/step_NNNNNN.pt: the trainer's `state` with the weights, the optimizer and the

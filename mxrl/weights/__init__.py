@@ -13,7 +13,7 @@ sha256 per shard), convert.py (`mxrl convert`), fp8_source.py (an FP8
 checkpoint's bytes against the plan's). docs/sync.md describes them.
 """
 
-from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, Bucket, Export, export
+from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, WHOLE_UPDATE, Bucket, Export, export
 from mxrl.weights.check import check_global_scales, check_record
 from mxrl.weights.convert import convert_checkpoint
 from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "MANIFEST_NAME",
     "PLAN_NAME",
+    "WHOLE_UPDATE",
     "Bucket",
     "Export",
     "PendingChecksums",

@@ -39,6 +39,10 @@ from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+# One bucket for the whole update: an engine in the exporting process holds every record until
+# it loads them all (`Engine.load_weights` is all or nothing), so buckets there buy no memory,
+# and each one costs a host read of its checksums, which stalls the device between buckets.
+WHOLE_UPDATE = 1 << 62
 
 
 @dataclass(frozen=True)

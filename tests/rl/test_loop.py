@@ -182,3 +182,24 @@ def test_the_deep_sync_check_runs_every_n_steps_and_catches_a_corrupted_engine(t
     assert not trainer._verify_sync()  # memory corrupted after the load: the deep check says so
     with pytest.raises(ValueError, match="verify_every"):
         GRPOConfig(verify_every=-1)
+
+
+def test_the_in_process_export_is_one_bucket_with_one_host_read(tmp_path, monkeypatch):
+    """The single-process actor exports for the engine beside it in one bucket (WHOLE_UPDATE):
+    one host read of the checksums per sync instead of one per 512 MiB bucket (each stalls the
+    device between buckets), the engine holding every record until it loads them anyway."""
+    from mxrl.weights import WHOLE_UPDATE, buckets
+
+    trainer = tiny_trainer(tmp_path, "one-bucket", steps=1)
+    reads = []
+    real = buckets.checksums
+    monkeypatch.setattr(buckets, "checksums", lambda n, v: reads.append(len(n)) or real(n, v))
+    update = trainer.actor.export(1, sqnr=False)
+    assert update.bucket_bytes == WHOLE_UPDATE
+    parts = list(update)
+    assert len(parts) == 1 and parts[0].last
+    assert reads == [len(trainer.plan)]  # every tensor's checksum in one read
+    monkeypatch.undo()
+    # the same weights at a small bucket size split: the tiny model is not one bucket by size
+    small = buckets.export(trainer.model, trainer.plan, bucket_bytes=2**16, step=1, sqnr=False)
+    assert len(list(small)) > 1
