@@ -228,8 +228,6 @@ def profile_call(
     import cProfile
     import pstats
 
-    from torch.profiler import ProfilerActivity, profile
-
     def synced() -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -255,17 +253,7 @@ def profile_call(
         calls = {k: (between[k] - before[k], after[k] - between[k]) for k in before}
         print(f"  profile {label}: first call {first * 1e3:.1f} ms, the next {plain * 1e3:.1f} "
               f"ms; allocator (first, next): {calls}")  # fmt: skip
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = synced()
-        fn()
-        wall = synced() - t0
-    events = prof.key_averages()
-    # the kernels' and copies' own events (an aten op's device time repeats its kernels')
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.self_device_time_total for e in kernels) / 1e6
-    print(f"  profile {label}: wall {plain * 1e3:.1f} ms unprofiled, {wall * 1e3:.1f} ms "
-          f"profiled, device busy {busy * 1e3:.1f} ms")  # fmt: skip
-    print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=60))
+    profile_once(fn, device, label, rows, plain=plain, host=False)
     host = cProfile.Profile()
     host.enable()
     fn()
@@ -273,3 +261,50 @@ def profile_call(
     host.disable()
     stats = pstats.Stats(host)
     stats.sort_stats("cumulative").print_stats(r"mxrl|triton/runtime|torch/cuda", 40)
+
+
+def profile_once(
+    fn: Callable[[], object],
+    device: torch.device,
+    label: str,
+    rows: int = 14,
+    *,
+    plain: float | None = None,
+    host: bool = True,
+) -> object:
+    """fn() once under torch.profiler (and, host, cProfile at the same time), printed as
+    `profile_call` prints; returns fn's result. For a call that cannot be repeated as it ran
+    (the loop's sync inside a step); `plain`: the unprofiled wall time, when one was taken."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def synced() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    python = cProfile.Profile()
+    with profile(activities=activities) as prof:
+        t0 = synced()
+        if host:
+            python.enable()
+        out = fn()
+        wall = synced() - t0
+        if host:
+            python.disable()
+    events = prof.key_averages()
+    # the kernels' and copies' own events (an aten op's device time repeats its kernels')
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e6
+    unprofiled = "" if plain is None else f"{plain * 1e3:.1f} ms unprofiled, "
+    print(f"  profile {label}: wall {unprofiled}{wall * 1e3:.1f} ms profiled, device busy "
+          f"{busy * 1e3:.1f} ms")  # fmt: skip
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=rows, max_name_column_width=60))
+    if host:
+        stats = pstats.Stats(python)
+        stats.sort_stats("cumulative").print_stats(r"mxrl|triton/runtime|torch/cuda", 40)
+    return out

@@ -24,7 +24,11 @@ Each row's `sync_phases` holds, per timed step, the sync in phases (export, engi
 digest; seconds, each phase ending when the device is done), the Python garbage collector's
 pauses inside it, and the CUDA caching allocator's device allocations, frees and retries (the
 suspects for a loop's sync slower than `benchmarks/sync.py`'s); `gc_step_s` the collector's
-pauses in each whole timed step.
+pauses in each whole timed step. `--profile-sync` runs one more step after the timed ones and
+profiles its engine update in place (torch.profiler and cProfile; the export's quantization runs
+inside it), then one more sync after the steps, for the difference between the two.
+`--gc-freeze` moves every object alive once the trainer is built out of the collector's reach
+(`gc.freeze()`) for the preset's steps, against the same rows without it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import math
 import random
@@ -47,6 +52,7 @@ from common import (
     environment,
     format_table,
     profile_call,
+    profile_once,
     update_results,
 )
 from engine_decode import check_device, check_presets, cpu_environment, model_config
@@ -122,6 +128,7 @@ class FixedLengthTrainer(GRPOTrainer):
         # waiting for the device), the Python GC's pauses inside it, and the caching allocator's
         # device allocations, frees and retries (a cudaMalloc / cudaFree waits for the device)
         self.sync_phases: list[dict[str, float]] = []
+        self.profile_at: int | None = None  # --profile-sync: the step whose update is profiled
         GC_PAUSES.install()
         device = self.cfg.device
         export, update, digest = self.actor.export, self.rollout.update, self.rollout.digest
@@ -136,7 +143,11 @@ class FixedLengthTrainer(GRPOTrainer):
             return out
 
         def timed_update(*a, **k):
-            out = update(*a, **k)
+            if self.profile_at == self.step + 1:  # this step's own update (the export's work)
+                label = f"the loop's own update, step {self.step + 1}"
+                out = profile_once(lambda: update(*a, **k), torch.device(device), label)
+            else:
+                out = update(*a, **k)
             settle(device)
             marks["update"] = time.perf_counter()
             return out
@@ -174,7 +185,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     model = from_pretrained(path, dtype=torch.float32).to(device)
     label = f"{preset}+kv-fp8" if kv_fp8 else preset
     cfg = GRPOConfig(
-        recipe=recipe_of(preset, kv_fp8), steps=args.steps + 1, prompts_per_step=args.prompts,
+        recipe=recipe_of(preset, kv_fp8), steps=args.steps + 2, prompts_per_step=args.prompts,
         samples_per_prompt=args.samples, max_new_tokens=args.new_tokens, lr=1e-5, seed=0,
         device=str(device), verify_every=args.verify_every, engine_tile=args.tile,
         max_tokens_per_micro_batch=args.micro_batch_tokens or 0,
@@ -187,17 +198,25 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     trainer = FixedLengthTrainer(
         cfg, model, source, record, lengths=lengths, resolved=resolved, **sizes
     )
+    # --profile-sync: one more step after the timed ones, its engine update profiled in place
+    extra = 1 if args.profile_sync else 0
+    trainer.profile_at = args.steps + 2 if extra else None
+    if args.gc_freeze:  # what the trainer allocated so far out of every later collection
+        gc.collect()
+        gc.freeze()
     rows = []
-    for step in range(args.steps + 1):
+    for step in range(args.steps + 1 + extra):
         gc_start, start = GC_PAUSES.seconds, time.perf_counter()
         metrics = trainer.train_step()
         wall = time.perf_counter() - start
-        if step:  # step 1: the warm-up
+        if 0 < step <= args.steps:  # step 1: the warm-up
             rows.append({"rollout_s": metrics["time/rollout_s"], "train_s": metrics["time/train_s"],
                          "sync_s": metrics["time/sync_s"], "step_s": wall,
                          "response_len": metrics["response_len/mean"],
                          "gc_s": GC_PAUSES.seconds - gc_start})  # fmt: skip
         print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
+    if args.gc_freeze:
+        gc.unfreeze()
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
     row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
@@ -214,6 +233,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["kv_cache_gib"] = sizes["kv_cache_bytes"] / 2**30
     row["sync_phases"] = trainer.sync_phases[1 : 1 + args.steps]  # the timed steps'
     row["gc_step_s"] = [r["gc_s"] for r in rows]
+    row["gc_freeze"] = args.gc_freeze
     print(f"  {label} sync phases: {row['sync_phases']}; GC per step {row['gc_step_s']}")
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -341,7 +361,11 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
     ap.add_argument("--profile-sync", action="store_true",
-                    help="after the steps, one more of the loop's syncs profiled (printed)")  # fmt: skip
+                    help="the last timed step's engine update profiled in place, then one more "
+                         "of the loop's syncs after the steps (printed)")  # fmt: skip
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() once the trainer is built (its objects out of every "
+                         "collection) until the preset's steps end: against gc_step_s")  # fmt: skip
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
     ap.add_argument("--section", default="rl_step", help="the results section written")
     ap.add_argument("--plot", metavar="PNG", help="draw --out's rl_step section there; no run")

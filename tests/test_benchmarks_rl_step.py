@@ -4,6 +4,7 @@ exactly the seeded response lengths, the results file keeping the other sections
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -102,3 +103,22 @@ def test_the_allocators_work_inside_each_sync_is_counted(tmp_path, monkeypatch):
     # steps 2 and 3 (the timed ones): counts 3 -> 4 and 5 -> 6
     for phases in row["sync_phases"]:
         assert phases["num_device_alloc"] == 10 and phases["num_alloc_retries"] == 1
+
+
+def test_profile_sync_profiles_an_extra_steps_own_update(tmp_path, monkeypatch, capsys):
+    """--profile-sync: a step after the timed ones, its engine update profiled in place, and
+    its time kept out of the rows (one timed step's row, one timed step's phases)."""
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    out = tmp_path / "results.json"
+    args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--prompts", "2",
+            "--samples", "2", "--prompt", "8", "--new-tokens", "24", "--steps", "1",
+            "--tile", "16", "--profile-sync", "--gc-freeze", "--out", str(out)]  # fmt: skip
+    assert rl_step.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "bf16 step 3:" in printed and "bf16 step 4:" not in printed
+    assert "profile the loop's own update, step 3: wall" in printed
+    assert "profile loop sync bf16: wall" in printed  # the rerun after the steps
+    row = json.loads(out.read_text())["rl_step"]["rows"][0]
+    assert len(row["per_step"]["sync_s"]) == len(row["sync_phases"]) == 1
+    assert row["gc_freeze"] is True
+    assert gc.get_freeze_count() == 0  # unfrozen when the preset's steps end
