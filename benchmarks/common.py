@@ -217,6 +217,16 @@ def cpu_environment() -> dict:
     }
 
 
+def allocator_counts(device: torch.device | str) -> dict[str, int]:
+    """The CUDA caching allocator's cumulative device allocations, frees and retries on `device`
+    (each cudaMalloc / cudaFree waits for the device); none elsewhere."""
+    if torch.device(device).type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    names = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    return {n: stats.get(n, 0) for n in names}
+
+
 def profile_call(
     fn: Callable[[], object], device: torch.device, label: str, rows: int = 14
 ) -> None:
@@ -233,22 +243,15 @@ def profile_call(
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
-    def allocator() -> dict:
-        if device.type != "cuda":
-            return {}
-        stats = torch.cuda.memory_stats(device)
-        keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
-        return {k: stats.get(k, 0) for k in keys}
-
-    before = allocator()
+    before = allocator_counts(device)
     t0 = synced()
     fn()
     first = synced() - t0
-    between = allocator()
+    between = allocator_counts(device)
     t0 = synced()
     fn()
     plain = synced() - t0
-    after = allocator()
+    after = allocator_counts(device)
     if before:  # cudaMalloc / cudaFree calls and allocator retries in each call (synchronous)
         calls = {k: (between[k] - before[k], after[k] - between[k]) for k in before}
         print(f"  profile {label}: first call {first * 1e3:.1f} ms, the next {plain * 1e3:.1f} "

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from common import (
     REPO_ROOT,
+    allocator_counts,
     ensure_repo_on_path,
     environment,
     format_table,
@@ -243,15 +244,6 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return row
-
-
-def allocator_counts(device: str) -> dict[str, int]:
-    """The CUDA caching allocator's cumulative counts on `device` (none elsewhere)."""
-    if torch.device(device).type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    names = ("num_device_alloc", "num_device_free", "num_alloc_retries")
-    return {n: stats.get(n, 0) for n in names}
 
 
 def loop_sync(trainer: GRPOTrainer) -> None:
