@@ -27,16 +27,17 @@ suspects for a loop's sync slower than `benchmarks/sync.py`'s); `gc_step_s` the 
 pauses in each whole timed step. `--profile-sync` runs one more step after the timed ones and
 profiles its engine update in place (torch.profiler and cProfile; the export's quantization runs
 inside it), then one more sync after the steps, for the difference between the two.
-`--gc-freeze` moves every object alive once the trainer is built out of the collector's reach
-(`gc.freeze()`) for the preset's steps, against the same rows without it.
+The steps run with the heap frozen, as `GRPOTrainer.run` runs them (`mxrl.rl.metrics.
+frozen_heap`: every object alive once the trainer is built out of the collector's walks);
+`--no-gc-freeze` runs them without, for the collector's share of the step.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
-import gc
 import json
 import math
 import random
@@ -64,7 +65,7 @@ from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
 from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
 from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
-from mxrl.rl.metrics import GC_PAUSES, settle  # noqa: E402
+from mxrl.rl.metrics import GC_PAUSES, frozen_heap, settle  # noqa: E402
 from mxrl.rl.resolve import resolve_train  # noqa: E402
 from mxrl.rl.source import PromptBatch  # noqa: E402
 from mxrl.rl.trainer import GRPOTrainer  # noqa: E402
@@ -202,22 +203,20 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     # --profile-sync: one more step after the timed ones, its engine update profiled in place
     extra = 1 if args.profile_sync else 0
     trainer.profile_at = args.steps + 2 if extra else None
-    if args.gc_freeze:  # what the trainer allocated so far out of every later collection
-        gc.collect()
-        gc.freeze()
     rows = []
-    for step in range(args.steps + 1 + extra):
-        gc_start, start = GC_PAUSES.seconds, time.perf_counter()
-        metrics = trainer.train_step()
-        wall = time.perf_counter() - start
-        if 0 < step <= args.steps:  # step 1: the warm-up
-            rows.append({"rollout_s": metrics["time/rollout_s"], "train_s": metrics["time/train_s"],
-                         "sync_s": metrics["time/sync_s"], "step_s": wall,
-                         "response_len": metrics["response_len/mean"],
-                         "gc_s": GC_PAUSES.seconds - gc_start})  # fmt: skip
-        print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
-    if args.gc_freeze:
-        gc.unfreeze()
+    # `mxrl train`'s run(): the heap it starts with frozen for its steps (--no-gc-freeze: not)
+    with frozen_heap() if args.gc_freeze else contextlib.nullcontext():
+        for step in range(args.steps + 1 + extra):
+            gc_start, start = GC_PAUSES.seconds, time.perf_counter()
+            metrics = trainer.train_step()
+            wall = time.perf_counter() - start
+            if 0 < step <= args.steps:  # step 1: the warm-up
+                rows.append({"rollout_s": metrics["time/rollout_s"],
+                             "train_s": metrics["time/train_s"],
+                             "sync_s": metrics["time/sync_s"], "step_s": wall,
+                             "response_len": metrics["response_len/mean"],
+                             "gc_s": GC_PAUSES.seconds - gc_start})  # fmt: skip
+            print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
     row = {"preset": label, **{k: statistics.median(r[k] for r in rows) for k in STAGES}}
@@ -355,9 +354,9 @@ def parse_args(argv):
     ap.add_argument("--profile-sync", action="store_true",
                     help="the last timed step's engine update profiled in place, then one more "
                          "of the loop's syncs after the steps (printed)")  # fmt: skip
-    ap.add_argument("--gc-freeze", action="store_true",
-                    help="gc.freeze() once the trainer is built (its objects out of every "
-                         "collection) until the preset's steps end: against gc_step_s")  # fmt: skip
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave the heap unfrozen during the steps (mxrl train freezes it), "
+                         "for the collector's share: gc_step_s against a run without")  # fmt: skip
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "h200.json"))
     ap.add_argument("--section", default="rl_step", help="the results section written")
     ap.add_argument("--plot", metavar="PNG", help="draw --out's rl_step section there; no run")

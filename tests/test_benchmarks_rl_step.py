@@ -112,7 +112,7 @@ def test_profile_sync_profiles_an_extra_steps_own_update(tmp_path, monkeypatch, 
     out = tmp_path / "results.json"
     args = ["--tiny", "--device", "cpu", "--layers", "1", "--presets", "bf16", "--prompts", "2",
             "--samples", "2", "--prompt", "8", "--new-tokens", "24", "--steps", "1",
-            "--tile", "16", "--profile-sync", "--gc-freeze", "--out", str(out)]  # fmt: skip
+            "--tile", "16", "--profile-sync", "--out", str(out)]  # fmt: skip
     assert rl_step.main(args) == 0
     printed = capsys.readouterr().out
     assert "bf16 step 3:" in printed and "bf16 step 4:" not in printed
@@ -120,5 +120,6 @@ def test_profile_sync_profiles_an_extra_steps_own_update(tmp_path, monkeypatch, 
     assert "profile loop sync bf16: wall" in printed  # the rerun after the steps
     row = json.loads(out.read_text())["rl_step"]["rows"][0]
     assert len(row["per_step"]["sync_s"]) == len(row["sync_phases"]) == 1
-    assert row["gc_freeze"] is True
+    assert row["gc_freeze"] is True  # as mxrl train runs its steps
     assert gc.get_freeze_count() == 0  # unfrozen when the preset's steps end
+    assert rl_step.parse_args(["--no-gc-freeze"]).gc_freeze is False

@@ -42,7 +42,7 @@ from mxrl.rl import micro_batch
 from mxrl.rl.config import GRPOConfig, plain
 from mxrl.rl.grpo import group_advantages, policy_loss
 from mxrl.rl.logprobs import sequence_logprobs
-from mxrl.rl.metrics import GC_PAUSES, Progress, memory_peak, settle, step_metrics
+from mxrl.rl.metrics import GC_PAUSES, Progress, frozen_heap, memory_peak, settle, step_metrics
 from mxrl.rl.mismatch import mismatch_metrics
 from mxrl.rl.resolve import Resolved, resolve_train
 from mxrl.rl.resume import CHECKPOINT_DIR, read_state
@@ -304,7 +304,8 @@ class GRPOTrainer:
         SIGTERM): `RunRecord.guard`."""
         history: list[dict[str, float]] = []
         progress = Progress(self.step, self.cfg.steps)
-        with self.record.guard(lambda: self.step) if self.record is not None else nullcontext():
+        guard = self.record.guard(lambda: self.step) if self.record is not None else nullcontext()
+        with guard, frozen_heap():  # the set-up's objects out of every collection's walk
             if self.cfg.eval_every and self.step == 0:  # the starting policy, as step 0
                 accuracy = self.evaluate()
                 if self.record is not None:

@@ -203,3 +203,29 @@ def test_the_in_process_export_is_one_bucket_with_one_host_read(tmp_path, monkey
     # the same weights at a small bucket size split: the tiny model is not one bucket by size
     small = buckets.export(trainer.model, trainer.plan, bucket_bytes=2**16, step=1, sqnr=False)
     assert len(list(small)) > 1
+
+
+def test_run_keeps_the_set_ups_objects_out_of_the_collectors_walks(tmp_path, monkeypatch):
+    """`run()` freezes the heap it starts with (gc.freeze: a full collection walks every
+    tracked object, ~300k after the imports) for its steps and unfreezes it when it ends, also
+    when a step fails."""
+    import gc
+
+    trainer = tiny_trainer(tmp_path, "frozen", steps=2)
+    assert gc.get_freeze_count() == 0
+    step, seen = trainer.train_step, []
+
+    def watched():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(trainer, "train_step", watched)
+    trainer.run()
+    assert len(seen) == 2 and min(seen) > 1000  # the modules, the model, the engine
+    assert gc.get_freeze_count() == 0
+
+    failing = tiny_trainer(tmp_path, "frozen-fails", steps=2)
+    monkeypatch.setattr(failing, "train_step", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.run()
+    assert gc.get_freeze_count() == 0
