@@ -25,6 +25,7 @@ from torch import nn
 
 from mxrl.arch import ModelConfig
 from mxrl.engine.block_manager import BlockManager
+from mxrl.engine.collector import collector_paused
 from mxrl.engine.config import EngineConfig
 from mxrl.engine.graph import DecodeGraphs, GraphCapture
 from mxrl.engine.kv_cache import KVCache, cache_dims
@@ -231,6 +232,7 @@ class Engine(WeightLoading, GraphCapture):
         return scheduler, self.runner
 
     @torch.no_grad()
+    @collector_paused()
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Completion]:
@@ -238,7 +240,8 @@ class Engine(WeightLoading, GraphCapture):
 
         Requests are batched continuously: all are queued, each step runs what fits (docs
         engine.md), finished ones free their KV blocks for the waiting ones. Requests with the
-        same prompt share its KV blocks. Outputs do not depend on any of this."""
+        same prompt share its KV blocks. Outputs do not depend on any of this. The garbage
+        collector is off meanwhile (`mxrl.engine.collector`)."""
         per_req = per_request(params, len(prompts))
         vocab = self.config.vocab_size
         for i, (p, sp) in enumerate(zip(prompts, per_req, strict=True)):
