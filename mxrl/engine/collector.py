@@ -5,7 +5,8 @@ objects at every step (the scheduler's rows, each request's routing record), and
 set off every ~700 tracked allocations, walks the young ones each time and the whole heap now
 and then (157 ms a full walk of the ~310k objects of a process holding torch and the tiny model,
 on a CPU). A rollout makes no reference cycles to reclaim: a tiny-model rollout of 32 x 8
-requests with the collector off left no unreachable object (`tests/engine/test_collector.py`).
+requests with the collector off left no unreachable object (`benchmarks/gc_rollout.py`;
+`tests/engine/test_collector.py` checks a smaller one).
 """
 
 from __future__ import annotations
