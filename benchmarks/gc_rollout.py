@@ -30,22 +30,7 @@ ensure_repo_on_path()
 from mxrl.arch import builtin_config  # noqa: E402
 from mxrl.engine import Engine, SamplingParams  # noqa: E402
 from mxrl.models import build_model  # noqa: E402
-
-
-class Pauses:
-    """The collector's pauses by generation: {generation: [count, seconds]}."""
-
-    def __init__(self) -> None:
-        self.by_generation: dict[int, list] = {}
-        self.start = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.start = time.perf_counter()
-            return
-        row = self.by_generation.setdefault(info["generation"], [0, 0.0])
-        row[0] += 1
-        row[1] += time.perf_counter() - self.start
+from mxrl.rl.metrics import GcPauses  # noqa: E402
 
 
 def rollout(engine: Engine, args, collector: str) -> dict:
@@ -65,14 +50,14 @@ def rollout(engine: Engine, args, collector: str) -> dict:
     if collector == "heap frozen":
         gc.collect()
         gc.freeze()
-    pauses = Pauses()
-    gc.callbacks.append(pauses)
+    pauses = GcPauses()  # this rollout's own clock, by generation
+    gc.callbacks.append(pauses.callback)
     try:
         start = time.perf_counter()
         outs = generate(prompts, params)
         seconds = time.perf_counter() - start
     finally:
-        gc.callbacks.remove(pauses)
+        gc.callbacks.remove(pauses.callback)
         gc.unfreeze()
     row = {"collector": collector, "rollout_s": seconds,
            "tokens": sum(len(o.tokens) for o in outs), "pauses": pauses.by_generation,

@@ -352,8 +352,8 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the tiny layer shapes (CPU logic check)")
     ap.add_argument("--profile-sync", action="store_true",
-                    help="the last timed step's engine update profiled in place, then one more "
-                         "of the loop's syncs after the steps (printed)")  # fmt: skip
+                    help="one more step after the timed ones, its engine update profiled in "
+                         "place, then one more of the loop's syncs after the steps (printed)")  # fmt: skip
     ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
                     help="leave the heap unfrozen during the steps (mxrl train freezes it), "
                          "for the collector's share: gc_step_s against a run without")  # fmt: skip

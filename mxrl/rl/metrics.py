@@ -41,6 +41,7 @@ class GcPauses:
 
     def __init__(self) -> None:
         self.seconds, self.collections, self.start, self.installed = 0.0, 0, 0.0, False
+        self.by_generation: dict[int, list] = {}  # generation -> [collections, seconds]
 
     def install(self) -> GcPauses:
         """Start counting (once per process; the clock is shared)."""
@@ -53,8 +54,12 @@ class GcPauses:
         if phase == "start":
             self.start = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self.start
+            paused = time.perf_counter() - self.start
+            self.seconds += paused
             self.collections += 1
+            row = self.by_generation.setdefault(info["generation"], [0, 0.0])
+            row[0] += 1
+            row[1] += paused
 
 
 GC_PAUSES = GcPauses()
