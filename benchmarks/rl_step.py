@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import math
 import random
@@ -239,6 +240,7 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
     del trainer, model
+    gc.collect()  # the trainer's reference cycles: its device memory back before the next preset
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

@@ -70,9 +70,10 @@ def frozen_heap() -> Iterator[None]:
     """Every object alive on entry (imported modules, the model, the engine, the optimizer: ~300k
     tracked objects) out of the collector's walks until exit (`gc.freeze()`, as serving engines
     do after start-up): a full collection walks the whole heap, 157 ms a walk after a tiny-model
-    rollout on a CPU (docs/benchmarks.md). The young generations are collected first; cyclic
-    garbage older than that waits for the exit."""
-    gc.collect(1)
+    rollout on a CPU (docs/benchmarks.md). The heap is collected in full first: garbage frozen
+    with it would stay until the exit, and a run's predecessor in the same process (the ablation's
+    previous preset: its model and engine on the device) would hold its memory through this run."""
+    gc.collect()
     gc.freeze()
     try:
         yield
