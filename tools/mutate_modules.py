@@ -197,6 +197,8 @@ MODULES = {
     "rl.mismatch": Module(
         ("mxrl/rl/mismatch.py",), ("tests/rl/test_mismatch.py", "tests/rl/test_mismatch_edges.py")
     ),
+    # a step's metrics, the collector's clock (time/gc_s), the frozen heap, the progress line
+    "rl.metrics": Module(("mxrl/rl/metrics.py",), ("tests/rl/test_metrics.py",)),
     "rl.stability": Module(
         ("mxrl/rl/stability.py",),
         ("tests/rl/test_stability.py", "tests/rl/test_stability_edges.py"),

@@ -229,28 +229,3 @@ def test_run_keeps_the_set_ups_objects_out_of_the_collectors_walks(tmp_path, mon
     with pytest.raises(ZeroDivisionError):
         failing.run()
     assert gc.get_freeze_count() == 0
-
-
-def test_a_run_frees_its_predecessors_cyclic_garbage_before_freezing_the_heap():
-    """The ablation runs its presets one after another in one process: the previous run's
-    model, engine and optimizer (device memory) are garbage in reference cycles that sit in the
-    collector's oldest generation once its frozen heap thaws. Frozen with the next run's heap
-    they would hold that memory through the whole run (on the H100 the second preset of
-    benchmarks/rl_step.py ran out of memory so); `frozen_heap` collects in full first."""
-    import gc
-    import weakref
-
-    from mxrl.rl.metrics import frozen_heap
-
-    class Holder:  # stands for the previous run's trainer
-        pass
-
-    held = Holder()
-    held.cycle = held  # a reference cycle: only the collector frees it
-    alive = weakref.ref(held)
-    gc.freeze()  # the previous run's frozen heap ...
-    gc.unfreeze()  # ... thawed into the oldest generation
-    del held
-    assert alive() is not None  # garbage the young collections do not reach
-    with frozen_heap():
-        assert alive() is None
