@@ -120,6 +120,35 @@ def response_lengths(count: int, longest: int, seed: int) -> list[int]:
     return [max(shortest, min(longest, round(rng.expovariate(3 / longest)))) for _ in range(count)]
 
 
+# the decode steps of a rollout by how many sequences each decoded (upper bounds of the bins)
+ROW_BINS = (16, 32, 64, 128, 256)
+
+
+def rollout_parts(stats, rollout_s: float) -> dict:
+    """Where one rollout's time went, from the engine's clock (`GenerateStats`): its decode-only
+    steps by how many sequences each decoded (seconds, steps, ms a step, mean keys a sequence
+    read), and the rest (prefill and steps that mixed prefill with decode, the scheduling before
+    the first step, the completions after the last) as `other_s`."""
+    bins = []
+    low = 1
+    for high in (*ROW_BINS, max([*stats.decode_step_rows, ROW_BINS[-1]])):
+        if high < low:
+            continue
+        picked = [(t, r, k) for t, r, k in zip(stats.decode_step_s, stats.decode_step_rows,
+                                               stats.decode_step_keys, strict=True)
+                  if low <= r <= high]  # fmt: skip
+        if picked:
+            seconds = sum(t for t, _, _ in picked)
+            bins.append({"rows": f"{low}-{high}", "steps": len(picked), "s": seconds,
+                         "ms_per_step": 1e3 * seconds / len(picked),
+                         "keys_per_row": sum(k for _, _, k in picked)
+                         / sum(r for _, r, _ in picked)})  # fmt: skip
+        low = high + 1
+    decode = sum(stats.decode_step_s)
+    return {"decode_s": decode, "decode_steps": len(stats.decode_step_s),
+            "other_s": rollout_s - decode, "by_rows": bins}  # fmt: skip
+
+
 class FixedLengthTrainer(GRPOTrainer):
     """The trainer with each request's `max_new_tokens` from the seeded table `lengths` (the
     same for every preset); everything else is `mxrl train`'s step."""
@@ -216,7 +245,9 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
                              "train_s": metrics["time/train_s"],
                              "sync_s": metrics["time/sync_s"], "step_s": wall,
                              "response_len": metrics["response_len/mean"],
-                             "gc_s": GC_PAUSES.seconds - gc_start})  # fmt: skip
+                             "gc_s": GC_PAUSES.seconds - gc_start,
+                             "parts": rollout_parts(trainer.engine.stats,
+                                                    metrics["time/rollout_s"])})  # fmt: skip
             print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
@@ -235,6 +266,16 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["sync_phases"] = trainer.sync_phases[1 : 1 + args.steps]  # the timed steps'
     row["gc_step_s"] = [r["gc_s"] for r in rows]
     row["gc_freeze"] = args.gc_freeze
+    # each timed step's rollout: its decode steps by live sequences, and the rest
+    row["rollout_parts"] = [r["parts"] for r in rows]
+    print(
+        f"  {label} rollout by live sequences: "
+        + "; ".join(
+            f"{b['rows']}: {b['steps']} steps {b['s']:.2f} s ({b['ms_per_step']:.2f} ms)"
+            for b in rows[-1]["parts"]["by_rows"]
+        )
+        + f"; other {rows[-1]['parts']['other_s']:.2f} s"
+    )
     print(f"  {label} sync phases: {row['sync_phases']}; GC per step {row['gc_step_s']}")
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

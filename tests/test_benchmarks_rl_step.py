@@ -50,6 +50,13 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert len(r["gc_step_s"]) == 1 and r["gc_step_s"][0] >= phases["gc_s"] >= 0
         # each timed step's seconds (one here, so the median is that step's)
         assert r["per_step"] == {k: [r[k]] for k in ("rollout_s", "train_s", "sync_s", "step_s")}
+        (rollout,) = r["rollout_parts"]  # the timed step's rollout by live sequences
+        assert rollout["decode_s"] + rollout["other_s"] == pytest.approx(r["rollout_s"])
+        assert 0 < rollout["decode_s"] < r["rollout_s"]
+        assert sum(b["steps"] for b in rollout["by_rows"]) == rollout["decode_steps"]
+        # 4 requests: the longest decodes alone at the end, and at most 40 decode steps
+        assert [b["rows"] for b in rollout["by_rows"]] == ["1-16"]
+        assert max(lengths) - 1 <= rollout["decode_steps"] <= max(lengths)
     assert rows["bf16"]["step_delta_pct"] == 0.0
     want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
     assert rows["bf16+kv-fp8"]["rollout_delta_pct"] == pytest.approx(want)
@@ -57,6 +64,29 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
     assert rl_step.main(["--plot", str(png), "--out", str(out)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(out.read_text()) == data  # drawing runs nothing and writes no results
+
+
+def test_rollout_parts_bins_the_decode_steps_by_live_sequences(monkeypatch):
+    rl_step = load_benchmark("rl_step", monkeypatch)
+    from mxrl.engine.params import GenerateStats
+
+    stats = GenerateStats(decode_step_s=[0.004, 0.003, 0.002, 0.001, 0.001, 0.005],
+                          decode_step_rows=[256, 100, 20, 16, 1, 300],
+                          decode_step_keys=[256 * 4000, 100 * 3000, 20 * 2000, 16 * 1000, 500,
+                                            300 * 10])  # fmt: skip
+    parts = rl_step.rollout_parts(stats, rollout_s=0.1)
+    assert parts["decode_s"] == pytest.approx(0.016) and parts["decode_steps"] == 6
+    assert parts["other_s"] == pytest.approx(0.084)
+    assert parts["by_rows"] == [
+        {"rows": "1-16", "steps": 2, "s": pytest.approx(0.002), "ms_per_step": pytest.approx(1.0),
+         "keys_per_row": pytest.approx((16 * 1000 + 500) / 17)},
+        {"rows": "17-32", "steps": 1, "s": 0.002, "ms_per_step": 2.0, "keys_per_row": 2000.0},
+        {"rows": "65-128", "steps": 1, "s": 0.003, "ms_per_step": 3.0, "keys_per_row": 3000.0},
+        {"rows": "129-256", "steps": 1, "s": 0.004, "ms_per_step": 4.0, "keys_per_row": 4000.0},
+        {"rows": "257-300", "steps": 1, "s": 0.005, "ms_per_step": 5.0, "keys_per_row": 10.0},
+    ]  # fmt: skip
+    empty = rl_step.rollout_parts(GenerateStats(), rollout_s=0.5)
+    assert empty == {"decode_s": 0, "decode_steps": 0, "other_s": 0.5, "by_rows": []}
 
 
 def test_kv_fp8_takes_the_presets_it_repeats(monkeypatch):
