@@ -166,6 +166,16 @@ def weight_summary(engine: Engine) -> dict:
 def step_weight_bytes(engine: Engine, outs: list, prompt_len: int) -> float:
     """Mean contract bytes one decode step reads: every dense weight but the embedding (a row
     gather), plus each MoE layer's experts routed to by at least one request at that step."""
+    per_step = weight_bytes_by_position(engine, outs, prompt_len)
+    return sum(per_step) / len(per_step)
+
+
+def weight_bytes_by_position(engine: Engine, outs: list, prompt_len: int) -> list[float]:
+    """The weight bytes of each decode step s = 0, 1, ... (the one feeding the tokens at position
+    `prompt_len + s`) with the requests decoding in lockstep: the dense weights but the
+    embedding, plus each MoE layer's experts routed to by at least one request still decoding
+    there (a request of n tokens feeds its first n - 1). One entry (the dense bytes) when no
+    step decodes."""
     dense, per_expert = 0, {}
     for name, v in engine.weights.items():
         layer = _experts_of(name)
@@ -174,15 +184,21 @@ def step_weight_bytes(engine: Engine, outs: list, prompt_len: int) -> float:
         elif not name.endswith("embed_tokens.weight"):
             dense += _nbytes(v)
     routing = [o.routed_experts for o in outs if o.routed_experts is not None]
-    steps = len(outs[0].tokens) - 1
-    if not routing or steps < 1:
-        return float(dense)
-    expert_bytes = 0
+    fed = [len(o.tokens) - 1 for o in outs if o.routed_experts is not None]
+    steps = max(fed, default=0)
+    if steps < 1:
+        return [float(dense)]
+    experts = engine.config.num_experts
+    total = torch.zeros(steps, dtype=torch.float64)
     for j, layer_idx in enumerate(engine.config.moe_layers):
-        for s in range(steps):  # decode step s + 1 feeds the token at position prompt_len + s
-            active = torch.cat([r[j, prompt_len + s] for r in routing]).unique().numel()
-            expert_bytes += active * per_expert[f"model.layers.{layer_idx}"]
-    return dense + expert_bytes / steps
+        hits = torch.zeros(steps * experts, dtype=torch.int64)
+        for r, n in zip(routing, fed, strict=True):  # step s, expert e at s * experts + e
+            picked = r[j, prompt_len : prompt_len + n].to("cpu", torch.int64)
+            flat = picked + torch.arange(n).unsqueeze(1) * experts
+            hits.index_add_(0, flat.flatten(), torch.ones(flat.numel(), dtype=torch.int64))
+        active = (hits.view(steps, experts) > 0).sum(1)
+        total += active.double() * per_expert[f"model.layers.{layer_idx}"]
+    return (total + dense).tolist()
 
 
 def _sync(device: torch.device) -> None:

@@ -51,6 +51,7 @@ import torch
 from common import (
     REPO_ROOT,
     allocator_counts,
+    copy_bandwidth,
     ensure_repo_on_path,
     environment,
     format_table,
@@ -58,7 +59,14 @@ from common import (
     profile_once,
     update_results,
 )
-from engine_decode import check_device, check_presets, cpu_environment, model_config
+from engine_decode import (
+    check_device,
+    check_presets,
+    cpu_environment,
+    model_config,
+    weight_bytes_by_position,
+)
+from families import kv_token_bytes
 
 ensure_repo_on_path()
 
@@ -124,29 +132,51 @@ def response_lengths(count: int, longest: int, seed: int) -> list[int]:
 ROW_BINS = (16, 32, 64, 128, 256)
 
 
-def rollout_parts(stats, rollout_s: float) -> dict:
+def rollout_parts(stats, rollout_s: float, floor_bytes=None, copy_gbps=None) -> dict:
     """Where one rollout's time went, from the engine's clock (`GenerateStats`): its decode-only
     steps by how many sequences each decoded (seconds, steps, ms a step, mean keys a sequence
     read), and the rest (prefill and steps that mixed prefill with decode, the scheduling before
-    the first step, the completions after the last) as `other_s`."""
+    the first step, the completions after the last) as `other_s`. floor_bytes: what each
+    decode-only step had to read (`step_floor_bytes`), summed per bin; with `copy_gbps` (the
+    copy rate of the run) the bin's floor in seconds and its time over it, `x_floor`."""
     bins = []
     low = 1
+    floor_bytes = floor_bytes or [None] * len(stats.decode_step_s)
+    steps = list(zip(stats.decode_step_s, stats.decode_step_rows, stats.decode_step_keys,
+                     floor_bytes, strict=True))  # fmt: skip
     for high in (*ROW_BINS, max([*stats.decode_step_rows, ROW_BINS[-1]])):
         if high < low:
             continue
-        picked = [(t, r, k) for t, r, k in zip(stats.decode_step_s, stats.decode_step_rows,
-                                               stats.decode_step_keys, strict=True)
-                  if low <= r <= high]  # fmt: skip
+        picked = [step for step in steps if low <= step[1] <= high]
         if picked:
-            seconds = sum(t for t, _, _ in picked)
-            bins.append({"rows": f"{low}-{high}", "steps": len(picked), "s": seconds,
-                         "ms_per_step": 1e3 * seconds / len(picked),
-                         "keys_per_row": sum(k for _, _, k in picked)
-                         / sum(r for _, r, _ in picked)})  # fmt: skip
+            seconds = sum(t for t, _, _, _ in picked)
+            part = {"rows": f"{low}-{high}", "steps": len(picked), "s": seconds,
+                    "ms_per_step": 1e3 * seconds / len(picked),
+                    "keys_per_row": sum(k for _, _, k, _ in picked)
+                    / sum(r for _, r, _, _ in picked)}  # fmt: skip
+            if picked[0][3] is not None:
+                part["floor_bytes"] = sum(b for _, _, _, b in picked)
+                if copy_gbps:
+                    part["floor_s"] = part["floor_bytes"] / (copy_gbps * 1e9)
+                    part["x_floor"] = seconds / part["floor_s"]
+            bins.append(part)
         low = high + 1
     decode = sum(stats.decode_step_s)
     return {"decode_s": decode, "decode_steps": len(stats.decode_step_s),
             "other_s": rollout_s - decode, "by_rows": bins}  # fmt: skip
+
+
+def step_floor_bytes(engine, outs, prompt_len: int) -> list[float]:
+    """What each decode-only step of the rollout that made `outs` had to read: the weights of
+    the step's position with the requests in lockstep (`weight_bytes_by_position`: decode-only
+    step i taken as position prompt + i, which holds once every prompt is prefilled in the
+    first step, as the prefix-shared GRPO groups here are) and the K/V of the keys the step
+    read (`GenerateStats.decode_step_keys`, every layer, in the cache's format)."""
+    stats, config = engine.stats, engine.config
+    weights = weight_bytes_by_position(engine, outs, prompt_len)
+    kv = config.num_hidden_layers * kv_token_bytes(config, engine._kv, engine._kv.dtype)
+    return [weights[min(i, len(weights) - 1)] + kv * keys
+            for i, keys in enumerate(stats.decode_step_keys)]  # fmt: skip
 
 
 class FixedLengthTrainer(GRPOTrainer):
@@ -197,6 +227,14 @@ class FixedLengthTrainer(GRPOTrainer):
 
         self.actor.export, self.rollout.update = timed_export, timed_update
         self.rollout.digest = timed_digest
+        generate = self.rollout.generate
+        self.last_outs: list = []  # the last rollout's completions (their routing: the floor)
+
+        def kept_generate(*a, **k):
+            self.last_outs = generate(*a, **k)
+            return self.last_outs
+
+        self.rollout.generate = kept_generate
 
     def _sampling(self, step: int, index: int) -> SamplingParams:
         params = super()._sampling(step, index)
@@ -246,8 +284,10 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
                              "sync_s": metrics["time/sync_s"], "step_s": wall,
                              "response_len": metrics["response_len/mean"],
                              "gc_s": GC_PAUSES.seconds - gc_start,
-                             "parts": rollout_parts(trainer.engine.stats,
-                                                    metrics["time/rollout_s"])})  # fmt: skip
+                             "parts": rollout_parts(
+                                 trainer.engine.stats, metrics["time/rollout_s"],
+                                 step_floor_bytes(trainer.engine, trainer.last_outs, args.prompt),
+                                 args.copy_gbps)})  # fmt: skip
             print(f"  {label} step {step + 1}: {wall:.2f} s", flush=True)
     if args.profile_sync:
         profile_call(functools.partial(loop_sync, trainer), device, f"loop sync {label}")
@@ -271,7 +311,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     print(
         f"  {label} rollout by live sequences: "
         + "; ".join(
-            f"{b['rows']}: {b['steps']} steps {b['s']:.2f} s ({b['ms_per_step']:.2f} ms)"
+            f"{b['rows']}: {b['steps']} steps {b['s']:.2f} s ({b['ms_per_step']:.2f} ms"
+            + (f", {b['x_floor']:.2f}x floor)" if "x_floor" in b else ")")
             for b in rows[-1]["parts"]["by_rows"]
         )
         + f"; other {rows[-1]['parts']['other_s']:.2f} s"
@@ -433,6 +474,11 @@ def main(argv=None) -> int:
     print(f"rl_step: {args.layers} layers, {args.prompts} x {args.samples} sequences, prompt "
           f"{args.prompt}, responses {min(lengths)}..{max(lengths)} tokens "
           f"(mean {sum(lengths) / count:.0f})", flush=True)  # fmt: skip
+    # the copy rate of this run (read + write), for the rollout's floor by live sequences
+    args.copy_gbps = (
+        copy_bandwidth(torch.empty(64 << 20, device=device))["gbps"]
+        if device.type == "cuda" else None
+    )  # fmt: skip
     kv = set(args.kv_fp8 or ())  # each right after its preset: the pair a cut run keeps
     runs = [(p, fp8) for p in args.presets for fp8 in (False, True) if not fp8 or p in kv]
     rows = []
@@ -466,6 +512,7 @@ def write_section(rows: list[dict], lengths: list[int], device, args) -> None:
             "mean_response": sum(lengths) / count,
         },
         "steps": args.steps,
+        "copy_gbps": args.copy_gbps,
         "rows": rows,
         "environment": env,
         "delta_note": "Δ% = 100 x (preset / bf16 - 1), per stage",

@@ -101,3 +101,41 @@ def test_deepseek_tiny_cpu_run_has_hf_rows_and_the_mla_floor(engine_decode, tmp_
         hf_ms = next(h["ms_per_step"] for h in hf if h["batch"] == r["batch"])
         if hf_ms and r["ms_per_step"]:  # None: CPU timing noise
             assert r["speedup_vs_hf"] == pytest.approx(hf_ms / r["ms_per_step"])
+
+
+def test_weight_bytes_by_position_counts_the_experts_of_the_requests_still_decoding(
+    engine_decode,
+):
+    """Requests of different lengths in lockstep: step s reads the dense weights and, per MoE
+    layer, one expert's bytes for each expert the requests still feeding a token at position
+    prompt + s were routed to (counted here by brute force over those requests)."""
+    from mxrl.arch import builtin_config
+    from mxrl.engine import Engine, SamplingParams
+    from mxrl.models import build_model
+
+    engine = Engine(build_model(builtin_config("tiny-moe"), seed=0), "bf16", tile=16)
+    prompts = [[1 + (7 * i + j) % 60 for j in range(12)] for i in range(4)]
+    outs = engine.generate(
+        prompts, [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (3, 9, 6, 1)]
+    )
+    per_step = engine_decode.weight_bytes_by_position(engine, outs, 12)
+    assert len(per_step) == 8  # the longest request feeds 8 of its 9 tokens
+    experts = engine.config.num_experts
+    by_layer, dense = {}, 0
+    for name, v in engine.weights.items():
+        nbytes = v.numel() * v.element_size()  # bf16: plain tensors
+        if ".mlp.experts." in name:
+            layer = name.split(".mlp.experts.")[0]
+            by_layer[layer] = by_layer.get(layer, 0) + nbytes // experts
+        elif not name.endswith("embed_tokens.weight"):
+            dense += nbytes
+    for s, got in enumerate(per_step):
+        live = [o for o in outs if len(o.tokens) - 1 > s]
+        want = dense
+        for j, layer in enumerate(engine.config.moe_layers):
+            active = torch.cat([o.routed_experts[j, 12 + s] for o in live]).unique().numel()
+            want += active * by_layer[f"model.layers.{layer}"]
+        assert got == want, s
+    assert per_step[0] > per_step[-1]  # three requests decode at step 0, one at the last
+    alone = engine_decode.weight_bytes_by_position(engine, [outs[3]], 12)  # one token: no step
+    assert alone == [dense]

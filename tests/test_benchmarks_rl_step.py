@@ -56,6 +56,8 @@ def test_tiny_cpu_run_writes_a_row_per_preset(tmp_path, monkeypatch):
         assert sum(b["steps"] for b in rollout["by_rows"]) == rollout["decode_steps"]
         # 4 requests: the longest decodes alone at the end, and at most 40 decode steps
         assert [b["rows"] for b in rollout["by_rows"]] == ["1-16"]
+        assert rollout["by_rows"][0]["floor_bytes"] > 0  # the bytes; their seconds need CUDA
+        assert "x_floor" not in rollout["by_rows"][0]
         assert max(lengths) - 1 <= rollout["decode_steps"] <= max(lengths)
     assert rows["bf16"]["step_delta_pct"] == 0.0
     want = 100 * (rows["bf16+kv-fp8"]["rollout_s"] / rows["bf16"]["rollout_s"] - 1)
@@ -85,6 +87,14 @@ def test_rollout_parts_bins_the_decode_steps_by_live_sequences(monkeypatch):
         {"rows": "129-256", "steps": 1, "s": 0.004, "ms_per_step": 4.0, "keys_per_row": 4000.0},
         {"rows": "257-300", "steps": 1, "s": 0.005, "ms_per_step": 5.0, "keys_per_row": 10.0},
     ]  # fmt: skip
+    with_floor = rl_step.rollout_parts(stats, 0.1, [4e9, 3e9, 2e9, 1e9, 1e9, 5e9], copy_gbps=2000)
+    first, last = with_floor["by_rows"][0], with_floor["by_rows"][-1]
+    assert first["floor_bytes"] == 2e9 and first["floor_s"] == pytest.approx(1e-3)
+    assert first["x_floor"] == pytest.approx(2.0)  # 2 ms over a 1 ms floor
+    assert last["floor_s"] == pytest.approx(2.5e-3) and last["x_floor"] == pytest.approx(2.0)
+    bytes_only = rl_step.rollout_parts(stats, 0.1, [1.0] * 6)  # no copy rate: bytes alone
+    assert bytes_only["by_rows"][0]["floor_bytes"] == 2.0
+    assert "floor_s" not in bytes_only["by_rows"][0]
     empty = rl_step.rollout_parts(GenerateStats(), rollout_s=0.5)
     assert empty == {"decode_s": 0, "decode_steps": 0, "other_s": 0.5, "by_rows": []}
 
