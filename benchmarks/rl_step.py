@@ -169,9 +169,9 @@ def rollout_parts(stats, rollout_s: float, floor_bytes=None, copy_gbps=None) -> 
 def step_floor_bytes(engine, outs, prompt_len: int) -> list[float]:
     """What each decode-only step of the rollout that made `outs` had to read: the weights of
     the step's position with the requests in lockstep (`weight_bytes_by_position`: decode-only
-    step i taken as position prompt + i, which holds once every prompt is prefilled in the
-    first step, as the prefix-shared GRPO groups here are) and the K/V of the keys the step
-    read (`GenerateStats.decode_step_keys`, every layer, in the cache's format)."""
+    step i taken as position prompt + i; the requests start within a few steps of each other,
+    a GRPO group's samples one step apart, against thousands of steps) and the K/V of the keys
+    the step read (`GenerateStats.decode_step_keys`, every layer, in the cache's format)."""
     stats, config = engine.stats, engine.config
     weights = weight_bytes_by_position(engine, outs, prompt_len)
     kv = config.num_hidden_layers * kv_token_bytes(config, engine._kv, engine._kv.dtype)

@@ -92,6 +92,26 @@ def test_routing_from_a_position_joins_only_the_parts_it_needs():
         seq.routing_from(30)
 
 
+def test_the_parts_routing_from_joins_are_kept_as_one():
+    """A block's decode rows, joined as the block fills, stay joined: the parts a completion
+    joins are one a block, not one a token, and every position keeps its row."""
+    seq = _seq(range(3))
+    rows = torch.arange(40 * 4).view(40, 2, 2)
+    seq.routing, seq.num_routed = [rows[:8]], 8  # the prompt
+    for p in range(8, 40):  # decode rows, one part each; a block of 8 fills every 8th
+        seq.routing.append(rows[p : p + 1])
+        seq.num_routed = p + 1
+        if (p + 1) % 8 == 0:
+            assert torch.equal(seq.routing_from(p + 1 - 8), rows[p + 1 - 8 : p + 1])
+    assert [part.shape[0] for part in seq.routing] == [8, 8, 8, 8, 8]
+    assert torch.equal(torch.cat(seq.routing), rows)
+    assert torch.equal(seq.routing_from(12), rows[12:])  # across parts: joined once more
+    assert [part.shape[0] for part in seq.routing] == [8, 32]
+    assert torch.equal(torch.cat(seq.routing), rows)
+    assert torch.equal(seq.routing_from(39), rows[39:])  # inside one part: nothing to join
+    assert [part.shape[0] for part in seq.routing] == [8, 32]
+
+
 def test_a_cached_block_taken_back_leaves_the_free_order_of_the_rest_alone():
     bm = BlockManager(num_blocks=6, block_size=4)
     a = _seq(range(9))  # 2 full prompt blocks + the last token's
