@@ -273,7 +273,7 @@ class Engine(WeightLoading, GraphCapture):
                 launched = None
                 if ahead is not None:  # the next decode step, queued before this one is read
                     stats.observe(ahead, blocks)
-                    fed = pending.live_tokens(len(ahead))
+                    fed = pending.live_tokens(ahead)
                     launched = self._launch(runner, ahead, time.perf_counter(), fed)
                 tokens, lps = pending.read()  # one sync a step
                 now = time.perf_counter()

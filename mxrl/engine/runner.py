@@ -15,7 +15,6 @@ import torch
 from mxrl.engine.graph import DecodeGraphs
 from mxrl.engine.kv_cache import KVCache, PagedAttention
 from mxrl.engine.scheduler import Scheduled
-from mxrl.engine.sequence import Status
 from mxrl.models import CausalLM
 from mxrl.models.context import ForwardContext, forward_context
 
@@ -114,14 +113,16 @@ class Launched:
             self.event.synchronize()
         return self._host[0].tolist(), self._host[1].tolist()
 
-    def live_tokens(self, live: int) -> torch.Tensor:
-        """The tokens this step samples (on the device) for the `live` rows whose request is
-        still running, in order: all of them, or, when a stop read since dropped rows, a
-        gather of the others (what the step queued after it feeds)."""
-        if live == len(self.rows):
+    def live_tokens(self, ahead: list[Scheduled]) -> torch.Tensor:
+        """The tokens this step samples (on the device) for the requests of `ahead` (the step
+        queued after it), in order: all of them, or, where a request has a row here and none
+        there (a stop read since dropped it, or this step ends it by length), a gather of the
+        others."""
+        if len(ahead) == len(self.rows):
             return self.tokens_t
-        keep = [i for i, s in enumerate(self.rows) if s.seq.status is not Status.FINISHED]
-        assert len(keep) == live, "the step queued ahead feeds every running request"
+        fed = {id(s.seq) for s in ahead}
+        keep = [i for i, s in enumerate(self.rows) if id(s.seq) in fed]
+        assert len(keep) == len(ahead), "the step queued ahead feeds requests of this one"
         index = torch.tensor(keep, dtype=torch.int64)
         if self.tokens_t.is_cuda:  # pinned: the copy is queued, the host does not wait for it
             index = index.pin_memory().to(self.tokens_t.device, non_blocking=True)

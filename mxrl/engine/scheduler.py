@@ -118,13 +118,14 @@ class Scheduler:
         step's tokens are read: the running requests, in `batch`'s order, each feeding the
         token `batch` samples for it (`Scheduled.ahead`). Only when that is exactly what
         `schedule` would return: nothing waits to be admitted, every running request is in
-        `batch` as a one-token decode row, and none can finish by length there. Rows of
-        `batch` whose request has finished already (`batch` is then an ahead step whose tokens
-        came after a stop: its dropped rows) get no row here; the engine feeds the others
-        their tokens by position. A row whose next position opens a KV block gets it here, as
-        `schedule` would (`BlockManager.ensure`), when the free blocks suffice for every such
-        row; otherwise `schedule` would preempt, and the answer is None. None when the step is
-        not known yet."""
+        `batch` as a one-token decode row. A request that `batch` ends by length (its last
+        token sampled there) gets no row, as `schedule` would give it none once it finished;
+        nor do rows of `batch` whose request has finished already (`batch` is then an ahead
+        step whose tokens came after a stop: its dropped rows). The engine feeds the rows
+        their tokens from `batch` (`Launched.live_tokens`). A row whose next position opens a
+        KV block gets it here, as `schedule` would (`BlockManager.ensure`), when the free
+        blocks suffice for every such row; otherwise `schedule` would preempt, and the answer
+        is None. None when the step is not known yet, or when no request is left in it."""
         if self.waiting or not self.running:
             return None
         live = [s for s in batch if s.seq.status is not Status.FINISHED]
@@ -138,15 +139,16 @@ class Scheduler:
                 or s.num_tokens != 1
                 or not s.sample
                 or seq.status is not Status.RUNNING
-                or seq.num_generated + 1 >= seq.params.max_new_tokens
             ):
                 return None
+            if seq.num_generated + 1 >= seq.params.max_new_tokens:
+                continue  # `batch` samples its last token: done before the step after
             if pos % self.blocks.block_size == 0 and self.blocks.blocks_for(pos + 1) > len(
                 seq.block_table
             ):
                 opening.append((seq, pos + 1))
             out.append(Scheduled(seq, pos, 1, ahead=True))
-        if len(opening) > self.blocks.num_free:
+        if not out or len(opening) > self.blocks.num_free:
             return None
         for seq, num_tokens in opening:
             taken = self.blocks.ensure(seq, num_tokens)

@@ -57,6 +57,28 @@ def test_every_decode_step_but_the_first_is_queued_ahead_across_block_boundaries
     assert engine.stats.ahead_steps == decode_steps - 1
 
 
+def test_requests_ending_by_length_do_not_stop_the_step_after_from_being_queued_ahead():
+    """Requests of different lengths (an RL rollout's, each its own max_new_tokens): a step
+    that samples one request's last token still has the step after it queued ahead, without a
+    row for that request; every decode step but the first is queued ahead, and the bytes are
+    those of one step at a time."""
+
+    def make(overlap):
+        return Engine(
+            tiny("bf16"), "bf16", tile=8, cache=CacheOptions(block_size=4), overlap=overlap
+        )
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], LONG]
+    lengths = [5, 17, 9, 12]
+    want, got, stats = _both(make, prompts, _params(lengths))
+    _same(got, want, "ending by length")
+    assert [len(o.tokens) for o in got] == lengths
+    assert [o.finish_reason for o in got] == ["length"] * 4
+    assert stats.ahead_rows_dropped == 0  # nothing is queued for a request that ended
+    assert stats.ahead_steps == len(stats.decode_step_s) - 1
+    assert stats.decode_step_rows[-1] == 1  # the longest request decodes alone at the end
+
+
 def test_a_stop_leaves_a_dropped_row_in_the_step_queued_ahead():
     def make(overlap):
         return Engine(tiny("bf16"), "bf16", tile=8, overlap=overlap)
