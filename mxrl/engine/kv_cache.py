@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mxrl.engine.config import DEFAULT_CPU_KV_BYTES, CacheOptions
+from mxrl.kernels.kv_write import fused_write_fits, write_kv_fp8
 from mxrl.nn import invariant
 from mxrl.nn.kv_quant import KV_CODE_DTYPE, KV_SCALE_DTYPE, dequantize_kv, quantize_kv
 
@@ -112,7 +113,9 @@ class KVCache:
         return num_layers * block_size * num_kv_heads * per_head
 
     def write(self, layer: int, slots: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor):
-        """Store a step's keys and values (after RoPE, in the compute dtype) at their slots."""
+        """Store a step's keys and values (after RoPE, in the compute dtype) at their slots. An
+        FP8 cache on the triton backend quantizes and stores each in one launch
+        (`mxrl.kernels.kv_write`: the bytes of `quantize_kv` and the copies below)."""
         pairs = ((self.k, self.k_scale, k_KTD), (self.v, self.v_scale, v_KTD))
         for held, scales, x in pairs:
             nb, bs, heads_kv, d = held[layer].shape
@@ -120,9 +123,16 @@ class KVCache:
             if scales is None:
                 held[layer].view(nb * bs, heads_kv, d).index_copy_(0, slots, x_TKD)
                 continue
+            codes_SKD, scales_SK = (
+                held[layer].view(nb * bs, heads_kv, d),
+                scales[layer].view(nb * bs, heads_kv),
+            )
+            if fused_write_fits(x_TKD, self.backend):  # one launch: quantized into the slots
+                write_kv_fp8(x_TKD, slots, codes_SKD, scales_SK)
+                continue
             codes, scale = quantize_kv(x_TKD, self.backend)
-            held[layer].view(nb * bs, heads_kv, d).index_copy_(0, slots, codes)
-            scales[layer].view(nb * bs, heads_kv).index_copy_(0, slots, scale)
+            codes_SKD.index_copy_(0, slots, codes)
+            scales_SK.index_copy_(0, slots, scale)
 
     def gather(self, layer: int, values: bool, blocks: torch.Tensor) -> torch.Tensor:
         """Keys (values=False) or values of the cache blocks `blocks` (any index shape), as the

@@ -124,11 +124,16 @@ def test_an_fp8_write_quantizes_on_the_caches_backend(monkeypatch):
         calls.append(backend)
         return quantize_kv(x)
 
+    def fits(x, backend):  # the fused write (mxrl.kernels.kv_write) is asked first
+        calls.append(("fused?", backend))
+        return False
+
     monkeypatch.setattr(kv_cache, "quantize_kv", spy)
+    monkeypatch.setattr(kv_cache, "fused_write_fits", fits)
     cache = KVCache(1, 2, BS, K, D, torch.float32, torch.device("cpu"), fp8=True,
                     backend="its backend")  # fmt: skip
     cache.write(0, torch.tensor([3]), torch.ones(K, 1, D), torch.ones(K, 1, D))
-    assert calls == ["its backend", "its backend"]
+    assert calls == [("fused?", "its backend"), "its backend"] * 2
 
 
 def test_an_fp8_gather_reads_back_in_the_compute_dtype():

@@ -122,6 +122,16 @@ def _variants():
         {"UE8M0": True, "BK": 128, **common},
         8,
     )
+    from mxrl.kernels import triton_kv_write as kvw
+
+    kv_sig = ["x_ptr:*bf16", "stride_t:i32", "stride_h:i32", "slot_ptr:*i64", "q_ptr:*u8"]
+    yield (
+        "kv_write_fp8",
+        kvw.kv_write_fp8_kernel,
+        [*kv_sig, "s_ptr:*fp32", "N:i32"],
+        {"HEADS": 4, "D": 128, "HW": True, "ROWS": kvw.ROWS},
+        4,
+    )
 
 
 def compile_all() -> dict[str, dict[str, int]]:

@@ -27,6 +27,7 @@ def test_every_kernel_compiles_for_sm90(ptx_report):
         "nvfp4_4over6_two_pass",
         "fp8_block_1x128",
         "fp8_block_128x128_ue8m0",
+        "kv_write_fp8",
     }
 
 
@@ -40,7 +41,7 @@ def test_divisions_are_ieee_and_nothing_flushes(ptx_report):
         assert counts["div_approx"] == 0, name
         assert counts["rcp_approx"] == 0, name
         assert counts["ftz"] == 0, name
-    for name in ("nvfp4_per_token", "nvfp4_two_pass", "fp8_block_1x128"):
+    for name in ("nvfp4_per_token", "nvfp4_two_pass", "fp8_block_1x128", "kv_write_fp8"):
         assert ptx_report[name]["div_rn_f32"] > 0, name
 
 
