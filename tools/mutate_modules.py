@@ -367,7 +367,7 @@ MODULES = {
         ("mxrl/engine/kv_cache.py",),
         ("tests/engine/test_kv_cache.py", "tests/engine/test_kv_fp8.py",
          "tests/kernels/test_attention.py", "tests/kernels/test_attention_launch.py",
-         "tests/engine/test_config.py"),
+         "tests/engine/test_config.py", "tests/kernels/test_kv_write.py"),
         env=(("TRITON_INTERPRET", "1"),),
     ),
     "kv": Module(
