@@ -227,6 +227,13 @@ def allocator_counts(device: torch.device | str) -> dict[str, int]:
     return {n: stats.get(n, 0) for n in names}
 
 
+def synced(device: torch.device) -> float:
+    """time.perf_counter() once the work queued on `device` is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def profile_call(
     fn: Callable[[], object], device: torch.device, label: str, rows: int = 14
 ) -> None:
@@ -238,19 +245,14 @@ def profile_call(
     import cProfile
     import pstats
 
-    def synced() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
     before = allocator_counts(device)
-    t0 = synced()
+    t0 = synced(device)
     fn()
-    first = synced() - t0
+    first = synced(device) - t0
     between = allocator_counts(device)
-    t0 = synced()
+    t0 = synced(device)
     fn()
-    plain = synced() - t0
+    plain = synced(device) - t0
     after = allocator_counts(device)
     if before:  # cudaMalloc / cudaFree calls and allocator retries in each call (synchronous)
         calls = {k: (between[k] - before[k], after[k] - between[k]) for k in before}
@@ -260,7 +262,7 @@ def profile_call(
     host = cProfile.Profile()
     host.enable()
     fn()
-    synced()
+    synced(device)
     host.disable()
     stats = pstats.Stats(host)
     stats.sort_stats("cumulative").print_stats(r"mxrl|triton/runtime|torch/cuda", 40)
@@ -283,19 +285,14 @@ def profile_once(
 
     from torch.profiler import ProfilerActivity, profile
 
-    def synced() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     python = cProfile.Profile()
     with profile(activities=activities) as prof:
-        t0 = synced()
+        t0 = synced(device)
         if host:
             python.enable()
         out = fn()
-        wall = synced() - t0
+        wall = synced(device) - t0
         if host:
             python.disable()
     events = prof.key_averages()

@@ -42,7 +42,7 @@ SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
 
 
 @triton.jit
-def _decode_scale(amax, UE8M0: tl.constexpr):
+def block_decode_scale(amax, UE8M0: tl.constexpr):
     """Block amax (finite, NaN/Inf already dropped) -> (fp32 decode scale sf, the elements'
     E4M3 cap: 448, or with ue8m0 240 at sf = 2^120, `e4m3_limit`)."""
     sf = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
@@ -78,7 +78,7 @@ def _fp8_block_1d_kernel(
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
     NUM_B: tl.constexpr = BLOCK_K // BK
     blocks = tl.reshape(x, [ROWS, NUM_B, BK])
-    sf, limit = _decode_scale(finite_amax(blocks, 2), UE8M0)
+    sf, limit = block_decode_scale(finite_amax(blocks, 2), UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     v = tl.reshape(blocks * rcp[:, :, None], [ROWS, BLOCK_K])
     if UE8M0:
@@ -117,7 +117,7 @@ def _fp8_block_2d_kernel(
     offs = (base + rows)[:, None] * K + cols[None, :]
     x = load_tile(x_ptr + offs, mask, EVEN).to(tl.float32)
     amax = tl.max(finite_amax(x, 1), axis=0)
-    sf, limit = _decode_scale(amax, UE8M0)
+    sf, limit = block_decode_scale(amax, UE8M0)
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     if UE8M0:
         q = e4m3_encode_limited(x * rcp, limit, is_finite(x), HW)  # one block, one cap

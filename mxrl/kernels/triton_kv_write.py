@@ -1,7 +1,7 @@
 """The FP8 KV cache's write (Triton): a step's keys or values quantized to E4M3 and stored at
 their cache slots in one launch. Each (token, head) vector of `D` elements is one block-FP8
-block `1 x D` (docs/recipes.md, "The KV cache"), with the 1 x bk kernel's arithmetic
-(mxrl/kernels/triton_fp8_block.py) and so its bytes:
+block `1 x D` (docs/recipes.md, "The KV cache"), with the 1 x bk kernel's arithmetic (its
+`block_decode_scale`, mxrl/kernels/triton_fp8_block.py) and so its bytes:
   a = max(amax over the finite elements, 1e-4);  sf = fl(a / 448)
   q = E4M3_satfinite(fl(x * fl(1 / sf)))  (NaN/±Inf -> 0x7F);  stored scale = sf (fp32)
 
@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from mxrl.kernels.backend import launcher
-from mxrl.kernels.triton_codecs import E4M3_MAX, e4m3_encode_masked, finite_amax, is_finite
-from mxrl.kernels.triton_fp8_block import AMAX_FLOOR
+from mxrl.kernels.triton_codecs import e4m3_encode_masked, finite_amax, is_finite
+from mxrl.kernels.triton_fp8_block import block_decode_scale
 
 ROWS = 16  # (token, head) vectors per program
 
@@ -44,8 +44,7 @@ def kv_write_fp8_kernel(
     src = t.to(tl.int64) * stride_t + h * stride_h
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
     x = x.to(tl.float32)
-    amax = finite_amax(x, 1)
-    sf = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, E4M3_MAX, tl.float32))
+    sf, _ = block_decode_scale(finite_amax(x, 1), False)  # fp32 scales: no E4M3 cap below 448
     rcp = tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf)
     q = e4m3_encode_masked(x * rcp[:, None], is_finite(x), HW)
     slot = tl.load(slot_ptr + t, mask=valid, other=0).to(tl.int64)
