@@ -216,9 +216,14 @@ def export(
     t0 = time.perf_counter()
     named = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
     params = {name: detached(t) for name, t in named.items()}  # once: check, quantize, SQNR
-    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend)
     # quantized_values checks every tensor for NaN/Inf before its first value: pulling that
-    # value here makes the refusal happen now, before anything can be sent.
+    # value here makes the refusal happen now, before anything can be sent. One bucket for the
+    # whole update is produced only after every value: the tensors whose bytes show NaN/Inf are
+    # checked on them there instead, before the bucket exists (`quantized_values` check_last).
+    whole = bucket_bytes >= WHOLE_UPDATE
+    values = quantized_values(
+        params, plan, bf16_dtype=bf16_dtype, backend=backend, check_last=whole
+    )
     first = next(values)
     return Export(
         params,
