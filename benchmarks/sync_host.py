@@ -6,7 +6,7 @@
 Model: `benchmarks/sync.py`'s tiny Qwen3-MoE layer (hidden 128, 4 experts; every preset applies),
 `--layers` layers (8: 11 records a layer), vocab 256, seeded fp32 masters. A sync is the GRPO
 loop's (`mxrl.rl.trainer`): `InProcessTransport(engine).send(export(model, plan, step=s,
-sqnr=SqnrSample.at_step(s, 16)))`, then the engine's weights digest. With tensors this small the
+sqnr=SqnrSample.at_step(s, 16), bucket_bytes=WHOLE_UPDATE))`, then the engine's weights digest. With tensors this small the
 tensor work is negligible, so the wall time is the host's: the per-record Python work and the
 per-op dispatch a GPU sync pays on top of its kernels (on a GPU add the launches; the CPU runs
 the reference quantizers and checksums instead of the Triton kernels, so their ops count
@@ -41,7 +41,7 @@ from sync import config_of  # noqa: E402
 from mxrl.engine import Engine  # noqa: E402
 from mxrl.models import build_model  # noqa: E402
 from mxrl.sync import InProcessTransport  # noqa: E402
-from mxrl.weights import export  # noqa: E402
+from mxrl.weights import WHOLE_UPDATE, export  # noqa: E402
 from mxrl.weights.digest import weights_digest  # noqa: E402
 from mxrl.weights.event import SqnrSample  # noqa: E402
 
@@ -114,7 +114,8 @@ class OpCounter(TorchDispatchMode):
 
 def loop_sync(model, engine: Engine, transport: InProcessTransport, step: int) -> None:
     sample = SqnrSample.at_step(step, LOOP_SQNR_STRIDE)
-    transport.send(export(model, engine.plan, step=step, sqnr=sample))
+    # the loop's actor exports for the engine beside it in one bucket (mxrl.rl.actor)
+    transport.send(export(model, engine.plan, step=step, sqnr=sample, bucket_bytes=WHOLE_UPDATE))
     weights_digest(engine.hashes.items())
 
 
