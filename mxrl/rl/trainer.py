@@ -201,7 +201,7 @@ class GRPOTrainer:
         # one micro-batch on one process: the batch's own token count (the loss as it always
         # was); else the whole batch's on every micro-batch, so their gradients add up to it
         whole = len(batches) > 1 or ranks.size > 1
-        rows: list[torch.Tensor] = []  # pi_old of this rank's sequences, request order
+        olds: dict[int, torch.Tensor] = {}  # position in idx -> pi_old of that sequence
         parts: list[tuple[dict[str, float], float]] = []
         for mb in batches:
             sel = [idx[r] for r in mb.rows]
@@ -221,9 +221,10 @@ class GRPOTrainer:
             # FSDP2 averages the ranks' gradients: undone, the batch's sum
             (loss * (ranks.size * mb.weight) if whole else loss).backward()
             if mb.weight:
-                rows += [old[k, : len(outs[i].tokens)].cpu() for k, i in enumerate(sel)]
+                olds |= {r: old[k, : len(outs[idx[r]].tokens)].cpu() for k, r in enumerate(mb.rows)}
                 parts.append((stats, float(m.sum())))
         stats = micro_batch.combine(parts, ranks)
+        rows = [olds[r] for r in range(len(idx))]  # request order (micro-batches: longest first)
         # the mismatch metrics over the whole batch: every train rank's rows (sequence_logprobs
         # writes zeros past each completion, as pad_sequence pads)
         full_old = pad_sequence(ranks.gather(rows), batch_first=True)

@@ -29,14 +29,24 @@ class FakeRanks:
         return t if self.others_sum is None else t + self.others_sum
 
 
-def test_split_cuts_in_request_order_by_padded_tokens():
-    # padded tokens of a run: its count x its longest. 3,5 -> 2 x 5 = 10 fits 10; + 2 -> 3 x 5
-    # = 15 does not; 2 alone; + 7 -> 2 x 7 = 14 does not; 7 alone
-    assert split([3, 5, 2, 7], 10) == [(0, 1), (2,), (3,)]
-    assert split([3, 5, 2, 7], 14) == [(0, 1), (2, 3)]
+def test_split_cuts_longest_first_by_padded_tokens():
+    # padded tokens of a run: its count x its longest; rows taken longest first (7, 5, 3, 2).
+    # budget 10: 7 alone (+5: 2 x 7 = 14); 5, 3 (2 x 5 = 10; +2: 15); 2 alone. Each run's rows in
+    # request order, the runs longest first
+    assert split([3, 5, 2, 7], 10) == [(3,), (0, 1), (2,)]
+    # budget 14: 7, 5 (2 x 7 = 14; +3: 21); 3, 2 (2 x 3 = 6)
+    assert split([3, 5, 2, 7], 14) == [(1, 3), (0, 2)]
     assert split([3, 5, 2, 7], None) == [(0, 1, 2, 3)]
     assert split([12, 1], 10) == [(0,), (1,)]  # longer than the budget: a run of its own
+    assert split([4, 4, 4], 8) == [(0, 1), (2,)]  # equal lengths: request order
     assert split([], 10) == []
+
+
+def test_like_lengths_together_pad_less_than_request_order():
+    # in request order [10, 1] [10, 1] would pad to 2 x 10 + 2 x 10 = 40 tokens; longest first
+    # the two 10s share a forward (20) and the two 1s another (2)
+    assert split([10, 1, 10, 1], 20) == [(0, 2), (1, 3)]
+    assert split([1, 10, 1, 10, 1], 20) == [(1, 3), (0, 2, 4)]
 
 
 def test_every_rank_runs_as_many_forwards():

@@ -38,7 +38,7 @@ def test_plan_halves_the_largest_run_into_two():
     assert _rows(mbs) == [((0,), 1.0), ((1, 2), 1.0)]
     # this rank needs more than the others: its own split, nothing added
     mbs = micro_batch.plan([3, 5, 2, 7], 10, FakeRanks(2, others_max=torch.tensor([1])))
-    assert _rows(mbs) == [((0, 1), 1.0), ((2,), 1.0), ((3,), 1.0)]
+    assert _rows(mbs) == [((3,), 1.0), ((0, 1), 1.0), ((2,), 1.0)]
 
 
 def test_plan_splits_the_longest_run_when_the_largest_holds_one_sequence():
@@ -49,12 +49,13 @@ def test_plan_splits_the_longest_run_when_the_largest_holds_one_sequence():
     assert _rows(mbs) == [((0,), 1.0), ((1,), 1.0), ((2, 3), 1.0)]
     mbs = micro_batch.plan(lengths, 10, FakeRanks(2, others_max=torch.tensor([4])))
     assert _rows(mbs) == [((0,), 1.0), ((1,), 1.0), ((2,), 1.0), ((3,), 1.0)]
-    # runs [10] [1 1] [10] [1 1] (padded 10 2 10 2): the first single is the largest, and of
-    # the two longest runs (2 sequences each) the first is halved
+    # runs [10] [10] [1 1 1 1] (padded 10 10 4): the first single is the largest, so the run
+    # with most sequences is halved ([1 1] [1 1]); then the first single again, and of the two
+    # longest runs (2 sequences each) the first is halved
     lengths = [10, 1, 1, 10, 1, 1]
-    assert split(lengths, 10) == [(0,), (1, 2), (3,), (4, 5)]
+    assert split(lengths, 10) == [(0,), (3,), (1, 2, 4, 5)]
     mbs = micro_batch.plan(lengths, 10, FakeRanks(2, others_max=torch.tensor([5])))
-    assert [mb.rows for mb in mbs] == [(0,), (1,), (2,), (3,), (4, 5)]
+    assert [mb.rows for mb in mbs] == [(0,), (3,), (1,), (2,), (4, 5)]
 
 
 def test_a_rank_without_sequences_runs_only_fillers():
