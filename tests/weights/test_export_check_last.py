@@ -191,12 +191,25 @@ def test_0x7f_is_the_byte_of_a_non_finite_element_and_of_no_finite_one(fmt, opti
     assert sorted(map(tuple, (q == 0x7F).nonzero().tolist())) == [(3, 4), (10, 40), (63, 63)]
 
 
-def test_an_empty_tensor_is_exported_and_not_probed():
-    shapes = {Q: (64, 64), NORM: (0,)}
+def test_an_empty_tensor_is_checked_first_and_one_element_last(monkeypatch):
+    """An empty tensor has no bytes to probe (the masters' check skips it too); one element is
+    enough for the bytes' check."""
+    one = "model.layers.1.input_layernorm.weight"
+    shapes = {Q: (64, 64), NORM: (0,), one: (1,)}
     plan = resolve("mxfp8", shapes)
     w = {n: torch.randn(s) for n, s in shapes.items()}
+    first = []
+    real = export_module.check_finite
+    monkeypatch.setattr(
+        export_module, "check_finite", lambda t, *a: first.append(set(t)) or real(t, *a)
+    )
     values = dict(quantized_values(w, plan, check_last=True))
     assert values[NORM].shape == (0,) and isinstance(values[Q], QTensor)
+    assert first == [{NORM}]  # the one call: the masters checked first
+    w[one][0] = math.inf
+    with pytest.raises(ValueError, match=f"{one}: 1 non-finite"):
+        list(quantized_values(w, plan, check_last=True))
+    assert first[1:] == [{NORM}, {one}]  # first, then the flagged one's master
 
 
 @pytest.mark.gpu
@@ -214,3 +227,17 @@ def test_on_cuda_the_triton_bytes_refuse_as_the_masters_check(recipe):
         params[name].view(-1)[7] = math.nan
         assert _error(params, plan, check_last=True)[1] == _error(params, plan, False)[1]
         params[name].view(-1)[7] = 0.0
+
+
+@pytest.mark.gpu
+def test_on_cuda_masters_on_two_devices_are_checked_each_on_its_own():
+    """Probes are stacked per device: the CPU's and the GPU's apart."""
+    params = _params()
+    plan = _plan(params, "mixed")
+    params = {n: (t.cuda() if ".layers.0." in n else t) for n, t in params.items()}
+    assert {t.device.type for t in params.values()} == {"cpu", "cuda"}
+    assert len(dict(quantized_values(params, plan, check_last=True))) == len(plan)
+    params[Q][1, 1] = math.nan  # on the GPU
+    params[NORM][0] = math.inf  # on the CPU
+    _, msg = _error(params, plan, check_last=True)
+    assert "2 master weight(s)" in msg and Q in msg and NORM in msg
