@@ -66,6 +66,7 @@ ensure_repo_on_path()
 
 from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
+from mxrl.rl import micro_batch  # noqa: E402
 from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
 from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
 from mxrl.rl.metrics import GC_PAUSES, frozen_heap, settle  # noqa: E402
@@ -241,6 +242,14 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
     row["micro_batch_tokens"] = trainer.micro_batch_tokens
+    # the training pass's forwards (mxrl.rl.micro_batch.split of the forward tokens) and the
+    # tokens they run, padding included, over the real ones
+    forward = [args.prompt + n - 1 for n in lengths]
+    runs = micro_batch.split(forward, trainer.micro_batch_tokens or None)
+    row["micro_batches"] = len(runs)
+    row["padded_tokens_ratio"] = sum(micro_batch.padded_tokens(forward, r) for r in runs) / sum(
+        forward
+    )
     row["attention_split"] = trainer.engine.options.attention_split  # as the engine runs it
     row["dense_gemm"] = trainer.engine.options.dense_gemm
     row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
@@ -261,6 +270,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
         + f"; other {rows[-1]['parts']['other_s']:.2f} s"
     )
     print(f"  {label} sync phases: {row['sync_phases']}; GC per step {row['gc_step_s']}")
+    print(f"  {label} training: {row['micro_batches']} micro-batches of <= "
+          f"{row['micro_batch_tokens']} tokens, {row['padded_tokens_ratio']:.3f}x the real tokens")  # fmt: skip
     row["peak_gib"] = (
         torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     )
