@@ -240,8 +240,7 @@ MODULES = {
         ("mxrl/weights/export.py", "mxrl/weights/event.py"),
         ("tests/sync/test_export.py", "tests/weights/test_sqnr_sample.py",
          "tests/weights/test_export_amax.py", "tests/weights/test_buckets.py",
-         "tests/weights/test_buckets_edges.py", "tests/weights/test_export_edges.py",
-         "tests/weights/test_export_check_last.py"),
+         "tests/weights/test_buckets_edges.py", "tests/weights/test_export_edges.py"),
     ),
     # the quantized checkpoint (`mxrl convert`'s directory: shards filled to the byte, the
     # manifest, the refusals when read); node ids: test_quantized_checkpoint.py but its engine

@@ -9,9 +9,7 @@ Every value comes from `quantized_values`, the one export path (the engine's own
 and checkpoint conversion use it too), quantized on the master's device, so a record's bytes and
 checksum depend only on the master weight and its TensorSpec. `export()` quantizes the first
 tensor before returning, so a master weight holding NaN/Inf (checked for every tensor first)
-raises there, naming the tensor, before any bucket exists. With `WHOLE_UPDATE` (one bucket)
-the block FP8, MXFP8 and bf16 tensors are checked on their exported bytes instead, once every
-value exists: the same error, raised from the iteration before its one bucket exists.
+raises there, naming the tensor, before any bucket exists.
 
 Buckets: records are added in plan order until the next one would take the bucket past
 `bucket_bytes`; a record bigger than the limit travels alone. Records are quantized as the
@@ -199,8 +197,7 @@ def export(
     step: the training step the weights come from; every bucket carries it, and an engine takes
     an update only at a step greater than the last one it loaded (mxrl/engine/loading.py).
     Raises ValueError, before returning and so before any bucket exists, for a master weight
-    holding NaN/Inf (naming it) and for weights that do not match the plan; with
-    `WHOLE_UPDATE`, for a block FP8, MXFP8 or bf16 one, from the iteration before its bucket. sqnr=False skips the
+    holding NaN/Inf (naming it) and for weights that do not match the plan. sqnr=False skips the
     per-layer SQNR (one dequantization per quantized tensor); a `SqnrSample` measures a share of
     each expert stack (mxrl/weights/event.py). on_event is called with the
     QuantizationEvent when the last bucket is produced.
@@ -219,14 +216,9 @@ def export(
     t0 = time.perf_counter()
     named = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
     params = {name: detached(t) for name, t in named.items()}  # once: check, quantize, SQNR
+    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend)
     # quantized_values checks every tensor for NaN/Inf before its first value: pulling that
-    # value here makes the refusal happen now, before anything can be sent. One bucket for the
-    # whole update is produced only after every value: the tensors whose bytes show NaN/Inf are
-    # checked on them there instead, before the bucket exists (`quantized_values` check_last).
-    whole = bucket_bytes >= WHOLE_UPDATE
-    values = quantized_values(
-        params, plan, bf16_dtype=bf16_dtype, backend=backend, check_last=whole
-    )
+    # value here makes the refusal happen now, before anything can be sent.
     first = next(values)
     return Export(
         params,

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
 import torch
 
 from mxrl.arch.experts import hf_location
 from mxrl.arch.names import keeps_fp32
-from mxrl.formats import QTensor
-from mxrl.formats.constants import E4M3_NAN_CODE, FP8_BLOCK_WEIGHT, Format
+from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.kernels import Backend, Kernels
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
@@ -137,7 +135,6 @@ def quantized_values(
     *,
     bf16_dtype: torch.dtype = torch.bfloat16,
     backend: Kernels | Backend | str | None = None,
-    check_last: bool = False,
 ) -> Iterator[tuple[str, WeightValue]]:
     """(name, value) of every tensor of the plan, in plan order, quantized on the master's
     device; checksums are the caller's (`export_weights` one by one, buckets one per bucket).
@@ -146,19 +143,11 @@ def quantized_values(
     first value. Raises ValueError for a tensor the plan names that is missing, or the reverse.
     Each master is read once by the check and once by its quantizer (an NVFP4 tensor's global
     amax is the check's read).
-
-    check_last: for a caller that holds every value until the generator ends (one bucket for
-    the whole update), the tensors whose exported bytes show a NaN/Inf master are checked on
-    those bytes after the last value instead (`OutputCheck`), and the generator raises the same
-    error there, before its end: block FP8 and MXFP8 store a non-finite element as the byte
-    0x7F, which no finite one gives, and bf16 (or kept fp32) values hold it as it was. That
-    check reads 1 or 2 bytes per element where the master read 4.
     """
     items = named_params.items() if isinstance(named_params, Mapping) else named_params
     params = {name: detached(t) for name, t in items}  # once: the check and the quantizer
     check_names(params, plan)
-    later = OutputCheck(params, plan) if check_last else None
-    amaxes = check_finite(later.before() if later else params, plan)
+    amaxes = check_finite(params, plan)
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
@@ -177,70 +166,7 @@ def quantized_values(
             value = _quantize(w, spec, partner_w, amax, chosen[w.device])
             # the layout every receiver checks records against (mxrl.weights.check)
             assert value.layout() == spec_layout(spec), (name, value.layout())
-        if later is not None:
-            later.add(name, value)
         yield name, value
-    if later is not None:
-        later.check()
-
-
-class OutputCheck:
-    """`check_finite` for the tensors whose exported bytes show whether their master holds
-    NaN/Inf, done on those bytes once all are quantized (`quantized_values(check_last=True)`):
-    E4M3 codes of block FP8 and MXFP8 (the byte 0x7F is a NaN/Inf element, and as int8 it is
-    the largest value: one max per tensor), bf16 and kept-fp32 values (their min and max, NaN
-    and Inf kept). One host read for all of them. A flagged tensor's master is checked again
-    (`check_finite`: the error names it and its first bad element); a finite master that
-    overflowed bf16 passes, as it would have before."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor], plan: Plan) -> None:
-        self.params, self.plan = params, plan
-        self.codes: list[tuple[str, torch.Tensor]] = []  # (name, int8 max of its codes)
-        self.values: list[tuple[str, Any]] = []  # (name, (min, max))
-
-    def deferred(self, name: str) -> bool:
-        t = self.params[name]
-        return t.is_floating_point() and t.numel() > 0 and self.plan[name].format in _SHOWN
-
-    def before(self) -> dict[str, torch.Tensor]:
-        """The masters checked first: those whose bytes do not show it (NVFP4: the check is
-        the read of its global amax)."""
-        return {n: t for n, t in self.params.items() if not self.deferred(n)}
-
-    def add(self, name: str, value: WeightValue) -> None:
-        if not self.deferred(name):
-            return
-        if isinstance(value, QTensor):
-            self.codes.append((name, value.qdata.view(torch.int8).amax()))
-        else:
-            self.values.append((name, torch.aminmax(value)))  # one pass; NaN goes into both
-
-    def check(self) -> None:
-        """Raises `check_finite`'s ValueError for the masters the bytes flag."""
-        flagged: list[str] = []
-        for group, bad in ((self.codes, _nan_code), (self.values, _not_finite)):
-            by_device: dict[torch.device, list[tuple[str, Any]]] = {}
-            for name, probe in group:
-                device = probe[0].device if isinstance(probe, tuple) else probe.device
-                by_device.setdefault(device, []).append((name, probe))
-            for pairs in by_device.values():
-                flags = bad([p for _, p in pairs]).tolist()  # one host read
-                flagged += [name for (name, _), f in zip(pairs, flags, strict=True) if f]
-        if flagged:
-            check_finite({n: self.params[n] for n in flagged})
-
-
-_SHOWN = (Format.FP8_BLOCK, Format.MXFP8, Format.BF16)
-
-
-def _nan_code(maxima: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(maxima) == E4M3_NAN_CODE  # 0x7F: 127, above every finite code as int8
-
-
-def _not_finite(minmax: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    # one stack of every 0-d min and max (bf16 and kept fp32 promote to fp32, NaN and Inf kept)
-    flat = torch.stack([t for pair in minmax for t in pair]).reshape(-1, 2)
-    return ~torch.isfinite(flat).all(dim=-1)
 
 
 def export_weights(
