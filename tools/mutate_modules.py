@@ -188,7 +188,8 @@ MODULES = {
     # node ids: the file's tests but its trainer step (a minute a mutant) and its GPU test
     "rl.micro_batch": Module(
         ("mxrl/rl/micro_batch.py",),
-        ("tests/rl/test_micro_batch.py::test_split_cuts_in_request_order_by_padded_tokens",
+        ("tests/rl/test_micro_batch.py::test_split_cuts_longest_first_by_padded_tokens",
+         "tests/rl/test_micro_batch.py::test_like_lengths_together_pad_less_than_request_order",
          "tests/rl/test_micro_batch.py::test_every_rank_runs_as_many_forwards",
          "tests/rl/test_micro_batch.py::test_combine_sums_maxima_and_token_weighted_means",
          "tests/rl/test_micro_batch.py::test_policy_loss_of_micro_batches_adds_up_to_the_whole_batch",

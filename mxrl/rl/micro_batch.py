@@ -15,8 +15,9 @@ order of fp32 sums (tests/rl/test_micro_batch.py states the bound).
 
 Under FSDP2 every train rank must run the same number of forwards (each one all-gathers every
 layer with the others): the count is the largest any rank needs, a rank that needs fewer splits
-its micro-batches further, and one with fewer sequences than that count runs its first sequence
-again with its loss multiplied by zero (`MicroBatch.weight` 0).
+its micro-batches further, and one with fewer sequences than that count runs its shortest
+sequence again (the first of the shortest) with its loss multiplied by zero (`MicroBatch.weight`
+0): the cheapest forward it can add.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def plan(lengths: Sequence[int], max_tokens: int | None, ranks: TrainRanks) -> l
         half = len(runs[i]) // 2
         runs[i : i + 1] = [runs[i][:half], runs[i][half:]]
     batches = [MicroBatch(run) for run in runs]
-    filler = MicroBatch(runs[0][:1] if runs else (), weight=0.0)
+    shortest = min(range(len(lengths)), key=lambda r: (lengths[r], r), default=None)
+    filler = MicroBatch(() if shortest is None else (shortest,), weight=0.0)
     return batches + [filler] * (count - len(batches))
 
 

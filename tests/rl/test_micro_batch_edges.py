@@ -58,6 +58,17 @@ def test_plan_splits_the_longest_run_when_the_largest_holds_one_sequence():
     assert [mb.rows for mb in mbs] == [(0,), (3,), (1,), (2,), (4, 5)]
 
 
+def test_the_filler_is_the_shortest_sequence_the_first_of_equals():
+    # 3 sequences in one run (request order), another rank needs 5 forwards: halved into three
+    # runs of one, then the shortest (row 1, 2 tokens) twice with its loss weighted 0, not the
+    # longest (row 2) nor the first
+    mbs = micro_batch.plan([5, 2, 9], 100, FakeRanks(2, others_max=torch.tensor([5])))
+    assert _rows(mbs) == [((0,), 1.0), ((1,), 1.0), ((2,), 1.0), ((1,), 0.0), ((1,), 0.0)]
+    # two of the shortest length: the first of them
+    mbs = micro_batch.plan([4, 2, 2], 100, FakeRanks(2, others_max=torch.tensor([4])))
+    assert _rows(mbs)[-1] == ((1,), 0.0)
+
+
 def test_a_rank_without_sequences_runs_only_fillers():
     mbs = micro_batch.plan([], 100, FakeRanks(2, others_max=torch.tensor([2])))
     assert mbs == [MicroBatch((), 0.0), MicroBatch((), 0.0)]
