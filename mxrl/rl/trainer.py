@@ -241,8 +241,11 @@ class GRPOTrainer:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.prev_layer_norms = layer_norms
+        padded = sum(micro_batch.padded_tokens(lengths, mb.rows) for mb in batches)
+        forwards = {"train/micro_batches": float(len(batches)),
+                    "train/padded_tokens_ratio": padded / max(sum(lengths), 1)}  # fmt: skip
         return {"mismatch": mm, "stats": stats, "grad_norm": grad_norm,
-                "decision": decision.as_dict()}  # fmt: skip
+                "decision": decision.as_dict(), "forwards": forwards}  # fmt: skip
 
     def _metrics(self, outs, rewards, mask, train, times, t0, version) -> dict[str, float]:
         """The step's metrics: its times the slowest rank's (the step waits for it), and each
@@ -252,6 +255,7 @@ class GRPOTrainer:
             outs, rewards, mask, train["mismatch"], train["stats"], train["grad_norm"],
             train["decision"], slowest, time.perf_counter() - t0, version,
         )  # fmt: skip
+        metrics |= train["forwards"]  # this rank's
         if len(times) > 1:
             for r, (tr, tt, ts) in enumerate(times):
                 metrics |= {f"time/rank{r}/rollout_s": tr, f"time/rank{r}/train_s": tt,

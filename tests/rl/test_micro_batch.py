@@ -145,6 +145,10 @@ def test_a_step_in_many_micro_batches_is_the_step_in_one(tmp_path):
         assert m_many[key] == pytest.approx(m_one[key], abs=1e-6), key
     assert m_many["loss/clip_frac"] == m_one["loss/clip_frac"]
     assert m_many["grad/norm"] == pytest.approx(m_one["grad/norm"], rel=1e-5)
+    # the forwards as the metrics report them: one, then eight of two sequences each, which pad
+    # less than one forward of all sixteen (every sequence padded to the longest of them)
+    assert (m_one["train/micro_batches"], m_many["train/micro_batches"]) == (1.0, 8.0)
+    assert 1.0 <= m_many["train/padded_tokens_ratio"] < m_one["train/padded_tokens_ratio"]
 
 
 def test_a_resumed_run_keeps_the_micro_batches_it_derived(tmp_path):
