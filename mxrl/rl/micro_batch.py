@@ -3,15 +3,16 @@
 
 A train rank's sequences are cut, longest first, into runs whose padded forward (sequences x
 the longest one's tokens) stays within `max_tokens`; each micro-batch runs forward, loss and
-backward, gradients accumulating until the step's one optimizer update. Longest first, because an
-RL batch's responses run from a few tokens to thousands: cut in request order, each micro-batch
-pads its short sequences to a long one's length (the seeded spread of `benchmarks/rl_step.py`,
-256 sequences of 527 to 4,095 forward tokens in a 13,056-token budget, ran 1.62x the real tokens
-in 64 forwards), while sequences of like lengths together pad little (1.02x in 38). The first
-micro-batch holds the longest sequences, so a budget too large for the memory fails at once. The loss of every
-micro-batch is divided by the whole batch's token count (`policy_loss(denominator=...)`), so the
-summed gradient is the whole batch's token-mean: one micro-batch or many differ only in the
-order of fp32 sums (tests/rl/test_micro_batch.py states the bound).
+backward, gradients accumulating until the step's one optimizer update. Longest first, because
+an RL batch's responses run from a few tokens to thousands: cut in request order, each
+micro-batch pads its short sequences to a long one's length (the seeded spread of
+`benchmarks/rl_step.py`, 256 sequences of 527 to 4,095 forward tokens in a 13,056-token budget,
+ran 1.62x the real tokens in 64 forwards), while sequences of like lengths together pad little
+(1.02x in 38). The first micro-batch holds the longest sequences, so a budget too large for the
+memory fails at once. The loss of every micro-batch is divided by the whole batch's token count
+(`policy_loss(denominator=...)`), so the summed gradient is the whole batch's token-mean: one
+micro-batch or many differ only in the order of fp32 sums (tests/rl/test_micro_batch.py states
+the bound).
 
 Under FSDP2 every train rank must run the same number of forwards (each one all-gathers every
 layer with the others): the count is the largest any rank needs, a rank that needs fewer splits
