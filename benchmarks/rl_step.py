@@ -66,7 +66,6 @@ ensure_repo_on_path()
 
 from mxrl.engine import SamplingParams  # noqa: E402
 from mxrl.models import build_model, from_pretrained, save_pretrained  # noqa: E402
-from mxrl.rl import micro_batch  # noqa: E402
 from mxrl.rl.config import GRPOConfig, TrainConfig  # noqa: E402
 from mxrl.rl.memory import device_capacity, estimate_memory  # noqa: E402
 from mxrl.rl.metrics import GC_PAUSES, frozen_heap, settle  # noqa: E402
@@ -228,6 +227,8 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
                              "sync_s": metrics["time/sync_s"], "step_s": wall,
                              "response_len": metrics["response_len/mean"],
                              "gc_s": GC_PAUSES.seconds - gc_start,
+                             "micro_batches": metrics["train/micro_batches"],
+                             "padded_tokens_ratio": metrics["train/padded_tokens_ratio"],
                              "parts": rollout_parts(
                                  trainer.engine.stats, metrics["time/rollout_s"],
                                  step_floor_bytes(trainer.engine, trainer.last_outs, args.prompt),
@@ -242,14 +243,10 @@ def run_preset(path: Path, preset: str, kv_fp8: bool, lengths, device, args, out
     row["response_len_mean"] = rows[-1]["response_len"]  # the engine's, as the loop logged it
     row.update(engine_limits(trainer.engine, args.prompt + args.new_tokens))
     row["micro_batch_tokens"] = trainer.micro_batch_tokens
-    # the training pass's forwards (mxrl.rl.micro_batch.split of the forward tokens) and the
-    # tokens they run, padding included, over the real ones
-    forward = [args.prompt + n - 1 for n in lengths]
-    runs = micro_batch.split(forward, trainer.micro_batch_tokens or None)
-    row["micro_batches"] = len(runs)
-    row["padded_tokens_ratio"] = sum(micro_batch.padded_tokens(forward, r) for r in runs) / sum(
-        forward
-    )
+    # the training pass's forwards and the tokens they ran, padding included, over the real
+    # ones: the trainer's metrics (the same lengths every step)
+    row["micro_batches"] = int(rows[-1]["micro_batches"])
+    row["padded_tokens_ratio"] = rows[-1]["padded_tokens_ratio"]
     row["attention_split"] = trainer.engine.options.attention_split  # as the engine runs it
     row["dense_gemm"] = trainer.engine.options.dense_gemm
     row["engine_bytes"] = sum(value_nbytes(r.value) for r in trainer.engine.records())
