@@ -29,10 +29,11 @@ from mxrl.formats import QTensor
 from mxrl.nn.experts import EXPERT_PARAMS
 from mxrl.nn.paths.rollout import RolloutExperts, RolloutLinear
 from mxrl.weights import (
+    GlobalScaleCheck,
+    PendingChecksums,
     VerifiedRecord,
     WeightRecord,
     WeightValue,
-    check_global_scales,
     check_record,
     checksums,
     stored_tensors,
@@ -42,6 +43,11 @@ from mxrl.weights import (
 logger = logging.getLogger(__name__)
 
 TIED_EMBEDDING = "model.embed_tokens.weight"
+# Staging ahead (while the device computes the update's checksums) holds every staged value at
+# once; values whose staging derives new tensors (operands of an emulated GEMM, a copy from
+# another device) are staged ahead only up to this many new bytes, the rest one by one as they
+# are written, each freed before the next is derived.
+STAGE_AHEAD_BYTES = 256 * 2**20
 _EXPERT_ROLE = {param: role for role, param in EXPERT_PARAMS.items()}  # gate_up_proj -> gate_up
 
 
@@ -132,10 +138,11 @@ class WeightLoading:
 
     def _verify(
         self, records: Iterable[WeightRecord], plan_hash: str, step: int | None, partial: bool
-    ) -> dict[str, WeightRecord]:
+    ) -> tuple[dict[str, WeightRecord], _Verification]:
         """Phase 1 of `load_weights`, nothing written: the records by name once the plan hash,
-        the step, every record against the plan, the update's completeness, the checksums and
-        the global scales have been checked (raises ValueError otherwise)."""
+        the step, every record against the plan and the update's completeness have been checked
+        (raises ValueError otherwise), and the checks of their bytes, queued on the device: the
+        checksums and the global scales (`_Verification.result()` raises)."""
         if plan_hash != self.plan.hash():
             raise ValueError(
                 f"plan hash mismatch: the weights were exported under plan {plan_hash[:16]}, the "
@@ -147,8 +154,16 @@ class WeightLoading:
         for record in records:
             if record.name in received:
                 raise ValueError(f"{record.name} was sent twice in one update")
-            self._check(record)
             received[record.name] = record
+        # each checksum once: records verified in this process already (VerifiedRecord, e.g.
+        # by BroadcastReceiver as their bucket arrived) are not computed again. Queued before
+        # the records are checked against the plan (on the host, while the device computes
+        # them: records that are not even a name and a tensor are checked first), and not
+        # waited for: the caller stages the update meanwhile.
+        todo = [r for r in received.values() if not isinstance(r, VerifiedRecord)]
+        sums = _queued_checksums(todo) if all(map(_hashable, todo)) else None
+        for record in received.values():
+            self._check(record)
         if not partial:
             missing = [n for n in self.plan if n not in received]
             if missing:
@@ -156,13 +171,19 @@ class WeightLoading:
                     f"incomplete update: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; "
                     "the engine keeps its previous weights"
                 )
-        # each checksum once: records verified in this process already (VerifiedRecord, e.g.
-        # by BroadcastReceiver as their bucket arrived) are not computed again
-        todo = [r for r in received.values() if not isinstance(r, VerifiedRecord)]
-        sums = checksums([r.name for r in todo], [r.value for r in todo])  # a host read/device
-        verified_records(todo, sums)
-        check_global_scales(received.values(), self.plan)  # one host read per device
-        return received
+        sums = sums or _queued_checksums(todo)
+        return received, _Verification(todo, sums, GlobalScaleCheck(received.values(), self.plan))
+
+    def _stage_ahead(self, received: dict[str, WeightRecord], live: dict) -> dict[str, tuple]:
+        """Every record whose layout changed, and the others in order while the new tensors
+        their staging derives stay within STAGE_AHEAD_BYTES (`load_weights`)."""
+        ahead: dict[str, tuple] = {}
+        fresh = 0
+        for name, record in received.items():
+            if fresh <= STAGE_AHEAD_BYTES or not _same_value_layout(live[name], record.value):
+                ahead[name] = staged = self._stage(name, record.value)
+                fresh += _fresh_bytes(staged, record.value)
+        return ahead
 
     def load_weights(
         self,
@@ -193,25 +214,31 @@ class WeightLoading:
         byte is written; if it raises, nothing is written (a distributed receiver agrees there
         with the other engine ranks that every one of them can load).
         """
-        received = self._verify(records, plan_hash, step, partial)
-        # staged before any live byte is written: what cannot be loaded in place
+        received, verification = self._verify(records, plan_hash, step, partial)
+        # staged while the device computes the checksums, before any live byte is written:
+        # what cannot be loaded in place, and what can as far as STAGE_AHEAD_BYTES allows
         live = {name: self._installed(name) for name in received}
-        replaced: dict[str, tuple] = {}
-        for name, record in received.items():
-            if not _same_value_layout(live[name], record.value):
-                replaced[name] = self._stage(name, record.value)
+        ahead = self._stage_ahead(received, live)
+        replaced = {n: new for n, new in ahead.items() if not _same_layout(live[n], new)}
+        pairs = [
+            pair
+            for name, new in ahead.items()
+            if name not in replaced
+            for pair in zip(_leaves(live[name]), _leaves(new), strict=True)
+        ]
+        verification.result()  # the one wait: checksums, then the NVFP4 global scales
         if before_write is not None:
             before_write()
         with torch.no_grad():  # into the live buffers; only memory can fail from here
+            _copy_leaves(pairs)  # the staged-ahead values, launched back to back
             for name, record in received.items():
-                if name in replaced:
+                if name in ahead:
                     continue
-                new = self._stage(name, record.value)
-                dsts, srcs = _leaves(live[name]), _leaves(new)
-                if not _same_leaves(dsts, srcs):
+                new = self._stage(name, record.value)  # derived now, freed before the next
+                if not _same_layout(live[name], new):
                     replaced[name] = new
-                    continue
-                _copy_leaves(dsts, srcs)
+                else:
+                    _copy_leaves(list(zip(_leaves(live[name]), _leaves(new), strict=True)))
         for name, staged in replaced.items():
             self._install(name, staged)
         for name, record in received.items():
@@ -293,13 +320,52 @@ def _same_leaves(a: list, b: list, *, values_only: bool = False) -> bool:
     return True
 
 
-def _copy_leaves(dsts: list, srcs: list) -> None:
-    """Each staged tensor into its live one (a held value is often its own operand: one copy
-    per pair of storages; none where they are one)."""
+def _copy_leaves(pairs: list) -> None:
+    """Each staged tensor into its live one, (live, staged) pairs (a held value is often its
+    own operand: one copy per pair of storages; none where they are one)."""
     done = set()
-    for dst, src in zip(dsts, srcs, strict=True):
+    for dst, src in pairs:
         if dst is None or (dst.data_ptr(), src.data_ptr()) in done:
             continue
         done.add((dst.data_ptr(), src.data_ptr()))
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
+
+
+def _fresh_bytes(staged: tuple, value: WeightValue) -> int:
+    """Bytes of the storages a staged value holds that the received value does not (what its
+    staging derived: an emulated GEMM's operands, a copy on the engine's device)."""
+    own = {t.untyped_storage().data_ptr() for t in stored_tensors(value).values()}
+    fresh = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _leaves(staged)
+        if t is not None and t.untyped_storage().data_ptr() not in own
+    }
+    return sum(fresh.values())
+
+
+def _hashable(record: WeightRecord) -> bool:
+    """Whether a record's checksum can be computed before it is checked against the plan."""
+    return type(record.name) is str and isinstance(record.value, (QTensor, torch.Tensor))
+
+
+def _queued_checksums(records: list[WeightRecord]) -> PendingChecksums:
+    return PendingChecksums([r.name for r in records], [r.value for r in records])
+
+
+class _Verification:
+    """An update's byte checks, queued on the device by `_verify`: the checksums of the records
+    not verified yet and the NVFP4 global scales. `result()` waits for both (one host read per
+    device for each, the second already done when the first arrives) and raises ValueError as
+    they do, checksums first."""
+
+    def __init__(
+        self, todo: list[WeightRecord], sums: PendingChecksums, scales: GlobalScaleCheck
+    ) -> None:
+        self.todo = todo
+        self.sums = sums
+        self.scales = scales
+
+    def result(self) -> None:
+        verified_records(self.todo, self.sums.wait())
+        self.scales.result()

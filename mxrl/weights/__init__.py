@@ -14,7 +14,7 @@ checkpoint's bytes against the plan's). docs/sync.md describes them.
 """
 
 from mxrl.weights.buckets import DEFAULT_BUCKET_BYTES, WHOLE_UPDATE, Bucket, Export, export
-from mxrl.weights.check import check_global_scales, check_record
+from mxrl.weights.check import GlobalScaleCheck, check_global_scales, check_record
 from mxrl.weights.convert import convert_checkpoint
 from mxrl.weights.digest import PendingChecksums, checksum, checksums, verified_records
 from mxrl.weights.event import QuantizationEvent
@@ -34,6 +34,7 @@ __all__ = [
     "WHOLE_UPDATE",
     "Bucket",
     "Export",
+    "GlobalScaleCheck",
     "PendingChecksums",
     "QuantizationEvent",
     "VerifiedRecord",

@@ -61,6 +61,10 @@ def check_record(
     Reads no tensor data."""
     name, value = record.name, record.value
     assert name == spec.name, (name, spec.name)
+    if not isinstance(value, (QTensor, torch.Tensor)):
+        raise ValueError(
+            f"{name}: a record's value is a QTensor or a tensor, got {type(value).__name__}"
+        )
     quantized = spec.format is not Format.BF16
     if isinstance(value, QTensor) != quantized or (
         quantized and (value.fmt != spec.format or tuple(value.shape) != spec.shape)
@@ -72,7 +76,6 @@ def check_record(
         )
         raise ValueError(f"{name}: the plan stores {_what(spec)}, got {got}")
     if not quantized:
-        assert isinstance(value, torch.Tensor)
         want = torch.float32 if keeps_fp32(name) and plain_dtype is not None else plain_dtype
         if tuple(value.shape) != spec.shape or (
             (value.dtype != want) if want is not None else not value.is_floating_point()
@@ -109,46 +112,62 @@ def check_global_scales(records: Iterable[WeightRecord], plan: Plan) -> None:
     in one comparison, and both flags are read to the host at once (no host sync per record);
     the records are searched on the host only on the way to an error, to name the first bad
     one. Run `check_record` first (it guarantees the shapes this compares)."""
-    scales = {
-        r.name: r.value.global_scale
-        for r in records
-        if isinstance(r.value, QTensor) and r.value.global_scale is not None
-    }
-    partners = fuse_partners(plan)
-    pairs = [(a, b) for a, b in partners.items() if a < b and a in scales and b in scales]
-    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for gs in scales.values():
-        by_device.setdefault(gs.device, ([], []))[0].append(gs.reshape(-1))
-    for a, b in pairs:  # 2-D fuse pairs: one value each
-        by_device.setdefault(scales[a].device, ([], []))[1].append(
-            (scales[a].reshape(-1) == scales[b].reshape(-1).to(scales[a].device)).all()
-        )
-    flags = []
-    for values, same in by_device.values():
-        flat = torch.cat(values) if values else torch.ones(1)
-        usable = (torch.isfinite(flat) & (flat > 0)).all()
-        flags.append(torch.stack([usable, *same]) if same else usable.reshape(1))
-    if all(all(f.tolist()) for f in flags):  # one host read per device
-        return
-    for name, gs in scales.items():
-        gs = gs.detach().cpu()
-        bad = ~(torch.isfinite(gs) & (gs > 0))
-        if bad.any():
-            flat = int(bad.reshape(-1).nonzero()[0])
-            first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gs.shape))
-            raise ValueError(
-                f"{name}: global_scale must be finite and positive (an NVFP4 encode scale "
-                f"2688/amax) for {_what(plan[name])}, got {float(gs.reshape(-1)[flat])} at index "
-                f"{first}"
+    GlobalScaleCheck(records, plan).result()
+
+
+class GlobalScaleCheck:
+    """`check_global_scales` started without waiting for it: the flags are computed on each
+    device at construction (queued behind the work already there), `result()` reads them (one
+    host read per device) and raises as `check_global_scales` does. A caller with another host
+    read to make (the engine's checksums) queues both first and waits once."""
+
+    def __init__(self, records: Iterable[WeightRecord], plan: Plan) -> None:
+        self.plan = plan
+        self.scales = {
+            r.name: r.value.global_scale
+            for r in records
+            if isinstance(r.value, QTensor) and r.value.global_scale is not None
+        }
+        scales = self.scales
+        partners = fuse_partners(plan)
+        self.pairs = [(a, b) for a, b in partners.items() if a < b and a in scales and b in scales]
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for gs in scales.values():
+            by_device.setdefault(gs.device, ([], []))[0].append(gs.reshape(-1))
+        for a, b in self.pairs:  # 2-D fuse pairs: one value each
+            by_device.setdefault(scales[a].device, ([], []))[1].append(
+                (scales[a].reshape(-1) == scales[b].reshape(-1).to(scales[a].device)).all()
             )
-    for a, b in pairs:
-        va, vb = float(scales[a].reshape(-1)[0]), float(scales[b].reshape(-1)[0])
-        if va != vb:
-            raise ValueError(
-                f"{a} and {b}: gate and up share one NVFP4 global scale (fuse group "
-                f"{plan[a].fuse_group}), got {va} and {vb}"
-            )
-    raise AssertionError("a global-scale flag failed, but no record explains it")
+        self.flags = []
+        for values, same in by_device.values():
+            flat = torch.cat(values) if values else torch.ones(1)
+            usable = (torch.isfinite(flat) & (flat > 0)).all()
+            self.flags.append(torch.stack([usable, *same]) if same else usable.reshape(1))
+
+    def result(self) -> None:
+        """Read the flags (one host read per device); ValueError naming the first bad record."""
+        if all(all(f.tolist()) for f in self.flags):
+            return
+        plan = self.plan
+        for name, gs in self.scales.items():
+            gs = gs.detach().cpu()
+            bad = ~(torch.isfinite(gs) & (gs > 0))
+            if bad.any():
+                flat = int(bad.reshape(-1).nonzero()[0])
+                first = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), gs.shape))
+                raise ValueError(
+                    f"{name}: global_scale must be finite and positive (an NVFP4 encode scale "
+                    f"2688/amax) for {_what(plan[name])}, got {float(gs.reshape(-1)[flat])} at "
+                    f"index {first}"
+                )
+        for a, b in self.pairs:
+            va, vb = float(self.scales[a].reshape(-1)[0]), float(self.scales[b].reshape(-1)[0])
+            if va != vb:
+                raise ValueError(
+                    f"{a} and {b}: gate and up share one NVFP4 global scale (fuse group "
+                    f"{plan[a].fuse_group}), got {va} and {vb}"
+                )
+        raise AssertionError("a global-scale flag failed, but no record explains it")
 
 
 def check_config(file: Path, config: dict[str, Any], plan: Plan) -> None:
