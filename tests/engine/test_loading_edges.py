@@ -11,6 +11,7 @@ import dataclasses
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -202,10 +203,13 @@ def _after_a_replaced_one_the_rest_is_copied(host: Host) -> None:
     assert torch.equal(lp, torch.full((2, 32, 32), 2.25))
 
 
-def test_a_changed_operand_layout_is_installed_and_the_rest_copied():
+@pytest.mark.parametrize("budget", [loading.STAGE_AHEAD_BYTES, 0])
+def test_a_changed_operand_layout_is_installed_and_the_rest_copied(budget, monkeypatch):
     """The held value fits the record but the module's operand does not (changed behind the
-    engine's back): found while copying, so installed anew (graphs dropped) and the load goes
-    on with the tensors after it."""
+    engine's back): found when the record is staged (ahead of the checksums, or with a budget
+    of 0 after the write began), so installed anew (graphs dropped) and the load goes on with
+    the tensors after it."""
+    monkeypatch.setattr(loading, "STAGE_AHEAD_BYTES", budget)
     host = _loaded()
     host.net.model.norm.weight = nn.Parameter(torch.zeros(16), requires_grad=False)
     host.load_weights(_records(1), host.plan.hash())
@@ -214,9 +218,12 @@ def test_a_changed_operand_layout_is_installed_and_the_rest_copied():
     _after_a_replaced_one_the_rest_is_copied(host)
 
 
-def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs():
+@pytest.mark.parametrize("budget", [loading.STAGE_AHEAD_BYTES, 0])
+def test_a_changed_layout_installs_new_buffers_and_drops_the_graphs(budget, monkeypatch):
     """A held value whose shape differs from the record's (changed behind the engine's back) is
-    replaced, not copied into: new storage, the graphs dropped a second time."""
+    replaced, not copied into: new storage, the graphs dropped a second time (staged ahead
+    whatever the budget: it cannot be loaded in place)."""
+    monkeypatch.setattr(loading, "STAGE_AHEAD_BYTES", budget)
     host = _loaded()
     host.weights[NORM] = torch.zeros(16, dtype=torch.bfloat16)
     host.load_weights(_records(1), host.plan.hash())
@@ -469,6 +476,42 @@ def test_staging_ahead_stops_at_its_budget_of_derived_bytes(monkeypatch):
     events = _load_traced(host, monkeypatch)
     first, *rest = [f"stage {n}" for n in SHAPES]
     assert events == ["checksums queued", *["check"] * len(SHAPES), first, "wait", "write", *rest]
+    assert _same_bytes(host, _loaded(1))
+
+
+def test_the_budget_counts_every_record_staged_ahead(monkeypatch):
+    """The derived bytes add up over the records: with a budget of the embedding's and
+    q_proj's together (bf16 -> fp32: 512 bytes; q_proj's fp32 operand, 4096: MXFP8 has no
+    global scale, so its DEQ operand is its LP one), the norm is staged ahead too (the budget
+    is not passed yet when it comes), and then, past it, the fp32 router bias, which derives
+    nothing, and the rest wait for the write."""
+    monkeypatch.setattr(loading, "STAGE_AHEAD_BYTES", 512 + 4096)
+    host = _loaded()
+    events = _load_traced(host, monkeypatch)
+    ahead, later = [f"stage {n}" for n in (EMBED, Q, NORM)], [BIAS, QB, GATE_UP, DOWN]
+    assert events == [
+        "checksums queued", *["check"] * len(SHAPES), *ahead, "wait", "write",
+        *[f"stage {n}" for n in later],
+    ]  # fmt: skip
+    assert _same_bytes(host, _loaded(1))
+
+
+def test_names_of_a_str_subclass_are_checked_before_their_checksums(monkeypatch):
+    """Names that are not exactly str (numpy's str_, a str subclass) are checked against the
+    plan first, then checksummed: the update loads as with plain names."""
+    host = _loaded()
+    records = [dataclasses.replace(r, name=np.str_(r.name)) for r in _records(1)]
+    assert all(type(r.name) is np.str_ for r in records)
+    events: list[str] = []
+    check, queued = loading.check_record, loading.PendingChecksums
+    monkeypatch.setattr(
+        loading, "check_record", lambda r, *a: (events.append("check"), check(r, *a))[1]
+    )
+    monkeypatch.setattr(
+        loading, "PendingChecksums", lambda n, v: (events.append("queued"), queued(n, v))[1]
+    )
+    host.load_weights(records, host.plan.hash())
+    assert events == [*["check"] * len(SHAPES), "queued"]
     assert _same_bytes(host, _loaded(1))
 
 
