@@ -470,13 +470,18 @@ def test_staging_ahead_stops_at_its_budget_of_derived_bytes(monkeypatch):
     """What the engine derives when it stages (here the CPU's fp32 operands) is held for every
     record staged ahead of the wait, so only up to STAGE_AHEAD_BYTES of it: with a budget of 0
     the first record (the embedding, bf16 -> fp32: derived) is staged ahead and the rest one by
-    one after the write began, each freed before the next. Same bytes."""
+    one after the write began, each freed before the next, copied into the held buffers as
+    well (the same storage, no graph dropped). Same bytes."""
     monkeypatch.setattr(loading, "STAGE_AHEAD_BYTES", 0)
     host = _loaded()
+    ptrs = [t.data_ptr() for n in SHAPES for t in _leaves(host._installed(n)) if t is not None]
     events = _load_traced(host, monkeypatch)
     first, *rest = [f"stage {n}" for n in SHAPES]
     assert events == ["checksums queued", *["check"] * len(SHAPES), first, "wait", "write", *rest]
-    assert _same_bytes(host, _loaded(1))
+    assert _same_bytes(host, _loaded(1)) and host.dropped == 1
+    assert ptrs == [
+        t.data_ptr() for n in SHAPES for t in _leaves(host._installed(n)) if t is not None
+    ]
 
 
 def test_the_budget_counts_every_record_staged_ahead(monkeypatch):
