@@ -219,26 +219,23 @@ class WeightLoading:
         # what cannot be loaded in place, and what can as far as STAGE_AHEAD_BYTES allows
         live = {name: self._installed(name) for name in received}
         ahead = self._stage_ahead(received, live)
-        replaced = {n: new for n, new in ahead.items() if not _same_layout(live[n], new)}
-        pairs = [
-            pair
-            for name, new in ahead.items()
-            if name not in replaced
-            for pair in zip(_leaves(live[name]), _leaves(new), strict=True)
-        ]
+        copies = {name: _copies(live[name], new) for name, new in ahead.items()}
+        replaced = {name: ahead[name] for name, pairs in copies.items() if pairs is None}
         verification.result()  # the one wait: checksums, then the NVFP4 global scales
         if before_write is not None:
             before_write()
         with torch.no_grad():  # into the live buffers; only memory can fail from here
-            _copy_leaves(pairs)  # the staged-ahead values, launched back to back
+            # the staged-ahead values, launched back to back
+            _copy_leaves([pair for pairs in copies.values() if pairs for pair in pairs])
             for name, record in received.items():
                 if name in ahead:
                     continue
                 new = self._stage(name, record.value)  # derived now, freed before the next
-                if not _same_layout(live[name], new):
+                pairs = _copies(live[name], new)
+                if pairs is None:
                     replaced[name] = new
                 else:
-                    _copy_leaves(list(zip(_leaves(live[name]), _leaves(new), strict=True)))
+                    _copy_leaves(pairs)
         for name, staged in replaced.items():
             self._install(name, staged)
         for name, record in received.items():
@@ -318,6 +315,16 @@ def _same_leaves(a: list, b: list, *, values_only: bool = False) -> bool:
         if x is not None and not values_only and x.device != y.device:
             return False
     return True
+
+
+def _copies(live, new) -> list | None:
+    """The (live, staged) tensor pairs that load `new` into `live` in place, or None where it
+    cannot be (nothing held yet, or another layout: `_same_layout`). Each side's leaves are
+    listed once."""
+    if live is None:
+        return None
+    dsts, srcs = _leaves(live), _leaves(new)
+    return list(zip(dsts, srcs, strict=True)) if _same_leaves(dsts, srcs) else None
 
 
 def _copy_leaves(pairs: list) -> None:
