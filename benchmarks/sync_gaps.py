@@ -25,9 +25,7 @@ import argparse
 import functools
 import importlib
 import os
-import statistics
 import sys
-import time
 
 ANNOTATED = (  # (module, attribute): the steps of one sync whose host time is named
     ("mxrl.weights.export", "check_finite"),
@@ -119,7 +117,7 @@ def main(argv=None, patch=setattr) -> int:
         root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
         sys.path[:0] = [os.path.abspath(args.tree), root]
     import torch
-    from sync import config_of
+    from sync import config_of, timed
 
     from mxrl.engine import Engine
     from mxrl.models import build_model
@@ -139,33 +137,29 @@ def main(argv=None, patch=setattr) -> int:
         engine = Engine(model, preset, device=dev, compute_dtype=torch.bfloat16)
         transport = InProcessTransport(engine)
 
-        def sync(sampled: bool = False, _engine=engine, _transport=transport):
-            _settle(dev)
-            t0, step = time.perf_counter(), next(steps)
+        def sync(sampled: bool = False, _engine=engine, _transport=transport) -> int:
+            step = next(steps)
             with torch.profiler.record_function("@sync"):
                 sqnr = SqnrSample.at_step(step, 16) if sampled else False
                 update = export(
                     model, _engine.plan, step=step, sqnr=sqnr, bucket_bytes=WHOLE_UPDATE
                 )
-                report = _transport.send(update)
-            _settle(dev)
-            return time.perf_counter() - t0, report.num_bytes
+                return _transport.send(update).num_bytes
 
-        for _ in range(3):
+        for _ in range(2):
             sync()
-        walls = [sync()[0] for _ in range(args.repeats)]
-        looped = [sync(sampled=True)[0] for _ in range(args.repeats)]
-        nbytes = sync()[1]
+        wall = timed(sync, dev, args.repeats)  # one more warm-up, then the median
+        looped = timed(functools.partial(sync, sampled=True), dev, args.repeats)
+        nbytes = sync()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if dev.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            profiled, _ = sync()
+            profiled = timed(sync, dev, 1, warmup=False)
         first, busy, idle = idle_gaps(prof.events())
-        wall = statistics.median(walls)
         print(
             f"{preset}: {wall * 1e3:.2f} ms a sync ({nbytes / wall / 1e9:.0f} GB/s of "
-            f"{nbytes / 1e9:.3f} GB), {statistics.median(looped) * 1e3:.2f} ms with the SQNR "
+            f"{nbytes / 1e9:.3f} GB), {looped * 1e3:.2f} ms with the SQNR "
             f"sampled as the loop does; profiled {profiled * 1e3:.2f} ms: device busy "
             f"{busy:.2f} ms, first op {first:.2f} ms in",
             flush=True,
@@ -176,13 +170,6 @@ def main(argv=None, patch=setattr) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return 0
-
-
-def _settle(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 if __name__ == "__main__":
