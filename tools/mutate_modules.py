@@ -146,13 +146,14 @@ MODULES = {
         ("mxrl/engine/graph.py",),
         ("tests/engine/test_graph.py", "tests/engine/test_graph_edges.py"),
     ),
-    # the engine's verified weight loading: its edges on a stand-in engine (no model built), and
-    # by node id one engine run (the tiny MoE's first load and a reload with a changed layout:
-    # RolloutExperts' branches); not the reloads per preset, the refused forged updates, the
+    # the engine's verified weight loading: its edges and its order on a stand-in engine (no model
+    # built), and by node id one engine run (the tiny MoE's first load and a reload with a changed
+    # layout: RolloutExperts' branches); not the reloads per preset, the refused forged updates, the
     # prefix-cache reset or test_engine.py's refusals (9-25 s each on two shared cores)
     "engine.loading": Module(
         ("mxrl/engine/loading.py",),
-        ("tests/engine/test_loading_edges.py", "tests/engine/test_load_cache.py",
+        ("tests/engine/test_loading_edges.py", "tests/engine/test_loading_order.py",
+         "tests/engine/test_load_cache.py",
          "tests/engine/test_load_in_place.py::test_a_changed_layout_installs_new_buffers_and_drops_the_graphs"),
     ),
     "parallel": Module(("mxrl/parallel/export.py", "mxrl/parallel/dcp.py"),
