@@ -28,9 +28,10 @@ import os
 import sys
 
 ANNOTATED = (  # (module, attribute): the steps of one sync whose host time is named
-    ("mxrl.weights.export", "check_finite"),
+    ("mxrl.weights.export", "check_finite"),  # read at once (trees before FiniteCheck)
+    ("mxrl.weights.finite", "FiniteCheck.__init__"),
+    ("mxrl.weights.finite", "FiniteCheck.result"),
     ("mxrl.weights.export", "_quantize"),
-    ("mxrl.weights.buckets", "checksums"),
     ("mxrl.weights.digest", "PendingChecksums.__init__"),
     ("mxrl.weights.digest", "PendingChecksums.wait"),
     ("mxrl.engine.loading", "WeightLoading.load_weights"),

@@ -233,16 +233,17 @@ MODULES = {
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
          "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py"),
     ),
-    # the one export path (names and NaN/Inf checks before anything is quantized, the NVFP4
-    # global amax from the check's read, fuse partners, the backend per device) and the
+    # the one export path (names and NaN/Inf checks before anything is quantized, read at once
+    # or queued (finite.py), the NVFP4 global amax from the check's read, fuse partners, the backend per device) and the
     # quantization event (its dict, the sampled per-layer SQNR): the tiny MoE exported per
     # preset (test_export.py, test_export_amax.py, the buckets' tests: 14 s plain on two shared
     # cores) and hand-made tensors and plans (test_export_edges.py)
     "weights.export": Module(
-        ("mxrl/weights/export.py", "mxrl/weights/event.py"),
+        ("mxrl/weights/export.py", "mxrl/weights/finite.py", "mxrl/weights/event.py"),
         ("tests/sync/test_export.py", "tests/weights/test_sqnr_sample.py",
          "tests/weights/test_export_amax.py", "tests/weights/test_buckets.py",
-         "tests/weights/test_buckets_edges.py", "tests/weights/test_export_edges.py"),
+         "tests/weights/test_buckets_edges.py", "tests/weights/test_export_edges.py",
+         "tests/weights/test_finite.py"),
     ),
     # the quantized checkpoint (`mxrl convert`'s directory: shards filled to the byte, the
     # manifest, the refusals when read); node ids: test_quantized_checkpoint.py but its engine

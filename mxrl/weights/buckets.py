@@ -7,9 +7,10 @@
 
 Every value comes from `quantized_values`, the one export path (the engine's own construction
 and checkpoint conversion use it too), quantized on the master's device, so a record's bytes and
-checksum depend only on the master weight and its TensorSpec. `export()` quantizes the first
-tensor before returning, so a master weight holding NaN/Inf (checked for every tensor first)
-raises there, naming the tensor, before any bucket exists.
+checksum depend only on the master weight and its TensorSpec. `export()` queues the NaN/Inf
+check of every master weight (`mxrl.weights.finite.FiniteCheck`) and returns without waiting
+for it; the first bucket reads its verdict where it reads its checksums, so a master weight
+holding NaN/Inf raises there, naming the tensor, before any bucket exists.
 
 Buckets: records are added in plan order until the next one would take the bucket past
 `bucket_bytes`; a record bigger than the limit travels alone. Records are quantized as the
@@ -29,11 +30,14 @@ import torch
 from torch import nn
 
 from mxrl.formats import QTensor
+from mxrl.formats.constants import Format
 from mxrl.kernels import Backend
+from mxrl.kernels.backend import backend_for
 from mxrl.recipe import Plan
-from mxrl.weights.digest import checksums
+from mxrl.weights.digest import PendingChecksums
 from mxrl.weights.event import QuantizationEvent, SqnrMeter, SqnrSample
-from mxrl.weights.export import detached, quantized_values
+from mxrl.weights.export import check_names, quantized_values
+from mxrl.weights.finite import FiniteCheck, detached
 from mxrl.weights.record import WeightRecord, WeightValue, value_nbytes
 
 logger = logging.getLogger(__name__)
@@ -86,6 +90,7 @@ class Export:
         on_event: Callable[[QuantizationEvent], None] | None,
         seconds: float,
         bf16_dtype: torch.dtype = torch.bfloat16,
+        check: FiniteCheck | None = None,
     ) -> None:
         self.plan = plan
         self.plan_hash = plan.hash()
@@ -97,6 +102,7 @@ class Export:
         self._sample = SqnrSample.of(sqnr)  # None: no SQNR
         self._on_event = on_event
         self._seconds = seconds
+        self._check = check  # the masters' NaN/Inf verdict, read by the first bucket
         self._started = False
         self._event: QuantizationEvent | None = None
         self.hashes: dict[str, str] = {}  # name -> checksum of every record produced so far
@@ -123,10 +129,14 @@ class Export:
         self._started = True
         return self._buckets()
 
-    @staticmethod
-    def _records(pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
-        sums = checksums([n for n, _ in pending], [v for _, v in pending])  # one host read
-        return tuple(WeightRecord(n, v, h) for (n, v), h in zip(pending, sums, strict=True))
+    def _records(self, pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
+        sums = PendingChecksums([n for n, _ in pending], [v for _, v in pending])
+        if self._check is not None:  # the first bucket: nothing exists to be sent before it
+            self._check.result()  # raises naming every master weight holding NaN/Inf
+            self._check = None
+        return tuple(  # one host read: the checksums
+            WeightRecord(n, v, h) for (n, v), h in zip(pending, sums.wait(), strict=True)
+        )
 
     def _buckets(self) -> Iterator[Bucket]:
         meter = SqnrMeter(self._sample)
@@ -196,8 +206,10 @@ def export(
 
     step: the training step the weights come from; every bucket carries it, and an engine takes
     an update only at a step greater than the last one it loaded (mxrl/engine/loading.py).
-    Raises ValueError, before returning and so before any bucket exists, for a master weight
-    holding NaN/Inf (naming it) and for weights that do not match the plan. sqnr=False skips the
+    Raises ValueError for weights that do not match the plan (before returning) and for a
+    master weight holding NaN/Inf, naming it: that check is queued before returning and read
+    as the first bucket is produced, so before any bucket exists (`FiniteCheck`; the
+    quantizers are queued behind it without waiting for its verdict). sqnr=False skips the
     per-layer SQNR (one dequantization per quantized tensor); a `SqnrSample` measures a share of
     each expert stack (mxrl/weights/event.py). on_event is called with the
     QuantizationEvent when the last bucket is produced.
@@ -216,14 +228,18 @@ def export(
     t0 = time.perf_counter()
     named = dict(model.named_parameters() if isinstance(model, nn.Module) else model)
     params = {name: detached(t) for name, t in named.items()}  # once: check, quantize, SQNR
-    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend)
-    # quantized_values checks every tensor for NaN/Inf before its first value: pulling that
-    # value here makes the refusal happen now, before anything can be sent.
-    first = next(values)
+    check_names(params, plan)
+    for device in {params[n].device for n, spec in plan.items() if spec.format is not Format.BF16}:
+        backend_for(backend, device)  # an unknown or unusable quantizer backend: refused now
+    # every tensor's NaN/Inf check queued, not read: the quantizers follow it at once, and the
+    # first bucket reads its verdict beside its checksums (Export._records)
+    check = FiniteCheck(params, plan)
+    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend, check=check)
     return Export(
         params,
         plan,
-        _chain(first, values),
+        values,
+        check=check,
         bucket_bytes=bucket_bytes,
         step=step,
         sqnr=sqnr,
@@ -231,8 +247,3 @@ def export(
         seconds=time.perf_counter() - t0,
         bf16_dtype=bf16_dtype,
     )
-
-
-def _chain(first, rest: Iterator) -> Iterator:
-    yield first
-    yield from rest

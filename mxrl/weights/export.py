@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from mxrl.arch.experts import hf_location
 from mxrl.arch.names import keeps_fp32
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
 from mxrl.kernels import Backend, Kernels
@@ -25,8 +24,9 @@ from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
 from mxrl.kernels.backend import backend_for
 from mxrl.recipe import Plan, TensorSpec
-from mxrl.recipe.quantize import own_weight_amax, weight_layout, weight_quantizer_kwargs
+from mxrl.recipe.quantize import weight_layout, weight_quantizer_kwargs
 from mxrl.weights.digest import checksum
+from mxrl.weights.finite import FiniteCheck, check_finite, detached
 from mxrl.weights.record import WeightRecord, WeightValue
 
 
@@ -42,91 +42,11 @@ def check_names(params: Mapping[str, torch.Tensor], plan: Plan, what: str = "exp
         )
 
 
-def detached(t: torch.Tensor) -> torch.Tensor:
-    """`t.detach()` where autograd tracks t; t itself otherwise (already detached: the same
-    values and storage, one dispatch fewer per tensor on every sync)."""
-    return t.detach() if t.requires_grad else t
-
-
 @functools.lru_cache(maxsize=1 << 14)
 def spec_layout(spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """`weight_layout(spec)`, derived once per spec (a frozen, hashed TensorSpec: another plan's
     spec is another key). The dict is shared: read it, never change it."""
     return weight_layout(spec)
-
-
-def check_finite(
-    named_tensors: Mapping[str, torch.Tensor], plan: Plan | None = None
-) -> dict[str, torch.Tensor]:
-    """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
-    where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One read
-    per tensor and one host read for all of them.
-
-    The read is one aminmax pass; with a plan, a tensor it makes NVFP4 is read for its own
-    global amax(es) instead (`own_weight_amax`, the infinity norm: NaN and Inf propagate, so
-    they are all finite exactly when the tensor is), which are returned by name for the
-    quantizer (`quantized_values`): the check and the global amax are one read, not two."""
-    checked = [
-        (name, detached(t))
-        for name, t in named_tensors.items()
-        if t.is_floating_point() and t.numel()
-    ]
-    amaxes: dict[str, torch.Tensor] = {}
-    if not checked:
-        return amaxes
-    # each tensor's probe values (its min and max, or its global amaxes) on its device, one
-    # isfinite and one host read per device for all of them: no launch per tensor but its read.
-    # The 0-d mins and maxes are stacked at once (one op, not a view each), ahead of the amaxes.
-    scalars: dict[torch.device, list[torch.Tensor]] = {}
-    vectors: dict[torch.device, list[torch.Tensor]] = {}
-    sizes: dict[torch.device, int] = {}  # elements in vectors
-    spans = []  # (device, True: in scalars / False: in vectors, start, stop)
-    for name, t in checked:
-        spec = plan.get(name) if plan is not None else None
-        if spec is not None and spec.format is Format.NVFP4 and tuple(t.shape) == spec.shape:
-            # the infinity norm propagates NaN (ATen's AbsMaxOps reduce with max_propagate_nan)
-            # and |±Inf| = Inf: this read is the check and the quantizer's global amax
-            amax = own_weight_amax(t, spec, finite=True)
-            amaxes[name] = amax
-            vectors.setdefault(t.device, []).append(amax.reshape(-1))
-            start = sizes.get(t.device, 0)
-            sizes[t.device] = start + amax.numel()
-            spans.append((t.device, False, start, sizes[t.device]))
-        else:
-            held = scalars.setdefault(t.device, [])
-            spans.append((t.device, True, len(held), len(held) + 2))
-            held.extend(torch.aminmax(t))  # one pass; NaN goes into both
-    flags = {}
-    for device in {d for d, *_ in spans}:
-        probe = [torch.stack(scalars[device])] if device in scalars else []
-        flags[device] = torch.isfinite(torch.cat(probe + vectors.get(device, []))).tolist()
-    base = {device: len(held) for device, held in scalars.items()}  # where the amaxes start
-    on_host = iter([all(flags[d][o + a : o + b]) for d, o, a, b in _offset(spans, base)])
-    bad = []
-    for name, t in checked:
-        if next(on_host):
-            continue
-        finite = torch.isfinite(t)
-        count = int((~finite).sum())
-        first = tuple(
-            int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape)
-        )
-        where = hf_location(name, first, tuple(t.shape))
-        bad.append(f"{name}: {count} non-finite, first {where} = {float(t[first])}")
-    if bad:
-        raise ValueError(
-            f"refusing to export: {len(bad)} master weight(s) hold NaN/Inf: {'; '.join(bad[:5])}. "
-            "Nothing was sent. After an optimizer step this means the step diverged: restore "
-            "the last good checkpoint; right after loading a model, its checkpoint holds them."
-        )
-    return amaxes
-
-
-def _offset(spans, base: dict[torch.device, int]):
-    """(device, offset, start, stop) of each probe span: amaxes come after the device's
-    stacked mins and maxes."""
-    for device, lone, a, b in spans:
-        yield device, 0 if lone else base.get(device, 0), a, b
 
 
 def quantized_values(
@@ -135,6 +55,7 @@ def quantized_values(
     *,
     bf16_dtype: torch.dtype = torch.bfloat16,
     backend: Kernels | Backend | str | None = None,
+    check: FiniteCheck | None = None,
 ) -> Iterator[tuple[str, WeightValue]]:
     """(name, value) of every tensor of the plan, in plan order, quantized on the master's
     device; checksums are the caller's (`export_weights` one by one, buckets one per bucket).
@@ -142,12 +63,14 @@ def quantized_values(
     All tensors are checked for NaN/Inf first (`check_finite`), so an error comes before the
     first value. Raises ValueError for a tensor the plan names that is missing, or the reverse.
     Each master is read once by the check and once by its quantizer (an NVFP4 tensor's global
-    amax is the check's read).
+    amax is the check's read). check: that check already queued over these tensors
+    (`FiniteCheck(params, plan)`), whose verdict the caller reads before it hands out any
+    value (`mxrl.weights.buckets`): the values are quantized without waiting for it.
     """
     items = named_params.items() if isinstance(named_params, Mapping) else named_params
     params = {name: detached(t) for name, t in items}  # once: the check and the quantizer
     check_names(params, plan)
-    amaxes = check_finite(params, plan)
+    amaxes = check_finite(params, plan) if check is None else check.amaxes
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():
@@ -161,6 +84,8 @@ def quantized_values(
             if w.device not in chosen:  # once per device
                 chosen[w.device] = backend_for(backend, w.device)
             partner = partners.get(name)
+            if check is not None and name in amaxes:
+                check.ready(w.device)  # its amaxes are queued, maybe on another stream
             amax = _global_amax(name, w, partner, amaxes)
             partner_w = params[partner] if partner is not None else None
             value = _quantize(w, spec, partner_w, amax, chosen[w.device])

@@ -192,8 +192,14 @@ def test_the_in_process_export_is_one_bucket_with_one_host_read(tmp_path, monkey
 
     trainer = tiny_trainer(tmp_path, "one-bucket", steps=1)
     reads = []
-    real = buckets.checksums
-    monkeypatch.setattr(buckets, "checksums", lambda n, v: reads.append(len(n)) or real(n, v))
+    real = buckets.PendingChecksums.wait
+
+    def wait(self):
+        sums = real(self)
+        reads.append(len(sums))
+        return sums
+
+    monkeypatch.setattr(buckets.PendingChecksums, "wait", wait)
     update = trainer.actor.export(1, sqnr=False)
     assert update.bucket_bytes == WHOLE_UPDATE
     parts = list(update)

@@ -16,8 +16,10 @@ bucket by bucket (the forge does not say its plan) and, where the layout is unch
 scheduled; a stale and a replayed step. The engine rank records whether its bytes, hashes,
 version and step stayed (`attacks.engine_state`)."""
 
+import copy
 import faulthandler
 import json
+import math
 from datetime import timedelta
 from pathlib import Path
 
@@ -47,6 +49,7 @@ CASES = [
     ("aborted_scheduled", None),
     ("aborted", None),  # an update that does not say its plan: bucket by bucket
     ("relaid", None),  # the export's layout is not the agreed one: the sender aborts
+    ("nan_master", None),  # a master of the last bucket holds NaN: refused at the first one
     ("small_meta", 1),  # bucket by bucket again: the sender forgot the layout
     ("small_meta_scheduled", 2),
 ]
@@ -145,6 +148,9 @@ def sender_cases(trained, trained_more, shapes) -> dict:
         return send(sender, update)
 
     good = x(trained, 1)
+    diverged = copy.deepcopy(trained)
+    with torch.no_grad():
+        list(diverged.parameters())[-1].view(-1)[-1] = math.nan
     return {
         "good": lambda: {**send(sender, good), "event": good.event.to_dict()},
         "scheduled": lambda: send(sender, x(trained_more, 2)),
@@ -158,6 +164,7 @@ def sender_cases(trained, trained_more, shapes) -> dict:
         "aborted_scheduled": lambda: send(sender, FailsMidway(x(trained, 3), keyed=True)),
         "aborted": lambda: send(sender, FailsMidway(x(trained, 3), keyed=False)),
         "relaid": lambda: send(sender, Relabelled(x(trained, 3, BUCKET_BYTES // 2))),
+        "nan_master": lambda: send(sender, x(diverged, 3)),
         "small_meta": lambda: small_meta(x(trained, 4)),
         "small_meta_scheduled": lambda: send(sender, x(trained_more, 5)),
     }, used

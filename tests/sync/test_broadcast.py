@@ -106,6 +106,7 @@ MODES = {
     "aborted_scheduled": "scheduled",
     "aborted": "per-bucket",
     "relaid": "scheduled",
+    "nan_master": "per-bucket",  # after "relaid", the sender learns the layout again
     "small_meta": "per-bucket",
     "small_meta_scheduled": "scheduled",
 }
@@ -138,6 +139,8 @@ def check_refused_cases(trainer, engine, ranks="[1]", rank=1):
         assert "export failed after bucket 0" in trainer[case]["refused"], case
         assert "aborted" in engine[case]["refused"], case
     assert "bucket 0 is laid out differently" in trainer["relaid"]["refused"]
+    assert "refusing to export: 1 master weight(s) hold NaN/Inf" in trainer["nan_master"]["refused"]
+    assert "aborted" in engine["nan_master"]["refused"]
     assert "aborted" in engine["relaid"]["refused"]
 
 

@@ -106,10 +106,48 @@ def test_non_finite_master_weight_is_refused_before_any_bucket(bad):
     name = "model.layers.2.mlp.experts.down_proj"
     with torch.no_grad():
         dict(model.named_parameters())[name][3, 1, 4] = bad
+    exp = export(model, plan)  # the check is queued; the first bucket reads its verdict
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.down_proj") as err:
-        export(model, plan)  # raises here: there is no Export to iterate
+        next(iter(exp))  # raises here: no bucket exists
     assert "Nothing was sent" in str(err.value)
     assert f"first model.layers.2.mlp.experts.3.down_proj.weight[1, 4] = {bad}" in str(err.value)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 10**9])
+def test_the_check_is_read_once_by_the_first_bucket_and_covers_every_later_one(
+    bucket_bytes, monkeypatch
+):
+    """export() queues the check and returns; the first bucket reads the verdict, once, for
+    every tensor (a bad tensor of the last bucket is refused before the first one exists)."""
+    from mxrl.weights import finite
+
+    model = tiny()
+    plan = plan_of(model, "mxfp8")
+    reads = []
+    real = finite.FiniteCheck.result
+    monkeypatch.setattr(finite.FiniteCheck, "result", lambda self: reads.append(1) or real(self))
+    exp = export(model, plan, bucket_bytes=bucket_bytes)
+    assert reads == []  # not read by export(): the quantizers are queued without waiting
+    buckets = list(exp)
+    assert reads == [1] and len(buckets) == (len(plan) if bucket_bytes == 1 else 1)
+
+    last = list(plan)[-1]
+    with torch.no_grad():
+        dict(model.named_parameters())[last].view(-1)[-1] = math.nan
+    exp = export(model, plan, bucket_bytes=bucket_bytes)
+    with pytest.raises(ValueError, match=f"refusing to export: 1 master weight.*{last}"):
+        next(iter(exp))
+
+
+def test_an_export_refuses_bad_arguments_before_returning():
+    model = tiny()
+    plan = plan_of(model, "mxfp8")
+    with pytest.raises(ValueError, match="unknown kernel backend"):
+        export(model, plan, backend="nope")
+    params = dict(model.named_parameters())
+    params.pop(list(plan)[3])
+    with pytest.raises(ValueError, match=r"the plan .* and the weights disagree"):
+        export(params, plan)
 
 
 def test_bucket_records_never_alias_bf16_master_weights():
