@@ -132,6 +132,8 @@ class Export:
     def _records(self, pending: list[tuple[str, WeightValue]]) -> tuple[WeightRecord, ...]:
         sums = PendingChecksums([n for n, _ in pending], [v for _, v in pending])
         if self._check is not None:  # the first bucket: nothing exists to be sent before it
+            # checked on the values: this bucket must hold every one of them
+            assert not self._check.on_values or len(pending) == len(self.plan)
             self._check.result()  # raises naming every master weight holding NaN/Inf
             self._check = None
         return tuple(  # one host read: the checksums
@@ -148,6 +150,8 @@ class Export:
             nbytes = value_nbytes(value)
             if self._sample is not None and isinstance(value, QTensor):
                 meter.add(self.plan[name].layer, self._params[name], value)
+            if self._check is not None and self._check.on_values:
+                self._check.add(name, value)
             num_tensors += 1
             num_bytes += nbytes
             if pending and pending_bytes + nbytes > self.bucket_bytes:
@@ -233,7 +237,9 @@ def export(
         backend_for(backend, device)  # an unknown or unusable quantizer backend: refused now
     # every tensor's NaN/Inf check queued, not read: the quantizers follow it at once, and the
     # first bucket reads its verdict beside its checksums (Export._records)
-    check = FiniteCheck(params, plan)
+    # on one bucket (WHOLE_UPDATE), every value exists before anything is sent: each tensor but
+    # NVFP4's is checked on its exported bytes, 1 or 2 a value where its master holds 4
+    check = FiniteCheck(params, plan, on_values=bucket_bytes >= WHOLE_UPDATE)
     values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend, check=check)
     return Export(
         params,

@@ -21,9 +21,11 @@ from collections.abc import Mapping
 import torch
 
 from mxrl.arch.experts import hf_location
+from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.recipe import Plan
 from mxrl.recipe.quantize import own_weight_amax
+from mxrl.weights.record import WeightValue
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -34,49 +36,92 @@ def detached(t: torch.Tensor) -> torch.Tensor:
 
 class FiniteCheck:
     """`check_finite(named_tensors, plan)` queued: every probe (an aminmax, or an NVFP4
-    tensor's global amaxes, kept in `amaxes`) and the flags' copy to pinned host memory are on
-    their device's current stream; `result()` reads the flags once, raises naming every bad
-    tensor, and returns `amaxes`. Work on another stream that reads `amaxes` calls `ready` on
-    that stream first."""
+    tensor's global amaxes, kept in `amaxes`) on its device's current stream; `result()` reads
+    the flags once, raises naming every bad tensor, and returns `amaxes`. Work on another
+    stream that reads `amaxes` calls `ready` on that stream first.
 
-    def __init__(self, named_tensors: Mapping[str, torch.Tensor], plan: Plan | None = None) -> None:
-        self._checked = [
-            (name, detached(t))
+    on_values=True reads only the NVFP4 tensors now (their amaxes, which their quantizers
+    take); every other tensor is checked on the value it exports, handed to `add` before
+    `result()`: its bf16 (or fp32) copy, or the E4M3 codes of an MXFP8 or block-FP8 value,
+    where a non-finite element, and nothing else, is the byte 0x7F (docs/formats.md,
+    "Non-finite inputs"). That reads 1 or 2 bytes an element where the master holds 4, and
+    the verdict is the same, but for a finite master past bf16's range, whose bf16 copy is
+    not finite and is refused too. The export uses it when the update is one bucket, where
+    every value exists before anything is sent."""
+
+    def __init__(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        plan: Plan | None = None,
+        *,
+        on_values: bool = False,
+    ) -> None:
+        self._masters = {
+            name: detached(t)
             for name, t in named_tensors.items()
             if t.is_floating_point() and t.numel()
-        ]
+        }
+        self.on_values = on_values
         self.amaxes: dict[str, torch.Tensor] = {}
-        # each tensor's probe values (its min and max, or its global amaxes) on its device, one
-        # isfinite per device for all of them: no launch per tensor but its read. The 0-d mins
-        # and maxes are stacked at once (one op, not a view each), ahead of the amaxes.
-        scalars: dict[torch.device, list[torch.Tensor]] = {}
-        vectors: dict[torch.device, list[torch.Tensor]] = {}
-        sizes: dict[torch.device, int] = {}  # elements in vectors
-        spans = []  # (device, True: in scalars / False: in vectors, start, stop)
-        for name, t in self._checked:
+        # each tensor's probes on its device, one op per group and device for all of them: no
+        # launch per tensor but its read. floats: 0-d mins and maxes, stacked at once; vectors:
+        # global amaxes; codes: an E4M3 value's largest byte as int8 (0x7F: a non-finite input)
+        self._groups: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
+        self._spans: dict[str, tuple[torch.device, str, int, int]] = {}
+        self._amax_ready: dict[torch.device, torch.cuda.Event] = {}
+        self._values: dict[str, WeightValue] = {}  # what add() checked, for the message
+        for name, t in self._masters.items():
             spec = plan.get(name) if plan is not None else None
             if spec is not None and spec.format is Format.NVFP4 and tuple(t.shape) == spec.shape:
                 # the infinity norm propagates NaN (ATen's AbsMaxOps reduce with
                 # max_propagate_nan) and |±Inf| = Inf: this read is the check and the global amax
                 amax = own_weight_amax(t, spec, finite=True)
                 self.amaxes[name] = amax
-                vectors.setdefault(t.device, []).append(amax.reshape(-1))
-                start = sizes.get(t.device, 0)
-                sizes[t.device] = start + amax.numel()
-                spans.append((t.device, False, start, sizes[t.device]))
-            else:
-                held = scalars.setdefault(t.device, [])
-                spans.append((t.device, True, len(held), len(held) + 2))
-                held.extend(torch.aminmax(t))  # one pass; NaN goes into both
-        base = {device: len(held) for device, held in scalars.items()}  # where amaxes start
-        self._spans = [  # (device, start, stop) in that device's flags
-            (d, a + (0 if lone else base.get(d, 0)), b + (0 if lone else base.get(d, 0)))
-            for d, lone, a, b in spans
-        ]
+                self._probe(name, t.device, "vectors", [amax.reshape(-1)])
+            elif not on_values:
+                self._probe(name, t.device, "floats", list(torch.aminmax(t)))  # NaN: both
+        for device in {a.device for a in self.amaxes.values() if a.device.type == "cuda"}:
+            self._amax_ready[device] = torch.cuda.Event()
+            self._amax_ready[device].record(torch.cuda.current_stream(device))
         self._flags: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        for device in dict.fromkeys(d for d, _, _ in self._spans):
-            probe = [torch.stack(scalars[device])] if device in scalars else []
-            flags = torch.isfinite(torch.cat(probe + vectors.get(device, [])))
+        self._verdict: list[str] | None = None
+        if not on_values:
+            self._queue_flags()
+
+    def _probe(self, name: str, device: torch.device, group: str, probes: list[torch.Tensor]):
+        held = self._groups.setdefault(device, {"floats": [], "vectors": [], "codes": []})[group]
+        start = sum(p.numel() for p in held)
+        held.extend(probes)
+        self._spans[name] = (device, group, start, start + sum(p.numel() for p in probes))
+
+    def add(self, name: str, value: WeightValue) -> None:
+        """Queue the check of `name` on the value it exports (on_values; an NVFP4 value is
+        checked by its master's amaxes already, an empty one holds nothing to check)."""
+        assert self.on_values and not self._flags, "add() takes values before result()"
+        if name in self.amaxes or name not in self._masters:
+            return
+        if isinstance(value, QTensor):
+            if value.fmt not in (Format.MXFP8, Format.FP8_BLOCK):
+                raise ValueError(f"{name}: a {value.fmt} value is checked on its master")
+            codes = value.qdata.view(torch.int8)
+            self._probe(name, codes.device, "codes", [codes.amax()] if codes.numel() else [])
+        else:
+            self._probe(name, value.device, "floats", list(torch.aminmax(value)))
+        self._values[name] = value
+
+    def _queue_flags(self) -> None:
+        """Per device, one flag per probe value, copied to pinned host memory behind an event."""
+        for device, groups in self._groups.items():
+            # the mins and maxes stacked, then one cat with the amaxes and one isfinite
+            finite = ([torch.stack(groups["floats"])] if groups["floats"] else []) + groups[
+                "vectors"
+            ]
+            parts = [torch.isfinite(torch.cat(finite))] if finite else []
+            if groups["codes"]:
+                parts.append(torch.stack(groups["codes"]) != 0x7F)
+            if not parts:  # only empty values on this device
+                continue
+            flags = torch.cat(parts) if len(parts) > 1 else parts[0]
             event = None
             if device.type == "cuda":
                 host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -85,16 +130,15 @@ class FiniteCheck:
                 event.record(torch.cuda.current_stream(device))
                 flags = host
             self._flags[device] = (flags, event)
-        self._verdict: list[str] | None = None
 
     def ready(self, device: torch.device) -> None:
-        """Order the current stream of `device` after the probes (a quantizer about to read
-        `amaxes` there), and keep the amaxes' memory until that stream is done with them."""
-        found = self._flags.get(device)
-        if found is None or found[1] is None:
+        """Order the current stream of `device` after the amaxes' reads (a quantizer about to
+        read `amaxes` there), and keep their memory until that stream is done with them."""
+        event = self._amax_ready.get(device)
+        if event is None:
             return
         stream = torch.cuda.current_stream(device)
-        stream.wait_event(found[1])
+        stream.wait_event(event)
         for amax in self.amaxes.values():
             if amax.device == device:
                 amax.record_stream(stream)
@@ -104,16 +148,27 @@ class FiniteCheck:
         naming every tensor holding NaN/Inf (its count, first element and value). Reading
         again gives the same verdict without waiting."""
         if self._verdict is None:
+            if not self._flags and self._groups:
+                self._queue_flags()
             host = {}
             for device, (flags, event) in self._flags.items():
                 if event is not None:
                     event.synchronize()
                 host[device] = flags.tolist()
-            finite = [all(host[d][a:b]) for d, a, b in self._spans]
+            offsets = {  # where each group starts in its device's flags
+                device: {
+                    "floats": 0,
+                    "vectors": sum(p.numel() for p in groups["floats"]),
+                    "codes": sum(p.numel() for g in ("floats", "vectors") for p in groups[g]),
+                }
+                for device, groups in self._groups.items()
+            }
             self._verdict = [
-                _describe(name, t) for (name, t), ok in zip(self._checked, finite, strict=True)
-                if not ok
-            ]  # fmt: skip
+                _describe(name, self._masters[name], self._values.get(name))
+                for name, (device, group, a, b) in self._spans.items()
+                if a < b
+                and not all(host[device][offsets[device][group] + a : offsets[device][group] + b])
+            ]
         if self._verdict:
             bad = self._verdict
             raise ValueError(
@@ -125,13 +180,26 @@ class FiniteCheck:
         return self.amaxes
 
 
-def _describe(name: str, t: torch.Tensor) -> str:
-    """'name: count non-finite, first <where a per-expert HF checkpoint keeps it> = value'."""
-    finite = torch.isfinite(t)
+def _describe(name: str, master: torch.Tensor, value: WeightValue | None = None) -> str:
+    """'name: count non-finite, first <where a per-expert HF checkpoint keeps it> = value', of
+    the master; of its exported `value` where the master is finite (past bf16's range)."""
+    finite = torch.isfinite(master)
+    if bool(finite.all()) and isinstance(value, torch.Tensor):
+        bad = ~torch.isfinite(value)
+        first = tuple(
+            int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], value.shape)
+        )
+        where = hf_location(name, first, tuple(value.shape))
+        return (
+            f"{name}: finite, but {int(bad.sum())} value(s) past {value.dtype}'s range, which "
+            f"it exports as non-finite, first {where} = {float(master[first])}"
+        )
     count = int((~finite).sum())
-    first = tuple(int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], t.shape))
-    where = hf_location(name, first, tuple(t.shape))
-    return f"{name}: {count} non-finite, first {where} = {float(t[first])}"
+    first = tuple(
+        int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], master.shape)
+    )
+    where = hf_location(name, first, tuple(master.shape))
+    return f"{name}: {count} non-finite, first {where} = {float(master[first])}"
 
 
 def check_finite(

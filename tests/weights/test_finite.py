@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mxrl.recipe import resolve
-from mxrl.weights import checksums, export, export_weights
+from mxrl.weights import WHOLE_UPDATE, checksums, export, export_weights
 from mxrl.weights.finite import FiniteCheck, check_finite
-from tests.sync.helpers import ALL_NVFP4, hashes, tiny
+from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, hashes, tiny
 
 GATE = "model.layers.0.mlp.shared_expert.gate_proj.weight"
 UP = "model.layers.0.mlp.shared_expert.up_proj.weight"
@@ -60,3 +60,96 @@ def test_values_pulled_on_another_stream_wait_for_the_amaxes_they_read():
         assert checksums([r.name for r in records], [r.value for r in records]) == [
             r.hash for r in records
         ]
+
+
+BAD_PLACES = {  # a tensor of each kind: an attention projection, an expert stack, a norm
+    "model.layers.1.self_attn.o_proj.weight": (3, 5),
+    "model.layers.2.mlp.experts.down_proj": (1, 2, 3),
+    "model.layers.0.input_layernorm.weight": (4,),
+}
+
+
+@pytest.mark.parametrize("preset", ["bf16", "mxfp8", "fp8-block", "nvfp4-dequantized"])
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_one_bucket_checks_the_values_and_refuses_what_the_masters_check_refuses(preset, bad):
+    """WHOLE_UPDATE checks each tensor but NVFP4's on its exported bytes (bf16 copies, E4M3
+    codes); the refusal names the same tensors, counts and first elements as the check of
+    the masters (several buckets)."""
+    model = tiny(seed=4)
+    recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index in BAD_PLACES.items():
+            params[name][index] = bad
+    messages = []
+    for bucket_bytes in (WHOLE_UPDATE, 1 << 16):
+        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=False)
+        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
+            next(iter(exp))
+        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
+    assert messages[0] == messages[1]
+    assert any("experts.1.down_proj.weight[2, 3]" in m for m in messages[0])
+
+
+def test_one_bucket_reads_the_values_not_the_masters():
+    """On one bucket, no master but an NVFP4 one is read by the check: the E4M3 codes' largest
+    byte and the bf16 copies' min and max are."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("aminmax", "amax"):
+                self.seen[(name, args[0].dtype)] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny(seed=4)
+    plan = resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()})
+    bf16 = sum(1 for s in plan.values() if s.format.value == "bf16")
+    with Reads() as reads:
+        records = list(export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=False).records())
+    assert reads.seen[("aminmax", torch.bfloat16)] == bf16  # the bf16 copies
+    assert reads.seen[("amax", torch.int8)] == len(plan) - bf16  # the codes
+    assert reads.seen[("aminmax", torch.float32)] == 0  # no master
+    assert hashes(records) == hashes(export_weights(model.named_parameters(), plan))
+
+
+def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
+    """Its bf16 copy is Inf: what the engine would hold. The masters' check lets it through
+    (noted in docs/sync.md); the check of the values names it as finite."""
+    model = tiny(seed=4)
+    plan = resolve("bf16", {n: p.shape for n, p in model.named_parameters()})
+    name = "model.layers.0.input_layernorm.weight"
+    with torch.no_grad():
+        dict(model.named_parameters())[name][2] = 3.3961775292e38  # fp32 0x7F7F8000: bf16 Inf
+    exp = export(model, plan, bucket_bytes=WHOLE_UPDATE)
+    with pytest.raises(ValueError, match=rf"{name}: finite, but 1 value\(s\) past torch.bfloat16"):
+        next(iter(exp))
+    assert len(list(export(model, plan, bucket_bytes=1 << 16))) > 1  # masters: not refused
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["bf16", "mxfp8", "fp8-block", "nvfp4-dequantized"])
+def test_one_bucket_on_the_gpu_refuses_by_the_triton_quantizers_bytes(preset):
+    """The Triton quantizers write 0x7F for a non-finite input too: the check of the codes on
+    CUDA finds what the check of the masters finds, and a clean export is the same bytes."""
+    model = tiny(seed=4).cuda()
+    recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    want = hashes(export_weights(model.named_parameters(), plan))
+    assert hashes(export(model, plan, bucket_bytes=WHOLE_UPDATE).records()) == want
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index in BAD_PLACES.items():
+            params[name][index] = math.nan
+    exp = export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=False)
+    with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
+        next(iter(exp))
+    assert "experts.1.down_proj.weight[2, 3] = nan" in str(err.value)
