@@ -25,6 +25,7 @@ import torch
 from mxrl.formats import QTensor
 from mxrl.kernels.backend import Backend
 from mxrl.kernels.digest import DIGEST_BYTES, VERSION, field_digests
+from mxrl.weights.host import HostCopy
 from mxrl.weights.record import VerifiedRecord, WeightRecord, WeightValue, stored_tensors
 
 _HEADERS: dict[tuple, bytes] = {}  # header_key(...) -> header(...): the same records each sync
@@ -103,27 +104,16 @@ class PendingChecksums:
             self._num_fields.append(len(fields))
             for j, t in enumerate(fields):
                 by_device.setdefault(t.device, []).append((i, j, t))
-        self._groups: list[tuple[list[tuple[int, int]], torch.Tensor, torch.cuda.Event | None]] = []
-        for device, group in by_device.items():
+        self._groups: list[tuple[list[tuple[int, int]], HostCopy]] = []
+        for group in by_device.values():
             digests = field_digests([t for _, _, t in group], backend)
-            event = None
-            if device.type == "cuda":
-                host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
-                host.copy_(digests, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                digests = host
-            elif device.type != "cpu":
-                digests = digests.cpu()
-            self._groups.append(([(i, j) for i, j, _ in group], digests, event))
+            self._groups.append(([(i, j) for i, j, _ in group], HostCopy(digests)))
 
     def wait(self) -> list[str]:
         """The checksums, in the order of the values (blocks until their digests are read)."""
         parts = [[b""] * n for n in self._num_fields]
-        for where, digests, event in self._groups:
-            if event is not None:
-                event.synchronize()
-            flat = digests.numpy().tobytes()
+        for where, digests in self._groups:
+            flat = digests.read().numpy().tobytes()
             for k, (i, j) in enumerate(where):
                 parts[i][j] = flat[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
         return [

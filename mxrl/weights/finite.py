@@ -25,6 +25,7 @@ from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.recipe import Plan
 from mxrl.recipe.quantize import own_weight_amax
+from mxrl.weights.host import HostCopy
 from mxrl.weights.record import WeightValue
 
 
@@ -83,7 +84,7 @@ class FiniteCheck:
         for device in {a.device for a in self.amaxes.values() if a.device.type == "cuda"}:
             self._amax_ready[device] = torch.cuda.Event()
             self._amax_ready[device].record(torch.cuda.current_stream(device))
-        self._flags: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._flags: dict[torch.device, HostCopy] = {}
         self._verdict: list[str] | None = None
         if not on_values:
             self._queue_flags()
@@ -112,6 +113,7 @@ class FiniteCheck:
     def _queue_flags(self) -> None:
         """Per device, one flag per probe value, copied to pinned host memory behind an event."""
         for device, groups in self._groups.items():
+            self.ready(device)  # values' flags built on another stream than the amaxes
             # the mins and maxes stacked, then one cat with the amaxes and one isfinite
             finite = ([torch.stack(groups["floats"])] if groups["floats"] else []) + groups[
                 "vectors"
@@ -122,14 +124,7 @@ class FiniteCheck:
             if not parts:  # only empty values on this device
                 continue
             flags = torch.cat(parts) if len(parts) > 1 else parts[0]
-            event = None
-            if device.type == "cuda":
-                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                host.copy_(flags, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                flags = host
-            self._flags[device] = (flags, event)
+            self._flags[device] = HostCopy(flags)
 
     def ready(self, device: torch.device) -> None:
         """Order the current stream of `device` after the amaxes' reads (a quantizer about to
@@ -150,11 +145,7 @@ class FiniteCheck:
         if self._verdict is None:
             if not self._flags and self._groups:
                 self._queue_flags()
-            host = {}
-            for device, (flags, event) in self._flags.items():
-                if event is not None:
-                    event.synchronize()
-                host[device] = flags.tolist()
+            host = {device: flags.read().tolist() for device, flags in self._flags.items()}
             offsets = {  # where each group starts in its device's flags
                 device: {
                     "floats": 0,

@@ -38,21 +38,23 @@ def test_the_verdict_is_read_once_and_kept():
 
 
 @pytest.mark.gpu
-def test_values_pulled_on_another_stream_wait_for_the_amaxes_they_read():
-    """The broadcast sender pulls buckets on a side stream, while the check's amaxes were
-    queued on the current one: the quantizers must follow them. Large masters make the amaxes
-    slow, so a quantizer that did not wait would read them unfinished."""
+@pytest.mark.parametrize("bucket_bytes", [WHOLE_UPDATE, 10**9])  # the values' check, the masters'
+def test_values_pulled_on_another_stream_wait_for_the_amaxes_they_read(bucket_bytes):
+    """The broadcast sender pulls buckets on a side stream, while the check's amaxes are
+    queued on the current one, here behind a 50 ms sleep: the quantizers (and the values'
+    flags) must wait for them. The masters are doubled every round, so amaxes left in reused
+    memory by the round before are wrong: a quantizer that did not wait writes other bytes."""
     model = tiny(seed=3).cuda()
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):  # global amaxes apart from tensor to tensor
-            p.mul_(10.0 ** (i % 5 - 2))
     plan = resolve("nvfp4-dequantized", {n: p.shape for n, p in model.named_parameters()})
-    want = hashes(export_weights(model.named_parameters(), plan))
-    big = torch.randn(8192, 8192, device="cuda")  # ~0.1 ms of reading ahead of the check
     side = torch.cuda.Stream()
     for _ in range(3):
-        big.abs_().amax()  # the current stream busy when the check is queued
-        exp = export(model, plan, sqnr=False, bucket_bytes=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2.0)
+        want = hashes(export_weights(model.named_parameters(), plan))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of the current stream, ahead of the check
+        exp = export(model, plan, sqnr=False, bucket_bytes=bucket_bytes)
         with torch.cuda.stream(side):
             records = [r for bucket in exp for r in bucket.records]
         torch.cuda.synchronize()
