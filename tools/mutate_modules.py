@@ -216,7 +216,7 @@ MODULES = {
     # test_digest.py but its export test (a tiny model exported, 3 s a mutant: export.py's use
     # of checksum, not the checksum) and its GPU tests (skipped on the CPU)
     "weights.digest": Module(
-        ("mxrl/weights/digest.py",),
+        ("mxrl/weights/digest.py", "mxrl/weights/host.py"),
         ("tests/weights/test_digest.py::test_any_flipped_bit_changes_the_checksum",
          "tests/weights/test_digest.py::test_reordered_rows_bytes_and_experts_change_it",
          "tests/weights/test_digest.py::test_dtype_shape_and_length_are_bound",
