@@ -97,7 +97,7 @@ class FiniteCheck:
 
     def add(self, name: str, value: WeightValue) -> None:
         """Queue the check of `name` on the value it exports (on_values; an NVFP4 value is
-        checked by its master's amaxes already, an empty one holds nothing to check)."""
+        checked by its master's amaxes already; an empty master, and so its value, by none)."""
         assert self.on_values and not self._flags, "add() takes values before result()"
         if name in self.amaxes or name not in self._masters:
             return
@@ -105,7 +105,7 @@ class FiniteCheck:
             if value.fmt not in (Format.MXFP8, Format.FP8_BLOCK):
                 raise ValueError(f"{name}: a {value.fmt} value is checked on its master")
             codes = value.qdata.view(torch.int8)
-            self._probe(name, codes.device, "codes", [codes.amax()] if codes.numel() else [])
+            self._probe(name, codes.device, "codes", [codes.amax()])
         else:
             self._probe(name, value.device, "floats", list(torch.aminmax(value)))
         self._values[name] = value
@@ -121,8 +121,6 @@ class FiniteCheck:
             parts = [torch.isfinite(torch.cat(finite))] if finite else []
             if groups["codes"]:
                 parts.append(torch.stack(groups["codes"]) != 0x7F)
-            if not parts:  # only empty values on this device
-                continue
             flags = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._flags[device] = HostCopy(flags)
 
@@ -157,8 +155,7 @@ class FiniteCheck:
             self._verdict = [
                 _describe(name, self._masters[name], self._values.get(name))
                 for name, (device, group, a, b) in self._spans.items()
-                if a < b
-                and not all(host[device][offsets[device][group] + a : offsets[device][group] + b])
+                if not all(host[device][offsets[device][group] + a : offsets[device][group] + b])
             ]
         if self._verdict:
             bad = self._verdict

@@ -132,8 +132,11 @@ def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
     with torch.no_grad():
         dict(model.named_parameters())[name][2] = 3.3961775292e38  # fp32 0x7F7F8000: bf16 Inf
     exp = export(model, plan, bucket_bytes=WHOLE_UPDATE)
-    with pytest.raises(ValueError, match=rf"{name}: finite, but 1 value\(s\) past torch.bfloat16"):
+    with pytest.raises(
+        ValueError, match=rf"{name}: finite, but 1 value\(s\) past torch.bfloat16"
+    ) as e:
         next(iter(exp))
+    assert f"as non-finite, first {name}[2] = 3.3961775292" in str(e.value)
     assert len(list(export(model, plan, bucket_bytes=1 << 16))) > 1  # masters: not refused
 
 
@@ -155,3 +158,53 @@ def test_one_bucket_on_the_gpu_refuses_by_the_triton_quantizers_bytes(preset):
     with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
         next(iter(exp))
     assert "experts.1.down_proj.weight[2, 3] = nan" in str(err.value)
+
+
+def test_quantizers_wait_for_the_amaxes_they_read_and_no_others(monkeypatch):
+    """`quantized_values` orders each NVFP4 tensor's quantizer after the check's amaxes on the
+    master's device (`ready`), and no other tensor's (theirs read no amax)."""
+    from mxrl.weights import finite
+
+    model = tiny(seed=4)
+    plan = resolve("nvfp4-dequantized", {n: p.shape for n, p in model.named_parameters()})
+    calls = []
+    real = finite.FiniteCheck.ready
+    monkeypatch.setattr(
+        finite.FiniteCheck, "ready", lambda self, device: calls.append(device) or real(self, device)
+    )
+    exp = export(model, plan, bucket_bytes=10**9, sqnr=False)  # the masters' check
+    calls.clear()  # (its flags, built at once on this stream, waited for nothing)
+    list(exp)
+    nvfp4 = [n for n, s in plan.items() if s.format.value == "nvfp4"]
+    assert nvfp4 and calls == [torch.device("cpu")] * len(nvfp4)
+
+
+def test_values_are_added_before_the_verdict_and_only_when_checked_on_values():
+    plan = resolve(ALL_NVFP4, {GATE: (64, 64), UP: (64, 64), NORM: (64,)})
+    tensors = {GATE: torch.ones(64, 64), UP: torch.ones(64, 64), NORM: torch.ones(64)}
+    masters = FiniteCheck(tensors, plan)
+    with pytest.raises(AssertionError, match=r"add\(\) takes values before result\(\)"):
+        masters.add(NORM, tensors[NORM].bfloat16())
+    values = FiniteCheck(tensors, plan, on_values=True)
+    values.add(NORM, tensors[NORM].bfloat16())
+    values.add(GATE, "an NVFP4 value: checked by its master's amax, never read here")
+    assert values.result() is values.amaxes
+    with pytest.raises(AssertionError, match=r"add\(\) takes values before result\(\)"):
+        values.add(NORM, tensors[NORM].bfloat16())
+
+
+def test_a_device_holding_only_codes_is_checked_by_them():
+    """No min, max or amax on the device: its flags are the codes' alone."""
+    from mxrl.formats import Format, quantize
+
+    w = torch.ones(64, 64)
+    check = FiniteCheck({"w": w}, on_values=True)
+    check.add("w", quantize(w, Format.MXFP8))
+    assert check.result() == {}
+    w[5, 7] = math.inf
+    check = FiniteCheck({"w": w}, on_values=True)
+    check.add("w", quantize(w, Format.MXFP8))
+    with pytest.raises(ValueError, match=r"w: 1 non-finite, first w\[5, 7\] = inf"):
+        check.result()
+    with pytest.raises(ValueError, match="a nvfp4 value is checked on its master"):
+        FiniteCheck({"w": w}, on_values=True).add("w", quantize(w, Format.NVFP4))
