@@ -66,7 +66,13 @@ def annotate(strict: bool, patch=setattr) -> list[str]:
 
     missing = []
     for module_name, attr in ANNOTATED:
-        owner = importlib.import_module(module_name)
+        try:
+            owner = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            if strict:
+                raise
+            missing.append(f"{module_name}.{attr}")
+            continue
         *path, name = attr.split(".")
         for part in path:
             owner = getattr(owner, part, None)

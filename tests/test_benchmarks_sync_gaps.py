@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.benchmark_scripts import load_benchmark
@@ -50,3 +51,16 @@ def test_the_script_runs_on_the_cpu(monkeypatch, capsys):
     assert "not in this tree" not in out
     for preset in ("bf16", "mxfp8"):
         assert f"{preset}: " in out and "device busy 0.00 ms" in out
+
+
+def test_another_tree_may_lack_a_module_or_a_step(monkeypatch):
+    """--tree runs an older checkout: a step or a whole module it lacks is left unannotated
+    (the A/B of session 25 lost its base runs to a module the old tree did not have)."""
+    gaps = load_benchmark("sync_gaps", monkeypatch)
+    monkeypatch.setattr(
+        gaps, "ANNOTATED", (*gaps.ANNOTATED, ("mxrl.no_such_module", "f"), ("mxrl.weights", "nope"))
+    )
+    missing = gaps.annotate(strict=False, patch=monkeypatch.setattr)
+    assert missing == ["mxrl.no_such_module.f", "nope"]
+    with pytest.raises(ModuleNotFoundError):
+        gaps.annotate(strict=True, patch=monkeypatch.setattr)
