@@ -78,9 +78,9 @@ class FiniteCheck:
                 # max_propagate_nan) and |±Inf| = Inf: this read is the check and the global amax
                 amax = own_weight_amax(t, spec, finite=True)
                 self.amaxes[name] = amax
-                self._probe(name, t.device, "vectors", [amax.reshape(-1)])
+                self._probe(name, "vectors", [amax.reshape(-1)])
             elif not on_values:
-                self._probe(name, t.device, "floats", list(torch.aminmax(t)))  # NaN: both
+                self._probe(name, "floats", list(torch.aminmax(t)))  # NaN: both
         for device in {a.device for a in self.amaxes.values() if a.device.type == "cuda"}:
             self._amax_ready[device] = torch.cuda.Event()
             self._amax_ready[device].record(torch.cuda.current_stream(device))
@@ -89,7 +89,8 @@ class FiniteCheck:
         if not on_values:
             self._queue_flags()
 
-    def _probe(self, name: str, device: torch.device, group: str, probes: list[torch.Tensor]):
+    def _probe(self, name: str, group: str, probes: list[torch.Tensor]) -> None:
+        device = probes[0].device
         held = self._groups.setdefault(device, {"floats": [], "vectors": [], "codes": []})[group]
         start = sum(p.numel() for p in held)
         held.extend(probes)
@@ -105,16 +106,16 @@ class FiniteCheck:
             if value.fmt not in (Format.MXFP8, Format.FP8_BLOCK):
                 raise ValueError(f"{name}: a {value.fmt} value is checked on its master")
             codes = value.qdata.view(torch.int8)
-            self._probe(name, codes.device, "codes", [codes.amax()])
+            self._probe(name, "codes", [codes.amax()])
         else:
-            self._probe(name, value.device, "floats", list(torch.aminmax(value)))
+            self._probe(name, "floats", list(torch.aminmax(value)))
         self._values[name] = value
 
     def _queue_flags(self) -> None:
         """Per device, one flag per probe value, copied to pinned host memory behind an event."""
         for device, groups in self._groups.items():
-            self.ready(device)  # values' flags built on another stream than the amaxes
-            # the mins and maxes stacked, then one cat with the amaxes and one isfinite
+            # the mins and maxes stacked, then one cat with the amaxes and one isfinite: on the
+            # probes' stream, or the values' (`quantized_values` made it wait for the amaxes)
             finite = ([torch.stack(groups["floats"])] if groups["floats"] else []) + groups[
                 "vectors"
             ]

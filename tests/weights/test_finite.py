@@ -137,6 +137,12 @@ def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
     ) as e:
         next(iter(exp))
     assert f"as non-finite, first {name}[2] = 3.3961775292" in str(e.value)
+    stack = "model.layers.2.mlp.experts.down_proj"  # located as the per-expert tensor
+    with torch.no_grad():
+        dict(model.named_parameters())[stack][1, 2, 3] = -3.3961775292e38
+    with pytest.raises(ValueError, match="2 master weight") as e:
+        next(iter(export(model, plan, bucket_bytes=WHOLE_UPDATE)))
+    assert "first model.layers.2.mlp.experts.1.down_proj.weight[2, 3] = -3.396" in str(e.value)
     assert len(list(export(model, plan, bucket_bytes=1 << 16))) > 1  # masters: not refused
 
 
@@ -183,13 +189,13 @@ def test_values_are_added_before_the_verdict_and_only_when_checked_on_values():
     plan = resolve(ALL_NVFP4, {GATE: (64, 64), UP: (64, 64), NORM: (64,)})
     tensors = {GATE: torch.ones(64, 64), UP: torch.ones(64, 64), NORM: torch.ones(64)}
     masters = FiniteCheck(tensors, plan)
-    with pytest.raises(AssertionError, match=r"add\(\) takes values before result\(\)"):
+    with pytest.raises(AssertionError, match=r"^add\(\) takes values before result\(\)$"):
         masters.add(NORM, tensors[NORM].bfloat16())
     values = FiniteCheck(tensors, plan, on_values=True)
     values.add(NORM, tensors[NORM].bfloat16())
     values.add(GATE, "an NVFP4 value: checked by its master's amax, never read here")
     assert values.result() is values.amaxes
-    with pytest.raises(AssertionError, match=r"add\(\) takes values before result\(\)"):
+    with pytest.raises(AssertionError, match=r"^add\(\) takes values before result\(\)$"):
         values.add(NORM, tensors[NORM].bfloat16())
 
 
