@@ -7,7 +7,8 @@
 
 record.py (WeightRecord), digest.py (the device-side checksum over a record's name and bytes; a field's
 levels and their collision argument are mxrl/kernels/digest.py), check.py (a record's fields and global scales against the plan),
-export.py (the one export path: NaN/Inf check, per-spec quantization), buckets.py (bucketed
+export.py (the one export path: per-spec quantization), finite.py (its NaN/Inf check, read at
+once or queued), host.py (results copied to the host, read later), buckets.py (bucketed
 export and its QuantizationEvent, event.py), checkpoint.py (quantized checkpoints on disk, with
 sha256 per shard), convert.py (`mxrl convert`), fp8_source.py (an FP8
 checkpoint's bytes against the plan's). docs/sync.md describes them.
