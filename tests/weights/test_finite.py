@@ -137,12 +137,12 @@ def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
     ) as e:
         next(iter(exp))
     assert f"as non-finite, first {name}[2] = 3.3961775292" in str(e.value)
-    stack = "model.layers.2.mlp.experts.down_proj"  # located as the per-expert tensor
-    with torch.no_grad():
-        dict(model.named_parameters())[stack][1, 2, 3] = -3.3961775292e38
+    stack = dict(model.named_parameters())["model.layers.2.mlp.experts.gate_up_proj"]
+    with torch.no_grad():  # the up half of expert 1: located as the per-expert tensor
+        stack[1, stack.shape[1] // 2 + 2, 3] = -3.3961775292e38
     with pytest.raises(ValueError, match="2 master weight") as e:
         next(iter(export(model, plan, bucket_bytes=WHOLE_UPDATE)))
-    assert "first model.layers.2.mlp.experts.1.down_proj.weight[2, 3] = -3.396" in str(e.value)
+    assert "first model.layers.2.mlp.experts.1.up_proj.weight[2, 3] = -3.396" in str(e.value)
     assert len(list(export(model, plan, bucket_bytes=1 << 16))) > 1  # masters: not refused
 
 
@@ -214,3 +214,14 @@ def test_a_device_holding_only_codes_is_checked_by_them():
         check.result()
     with pytest.raises(ValueError, match="a nvfp4 value is checked on its master"):
         FiniteCheck({"w": w}, on_values=True).add("w", quantize(w, Format.NVFP4))
+
+
+@pytest.mark.gpu
+def test_masters_on_two_devices_are_checked_each_on_its_own():
+    """Probes are grouped by their tensor's device: one flag read per device, and a bad tensor
+    found on either."""
+    cpu, gpu = torch.ones(8, 8), torch.ones(8, 8, device="cuda")
+    assert check_finite({"a": cpu, "b": gpu}) == {}
+    gpu[1, 2] = math.nan
+    with pytest.raises(ValueError, match=r"1 master weight\(s\) hold NaN/Inf: b: 1 non-finite"):
+        check_finite({"a": cpu, "b": gpu})
