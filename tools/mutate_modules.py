@@ -231,7 +231,8 @@ MODULES = {
     "weights.buckets": Module(
         ("mxrl/weights/buckets.py",),
         ("tests/weights/test_buckets.py", "tests/sync/test_export.py",
-         "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py"),
+         "tests/weights/test_buckets_edges.py", "tests/weights/test_sqnr_sample.py",
+         "tests/weights/test_finite.py", "tests/weights/test_export_amax.py"),
     ),
     # the one export path (names and NaN/Inf checks before anything is quantized, read at once
     # or queued (finite.py), the NVFP4 global amax from the check's read, fuse partners, the backend per device) and the

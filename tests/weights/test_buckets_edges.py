@@ -125,6 +125,29 @@ def test_bf16_dtype_and_backend_are_passed_on():
         export(w, plan_of(w), backend="bogus")
 
 
+def test_the_backend_is_checked_where_a_quantizer_runs_and_handed_to_the_quantizers(monkeypatch):
+    """export() refuses an unknown backend before it returns when the plan quantizes a tensor
+    (an all-bf16 plan runs no quantizer: nothing to refuse), and the quantizers get the
+    backend asked for."""
+    only_norm = {NORM: torch.ones(64)}
+    exp = export(only_norm, resolve("mxfp8", {NORM: (64,)}), backend="bogus")
+    assert [r.name for r in exp.records()] == [NORM]
+
+    export_module = importlib.import_module("mxrl.weights.export")
+    asked = []
+    real = export_module.backend_for
+
+    def spy(backend, device, *args):
+        asked.append(backend)
+        return real(None, device, *args)
+
+    monkeypatch.setattr(export_module, "backend_for", spy)
+    monkeypatch.setattr(buckets_module, "backend_for", spy)
+    w = weights()  # Q is quantized (above: "bogus" refused before export() returns)
+    list(export(w, plan_of(w), backend="mine"))
+    assert asked and set(asked) == {"mine"}
+
+
 @pytest.mark.parametrize("bucket_bytes", [0, -1, True, 1.5, 4352.0, "4352", None])
 def test_bucket_bytes_must_be_a_positive_int(bucket_bytes):
     w = weights()

@@ -278,3 +278,13 @@ def test_the_header_memo_is_bounded(monkeypatch):
     for i in range(5):
         digest.header(f"m.{i}", X)
         assert len(digest._HEADERS) <= 2
+
+
+@pytest.mark.gpu
+def test_values_on_the_cpu_and_a_gpu_are_checksummed_per_device_in_one_call():
+    """One batch of digests per device, read back in the values' order."""
+    cpu = torch.arange(5000, dtype=torch.int32)
+    gpu = torch.arange(3000, dtype=torch.int16).cuda()
+    names = ["on.cpu", "on.gpu", "on.cpu.too"]
+    values = [cpu, gpu, cpu[1:]]
+    assert checksums(names, values) == [checksum(n, v) for n, v in zip(names, values, strict=True)]
