@@ -236,9 +236,9 @@ def export(
     for device in {params[n].device for n, spec in plan.items() if spec.format is not Format.BF16}:
         backend_for(backend, device)  # an unknown or unusable quantizer backend: refused now
     # every tensor's NaN/Inf check queued, not read: the quantizers follow it at once, and the
-    # first bucket reads its verdict beside its checksums (Export._records)
-    # on one bucket (WHOLE_UPDATE), every value exists before anything is sent: each tensor but
-    # NVFP4's is checked on its exported bytes, 1 or 2 a value where its master holds 4
+    # first bucket reads its verdict beside its checksums (Export._records). On one bucket
+    # (WHOLE_UPDATE) every value exists before anything is sent: each tensor but an NVFP4 one
+    # is checked on its exported bytes, 1 or 2 an element where its master holds 4.
     check = FiniteCheck(params, plan, on_values=bucket_bytes >= WHOLE_UPDATE)
     values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend, check=check)
     return Export(
