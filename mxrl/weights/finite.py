@@ -70,6 +70,7 @@ class FiniteCheck:
         self._groups: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
         self._spans: dict[str, tuple[torch.device, str, int, int]] = {}
         self._amax_ready: dict[torch.device, torch.cuda.Event] = {}
+        self._ready_on: set[torch.cuda.Stream] = set()  # streams that waited for them
         self._values: dict[str, WeightValue] = {}  # what add() checked, for the message
         for name, t in self._masters.items():
             spec = plan.get(name) if plan is not None else None
@@ -132,6 +133,9 @@ class FiniteCheck:
         if event is None:
             return
         stream = torch.cuda.current_stream(device)
+        if stream in self._ready_on:  # ordered already: once per stream, not per quantizer
+            return
+        self._ready_on.add(stream)
         stream.wait_event(event)
         for amax in self.amaxes.values():
             if amax.device == device:
@@ -173,22 +177,16 @@ def _describe(name: str, master: torch.Tensor, value: WeightValue | None = None)
     """'name: count non-finite, first <where a per-expert HF checkpoint keeps it> = value', of
     the master; of its exported `value` where the master is finite (past bf16's range)."""
     finite = torch.isfinite(master)
-    if bool(finite.all()) and isinstance(value, torch.Tensor):
-        bad = ~torch.isfinite(value)
-        first = tuple(
-            int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], value.shape)
-        )
-        where = hf_location(name, first, tuple(value.shape))
+    exported = bool(finite.all()) and isinstance(value, torch.Tensor)
+    bad = ~torch.isfinite(value) if exported else ~finite
+    first = tuple(int(i) for i in torch.unravel_index(bad.reshape(-1).nonzero()[0], bad.shape))
+    where = hf_location(name, first, tuple(bad.shape))
+    if exported:
         return (
             f"{name}: finite, but {int(bad.sum())} value(s) past {value.dtype}'s range, which "
             f"it exports as non-finite, first {where} = {float(master[first])}"
         )
-    count = int((~finite).sum())
-    first = tuple(
-        int(i) for i in torch.unravel_index((~finite).reshape(-1).nonzero()[0], master.shape)
-    )
-    where = hf_location(name, first, tuple(master.shape))
-    return f"{name}: {count} non-finite, first {where} = {float(master[first])}"
+    return f"{name}: {int(bad.sum())} non-finite, first {where} = {float(master[first])}"
 
 
 def check_finite(
