@@ -9,10 +9,12 @@ its tiny layer with `--tiny`), an engine beside the fp32 masters and the GRPO lo
 - the median ms of `--repeats` syncs (`export(..., sqnr=False, bucket_bytes=WHOLE_UPDATE)`
   then `InProcessTransport.send`) after three warm-up ones, and the engine's bytes over it;
 - the same with the SQNR sampled as the loop does (`SqnrSample.at_step(step, 16)`);
-- one more sync under `torch.profiler`, with the export's and the engine's steps annotated
+- one more sync under `torch.profiler` (`--profile-sampled`: with the sampled SQNR), with the
+  export's and the engine's steps annotated
   (`ANNOTATED`): the device's busy time, and each gap between its ops put on the innermost
-  annotated host range running at the gap's midpoint ("idle ... during"). The profiler slows
-  the host, so the gaps are an upper bound; the medians above are taken without it.
+  annotated host range running at the gap's midpoint ("idle ... during"), and with `--kernels
+  N` its N longest device ops by total time. The profiler slows the host, so the gaps are an
+  upper bound; the medians above are taken without it.
 
 `--tree PATH` imports mxrl from PATH (another checkout, e.g. `git worktree add ../old HEAD~3`):
 one process per tree, run one after the other on the same machine, is the A/B. Steps the other
@@ -32,6 +34,7 @@ ANNOTATED = (  # (module, attribute): the steps of one sync whose host time is n
     ("mxrl.weights.finite", "FiniteCheck.__init__"),
     ("mxrl.weights.finite", "FiniteCheck.result"),
     ("mxrl.weights.export", "_quantize"),
+    ("mxrl.weights.event", "SqnrMeter.add"),
     ("mxrl.weights.digest", "PendingChecksums.__init__"),
     ("mxrl.weights.digest", "PendingChecksums.wait"),
     ("mxrl.engine.loading", "WeightLoading.load_weights"),
@@ -55,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tiny", action="store_true", help="the tiny layer, vocab 256 (CPU smoke run)")
     p.add_argument("--tree", default=None, help="import mxrl from this checkout instead")
+    p.add_argument(
+        "--profile-sampled", action="store_true", help="profile a sync with the sampled SQNR"
+    )
+    p.add_argument("--kernels", type=int, default=0, help="print the N longest device ops")
     return p.parse_args(argv)
 
 
@@ -118,6 +125,20 @@ def idle_gaps(events, start_label: str = "@sync") -> tuple[float, float, dict[st
     return first, busy, idle
 
 
+def device_ops(events) -> list[tuple[str, float, int]]:
+    """(name, total ms, calls) of each device op name in a profile's events, longest first."""
+    import torch
+
+    cuda = torch.autograd.DeviceType.CUDA
+    total: dict[str, list] = {}
+    for e in events:
+        if e.device_type == cuda:
+            row = total.setdefault(e.name, [0.0, 0])
+            row[0] += (e.time_range.end - e.time_range.start) / 1e3
+            row[1] += 1
+    return sorted(((n, ms, c) for n, (ms, c) in total.items()), key=lambda r: -r[1])
+
+
 def main(argv=None, patch=setattr) -> int:
     args = parse_args(argv)
     if args.tree:  # that tree first; the repo root already present, so common.py adds nothing
@@ -162,7 +183,9 @@ def main(argv=None, patch=setattr) -> int:
         if dev.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            profiled = timed(sync, dev, 1, warmup=False)
+            profiled = timed(
+                functools.partial(sync, sampled=args.profile_sampled), dev, 1, warmup=False
+            )
         first, busy, idle = idle_gaps(prof.events())
         print(
             f"{preset}: {wall * 1e3:.2f} ms a sync ({nbytes / wall / 1e9:.0f} GB/s of "
@@ -173,6 +196,8 @@ def main(argv=None, patch=setattr) -> int:
         )
         for who, ms in sorted(idle.items(), key=lambda kv: -kv[1]):
             print(f"    idle {ms:6.2f} ms during {who}")
+        for name, ms, calls in device_ops(prof.events())[: args.kernels]:
+            print(f"    device {ms:6.2f} ms in {calls:4d} x {name[:90]}")
         del engine, transport, sync
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -64,3 +64,20 @@ def test_another_tree_may_lack_a_module_or_a_step(monkeypatch):
     assert missing == ["mxrl.no_such_module.f", "nope"]
     with pytest.raises(ModuleNotFoundError):
         gaps.annotate(strict=True, patch=monkeypatch.setattr)
+
+
+def test_device_ops_sum_each_name_longest_first(monkeypatch):
+    """Times in us: two `a` ops (1 ms and 2 ms) and one `b` (2.5 ms); host events not counted."""
+    gaps = load_benchmark("sync_gaps", monkeypatch)
+    events = [_event("a", 0, 1000, CUDA), _event("b", 0, 2500, CUDA),
+              _event("a", 5000, 7000, CUDA), _event("a", 0, 9000, CPU)]  # fmt: skip
+    assert gaps.device_ops(events) == [("a", 3.0, 2), ("b", 2.5, 1)]
+
+
+def test_the_sampled_sync_profiles_on_the_cpu(monkeypatch, capsys):
+    """--profile-sampled --kernels 3 on the CPU: the run completes (no device ops to list)."""
+    gaps = load_benchmark("sync_gaps", monkeypatch)
+    argv = ["--tiny", "--layers", "1", "--presets", "fp8-block", "--repeats", "1",
+            "--profile-sampled", "--kernels", "3"]  # fmt: skip
+    assert gaps.main(argv, patch=monkeypatch.setattr) == 0
+    assert "fp8-block: " in capsys.readouterr().out
