@@ -70,7 +70,8 @@ def build_cases(m: int, k: int) -> list[Case]:
     from mxrl.kernels import ops
     from mxrl.kernels.triton_fp8_block import launch_fp8_block
     from mxrl.kernels.triton_mxfp8 import launch_mxfp8
-    from mxrl.kernels.triton_nvfp4 import launch_global_amax, launch_nvfp4
+    from mxrl.kernels.triton_nvfp4 import launch_nvfp4
+    from mxrl.kernels.triton_nvfp4_scale import launch_global_amax
 
     mk, x_bytes = m * k, 2 * m * k
 

@@ -15,6 +15,7 @@ from mxrl.kernels.api import (
     error_sums,
     qdq_mxfp8,
     quantize,
+    quantize_measured,
     quantize_mxfp8_both,
     to_float32,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "low_bit_matmul",
     "qdq_mxfp8",
     "quantize",
+    "quantize_measured",
     "quantize_mxfp8_both",
     "select_backend",
     "to_float32",

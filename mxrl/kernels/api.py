@@ -45,10 +45,33 @@ def quantize(
 
     backend: a `Backend` chosen once from config (`select_backend`); None means the default for
     x's device (triton on CUDA when available, the reference elsewhere)."""
+    return _quantize(x, fmt, backend, options, sums=False)[0]
+
+
+def quantize_measured(
+    x: torch.Tensor,
+    fmt: C.Format | str,
+    *,
+    backend: Kernels | Backend | str | None = None,
+    **options: Any,
+) -> tuple[QTensor, torch.Tensor | None]:
+    """`quantize(x, fmt, backend=backend, **options)` (the same bytes) and, where a Triton
+    kernel quantizes x, what the export measures of x from that same read: fp32 parts
+    [G, P, 3] of (sum x^2, sum (x - dequantized)^2, the count of non-finite x), one per
+    program, in G groups of equal programs; a 3-D [E, N, K] x is one group per matrix where no
+    program's rows cross two (`mxrl.kernels.ops._grouped`). The first two are the SQNR's
+    terms (`error_sums`), each an fp32 sum over the program's tile as `error_sums`'s kernel
+    sums its tiles; the third is the NaN/Inf check's. None where the reference quantizes, and
+    for the variants the kernels do not measure (MXFP8 along dim -2, NVFP4 per token or with
+    its own amax pass): the caller reads x again for those."""
+    return _quantize(x, fmt, backend, options, sums=True)
+
+
+def _quantize(x, fmt, backend, options: dict, sums: bool) -> tuple[QTensor, torch.Tensor | None]:
     opts = QuantizeOptions(**options)
     chosen = backend_for(backend, x.device if isinstance(x, torch.Tensor) else None)
     if chosen is Backend.REFERENCE:
-        return reference_quantize(x, fmt, **opts.kwargs())
+        return reference_quantize(x, fmt, **opts.kwargs()), None
     # the reference's checks and order (the non-finite check before the kernels' own refusals)
     fmt = check_request(x, fmt, opts)
     mode = _kernel_scale_mode(fmt, opts.scale_mode)
@@ -56,11 +79,14 @@ def quantize(
     if fmt is C.Format.MXFP8:
         ndim = x.dim()
         if axis in (-1, ndim - 1):
+            if sums:
+                q, s, parts = _kernel("quantize_mxfp8_sums")(x)
+                return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape), parts
             q, s, _, _ = _kernel("quantize_mxfp8")(x, True, False)
-            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape)
+            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape), None
         if ndim >= 2 and axis % ndim == ndim - 2:
             _, _, q, s = _kernel("quantize_mxfp8")(x, False, True)
-            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape, axis=ndim - 2)
+            return QTensor(q, s.view(torch.float8_e8m0fnu), fmt, x.shape, axis=ndim - 2), None
         raise ValueError(
             f"mxfp8 axis={axis} on shape {tuple(x.shape)}: the triton kernels block along the "
             "last dim or dim -2 (column-wise copy); use backend 'reference' for other axes"
@@ -77,16 +103,24 @@ def quantize(
             # the check (check_amax=False, the hot paths' choice, skips both)
             data = _finite_magnitude(x) if opts.check_amax else None
             g = caller_amax(global_amax, x.shape, x.device, check=opts.check_amax, data_amax=data)
-        q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token, mode == "4over6")
-        return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs)
+        four = mode == "4over6"
+        parts = None
+        if sums and g is not None:
+            q, s, gs, parts = _kernel("quantize_nvfp4_sums")(x, g, four)
+        else:
+            q, s, gs = _kernel("quantize_nvfp4")(x, g, per_token, four)
+        return QTensor(q, s.view(torch.float8_e4m3fn), fmt, x.shape, global_scale=gs), parts
     br, bk = opts.block or C.FP8_BLOCK_WEIGHT
     if bk not in KERNEL_FP8_BLOCK_SIZES:
         raise ValueError(
             f"fp8_block block {(br, bk)}: the triton kernels take b in {KERNEL_FP8_BLOCK_SIZES}; "
             "use backend 'reference' for other block sizes"
         )
+    if sums:
+        q, sf, parts = _kernel("quantize_fp8_block_sums")(x, br, bk, mode == "ue8m0")
+        return QTensor(q, sf, fmt, x.shape), parts
     q, sf = _kernel("quantize_fp8_block")(x, br, bk, mode == "ue8m0")
-    return QTensor(q, sf, fmt, x.shape)
+    return QTensor(q, sf, fmt, x.shape), None
 
 
 def _finite_magnitude(x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,13 @@ view) in fp32, bf16 or fp16 and returns uint8 codes and scales in the reference'
                                                                 global_scale)
   quantize_fp8_block(x, block_rows, block_k, ue8m0) -> (q [..., K], sf fp32)
 
+and, for the export (`mxrl.kernels.api.quantize_measured`), the same with per-program fp32
+parts [G, P, 3] of (sum x^2, sum (x - dequantized)^2, non-finite count) from the same read:
+
+  quantize_mxfp8_sums(x) -> (q_row, s_row, parts)
+  quantize_nvfp4_sums(x, global_amax, four_over_six) -> (q, s, global_scale, parts)
+  quantize_fp8_block_sums(x, block_rows, block_k, ue8m0) -> (q, sf, parts)
+
 and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
 
   dequantize_bf16(qdata, scale, decode_scale?, fmt, shape, block_rows, block_k) -> bf16 [shape]
@@ -36,11 +43,16 @@ from mxrl.kernels.triton_dequant import (
     launch_error_sums,
     launch_widen_bf16,
 )
+from mxrl.kernels.triton_fp8_block import DEFAULT_CONFIG as FP8_BLOCK_CONFIG
 from mxrl.kernels.triton_fp8_block import launch_fp8_block
+from mxrl.kernels.triton_mxfp8 import DEFAULT_CONFIG as MXFP8_CONFIG
 from mxrl.kernels.triton_mxfp8 import launch_mxfp8
-from mxrl.kernels.triton_nvfp4 import launch_encode_scale, launch_global_amax, launch_nvfp4
+from mxrl.kernels.triton_nvfp4 import launch_nvfp4
+from mxrl.kernels.triton_nvfp4 import rows_per_program as nvfp4_rows_per_program
+from mxrl.kernels.triton_nvfp4_scale import launch_encode_scale, launch_global_amax
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MXFP8_ROWS, FP8_BLOCK_ROWS = MXFP8_CONFIG["BLOCK_M"], FP8_BLOCK_CONFIG["ROWS"]  # rows a program
 
 # Each op's body, called straight by `mxrl.kernels.api` when nothing traces (no torch.compile,
 # no dispatch mode such as FakeTensorMode): the same launch without the custom-op dispatch,
@@ -82,6 +94,16 @@ def quantize_mxfp8(
 
 
 @_op
+def quantize_mxfp8_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_mxfp8(x, True, False)`'s row-wise copy, and the SQNR's terms over it from the
+    same read: (q, s, parts fp32 [G, P, 3]), `_grouped`."""
+    x = _dense(x, "quantize_mxfp8_sums")
+    shape, k = x.shape, x.shape[-1]
+    q, s, _, _, parts = launch_mxfp8(x.reshape(-1, k), True, False, sums=True)
+    return q.view(shape), s.view(*shape[:-1], k // 32), _grouped(parts, shape, MXFP8_ROWS)
+
+
+@_op
 def quantize_nvfp4(
     x: torch.Tensor,
     global_amax: torch.Tensor | None,
@@ -92,28 +114,51 @@ def quantize_nvfp4(
     scalar or of x's rank with last dim 1, broadcasting over x's leading dims ([rows, 1],
     [E, 1, 1]); the global scale comes back in its shape. four_over_six: scale_mode "4over6"
     (the same global scale, other block scales)."""
+    return _nvfp4(x, global_amax, per_token, four_over_six, sums=False)
+
+
+@_op
+def quantize_nvfp4_sums(
+    x: torch.Tensor, global_amax: torch.Tensor, four_over_six: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_nvfp4(x, global_amax, False, four_over_six)` (a caller's global amax: the
+    export's) and the SQNR's terms from the same read: (q, s, global scale, parts), `_grouped`."""
+    return _nvfp4(x, global_amax, False, four_over_six, sums=True)
+
+
+def _nvfp4(x, global_amax, per_token: bool, four_over_six: bool, sums: bool) -> tuple:
     x = _dense(x, "quantize_nvfp4")
     shape, k = x.shape, x.shape[-1]
     lead = shape[:-1]
     x_MK = x.reshape(-1, k)
+    kw = {"four_over_six": four_over_six, "sums": sums}
     if per_token:
         if global_amax is not None:
             raise ValueError("mxrl::quantize_nvfp4: per_token and global_amax are exclusive")
-        q, s, gs = launch_nvfp4(x_MK, None, four_over_six=four_over_six)
+        q, s, gs, *parts = launch_nvfp4(x_MK, None, **kw)
         gs = gs.view(*lead, 1)
     elif global_amax is None:
-        q, s, gs = launch_nvfp4(x_MK, launch_global_amax(x_MK), four_over_six=four_over_six)
+        q, s, gs, *parts = launch_nvfp4(x_MK, launch_global_amax(x_MK), **kw)
     elif global_amax.dim() == 0:
         g = global_amax.to(torch.float32).contiguous()
-        q, s, gs = launch_nvfp4(x_MK, g, four_over_six=four_over_six)
+        q, s, gs, *parts = launch_nvfp4(x_MK, g, **kw)
     else:
         g = global_amax.to(torch.float32).contiguous()
         amax_rows = g.expand(*lead, 1).reshape(-1).contiguous()
-        q, s, _ = launch_nvfp4(
-            x_MK, amax_rows, write_global_scale=False, four_over_six=four_over_six
-        )
+        q, s, _, *parts = launch_nvfp4(x_MK, amax_rows, write_global_scale=False, **kw)
         gs = launch_encode_scale(g)
-    return q.view(*lead, k // 2), s.view(*lead, k // 16), gs
+    out = (q.view(*lead, k // 2), s.view(*lead, k // 16), gs)
+    return (*out, _grouped(parts[0], shape, nvfp4_rows_per_program(k))) if sums else out
+
+
+def _grouped(parts: torch.Tensor, shape, rows: int) -> torch.Tensor:
+    """Per-program sums [programs along M, ..., 2] of a kernel whose programs each quantize
+    `rows` rows of the flat [prod(shape[:-1]), K] view, as [G, P, 3]: one group per matrix of
+    a 3-D [E, N, K] tensor when no program's rows cross two matrices (N % rows == 0), else one
+    group (`mxrl.weights.event.SqnrMeter` measures a sample of experts on the former)."""
+    if len(shape) == 3 and shape[0] and shape[1] % rows == 0:
+        return parts.reshape(shape[0], -1, 3)
+    return parts.reshape(1, -1, 3)
 
 
 @_op
@@ -131,6 +176,26 @@ def quantize_fp8_block(
     r = shape[-2]
     q, sf = launch_fp8_block(x.reshape(-1, r, k), (block_rows, block_k), ue8m0)
     return q.view(shape), sf.view(*shape[:-2], sf.shape[1], k // block_k)
+
+
+@_op
+def quantize_fp8_block_sums(
+    x: torch.Tensor, block_rows: int, block_k: int, ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_block` and the SQNR's terms from the same read: (q, sf, parts fp32
+    [G, P, 3]), `_grouped` (square blocks: one group per matrix, always)."""
+    x = _dense(x, "quantize_fp8_block_sums")
+    shape, k = x.shape, x.shape[-1]
+    if block_rows == 1:
+        q, sf, parts = launch_fp8_block(x.reshape(1, -1, k), (1, block_k), ue8m0, sums=True)
+        parts = _grouped(parts, shape, FP8_BLOCK_ROWS)
+        return q.view(shape), sf.view(*shape[:-1], k // block_k), parts
+    if x.dim() < 2:
+        raise ValueError("mxrl::quantize_fp8_block: square blocks need a [..., R, K] tensor")
+    r = shape[-2]
+    q, sf, parts = launch_fp8_block(x.reshape(-1, r, k), (block_rows, block_k), ue8m0, sums=True)
+    sf = sf.view(*shape[:-2], sf.shape[1], k // block_k)
+    return q.view(shape), sf, parts if x.dim() == 3 else parts.reshape(1, -1, 3)
 
 
 @_op

@@ -337,3 +337,18 @@ def store_bf16(ptrs, value, mask, HW: tl.constexpr):
         tl.store(ptrs, value.to(tl.bfloat16), mask=mask)
     else:
         tl.store(ptrs, bf16_bits_rne(value), mask=mask)
+
+
+@triton.jit
+def store_error_sums(ptr, part, w, value, finite):
+    """What the export measures of one program's 2-D tile while quantizing it, fp32, into
+    ptr[3 * part:3 * part + 3]: the SQNR's terms sum w^2 and sum (w - value)^2
+    (`mxrl.kernels.api.error_sums`), and the count of non-finite w (the export's NaN/Inf
+    check). w: the master's values as the quantizer read them, value: their dequantized codes,
+    finite: is_finite(w); w and value 0 outside the tensor (masked loads read 0, which encodes
+    to the code 0)."""
+    d = w - value
+    tl.store(ptr + 3 * part, tl.sum(tl.sum(w * w, axis=1), axis=0))
+    tl.store(ptr + 3 * part + 1, tl.sum(tl.sum(d * d, axis=1), axis=0))
+    bad = tl.where(finite, 0.0, 1.0)
+    tl.store(ptr + 3 * part + 2, tl.sum(tl.sum(bad, axis=1), axis=0))

@@ -22,6 +22,7 @@ from mxrl.kernels.triton_codecs import (
     E4M3_MAX,
     E8M0_MAX_CODE,
     ceil_e8m0,
+    e4m3_decode,
     e4m3_encode_limited,
     e4m3_encode_masked,
     e4m3_limit,
@@ -29,6 +30,7 @@ from mxrl.kernels.triton_codecs import (
     finite_amax,
     is_finite,
     load_tile,
+    store_error_sums,
     store_row_scales,
     store_tile,
 )
@@ -59,6 +61,7 @@ def _fp8_block_1d_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    sums_ptr,
     M,
     K,
     UE8M0: tl.constexpr,
@@ -68,6 +71,7 @@ def _fp8_block_1d_kernel(
     BK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -88,6 +92,10 @@ def _fp8_block_1d_kernel(
         q = e4m3_encode_masked(v, is_finite(x), HW)
     store_tile(q_ptr + offs, q, mask, EVEN)
     store_row_scales(s_ptr, sf, rows, rows < M, tl.program_id(1) * NUM_B, K // BK, NUM_B, EVEN)
+    if SUMS:
+        value = tl.reshape(e4m3_decode(q.to(tl.int32)), [ROWS, NUM_B, BK]) * sf[:, :, None]
+        part = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        store_error_sums(sums_ptr, part, x, tl.reshape(value, [ROWS, BLOCK_K]), is_finite(x))
 
 
 @triton.jit(do_not_specialize=["R", "NUM_RB"])
@@ -95,6 +103,7 @@ def _fp8_block_2d_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
+    sums_ptr,
     R,
     K,
     NUM_RB,
@@ -103,6 +112,7 @@ def _fp8_block_2d_kernel(
     INDEX_64: tl.constexpr,
     EVEN: tl.constexpr,
     BK: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     pid_r = tl.program_id(0)  # batch * NUM_RB + row block
     pid_k = tl.program_id(1)
@@ -125,6 +135,10 @@ def _fp8_block_2d_kernel(
         q = e4m3_encode_masked(x * rcp, is_finite(x), HW)
     store_tile(q_ptr + offs, q, mask, EVEN)
     tl.store(s_ptr + pid_r * (K // BK) + pid_k, sf)
+    if SUMS:
+        value = e4m3_decode(q.to(tl.int32)) * sf
+        part = pid_r * tl.num_programs(1) + pid_k
+        store_error_sums(sums_ptr, part, x, value, is_finite(x))
 
 
 def launch_fp8_block(
@@ -134,10 +148,14 @@ def launch_fp8_block(
     *,
     hw: bool | None = None,
     config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sums: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(q [B, R, K] u8, sf fp32 [B, ceil(R/br), K/bk]) for contiguous x_BRK [B, R, K].
 
-    block (1, bk): per-row blocks (B, R are just leading dims); (bk, bk): square blocks."""
+    block (1, bk): per-row blocks (B, R are just leading dims); (bk, bk): square blocks.
+    sums: also each program's fp32 (sum x^2, sum (x - dequantized)^2, non-finite count) over
+    its tile (`store_error_sums`), as parts [G, P, 3] with G row groups of equal rows: one per matrix
+    for square blocks, one per program row (`rows_per_program` rows) for per-row blocks."""
     assert x_BRK.dim() == 3 and x_BRK.is_contiguous(), (x_BRK.shape, x_BRK.stride())
     br, bk = block
     assert bk in SUPPORTED_BLOCK_SIZES and br in (1, bk), block
@@ -148,19 +166,27 @@ def launch_fp8_block(
     num_rb = triton.cdiv(r, br)
     q = torch.empty((b, r, k), dtype=torch.uint8, device=dev)
     sf = torch.empty((b, num_rb, k // bk), dtype=torch.float32, device=dev)
+    block_k, rows = max(bk, cfg["BLOCK_K"]), cfg["ROWS"]
+    if br == 1:
+        grid = (triton.cdiv(b * r, rows), triton.cdiv(k, block_k))
+        groups = grid[0]
+    else:
+        grid = (b * num_rb, k // bk)
+        groups = b
+    parts = torch.empty((groups, grid[0] * grid[1] // groups if groups else 0, 3),
+                        dtype=torch.float32, device=dev) if sums else sf  # fmt: skip
+    outputs = (q, sf, parts) if sums else (q, sf)
     if q.numel() == 0:
-        return q, sf
+        return outputs
     hw = x_BRK.is_cuda if hw is None else hw
     index_64 = x_BRK.numel() >= 2**31
     if br == 1:
         m = b * r
-        block_k = max(bk, cfg["BLOCK_K"])
-        rows = cfg["ROWS"]
-        grid = (triton.cdiv(m, rows), triton.cdiv(k, block_k))
         launcher(_fp8_block_1d_kernel, x_BRK)[grid](
             x_BRK,
             q,
             sf,
+            parts,
             m,
             k,
             UE8M0=ue8m0,
@@ -170,14 +196,15 @@ def launch_fp8_block(
             BK=bk,
             ROWS=rows,
             BLOCK_K=block_k,
+            SUMS=sums,
             num_warps=cfg["num_warps"],
         )
     else:
-        grid = (b * num_rb, k // bk)
         launcher(_fp8_block_2d_kernel, x_BRK)[grid](
             x_BRK,
             q,
             sf,
+            parts,
             r,
             k,
             num_rb,
@@ -186,6 +213,7 @@ def launch_fp8_block(
             INDEX_64=index_64,
             EVEN=r % bk == 0,
             BK=bk,
+            SUMS=sums,
             num_warps=cfg["num_warps_2d"],
         )
-    return q, sf
+    return outputs

@@ -33,6 +33,7 @@ from mxrl.kernels.triton_codecs import (
     is_finite,
     load_tile,
     store_bf16,
+    store_error_sums,
     store_row_scales,
     store_tile,
 )
@@ -50,6 +51,7 @@ def _mxfp8_kernel(
     s_row_ptr,
     q_col_ptr,
     s_col_ptr,
+    sums_ptr,
     M,
     K,
     ROWWISE: tl.constexpr,
@@ -60,6 +62,7 @@ def _mxfp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     QDQ: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -94,6 +97,11 @@ def _mxfp8_kernel(
             store_row_scales(
                 s_row_ptr, s_codes, rows, rows < M, pid_k * NUM_KB, K // MX_BLOCK, NUM_KB, EVEN
             )
+            if SUMS:  # the row-wise copy's (the launcher asks for no column-wise one)
+                value = tl.reshape(e4m3_decode(q.to(tl.int32)), [BLOCK_M, NUM_KB, MX_BLOCK])
+                value = tl.reshape(value * e8m0_to_f32(code)[:, :, None], [BLOCK_M, BLOCK_K])
+                part = pid_m * tl.num_programs(1) + pid_k
+                store_error_sums(sums_ptr, part, x, value, finite)
 
     if COLWISE:
         NUM_MB: tl.constexpr = BLOCK_M // MX_BLOCK
@@ -129,13 +137,18 @@ def launch_mxfp8(
     hw: bool | None = None,
     config: dict | None = None,
     qdq: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sums: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(q_row [M, K] u8, s_row [M, K/32] u8, q_col [M, K] u8, s_col [M/32, K] u8); a copy
     not asked for comes back as an empty tensor. x_MK: contiguous 2-D fp32/bf16/fp16.
     qdq: each copy's dequantized values in bf16 [M, K] instead of its codes, and no scales
-    (empty): `dequantize(quantize(x)).to(bfloat16)` in one pass."""
+    (empty): `dequantize(quantize(x)).to(bfloat16)` in one pass. sums (the row-wise copy
+    alone): also each program's fp32 (sum x^2, sum (x - dequantized)^2, non-finite count) over
+    its tile (`store_error_sums`), parts [cdiv(M, BLOCK_M), programs along K, 3], as a fifth
+    output."""
     assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
     assert rowwise or colwise
+    assert not sums or (rowwise and not colwise and not qdq), (rowwise, colwise, qdq)
     m, k = x_MK.shape
     assert k % 32 == 0 and (not colwise or m % 32 == 0), (m, k)
     cfg = {**DEFAULT_CONFIG, **(config or {})}
@@ -150,21 +163,24 @@ def launch_mxfp8(
     data = torch.bfloat16 if qdq else torch.uint8
     q_row, s_row = out((m, k), rowwise, data), out((m, k // 32), rowwise and not qdq)
     q_col, s_col = out((m, k), colwise, data), out((m // 32, k), colwise and not qdq)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    parts = out((*grid, 3), sums, torch.float32)
+    outputs = (q_row, s_row, q_col, s_col, parts) if sums else (q_row, s_row, q_col, s_col)
     if m == 0 or k == 0:
-        return q_row, s_row, q_col, s_col
+        return outputs
     # A copy not asked for is never stored to (constexpr branch); its pointer is a dummy.
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
 
     def target(t, wanted):  # not HW, the bf16 store writes the bits into an int16 view
         return dummy if not wanted else (t.view(torch.int16) if qdq and not hw else t)
 
-    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     launcher(_mxfp8_kernel, x_MK)[grid](
         x_MK,
         target(q_row, rowwise),
         target(s_row, rowwise and not qdq),
         target(q_col, colwise),
         target(s_col, colwise and not qdq),
+        target(parts, sums),
         m,
         k,
         ROWWISE=rowwise,
@@ -175,6 +191,7 @@ def launch_mxfp8(
         BLOCK_M=block_m,
         BLOCK_K=block_k,
         QDQ=qdq,
+        SUMS=sums,
         num_warps=cfg["num_warps"],
     )
-    return q_row, s_row, q_col, s_col
+    return outputs

@@ -27,16 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from mxrl.kernels.backend import launcher, num_sms
+from mxrl.kernels.backend import launcher
 from mxrl.kernels.triton_codecs import (
     E4M3_NAN_CODE,
     FLT_MAX,
     RCP_6,
     e2m1_decode,
     e2m1_encode,
+    e4m3_decode,
     e4m3_decode_nonneg,
     e4m3_encode,
-    finite_abs,
     finite_amax,
     is_finite,
     load_tile,
@@ -45,6 +45,7 @@ from mxrl.kernels.triton_codecs import (
     store_row_scales,
     store_tile,
 )
+from mxrl.kernels.triton_nvfp4_scale import launch_encode_scale
 
 NV_BLOCK: tl.constexpr = tl.constexpr(16)
 GS_NONE: tl.constexpr = tl.constexpr(0)
@@ -53,7 +54,6 @@ GS_SCALAR: tl.constexpr = tl.constexpr(2)
 
 # Rows in registers up to this many elements per program; larger K loops over the row twice.
 DEFAULT_CONFIG = {"TILE_ELEMS": 8192, "LOOP_BLOCK_K": 4096, "num_warps": 4}
-AMAX_CONFIG = {"BLOCK": 4096, "num_warps": 8, "programs_per_sm": 8}
 
 
 @triton.jit
@@ -112,10 +112,14 @@ def _quantize_tile(
     FOUR_OVER_SIX,
     ROWS,
     BLOCK_K,
+    SUMS,
 ):
     """x [ROWS, BLOCK_K] fp32 (columns k0 .. k0 + BLOCK_K of its rows) and its block amax
     [ROWS, BLOCK_K / 16] (finite elements only) -> packed data and block scales; a block
-    holding NaN/Inf stores scale 0x7F (its element codes are computed as for the others)."""
+    holding NaN/Inf stores scale 0x7F (its element codes are computed as for the others).
+    Returns the tile's fp32 (sum x^2, sum (x - dequantized)^2, non-finite count) where SUMS,
+    else zeros: the dequantized value as `dequantize_nvfp4` computes it, fl(fl(e2m1 x block
+    scale) x S_dec) (`triton_codecs.store_error_sums`)."""
     NUM_B: tl.constexpr = BLOCK_K // NV_BLOCK
     blocks = tl.reshape(x, [ROWS, NUM_B, NV_BLOCK])
     s_code, s_block, enc = _block_scale(b_amax, s_enc * RCP_6, s_dec, HW)
@@ -139,6 +143,17 @@ def _quantize_tile(
     q_mask = row_mask[:, None] & (half < K // 2)[None, :]
     store_tile(q_ptr + rows[:, None] * (K // 2) + half[None, :], packed, q_mask, EVEN)
     store_row_scales(s_ptr, s_code, rows, row_mask, k0 // NV_BLOCK, K // NV_BLOCK, NUM_B, EVEN)
+    w2 = 0.0
+    d2 = 0.0
+    bad = 0.0
+    if SUMS:  # the stored scale byte decoded: 0x7F (a non-finite block) is NaN, as dequantized
+        value = e2m1_decode(codes) * e4m3_decode(s_code.to(tl.int32))[:, :, None]
+        value = tl.reshape(value * s_dec[:, None, None], [ROWS, BLOCK_K])
+        d = x - value
+        w2 = tl.sum(tl.sum(x * x, axis=1), axis=0)
+        d2 = tl.sum(tl.sum(d * d, axis=1), axis=0)
+        bad = tl.sum(tl.sum(tl.where(is_finite(x), 0.0, 1.0), axis=1), axis=0)
+    return w2, d2, bad
 
 
 @triton.jit(do_not_specialize=["M", "amax_stride"])
@@ -149,6 +164,7 @@ def _nvfp4_kernel(
     q_ptr,
     s_ptr,
     gs_ptr,
+    sums_ptr,
     M,
     K,
     PER_TOKEN: tl.constexpr,
@@ -160,6 +176,7 @@ def _nvfp4_kernel(
     SINGLE_TILE: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUMS: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     if INDEX_64:
@@ -194,7 +211,7 @@ def _nvfp4_kernel(
         tl.store(gs_ptr + rows * 0, s_enc, mask=rows == 0)
 
     if SINGLE_TILE:
-        _quantize_tile(
+        w2, d2, bad = _quantize_tile(
             x,
             b_amax,
             rows,
@@ -210,13 +227,17 @@ def _nvfp4_kernel(
             FOUR_OVER_SIX,
             ROWS,
             BLOCK_K,
+            SUMS,
         )
     else:
+        w2 = 0.0
+        d2 = 0.0
+        bad = 0.0
         for k0 in range(0, K, BLOCK_K):
             c = k0 + cols
             mask = row_mask[:, None] & (c < K)[None, :]
             xk = load_tile(x_ptr + rows[:, None] * K + c[None, :], mask, EVEN).to(tl.float32)
-            _quantize_tile(
+            tile_w2, tile_d2, tile_bad = _quantize_tile(
                 xk,
                 _block_amax(xk, ROWS, BLOCK_K),
                 rows,
@@ -232,62 +253,15 @@ def _nvfp4_kernel(
                 FOUR_OVER_SIX,
                 ROWS,
                 BLOCK_K,
+                SUMS,
             )
-
-
-@triton.jit(do_not_specialize=["N", "ITERS"])
-def _amax_kernel(x_ptr, amax_bits_ptr, N, ITERS, BLOCK: tl.constexpr, INDEX_64: tl.constexpr):
-    """max |x| over the finite elements of the whole tensor, as fp32 bits in one int32 (atomic
-    max: non-negative floats order like their bit patterns; max is order-independent)."""
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    if INDEX_64:
-        pid = pid.to(tl.int64)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for it in range(0, ITERS):
-        offs = (it * num_programs + pid) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, finite_abs(x))
-    tl.atomic_max(amax_bits_ptr, tl.max(acc, axis=0).to(tl.int32, bitcast=True))
-
-
-@triton.jit(do_not_specialize=["N"])
-def _encode_scale_kernel(amax_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    amax = tl.load(amax_ptr + offs, mask=offs < N, other=0.0)
-    tl.store(out_ptr + offs, nvfp4_encode_scale(amax), mask=offs < N)
-
-
-def launch_global_amax(x_MK: torch.Tensor) -> torch.Tensor:
-    """fp32 [] global max |x| over the finite elements (NaN and ±Inf ignored)."""
-    assert x_MK.is_contiguous()
-    bits = torch.zeros((), dtype=torch.int32, device=x_MK.device)
-    n = x_MK.numel()
-    if n:
-        cfg = AMAX_CONFIG
-        num_blocks = triton.cdiv(n, cfg["BLOCK"])
-        programs = min(num_blocks, num_sms(x_MK.device) * cfg["programs_per_sm"])
-        launcher(_amax_kernel, x_MK)[(programs,)](
-            x_MK,
-            bits,
-            n,
-            triton.cdiv(num_blocks, programs),
-            BLOCK=cfg["BLOCK"],
-            INDEX_64=n >= 2**31,
-            num_warps=cfg["num_warps"],
-        )
-    return bits.view(torch.float32)
-
-
-def launch_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc (§3.2) element-wise, same shape as `amax` (fp32, contiguous)."""
-    assert amax.dtype == torch.float32 and amax.is_contiguous()
-    out = torch.empty_like(amax)
-    n = amax.numel()
-    if n:
-        block = 1024
-        launcher(_encode_scale_kernel, amax)[(triton.cdiv(n, block),)](amax, out, n, BLOCK=block)
-    return out
+            w2 += tile_w2
+            d2 += tile_d2
+            bad += tile_bad
+    if SUMS:
+        tl.store(sums_ptr + 3 * tl.program_id(0), w2)
+        tl.store(sums_ptr + 3 * tl.program_id(0) + 1, d2)
+        tl.store(sums_ptr + 3 * tl.program_id(0) + 2, bad)
 
 
 def launch_nvfp4(
@@ -298,12 +272,15 @@ def launch_nvfp4(
     four_over_six: bool = False,
     hw: bool | None = None,
     config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sums: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(packed [M, K/2] u8, block scales [M, K/16] u8, S_enc) for x_MK contiguous [M, K].
 
     amax None: per token (S_enc [M]). amax fp32 [] (one for the tensor: S_enc []) or [M] (one per
     row; S_enc [M] when write_global_scale, else an empty tensor). four_over_six: the 4over6
-    block scales (module docstring; the same S_enc)."""
+    block scales (module docstring; the same S_enc). sums: also each program's fp32 (sum x^2,
+    sum (x - dequantized)^2, non-finite count) over its rows, parts [programs, 1, 3]
+    (`rows_per_program(K)` rows each), as a fourth output."""
     assert x_MK.dim() == 2 and x_MK.is_contiguous(), (x_MK.shape, x_MK.stride())
     m, k = x_MK.shape
     assert k % 16 == 0, k
@@ -325,16 +302,14 @@ def launch_nvfp4(
             gs, gs_mode = torch.empty((0,), dtype=torch.float32, device=dev), 0
     q = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     s = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
+    single, block_k, rows = _tiling(k, cfg)
+    parts = torch.empty(
+        (triton.cdiv(m, rows) if sums else 0, 1, 3), dtype=torch.float32, device=dev
+    )
     if m == 0 or k == 0:
         if gs_mode == 2:
             gs = launch_encode_scale(amax)
-        return q, s, gs
-
-    # One tile width for all narrow rows (fewer compiles; masked lanes cost little there).
-    k_pow2 = max(256, triton.next_power_of_2(k))
-    single = k_pow2 <= cfg["TILE_ELEMS"]
-    block_k = k_pow2 if single else cfg["LOOP_BLOCK_K"]
-    rows = max(1, cfg["TILE_ELEMS"] // block_k) if single else 1
+        return (q, s, gs, parts) if sums else (q, s, gs)
     launcher(_nvfp4_kernel, x_MK)[(triton.cdiv(m, rows),)](
         x_MK,
         amax_arg,
@@ -342,6 +317,7 @@ def launch_nvfp4(
         q,
         s,
         gs if gs_mode else q,
+        parts,
         m,
         k,
         PER_TOKEN=per_token,
@@ -353,6 +329,21 @@ def launch_nvfp4(
         SINGLE_TILE=single,
         ROWS=rows,
         BLOCK_K=block_k,
+        SUMS=sums,
         num_warps=cfg["num_warps"],
     )
-    return q, s, gs
+    return (q, s, gs, parts) if sums else (q, s, gs)
+
+
+def _tiling(k: int, cfg: dict) -> tuple[bool, int, int]:
+    """(whole rows in one tile, BLOCK_K, rows per program) for rows of k elements: one tile
+    width for all narrow rows (fewer compiles; masked lanes cost little there)."""
+    k_pow2 = max(256, triton.next_power_of_2(k))
+    single = k_pow2 <= cfg["TILE_ELEMS"]
+    block_k = k_pow2 if single else cfg["LOOP_BLOCK_K"]
+    return single, block_k, max(1, cfg["TILE_ELEMS"] // block_k) if single else 1
+
+
+def rows_per_program(k: int, config: dict | None = None) -> int:
+    """Rows of k elements each program of `launch_nvfp4` quantizes (its parts' rows)."""
+    return _tiling(k, {**DEFAULT_CONFIG, **(config or {})})[2]

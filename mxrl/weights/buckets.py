@@ -91,6 +91,7 @@ class Export:
         seconds: float,
         bf16_dtype: torch.dtype = torch.bfloat16,
         check: FiniteCheck | None = None,
+        sums: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.plan = plan
         self.plan_hash = plan.hash()
@@ -103,6 +104,7 @@ class Export:
         self._on_event = on_event
         self._seconds = seconds
         self._check = check  # the masters' NaN/Inf verdict, read by the first bucket
+        self._sums = {} if sums is None else sums  # the SQNR's parts the quantizers kept
         self._started = False
         self._event: QuantizationEvent | None = None
         self.hashes: dict[str, str] = {}  # name -> checksum of every record produced so far
@@ -148,10 +150,11 @@ class Export:
         t0 = time.perf_counter()
         for name, value in self._values:
             nbytes = value_nbytes(value)
+            parts = self._sums.pop(name, None)  # what its quantizer measured, if it did
             if self._sample is not None and isinstance(value, QTensor):
-                meter.add(self.plan[name].layer, self._params[name], value)
+                meter.add(self.plan[name].layer, self._params[name], value, parts=parts)
             if self._check is not None and self._check.on_values:
-                self._check.add(name, value)
+                self._check.add(name, value, parts)
             num_tensors += 1
             num_bytes += nbytes
             if pending and pending_bytes + nbytes > self.bucket_bytes:
@@ -165,6 +168,7 @@ class Export:
                 pending, pending_bytes = [], 0
             pending.append((name, value))
             pending_bytes += nbytes
+        meter.queue()  # its copy to the host behind the last quantizer, read after the records'
         records = self._records(pending)
         self.hashes.update((r.name, r.hash) for r in records)
         sqnr_db = meter.result()
@@ -238,9 +242,16 @@ def export(
     # every tensor's NaN/Inf check queued, not read: the quantizers follow it at once, and the
     # first bucket reads its verdict beside its checksums (Export._records). On one bucket
     # (WHOLE_UPDATE) every value exists before anything is sent: each tensor but an NVFP4 one
-    # is checked on its exported bytes, 1 or 2 an element where its master holds 4.
-    check = FiniteCheck(params, plan, on_values=bucket_bytes >= WHOLE_UPDATE)
-    values = quantized_values(params, plan, bf16_dtype=bf16_dtype, backend=backend, check=check)
+    # is checked on its exported bytes, 1 or 2 an element where its master holds 4, or on the
+    # non-finite count its quantizer took while reading the master (nothing read again).
+    on_values = bucket_bytes >= WHOLE_UPDATE
+    check = FiniteCheck(params, plan, on_values=on_values)
+    # the SQNR's terms and the non-finite counts, summed by the quantizers as they read each
+    # master (`quantize_measured`): no second read of it for the SQNR or the check
+    sums: dict[str, torch.Tensor] | None = {} if on_values or SqnrSample.of(sqnr) else None
+    values = quantized_values(
+        params, plan, bf16_dtype=bf16_dtype, backend=backend, check=check, sums=sums
+    )
     return Export(
         params,
         plan,
@@ -252,4 +263,5 @@ def export(
         on_event=on_event,
         seconds=time.perf_counter() - t0,
         bf16_dtype=bf16_dtype,
+        sums=sums,
     )

@@ -25,6 +25,7 @@ import torch
 
 from mxrl.formats import QTensor
 from mxrl.kernels import error_sums
+from mxrl.weights.host import HostCopy
 
 OTHER = "other"  # sqnr_db key of tensors without a decoder layer (embedding, lm_head)
 _SQNR_ELEMENTS = 1 << 24  # elements dequantized at once (3-D tensors: whole experts)
@@ -104,14 +105,18 @@ class SqnrSample:
 
 
 class SqnrMeter:
-    """Per-layer sums of master^2 and error^2: each added tensor's float64 [2] kept on its device
-    until `result()`, which reads them all at once and adds them per layer on the host, in the
-    order they were added (float64 additions on the host round as on the device: the same sums
-    as a running sum on the device, without a launch per tensor)."""
+    """Per-layer sums of master^2 and error^2, kept on their device until `result()` reads them
+    all at once and adds them per layer on the host, in the order they were added. Each added
+    tensor is either its float64 [2] sums (`error_sums`: float64 additions on the host round
+    as on the device) or the fp32 parts its quantizer summed over its tiles while quantizing
+    (`mxrl.kernels.quantize_measured`: no second read of the master), added in float64 on the
+    host. `queue()` starts the copies to the host; `result()` reads them."""
 
     def __init__(self, sample: SqnrSample | None = None) -> None:
-        self._parts: list[tuple[str, torch.Tensor]] = []  # (key, float64 [signal, noise])
+        # (key, float64 [signal, noise]) or (key, fp32 parts [n, 2], one (signal, noise) a row)
+        self._parts: list[tuple[str, torch.Tensor]] = []
         self.sample = SqnrSample() if sample is None else sample
+        self._copies: tuple[HostCopy | None, HostCopy | None] | None = None
 
     def add(
         self,
@@ -121,10 +126,14 @@ class SqnrMeter:
         *,
         first: int = 0,
         total: int | None = None,
+        parts: torch.Tensor | None = None,
     ) -> None:
         """Add a quantized tensor's sums to its layer's. An expert stack (3-D, blocks along the
         last dim) counts the sample's experts only; `first` / `total`: a shard's first expert
-        and the whole stack's count (default: the tensor is the whole stack)."""
+        and the whole stack's count (default: the tensor is the whole stack). parts: the sums
+        its quantizer kept ([G, P, 3], `quantize_measured`), taken instead of reading the
+        master again; with a sample, only where they are per expert (G = E)."""
+        self._copies = None  # a result() after this add queues its copies again
         key = OTHER if layer is None else f"layer.{layer}"
         if master.dim() == 3 and q.axis in (-1, 2):
             count = master.shape[0]
@@ -134,19 +143,39 @@ class SqnrMeter:
                     return  # none of this shard's experts is in the sample
                 start, stop = idx[0], idx[-1] + 1  # contiguous: views, no copy
                 master, q = master[start:stop], _experts(q, start, stop)
-        self._parts.append((key, _squared_sums(master, q)))
+                per_expert = parts is not None and parts.shape[0] == count
+                parts = parts[start:stop] if per_expert else None
+        if parts is not None:  # (signal, noise) of each part; its third column is the check's
+            self._parts.append((key, parts.reshape(-1, parts.shape[-1])[:, :2]))
+        else:
+            self._parts.append((key, _squared_sums(master, q)))
 
     def totals(self) -> dict[str, torch.Tensor]:
         """Each key's float64 [signal, noise], summed on the device in the order added (what
         the sharded export all-reduces over its ranks)."""
         out: dict[str, torch.Tensor] = {}
         for key, sums in self._parts:
+            if sums.dtype != torch.float64:  # a quantizer's fp32 parts
+                sums = sums.sum(0, dtype=torch.float64)
             out[key] = out[key] + sums if key in out else sums
         return out
 
     def set_totals(self, totals: Mapping[str, torch.Tensor]) -> None:
         """Replace what was added by these per-key sums (the sharded export's reduced ones)."""
-        self._parts = list(totals.items())
+        self._parts, self._copies = list(totals.items()), None
+
+    def queue(self) -> None:
+        """Start the copies `result()` reads (once every tensor is added): one for the float64
+        sums, one for the quantizers' parts; each a launch, none a wait."""
+        if self._copies is not None:
+            return
+        sums = [s for _, s in self._parts if s.dtype == torch.float64]
+        parts = [p for _, p in self._parts if p.dtype != torch.float64]
+        device = self._parts[0][1].device if self._parts else None
+        self._copies = (
+            HostCopy(torch.stack([s.to(device) for s in sums])) if sums else None,
+            HostCopy(torch.cat([p.to(device) for p in parts])) if parts else None,
+        )
 
     def result(self) -> dict[str, float]:
         def order(key: str) -> tuple[int, int]:
@@ -154,10 +183,15 @@ class SqnrMeter:
 
         if not self._parts:
             return {}
-        device = self._parts[0][1].device
-        host = torch.stack([s.to(device) for _, s in self._parts]).tolist()  # one read
+        self.queue()
+        sums_copy, parts_copy = self._copies
+        sums = iter(sums_copy.read().tolist() if sums_copy is not None else [])
+        flat = parts_copy.read().to(torch.float64) if parts_copy is not None else None
+        sizes = [p.shape[0] for _, p in self._parts if p.dtype != torch.float64]
+        measured = iter(flat.split(sizes) if flat is not None else [])
         by_key: dict[str, list[float]] = {}
-        for (key, _), (s, n) in zip(self._parts, host, strict=True):
+        for key, held in self._parts:
+            s, n = next(sums) if held.dtype == torch.float64 else next(measured).sum(0).tolist()
             if key in by_key:
                 by_key[key][0] += s
                 by_key[key][1] += n

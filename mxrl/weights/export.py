@@ -19,7 +19,7 @@ import torch
 
 from mxrl.arch.names import keeps_fp32
 from mxrl.formats.constants import FP8_BLOCK_WEIGHT, Format
-from mxrl.kernels import Backend, Kernels
+from mxrl.kernels import Backend, Kernels, quantize_measured
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.api import KERNEL_FP8_BLOCK_SIZES
 from mxrl.kernels.backend import backend_for
@@ -56,6 +56,7 @@ def quantized_values(
     bf16_dtype: torch.dtype = torch.bfloat16,
     backend: Kernels | Backend | str | None = None,
     check: FiniteCheck | None = None,
+    sums: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, WeightValue]]:
     """(name, value) of every tensor of the plan, in plan order, quantized on the master's
     device; checksums are the caller's (`export_weights` one by one, buckets one per bucket).
@@ -88,7 +89,9 @@ def quantized_values(
                 check.ready(w.device)  # its amaxes are queued, maybe on another stream
             amax = _global_amax(name, w, partner, amaxes)
             partner_w = params[partner] if partner is not None else None
-            value = _quantize(w, spec, partner_w, amax, chosen[w.device])
+            value, parts = _quantize(w, spec, partner_w, amax, chosen[w.device], sums is not None)
+            if parts is not None:
+                sums[name] = parts
             # the layout every receiver checks records against (mxrl.weights.check)
             assert value.layout() == spec_layout(spec), (name, value.layout())
         yield name, value
@@ -117,7 +120,7 @@ def quantize_tensor(
         raise ValueError(f"{spec.name}: quantize_tensor does not take NVFP4 (its global scale)")
     if spec.format is Format.BF16:
         return w.detach().to(torch.bfloat16, copy=True, memory_format=torch.contiguous_format)
-    return _quantize(w.detach(), spec, None, None, backend_for(backend, w.device))
+    return _quantize(w.detach(), spec, None, None, backend_for(backend, w.device))[0]
 
 
 def _global_amax(name, w, partner, amaxes) -> torch.Tensor | None:
@@ -133,13 +136,17 @@ def _global_amax(name, w, partner, amaxes) -> torch.Tensor | None:
     return torch.maximum(amaxes[name], amaxes[partner])
 
 
-def _quantize(w: torch.Tensor, spec: TensorSpec, partner, amax, backend: Backend):
+def _quantize(w: torch.Tensor, spec: TensorSpec, partner, amax, backend: Backend, measure=False):
+    """(the value, the SQNR's parts where measure=True and its kernel measures them, else
+    None)."""
     block = spec.block or FP8_BLOCK_WEIGHT
     if spec.format is Format.FP8_BLOCK and block[1] not in KERNEL_FP8_BLOCK_SIZES:
         backend = Backend.REFERENCE  # the kernels' block sizes (mxrl.kernels.api)
     # the export checked every master tensor for NaN/Inf first (`check_finite`)
     kwargs = weight_quantizer_kwargs(w, spec, partner, finite=True, global_amax=amax)
-    return kernel_quantize(w, spec.format, **kwargs, backend=backend)
+    if measure:
+        return quantize_measured(w, spec.format, **kwargs, backend=backend)
+    return kernel_quantize(w, spec.format, **kwargs, backend=backend), None
 
 
 def fuse_partners(plan: Plan) -> dict[str, str]:

@@ -28,6 +28,8 @@ from mxrl.recipe.quantize import own_weight_amax
 from mxrl.weights.host import HostCopy
 from mxrl.weights.record import WeightValue
 
+GROUPS = ("floats", "vectors", "codes", "counts")  # FiniteCheck's probes, in their flags' order
+
 
 def detached(t: torch.Tensor) -> torch.Tensor:
     """`t.detach()` where autograd tracks t; t itself otherwise (already detached: the same
@@ -66,7 +68,8 @@ class FiniteCheck:
         self.amaxes: dict[str, torch.Tensor] = {}
         # each tensor's probes on its device, one op per group and device for all of them: no
         # launch per tensor but its read. floats: 0-d mins and maxes, stacked at once; vectors:
-        # global amaxes; codes: an E4M3 value's largest byte as int8 (0x7F: a non-finite input)
+        # global amaxes; codes: an E4M3 value's largest byte as int8 (0x7F: a non-finite input);
+        # counts: the largest of its quantizer's non-finite counts (`quantize_measured`)
         self._groups: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
         self._spans: dict[str, tuple[torch.device, str, int, int]] = {}
         self._amax_ready: dict[torch.device, torch.cuda.Event] = {}
@@ -92,22 +95,27 @@ class FiniteCheck:
 
     def _probe(self, name: str, group: str, probes: list[torch.Tensor]) -> None:
         device = probes[0].device
-        held = self._groups.setdefault(device, {"floats": [], "vectors": [], "codes": []})[group]
+        held = self._groups.setdefault(device, {g: [] for g in GROUPS})[group]
         start = sum(p.numel() for p in held)
         held.extend(probes)
         self._spans[name] = (device, group, start, start + sum(p.numel() for p in probes))
 
-    def add(self, name: str, value: WeightValue) -> None:
+    def add(self, name: str, value: WeightValue, parts: torch.Tensor | None = None) -> None:
         """Queue the check of `name` on the value it exports (on_values; an NVFP4 value is
-        checked by its master's amaxes already; an empty master, and so its value, by none)."""
+        checked by its master's amaxes already; an empty master, and so its value, by none).
+        parts: what its quantizer counted while reading the master ([..., 3], the third
+        column its non-finite elements, `quantize_measured`): the check reads those counts
+        instead of the value's codes."""
         assert self.on_values and not self._flags, "add() takes values before result()"
         if name in self.amaxes or name not in self._masters:
             return
         if isinstance(value, QTensor):
             if value.fmt not in (Format.MXFP8, Format.FP8_BLOCK):
                 raise ValueError(f"{name}: a {value.fmt} value is checked on its master")
-            codes = value.qdata.view(torch.int8)
-            self._probe(name, "codes", [codes.amax()])
+            if parts is not None:
+                self._probe(name, "counts", [parts[..., 2].amax()])
+            else:
+                self._probe(name, "codes", [value.qdata.view(torch.int8).amax()])
         else:
             self._probe(name, "floats", list(torch.aminmax(value)))
         self._values[name] = value
@@ -123,6 +131,8 @@ class FiniteCheck:
             parts = [torch.isfinite(torch.cat(finite))] if finite else []
             if groups["codes"]:
                 parts.append(torch.stack(groups["codes"]) != 0x7F)
+            if groups["counts"]:
+                parts.append(torch.stack(groups["counts"]) == 0)
             flags = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._flags[device] = HostCopy(flags)
 
@@ -149,14 +159,11 @@ class FiniteCheck:
             if not self._flags and self._groups:
                 self._queue_flags()
             host = {device: flags.read().tolist() for device, flags in self._flags.items()}
-            offsets = {  # where each group starts in its device's flags
-                device: {
-                    "floats": 0,
-                    "vectors": sum(p.numel() for p in groups["floats"]),
-                    "codes": sum(p.numel() for g in ("floats", "vectors") for p in groups[g]),
-                }
+            offsets = {  # where each group starts in its device's flags (in GROUPS order)
+                device: {g: sum(p.numel() for h in GROUPS[:i] for p in groups[h])
+                         for i, g in enumerate(GROUPS)}
                 for device, groups in self._groups.items()
-            }
+            }  # fmt: skip
             self._verdict = [
                 _describe(name, self._masters[name], self._values.get(name))
                 for name, (device, group, a, b) in self._spans.items()

@@ -68,15 +68,18 @@ def _variants():
 
     common = {"HW": True, "INDEX_64": False, "EVEN": True}
     mx_sig = ["x_ptr:*bf16", "q_row_ptr:*u8", "s_row_ptr:*u8", "q_col_ptr:*u8", "s_col_ptr:*u8"]
+    mx_sig += ["sums_ptr:*fp32"]
     nv_sig = ["x_ptr:*bf16", "amax_ptr:*fp32", "amax_stride:i32", "q_ptr:*u8", "s_ptr:*u8"]
-    nv_sig += ["gs_ptr:*fp32"]
-    fb_sig = ["x_ptr:*bf16", "q_ptr:*u8", "s_ptr:*fp32"]
+    nv_sig += ["gs_ptr:*fp32", "sums_ptr:*fp32"]
+    fb_sig = ["x_ptr:*bf16", "q_ptr:*u8", "s_ptr:*fp32", "sums_ptr:*fp32"]
     nv_const = {"PER_TOKEN": True, "WRITE_GS": 1, "ROWS": 1, "FOUR_OVER_SIX": False, **common}
+    nv_const["SUMS"] = False
+    mx_const = {"BLOCK_M": 32, "BLOCK_K": 256, "QDQ": False, "SUMS": False, **common}
     yield (
         "mxfp8_row_col",
         mx._mxfp8_kernel,
         [*mx_sig, "M:i32", "K:i32"],
-        {"ROWWISE": True, "COLWISE": True, "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": False, **common},
+        {"ROWWISE": True, "COLWISE": True, **mx_const},
         4,
     )
     yield (
@@ -112,14 +115,46 @@ def _variants():
         "fp8_block_1x128",
         fb._fp8_block_1d_kernel,
         [*fb_sig, "M:i32", "K:i32"],
-        {"UE8M0": False, "BK": 128, "ROWS": 16, "BLOCK_K": 512, **common},
+        {"UE8M0": False, "BK": 128, "ROWS": 16, "BLOCK_K": 512, "SUMS": False, **common},
         4,
     )
     yield (
         "fp8_block_128x128_ue8m0",
         fb._fp8_block_2d_kernel,
         [*fb_sig, "R:i32", "K:i32", "NUM_RB:i32"],
-        {"UE8M0": True, "BK": 128, **common},
+        {"UE8M0": True, "BK": 128, "SUMS": False, **common},
+        8,
+    )
+    # the export's error sums (the SQNR's terms) beside the codes: SUMS_VARIANTS
+    fp32 = "x_ptr:*fp32"
+    yield (
+        "sums_mxfp8_row",
+        mx._mxfp8_kernel,
+        [fp32, *mx_sig[1:], "M:i32", "K:i32"],
+        {"ROWWISE": True, "COLWISE": False, **mx_const, "SUMS": True},
+        4,
+    )
+    per_row = {**nv_const, "PER_TOKEN": False, "WRITE_GS": 0, "SUMS": True}
+    for single, block_k, rows in ((True, 2048, 4), (False, 4096, 1)):
+        yield (
+            f"sums_nvfp4_{'single' if single else 'loop'}",
+            nv._nvfp4_kernel,
+            [fp32, *nv_sig[1:], "M:i32", "K:i32"],
+            {**per_row, "SINGLE_TILE": single, "BLOCK_K": block_k, "ROWS": rows},
+            4,
+        )
+    yield (
+        "sums_fp8_block_1x128",
+        fb._fp8_block_1d_kernel,
+        [fp32, *fb_sig[1:], "M:i32", "K:i32"],
+        {"UE8M0": False, "BK": 128, "ROWS": 16, "BLOCK_K": 512, "SUMS": True, **common},
+        4,
+    )
+    yield (
+        "sums_fp8_block_128x128",
+        fb._fp8_block_2d_kernel,
+        [fp32, *fb_sig[1:], "R:i32", "K:i32", "NUM_RB:i32"],
+        {"UE8M0": False, "BK": 128, "SUMS": True, **common},
         8,
     )
     from mxrl.kernels import triton_kv_write as kvw

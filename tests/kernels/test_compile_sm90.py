@@ -28,6 +28,11 @@ def test_every_kernel_compiles_for_sm90(ptx_report):
         "fp8_block_1x128",
         "fp8_block_128x128_ue8m0",
         "kv_write_fp8",
+        "sums_mxfp8_row",
+        "sums_nvfp4_single",
+        "sums_nvfp4_loop",
+        "sums_fp8_block_1x128",
+        "sums_fp8_block_128x128",
     }
 
 
@@ -46,9 +51,12 @@ def test_divisions_are_ieee_and_nothing_flushes(ptx_report):
 
 
 def test_fma_only_where_exact(ptx_report):
-    """Only e2m1_encode may contract (its product is exact): no FMA elsewhere."""
+    """Only e2m1_encode may contract (its product is exact): no FMA elsewhere. The variants
+    with the error sums (`sums_*`) may contract them: they are the SQNR's terms, which the
+    reference computes in float64 (a relative 1e-6 apart, `mxrl.kernels.api.error_sums`);
+    their codes and scales are the same instructions' (test_interpreter compares the bytes)."""
     for name, counts in ptx_report.items():
-        if not name.startswith("nvfp4"):
+        if not name.startswith(("nvfp4", "sums_")):
             assert counts["fma_f32"] == 0, name
 
 

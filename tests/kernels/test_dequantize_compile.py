@@ -45,9 +45,9 @@ def compile_all() -> dict[str, dict[str, int]]:
     from mxrl.kernels import triton_mxfp8 as mx
 
     mx_sig = {"x_ptr": "*bf16", "q_row_ptr": "*bf16", "s_row_ptr": "*u8", "q_col_ptr": "*bf16",
-              "s_col_ptr": "*u8", "M": "i32", "K": "i32"}  # fmt: skip
+              "s_col_ptr": "*u8", "sums_ptr": "*fp32", "M": "i32", "K": "i32"}  # fmt: skip
     mx_const = {"ROWWISE": True, "COLWISE": True, "HW": True, "INDEX_64": False, "EVEN": True,
-                "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": True}  # fmt: skip
+                "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": True, "SUMS": False}  # fmt: skip
     report["qdq_mxfp8"] = ptx_counts(mx._mxfp8_kernel, mx_sig, mx_const, PATTERNS)
     widen = {"src_ptr": "*i16", "dst_ptr": "*i32", "N": "i32"}
     report["widen_bf16"] = ptx_counts(td._widen_bf16_kernel, widen, {"BLOCK": 4096}, PATTERNS)

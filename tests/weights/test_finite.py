@@ -227,3 +227,69 @@ def test_masters_on_two_devices_are_checked_each_on_its_own():
     gpu[1, 2] = math.nan
     with pytest.raises(ValueError, match=r"1 master weight\(s\) hold NaN/Inf: b: 1 non-finite"):
         check_finite({"a": cpu, "b": gpu})
+
+
+def test_a_quantizers_counts_are_read_instead_of_the_codes():
+    """parts given (`quantize_measured`): the verdict is their third column's. A master with an
+    Inf whose value's codes are clean is refused by a count of 1; a clean master whose codes
+    hold 0x7F passes on counts of 0 (neither could happen from one quantizer: each shows
+    which of the two the check read)."""
+    from mxrl.formats import Format, quantize
+
+    w = torch.ones(64, 64)
+    clean = quantize(w, Format.MXFP8)
+    counts = torch.zeros(2, 4, 3)
+    counts[1, 2, 2] = 1.0
+    bad_master = w.clone()
+    bad_master[5, 7] = math.inf
+    check = FiniteCheck({"w": bad_master}, on_values=True)
+    check.add("w", clean, counts)
+    with pytest.raises(ValueError, match=r"w: 1 non-finite, first w\[5, 7\] = inf"):
+        check.result()
+    bad_codes = quantize(bad_master, Format.MXFP8)
+    assert (bad_codes.qdata == 0x7F).any()
+    check = FiniteCheck({"w": w}, on_values=True)
+    check.add("w", bad_codes, torch.zeros(2, 4, 3))
+    assert check.result() == {}
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("preset", ["mxfp8", "fp8-block", "nvfp4-dequantized"])
+@pytest.mark.parametrize("sqnr", [False, True])
+def test_one_bucket_on_the_triton_quantizers_refuses_by_their_counts(preset, sqnr):
+    """The Triton quantizers (the interpreter standing in for a GPU) count the non-finite
+    elements they read: on one bucket the check reads those counts, not the codes (no int8
+    amax), and refuses with the masters' check's message; a clean export is the same bytes."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "amax":
+                self.seen[args[0].dtype] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny(seed=4)
+    recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    want = hashes(export_weights(model.named_parameters(), plan))
+    with Reads() as reads:
+        got = export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=sqnr, backend="triton")
+        assert hashes(got.records()) == want
+    assert reads.seen[torch.int8] == 0  # no codes read
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index in BAD_PLACES.items():
+            params[name][index] = math.nan
+    messages = []
+    for bucket_bytes, backend in ((WHOLE_UPDATE, "triton"), (1 << 16, "reference")):
+        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=sqnr, backend=backend)
+        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
+            next(iter(exp))  # the same tensors, counts and first elements, in any order
+        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
+    assert messages[0] == messages[1]

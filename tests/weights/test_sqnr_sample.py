@@ -10,7 +10,9 @@ from mxrl.formats import QTensor, dequantize, quantize
 from mxrl.recipe import resolve
 from mxrl.weights import export
 from mxrl.weights.event import SqnrMeter, SqnrSample
-from tests.sync.helpers import tiny
+from tests.kernels.test_decode_gemm import interpreter
+from tests.sync.helpers import FP8_BLOCK_32, tiny
+from tests.weights.test_export_edges import mxfp8_ones
 
 
 @pytest.mark.parametrize(
@@ -134,3 +136,78 @@ def test_the_meters_totals_add_each_layers_sums_in_order_and_can_be_replaced():
     assert meter.result()["layer.0"] == pytest.approx(10 * math.log10(s / n))
     meter.set_totals({"layer.3": torch.tensor([100.0, 1.0], dtype=torch.float64)})
     assert meter.result() == {"layer.3": pytest.approx(20.0)}
+
+
+def _parts(*rows) -> torch.Tensor:
+    """fp32 parts [G, P, 2] from per-group lists of (signal, noise) pairs."""
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_a_quantizers_parts_are_taken_for_the_sampled_experts():
+    """parts per expert (G = E: 3 experts, 2 parts each): the sample's experts' rows are
+    summed, and the master is not read (it would give another value). SqnrSample(3, 1) on 3
+    experts measures expert 1: signal 3 + 5 = 8, noise 1 + 1 = 2, 10 log10(4) dB."""
+    master = torch.ones(3, 1, 32)  # against ones: no noise at all, +inf, if it were read
+    q = mxfp8_ones(3, 1, 32)
+    parts = _parts([[100.0, 1.0], [100.0, 1.0]], [[3.0, 1.0], [5.0, 1.0]], [[7.0, 9.0], [1.0, 1.0]])
+    meter = SqnrMeter(SqnrSample(3, 1))
+    meter.add(0, master, q, parts=parts)
+    assert meter.result() == {"layer.0": pytest.approx(10 * math.log10(4), rel=1e-12)}
+    whole = SqnrMeter()  # every expert: all six rows, signal 216, noise 14
+    whole.add(0, master, q, parts=parts)
+    assert whole.result() == {"layer.0": pytest.approx(10 * math.log10(216 / 14), rel=1e-12)}
+
+
+def test_parts_not_per_expert_leave_a_sample_to_the_master():
+    """parts of one group (a program crossing two experts) cannot give one expert's sums: the
+    sample reads the master instead (+inf here: ones against ones). Measured whole, the parts
+    are taken."""
+    master, q = torch.ones(3, 1, 32), mxfp8_ones(3, 1, 32)
+    parts = _parts([[4.0, 1.0], [4.0, 1.0], [2.0, 0.0]])
+    sampled = SqnrMeter(SqnrSample(3, 1))
+    sampled.add(0, master, q, parts=parts)
+    assert sampled.result() == {"layer.0": math.inf}
+    whole = SqnrMeter()
+    whole.add(0, master, q, parts=parts)
+    assert whole.result() == {"layer.0": pytest.approx(10 * math.log10(5), rel=1e-12)}
+
+
+def test_parts_and_sums_of_one_layer_add_in_order_and_in_totals():
+    """A layer measured both ways (a 2-D tensor's float64 sums: 32 x 4 signal, 32 noise; an
+    expert stack's parts: 8 and 2) adds them; `totals` gives the same float64 sums, and the
+    copies `queue` started are made again after another add."""
+    meter = SqnrMeter()
+    meter.add(2, torch.full((1, 32), 2.0), mxfp8_ones(1, 32))
+    meter.add(
+        2, torch.ones(2, 1, 32), mxfp8_ones(2, 1, 32), parts=_parts([[3.0, 1.0]], [[5.0, 1.0]])
+    )
+    meter.queue()
+    assert meter.result() == {"layer.2": pytest.approx(10 * math.log10(136 / 34), rel=1e-12)}
+    assert meter.totals()["layer.2"].tolist() == [136.0, 34.0]
+    meter.add(None, torch.ones(1, 32), mxfp8_ones(1, 32), parts=_parts([[6.0, 2.0]]))
+    out = meter.result()
+    assert out["other"] == pytest.approx(10 * math.log10(3), rel=1e-12) and "layer.2" in out
+
+
+@interpreter
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4-dequantized", FP8_BLOCK_32])
+def test_the_quantizers_parts_give_the_references_sqnr(recipe, monkeypatch):
+    """An export on the Triton quantizers (the interpreter standing in for a GPU) takes the
+    SQNR's terms from them, reading no master again (`error_sums` is not called), and gives
+    the reference export's bytes and per-layer SQNR (tile sums in fp32: a relative 1e-6 of
+    each term, far below a printed dB)."""
+    model = tiny()
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    sample = SqnrSample(2, 1)
+    want = export(model, plan, sqnr=sample, backend="reference")
+    want_hashes = {r.name: r.hash for r in want.records()}
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("error_sums read a master the quantizer had measured")
+
+    monkeypatch.setattr("mxrl.weights.event.error_sums", no_second_read)
+    got = export(model, plan, sqnr=sample, backend="triton")
+    assert {r.name: r.hash for r in got.records()} == want_hashes
+    assert set(got.event.sqnr_db) == set(want.event.sqnr_db) and got.event.sqnr_db
+    for key, db in want.event.sqnr_db.items():
+        assert got.event.sqnr_db[key] == pytest.approx(db, abs=1e-4), key
