@@ -338,6 +338,13 @@ def test_layers_measured_on_two_devices_are_read_back_together():
     meter.add(1, torch.full((1, 32), 2.0, device="cuda"), mxfp8_ones(1, 32).to("cuda"))
     want = pytest.approx(10 * math.log10(4), rel=1e-12)
     assert meter.result() == {"layer.0": want, "layer.1": want}
+    # and a quantizer's parts (signal 4, noise 1; a count column) on each device
+    for layer, device in ((2, "cpu"), (3, "cuda")):
+        parts = torch.tensor([[[3.0, 1.0, 0.0], [1.0, 0.0, 0.0]]], device=device)
+        meter.add(
+            layer, torch.ones(1, 32, device=device), mxfp8_ones(1, 32).to(device), parts=parts
+        )
+    assert meter.result() == {f"layer.{i}": want for i in range(4)}
 
 
 def test_the_finite_check_launches_one_read_per_tensor_and_one_check_for_all():

@@ -11,6 +11,7 @@ import torch
 from mxrl.recipe import resolve
 from mxrl.weights import WHOLE_UPDATE, checksums, export, export_weights
 from mxrl.weights.finite import FiniteCheck, check_finite
+from tests.kernels.test_decode_gemm import interpreter
 from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, hashes, tiny
 
 GATE = "model.layers.0.mlp.shared_expert.gate_proj.weight"
@@ -253,7 +254,7 @@ def test_a_quantizers_counts_are_read_instead_of_the_codes():
     assert check.result() == {}
 
 
-@pytest.mark.triton
+@interpreter
 @pytest.mark.parametrize("preset", ["mxfp8", "fp8-block", "nvfp4-dequantized"])
 @pytest.mark.parametrize("sqnr", [False, True])
 def test_one_bucket_on_the_triton_quantizers_refuses_by_their_counts(preset, sqnr):
@@ -291,5 +292,49 @@ def test_one_bucket_on_the_triton_quantizers_refuses_by_their_counts(preset, sqn
         exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=sqnr, backend=backend)
         with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
             next(iter(exp))  # the same tensors, counts and first elements, in any order
+        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "fp8-block"])
+def test_one_bucket_reads_the_counts_its_quantizers_measured(preset, monkeypatch):
+    """Where the quantizer measures (`quantize_measured` returns parts, here a CPU stand-in
+    counting from the definitions), one bucket's check reads its counts: no int8 amax over
+    the codes, and the refusal of NaN masters is the masters' check's."""
+    import importlib
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.weights.test_sqnr_sample import measuring_quantizer
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "amax":
+                self.seen[args[0].dtype] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = tiny(seed=4)
+    recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    want = hashes(export_weights(model.named_parameters(), plan))
+    module = importlib.import_module("mxrl.weights.export")
+    monkeypatch.setattr(module, "quantize_measured", measuring_quantizer([]))
+    with Reads() as reads:
+        assert hashes(export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=False).records()) == want
+    assert reads.seen[torch.int8] == 0
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index in BAD_PLACES.items():
+            params[name][index] = math.nan
+    messages = []
+    for bucket_bytes in (WHOLE_UPDATE, 1 << 16):
+        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=False)
+        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
+            next(iter(exp))
         messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
     assert messages[0] == messages[1]

@@ -1,12 +1,14 @@
 """The sampled per-layer SQNR the GRPO loop measures each step (mxrl/weights/event.py): which
 experts a `SqnrSample` takes, worked out by hand, and the sums over exactly those experts."""
 
+import importlib
 import math
 
 import pytest
 import torch
 
 from mxrl.formats import QTensor, dequantize, quantize
+from mxrl.kernels import Backend
 from mxrl.recipe import resolve
 from mxrl.weights import export
 from mxrl.weights.event import SqnrMeter, SqnrSample
@@ -139,8 +141,11 @@ def test_the_meters_totals_add_each_layers_sums_in_order_and_can_be_replaced():
 
 
 def _parts(*rows) -> torch.Tensor:
-    """fp32 parts [G, P, 2] from per-group lists of (signal, noise) pairs."""
-    return torch.tensor(rows, dtype=torch.float32)
+    """fp32 parts [G, P, 3] as a quantizer writes them, from per-group lists of (signal, noise)
+    pairs; the third column (the check's non-finite count, not the meter's) is 7, so that
+    reading it as a sum would show."""
+    pairs = torch.tensor(rows, dtype=torch.float32)
+    return torch.cat([pairs, torch.full((*pairs.shape[:-1], 1), 7.0)], dim=-1)
 
 
 def test_a_quantizers_parts_are_taken_for_the_sampled_experts():
@@ -211,3 +216,64 @@ def test_the_quantizers_parts_give_the_references_sqnr(recipe, monkeypatch):
     assert set(got.event.sqnr_db) == set(want.event.sqnr_db) and got.event.sqnr_db
     for key, db in want.event.sqnr_db.items():
         assert got.event.sqnr_db[key] == pytest.approx(db, abs=1e-4), key
+
+
+def test_parts_are_added_in_float64():
+    """fp32 parts of 2^24 and two ones: float64 gives 2^24 + 2, fp32 additions 2^24 (each 1 is
+    lost to rounding). The meter's result and totals keep the ones."""
+    parts = _parts([[2.0**24, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    meter = SqnrMeter()
+    meter.add(0, torch.ones(1, 32), mxfp8_ones(1, 32), parts=parts)
+    assert meter.totals()["layer.0"].tolist() == [2.0**24 + 2, 1.0]
+    assert meter.result()["layer.0"] == pytest.approx(10 * math.log10(2.0**24 + 2), rel=1e-12)
+    assert meter.result()["layer.0"] != pytest.approx(10 * math.log10(2.0**24), rel=1e-12)
+
+
+def measuring_quantizer(calls: list):
+    """A stand-in for `quantize_measured` on the Triton kernels, on the CPU: the reference
+    quantizer's value, and parts [G, 1, 3] per expert of a 3-D stack (one group otherwise) of
+    (sum w^2, sum err^2, non-finite count) written from the definitions. Records the backend
+    each call was given."""
+    from mxrl.formats import dequantize
+    from mxrl.kernels import quantize as kernel_quantize
+
+    def measured(w, fmt, *, backend, **options):
+        calls.append(backend)
+        q = kernel_quantize(w, fmt, backend=backend, **options)
+        groups = w.shape[0] if w.dim() == 3 else 1
+        wd = w.double().reshape(groups, -1)
+        err = wd - dequantize(q).double().reshape(groups, -1)
+        bad = (~torch.isfinite(w)).reshape(groups, -1).sum(1).double()
+        parts = torch.stack([wd.square().sum(1), err.square().sum(1), bad], dim=-1)
+        return q, parts.float().reshape(groups, 1, 3)
+
+    return measured
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4-dequantized", FP8_BLOCK_32])
+def test_the_export_takes_the_sqnr_from_what_its_quantizers_measured(recipe, monkeypatch):
+    """Where the quantizer measures (`quantize_measured` returns parts), the export's SQNR is
+    added from its parts (error_sums never called) with the backend the export chose, and
+    equals the SQNR measured by reading the masters again (fp32 parts: a relative 1e-7)."""
+    model = tiny()
+    plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
+    sample = SqnrSample(2, 1)
+    exp = export(model, plan, sqnr=sample)
+    list(exp.records())
+    want = exp.event.sqnr_db
+    calls: list = []
+    module = importlib.import_module("mxrl.weights.export")  # (mxrl.weights.export: a function)
+    monkeypatch.setattr(module, "quantize_measured", measuring_quantizer(calls))
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("error_sums read a master the quantizer had measured")
+
+    monkeypatch.setattr("mxrl.weights.event.error_sums", no_second_read)
+    exp = export(model, plan, sqnr=sample)
+    list(exp.records())
+    got = exp.event.sqnr_db
+    assert set(got) == set(want) and got
+    for key, db in want.items():
+        assert got[key] == pytest.approx(db, abs=1e-5), key
+    quantized = sum(1 for s in plan.values() if s.format.value != "bf16")
+    assert calls == [Backend.REFERENCE] * quantized
