@@ -152,7 +152,7 @@ def _nvfp4(x, global_amax, per_token: bool, four_over_six: bool, sums: bool) -> 
 
 
 def _grouped(parts: torch.Tensor, shape, rows: int) -> torch.Tensor:
-    """Per-program sums [programs along M, ..., 2] of a kernel whose programs each quantize
+    """Per-program parts [programs along M, ..., 3] of a kernel whose programs each quantize
     `rows` rows of the flat [prod(shape[:-1]), K] view, as [G, P, 3]: one group per matrix of
     a 3-D [E, N, K] tensor when no program's rows cross two matrices (N % rows == 0), else one
     group (`mxrl.weights.event.SqnrMeter` measures a sample of experts on the former)."""

@@ -154,8 +154,9 @@ def launch_fp8_block(
 
     block (1, bk): per-row blocks (B, R are just leading dims); (bk, bk): square blocks.
     sums: also each program's fp32 (sum x^2, sum (x - dequantized)^2, non-finite count) over
-    its tile (`store_error_sums`), as parts [G, P, 3] with G row groups of equal rows: one per matrix
-    for square blocks, one per program row (`rows_per_program` rows) for per-row blocks."""
+    its tile (`store_error_sums`), as a third output: parts [G, P, 3], G groups of programs of
+    equal rows, one per matrix for square blocks, one per ROWS rows (a row of programs) for
+    per-row blocks."""
     assert x_BRK.dim() == 3 and x_BRK.is_contiguous(), (x_BRK.shape, x_BRK.stride())
     br, bk = block
     assert bk in SUPPORTED_BLOCK_SIZES and br in (1, bk), block

@@ -303,8 +303,8 @@ def launch_nvfp4(
     q = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     s = torch.empty((m, k // 16), dtype=torch.uint8, device=dev)
     single, block_k, rows = _tiling(k, cfg)
-    parts = torch.empty(
-        (triton.cdiv(m, rows) if sums else 0, 1, 3), dtype=torch.float32, device=dev
+    parts = (
+        torch.empty((triton.cdiv(m, rows), 1, 3), dtype=torch.float32, device=dev) if sums else q
     )
     if m == 0 or k == 0:
         if gs_mode == 2:
@@ -317,7 +317,7 @@ def launch_nvfp4(
         q,
         s,
         gs if gs_mode else q,
-        parts,
+        parts,  # q, a dummy, unless sums
         m,
         k,
         PER_TOKEN=per_token,
