@@ -245,7 +245,7 @@ def export(
     # is checked on its exported bytes, 1 or 2 an element where its master holds 4, or on the
     # non-finite count its quantizer took while reading the master (nothing read again).
     on_values = bucket_bytes >= WHOLE_UPDATE
-    check = FiniteCheck(params, plan, on_values=on_values)
+    check = FiniteCheck(params, plan, on_values=on_values, bf16_dtype=bf16_dtype)
     # the SQNR's terms and the non-finite counts, summed by the quantizers as they read each
     # master (`quantize_measured`): no second read of it for the SQNR or the check
     sums: dict[str, torch.Tensor] | None = {} if on_values or SqnrSample.of(sqnr) else None

@@ -71,7 +71,7 @@ def quantized_values(
     items = named_params.items() if isinstance(named_params, Mapping) else named_params
     params = {name: detached(t) for name, t in items}  # once: the check and the quantizer
     check_names(params, plan)
-    amaxes = check_finite(params, plan) if check is None else check.amaxes
+    amaxes = check_finite(params, plan, bf16_dtype=bf16_dtype) if check is None else check.amaxes
     partners = fuse_partners(plan)
     chosen: dict[torch.device, Backend] = {}
     for name, spec in plan.items():

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from mxrl.arch.experts import hf_location
+from mxrl.arch.names import keeps_fp32
 from mxrl.formats import QTensor
 from mxrl.formats.constants import Format
 from mxrl.recipe import Plan
@@ -28,7 +29,8 @@ from mxrl.recipe.quantize import own_weight_amax
 from mxrl.weights.host import HostCopy
 from mxrl.weights.record import WeightValue
 
-GROUPS = ("floats", "vectors", "codes", "counts")  # FiniteCheck's probes, in their flags' order
+# FiniteCheck's probes, in their flags' order
+GROUPS = ("floats", "vectors", "codes", "counts", "narrowed")
 
 
 def detached(t: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,11 @@ class FiniteCheck:
     "Non-finite inputs"). That reads 1 or 2 bytes an element where the master holds 4, and
     the verdict is the same, but for a finite master past bf16's range, whose bf16 copy is
     not finite and is refused too. The export uses it when the update is one bucket, where
-    every value exists before anything is sent."""
+    every value exists before anything is sent.
+
+    bf16_dtype: what the plan's bf16 tensors are exported as; on the masters (on_values=False)
+    such a tensor's min and max are also cast to it, so that a finite master past its range,
+    which the export would send as Inf, is refused as the check of the values refuses it."""
 
     def __init__(
         self,
@@ -58,6 +64,7 @@ class FiniteCheck:
         plan: Plan | None = None,
         *,
         on_values: bool = False,
+        bf16_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self._masters = {
             name: detached(t)
@@ -65,11 +72,13 @@ class FiniteCheck:
             if t.is_floating_point() and t.numel()
         }
         self.on_values = on_values
+        self.bf16_dtype = bf16_dtype
         self.amaxes: dict[str, torch.Tensor] = {}
         # each tensor's probes on its device, one op per group and device for all of them: no
         # launch per tensor but its read. floats: 0-d mins and maxes, stacked at once; vectors:
         # global amaxes; codes: an E4M3 value's largest byte as int8 (0x7F: a non-finite input);
-        # counts: the largest of its quantizer's non-finite counts (`quantize_measured`)
+        # counts: the largest of its quantizer's non-finite counts (`quantize_measured`);
+        # narrowed: the min and max of a master exported as bf16_dtype, cast to it
         self._groups: dict[torch.device, dict[str, list[torch.Tensor]]] = {}
         self._spans: dict[str, tuple[torch.device, str, int, int]] = {}
         self._amax_ready: dict[torch.device, torch.cuda.Event] = {}
@@ -84,7 +93,8 @@ class FiniteCheck:
                 self.amaxes[name] = amax
                 self._probe(name, "vectors", [amax.reshape(-1)])
             elif not on_values:
-                self._probe(name, "floats", list(torch.aminmax(t)))  # NaN: both
+                narrowed = spec is not None and _narrowed(name, spec, t, bf16_dtype)
+                self._probe(name, "narrowed" if narrowed else "floats", list(torch.aminmax(t)))
         for device in {a.device for a in self.amaxes.values() if a.device.type == "cuda"}:
             self._amax_ready[device] = torch.cuda.Event()
             self._amax_ready[device].record(torch.cuda.current_stream(device))
@@ -133,8 +143,17 @@ class FiniteCheck:
                 parts.append(torch.stack(groups["codes"]) != 0x7F)
             if groups["counts"]:
                 parts.append(torch.stack(groups["counts"]) == 0)
+            if groups["narrowed"]:  # the extremes cast as the export casts the tensor
+                parts.append(torch.isfinite(torch.stack(groups["narrowed"]).to(self.bf16_dtype)))
             flags = torch.cat(parts) if len(parts) > 1 else parts[0]
             self._flags[device] = HostCopy(flags)
+
+    def _exported(self, name: str, group: str) -> WeightValue | None:
+        """What a refused tensor exports, for its message: the value `add` checked, or the
+        master cast to bf16_dtype (a narrowed one: only on the error path)."""
+        if group == "narrowed":
+            return self._masters[name].to(self.bf16_dtype)
+        return self._values.get(name)
 
     def ready(self, device: torch.device) -> None:
         """Order the current stream of `device` after the amaxes' reads (a quantizer about to
@@ -165,7 +184,7 @@ class FiniteCheck:
                 for device, groups in self._groups.items()
             }  # fmt: skip
             self._verdict = [
-                _describe(name, self._masters[name], self._values.get(name))
+                _describe(name, self._masters[name], self._exported(name, group))
                 for name, (device, group, a, b) in self._spans.items()
                 if not all(host[device][offsets[device][group] + a : offsets[device][group] + b])
             ]
@@ -196,12 +215,25 @@ def _describe(name: str, master: torch.Tensor, value: WeightValue | None = None)
     return f"{name}: {int(bad.sum())} non-finite, first {where} = {float(master[first])}"
 
 
+def _narrowed(name: str, spec, master: torch.Tensor, bf16_dtype: torch.dtype) -> bool:
+    """Whether the export casts `master` to a narrower float (a bf16 tensor of the plan, not
+    one kept in fp32, held wider than bf16_dtype)."""
+    if spec.format is not Format.BF16 or keeps_fp32(name):
+        return False
+    return torch.finfo(master.dtype).max > torch.finfo(bf16_dtype).max
+
+
 def check_finite(
-    named_tensors: Mapping[str, torch.Tensor], plan: Plan | None = None
+    named_tensors: Mapping[str, torch.Tensor],
+    plan: Plan | None = None,
+    *,
+    bf16_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, torch.Tensor]:
     """Refuse master weights holding NaN/Inf, naming every such tensor and its first bad element
     where a per-expert HF checkpoint keeps it (before anything is quantized or sent). One read
     per tensor and one host read for all of them (`FiniteCheck`, read at once). With a plan,
     the global amaxes of the tensors it makes NVFP4 are returned by name for the quantizer
-    (`quantized_values`): the check and the global amax are one read, not two."""
-    return FiniteCheck(named_tensors, plan).result()
+    (`quantized_values`): the check and the global amax are one read, not two. A tensor the
+    plan exports as bf16 (as `bf16_dtype`) is refused too where a finite value is past that
+    dtype's range (it would be sent as Inf)."""
+    return FiniteCheck(named_tensors, plan, bf16_dtype=bf16_dtype).result()

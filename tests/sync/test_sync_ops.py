@@ -94,13 +94,23 @@ def expected_ops(plan) -> Counter[str]:
     # export(): each master detached once (the finite check, the quantizer and the SQNR share it)
     ops["detach"] += len(specs)
     # check_finite: one read per tensor, an aminmax, or for NVFP4 its global amax (the infinity
-    # norm of a detached view, flattened); then for all of them one stack of the 0-d mins and
-    # maxes, one cat with the amaxes and one isfinite (abs, ne, eq, mul), read at once
+    # norm of a detached view, flattened); then one stack of the quantized tensors' 0-d mins
+    # and maxes, one cat with the amaxes and one isfinite (abs, ne, eq, mul); the bf16 tensors'
+    # (fp32 masters exported as bf16) one stack, cast to bf16 and one isfinite; the two flags
+    # cat together, read at once
     ops["aminmax"] += len(specs) - len(nvfp4)
     ops["linalg_vector_norm"] += len(nvfp4)
     ops["detach"] += len(nvfp4)
     ops["view"] += len(nvfp4)
-    ops.update(["stack", "cat", "abs", "ne", "eq", "mul"])
+    floats = len(quantized) - len(nvfp4)
+    if floats:
+        ops["stack"] += 1
+    if floats or nvfp4:
+        ops.update(["cat", "abs", "ne", "eq", "mul"])
+    if bf16:
+        ops.update(["stack", "_to_copy", "abs", "ne", "eq", "mul"])
+    if bf16 and (floats or nvfp4):
+        ops["cat"] += 1
     # quantized_values: a bf16 copy, or one quantizer call (asked for the SQNR's terms too,
     # which the reference quantizer does not sum: None here, one cat of them on a GPU)
     ops["_to_copy"] += len(bf16)

@@ -124,9 +124,11 @@ def test_one_bucket_reads_the_values_not_the_masters():
     assert hashes(records) == hashes(export_weights(model.named_parameters(), plan))
 
 
-def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
-    """Its bf16 copy is Inf: what the engine would hold. The masters' check lets it through
-    (noted in docs/sync.md); the check of the values names it as finite."""
+def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket_and_on_many():
+    """Its bf16 copy is Inf: what the engine would hold. The check of the values names it as
+    finite; the masters' check (several buckets, export_weights) casts each bf16 tensor's min
+    and max as the export casts the tensor and refuses it with the same words (it used to let it
+    through, and the engine got an Inf weight)."""
     model = tiny(seed=4)
     plan = resolve("bf16", {n: p.shape for n, p in model.named_parameters()})
     name = "model.layers.0.input_layernorm.weight"
@@ -144,7 +146,29 @@ def test_a_finite_master_past_bf16s_range_is_refused_on_one_bucket():
     with pytest.raises(ValueError, match="2 master weight") as e:
         next(iter(export(model, plan, bucket_bytes=WHOLE_UPDATE)))
     assert "first model.layers.2.mlp.experts.1.up_proj.weight[2, 3] = -3.396" in str(e.value)
-    assert len(list(export(model, plan, bucket_bytes=1 << 16))) > 1  # masters: not refused
+    one_bucket = str(e.value)
+    with pytest.raises(ValueError, match="2 master weight") as e:
+        next(iter(export(model, plan, bucket_bytes=1 << 16)))
+    assert sorted(str(e.value).split("; ")) == sorted(one_bucket.split("; "))
+    with pytest.raises(ValueError, match=rf"{name}: finite, but 1 value\(s\) past torch.bfloat16"):
+        list(export_weights(model.named_parameters(), plan))
+
+
+def test_the_masters_check_narrows_as_the_export_does():
+    """A master of 70000 (finite in bf16, past fp16's 65504) is refused where the plan's bf16
+    tensors are exported as fp16 and not as bf16; a tensor the export keeps in fp32 (a router
+    bias) or quantizes may exceed bf16's range (its values are not cast to it)."""
+    model = tiny(seed=4)
+    plan = resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()})
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        params[NORM][1] = 70000.0
+    with pytest.raises(ValueError, match=rf"{NORM}: finite, but 1 value\(s\) past torch.float16"):
+        next(iter(export(model, plan, bucket_bytes=1 << 16, bf16_dtype=torch.float16)))
+    assert check_finite(params, plan) == {}  # as bf16: finite
+    quantized = next(n for n, s in plan.items() if s.format.value == "mxfp8")
+    big = {quantized: torch.full((32, 64), 3.4e38)}  # bf16 would round it to Inf
+    assert check_finite(big, plan) == {}  # quantized with its scales: not cast to bf16
 
 
 @pytest.mark.gpu
