@@ -4,9 +4,11 @@ the quantizers that read its amaxes on another stream (as the broadcast sender d
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mxrl.recipe import resolve
 from mxrl.weights import WHOLE_UPDATE, checksums, export, export_weights
@@ -17,6 +19,21 @@ from tests.sync.helpers import ALL_NVFP4, FP8_BLOCK_32, hashes, tiny
 GATE = "model.layers.0.mlp.shared_expert.gate_proj.weight"
 UP = "model.layers.0.mlp.shared_expert.up_proj.weight"
 NORM = "model.layers.0.input_layernorm.weight"
+
+
+class Reads(TorchDispatchMode):
+    """Counts the reductions a check could read a tensor with: (op, dtype) of each aminmax and
+    amax dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("aminmax", "amax"):
+            self.seen[(name, args[0].dtype)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_the_verdict_is_read_once_and_kept():
@@ -72,6 +89,21 @@ BAD_PLACES = {  # a tensor of each kind: an attention projection, an expert stac
 }
 
 
+def refusals(model, plan, bad, *exports) -> list[list[str]]:
+    """Put `bad` at every BAD_PLACES element of `model`, then for each export's keywords the
+    refusal's per-tensor descriptions (tensor, count, first element), sorted."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, index in BAD_PLACES.items():
+            params[name][index] = bad
+    messages = []
+    for kwargs in exports:
+        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
+            next(iter(export(model, plan, **kwargs)))
+        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
+    return messages
+
+
 @pytest.mark.parametrize("preset", ["bf16", "mxfp8", "fp8-block", "nvfp4-dequantized"])
 @pytest.mark.parametrize("bad", [math.nan, -math.inf])
 def test_one_bucket_checks_the_values_and_refuses_what_the_masters_check_refuses(preset, bad):
@@ -81,38 +113,17 @@ def test_one_bucket_checks_the_values_and_refuses_what_the_masters_check_refuses
     model = tiny(seed=4)
     recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, index in BAD_PLACES.items():
-            params[name][index] = bad
-    messages = []
-    for bucket_bytes in (WHOLE_UPDATE, 1 << 16):
-        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=False)
-        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
-            next(iter(exp))
-        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
-    assert messages[0] == messages[1]
-    assert any("experts.1.down_proj.weight[2, 3]" in m for m in messages[0])
+    one, many = refusals(
+        model, plan, bad, {"bucket_bytes": WHOLE_UPDATE, "sqnr": False},
+        {"bucket_bytes": 1 << 16, "sqnr": False},
+    )  # fmt: skip
+    assert one == many
+    assert any("experts.1.down_proj.weight[2, 3]" in m for m in one)
 
 
 def test_one_bucket_reads_the_values_not_the_masters():
     """On one bucket, no master but an NVFP4 one is read by the check: the E4M3 codes' largest
     byte and the bf16 copies' min and max are."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in ("aminmax", "amax"):
-                self.seen[(name, args[0].dtype)] += 1
-            return func(*args, **(kwargs or {}))
-
     model = tiny(seed=4)
     plan = resolve("mxfp8", {n: p.shape for n, p in model.named_parameters()})
     bf16 = sum(1 for s in plan.values() if s.format.value == "bf16")
@@ -285,20 +296,6 @@ def test_one_bucket_on_the_triton_quantizers_refuses_by_their_counts(preset, sqn
     """The Triton quantizers (the interpreter standing in for a GPU) count the non-finite
     elements they read: on one bucket the check reads those counts, not the codes (no int8
     amax), and refuses with the masters' check's message; a clean export is the same bytes."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "amax":
-                self.seen[args[0].dtype] += 1
-            return func(*args, **(kwargs or {}))
-
     model = tiny(seed=4)
     recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
     plan = resolve(recipe, {n: p.shape for n, p in model.named_parameters()})
@@ -306,18 +303,12 @@ def test_one_bucket_on_the_triton_quantizers_refuses_by_their_counts(preset, sqn
     with Reads() as reads:
         got = export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=sqnr, backend="triton")
         assert hashes(got.records()) == want
-    assert reads.seen[torch.int8] == 0  # no codes read
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, index in BAD_PLACES.items():
-            params[name][index] = math.nan
-    messages = []
-    for bucket_bytes, backend in ((WHOLE_UPDATE, "triton"), (1 << 16, "reference")):
-        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=sqnr, backend=backend)
-        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
-            next(iter(exp))  # the same tensors, counts and first elements, in any order
-        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
-    assert messages[0] == messages[1]
+    assert reads.seen[("amax", torch.int8)] == 0  # no codes read
+    one, many = refusals(
+        model, plan, math.nan, {"bucket_bytes": WHOLE_UPDATE, "sqnr": sqnr, "backend": "triton"},
+        {"bucket_bytes": 1 << 16, "sqnr": sqnr, "backend": "reference"},
+    )  # fmt: skip
+    assert one == many  # the same tensors, counts and first elements
 
 
 @pytest.mark.parametrize("preset", ["mxfp8", "fp8-block"])
@@ -350,15 +341,9 @@ def test_one_bucket_reads_the_counts_its_quantizers_measured(preset, monkeypatch
     monkeypatch.setattr(module, "quantize_measured", measuring_quantizer([]))
     with Reads() as reads:
         assert hashes(export(model, plan, bucket_bytes=WHOLE_UPDATE, sqnr=False).records()) == want
-    assert reads.seen[torch.int8] == 0
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, index in BAD_PLACES.items():
-            params[name][index] = math.nan
-    messages = []
-    for bucket_bytes in (WHOLE_UPDATE, 1 << 16):
-        exp = export(model, plan, bucket_bytes=bucket_bytes, sqnr=False)
-        with pytest.raises(ValueError, match="refusing to export: 3 master weight") as err:
-            next(iter(exp))
-        messages.append(sorted(str(err.value).split(": ", 2)[2].split(". Nothing")[0].split("; ")))
-    assert messages[0] == messages[1]
+    assert reads.seen[("amax", torch.int8)] == 0
+    one, many = refusals(
+        model, plan, math.nan, {"bucket_bytes": WHOLE_UPDATE, "sqnr": False},
+        {"bucket_bytes": 1 << 16, "sqnr": False},
+    )  # fmt: skip
+    assert one == many
