@@ -10,7 +10,7 @@ import torch
 from mxrl.formats import QTensor, dequantize, quantize
 from mxrl.kernels import Backend
 from mxrl.recipe import resolve
-from mxrl.weights import export
+from mxrl.weights import WHOLE_UPDATE, export
 from mxrl.weights.event import SqnrMeter, SqnrSample
 from tests.kernels.test_decode_gemm import interpreter
 from tests.sync.helpers import FP8_BLOCK_32, tiny
@@ -277,3 +277,9 @@ def test_the_export_takes_the_sqnr_from_what_its_quantizers_measured(recipe, mon
         assert got[key] == pytest.approx(db, abs=1e-5), key
     quantized = sum(1 for s in plan.values() if s.format.value != "bf16")
     assert calls == [Backend.REFERENCE] * quantized
+    # nothing to measure (no SQNR, several buckets: the masters' check): the plain quantizer
+    list(export(model, plan, sqnr=False, bucket_bytes=1 << 16).records())
+    assert len(calls) == quantized
+    # one bucket, no SQNR: measured for the check's counts
+    list(export(model, plan, sqnr=False, bucket_bytes=WHOLE_UPDATE).records())
+    assert len(calls) == 2 * quantized
