@@ -317,21 +317,8 @@ def test_one_bucket_reads_the_counts_its_quantizers_measured(preset, monkeypatch
     counting from the definitions), one bucket's check reads its counts: no int8 amax over
     the codes, and the refusal of NaN masters is the masters' check's."""
     import importlib
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from tests.weights.test_sqnr_sample import measuring_quantizer
-
-    class Reads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ == "amax":
-                self.seen[args[0].dtype] += 1
-            return func(*args, **(kwargs or {}))
 
     model = tiny(seed=4)
     recipe = FP8_BLOCK_32 if preset == "fp8-block" else preset
