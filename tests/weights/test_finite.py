@@ -176,6 +176,8 @@ def test_the_masters_check_narrows_as_the_export_does():
         params[NORM][1] = 70000.0
     with pytest.raises(ValueError, match=rf"{NORM}: finite, but 1 value\(s\) past torch.float16"):
         next(iter(export(model, plan, bucket_bytes=1 << 16, bf16_dtype=torch.float16)))
+    with pytest.raises(ValueError, match=rf"{NORM}: finite, but 1 value\(s\) past torch.float16"):
+        list(export_weights(model.named_parameters(), plan, bf16_dtype=torch.float16))
     assert check_finite(params, plan) == {}  # as bf16: finite
     quantized = next(n for n, s in plan.items() if s.format.value == "mxfp8")
     big = {quantized: torch.full((32, 64), 3.4e38)}  # bf16 would round it to Inf
