@@ -347,8 +347,17 @@ def store_error_sums(ptr, part, w, value, finite):
     check). w: the master's values as the quantizer read them, value: their dequantized codes,
     finite: is_finite(w); w and value 0 outside the tensor (masked loads read 0, which encodes
     to the code 0)."""
+    w2, d2, bad = tile_error_sums(w, value, finite)
+    tl.store(ptr + 3 * part, w2)
+    tl.store(ptr + 3 * part + 1, d2)
+    tl.store(ptr + 3 * part + 2, bad)
+
+
+@triton.jit
+def tile_error_sums(w, value, finite):
+    """(sum w^2, sum (w - value)^2, count of non-finite w) over a 2-D tile, fp32
+    (`store_error_sums`; NVFP4's row loop adds them over its tiles)."""
     d = w - value
-    tl.store(ptr + 3 * part, tl.sum(tl.sum(w * w, axis=1), axis=0))
-    tl.store(ptr + 3 * part + 1, tl.sum(tl.sum(d * d, axis=1), axis=0))
-    bad = tl.where(finite, 0.0, 1.0)
-    tl.store(ptr + 3 * part + 2, tl.sum(tl.sum(bad, axis=1), axis=0))
+    w2 = tl.sum(tl.sum(w * w, axis=1), axis=0)
+    d2 = tl.sum(tl.sum(d * d, axis=1), axis=0)
+    return w2, d2, tl.sum(tl.sum(tl.where(finite, 0.0, 1.0), axis=1), axis=0)

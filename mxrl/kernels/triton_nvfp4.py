@@ -44,6 +44,7 @@ from mxrl.kernels.triton_codecs import (
     nvfp4_encode_scale,
     store_row_scales,
     store_tile,
+    tile_error_sums,
 )
 from mxrl.kernels.triton_nvfp4_scale import launch_encode_scale
 
@@ -149,10 +150,7 @@ def _quantize_tile(
     if SUMS:  # the stored scale byte decoded: 0x7F (a non-finite block) is NaN, as dequantized
         value = e2m1_decode(codes) * e4m3_decode(s_code.to(tl.int32))[:, :, None]
         value = tl.reshape(value * s_dec[:, None, None], [ROWS, BLOCK_K])
-        d = x - value
-        w2 = tl.sum(tl.sum(x * x, axis=1), axis=0)
-        d2 = tl.sum(tl.sum(d * d, axis=1), axis=0)
-        bad = tl.sum(tl.sum(tl.where(is_finite(x), 0.0, 1.0), axis=1), axis=0)
+        w2, d2, bad = tile_error_sums(x, value, is_finite(x))
     return w2, d2, bad
 
 
