@@ -46,6 +46,7 @@ from mxrl.recipe.quantize import weight_amax
 from mxrl.weights import DEFAULT_BUCKET_BYTES, Bucket, Export, QuantizationEvent, check_finite
 from mxrl.weights.event import OTHER, SqnrMeter, SqnrSample
 from mxrl.weights.export import check_names, fuse_partners
+from mxrl.weights.finite import narrowed
 from mxrl.weights.record import WeightValue
 
 
@@ -113,7 +114,7 @@ def sharded_export(
     t0 = time.perf_counter()
     params = {n: p.detach() for n, p in model.named_parameters()}
     check_names(params, plan, "sharded export")
-    _check_finite_everywhere(params, plan, group)
+    _check_finite_everywhere(params, plan, group, bf16_dtype)
     sample = SqnrSample.of(sqnr)
     tally = _Tally(sample)
     values = _values(params, plan, group, bf16_dtype, backend, tally, sample is not None)
@@ -124,18 +125,22 @@ def sharded_export(
     return ShardedExport(inner, tally if sample is not None else None, tally)
 
 
-def _check_finite_everywhere(params, plan: Plan, group) -> None:
+def _check_finite_everywhere(params, plan: Plan, group, bf16_dtype: torch.dtype) -> None:
     """One flag per tensor (one aminmax pass each on the device, no host read per tensor; NaN
-    propagates into both ends), all-reduced."""
+    propagates into both ends), all-reduced. A shard of a tensor the export casts to bf16_dtype
+    has its ends cast too: a finite master past that dtype's range would be sent as Inf, and
+    is refused as the single-process check refuses it (`mxrl.weights.finite.narrowed`)."""
     locals_ = {n: _local(params[n]) for n in plan}
     device = _device(params)
-    checked = [t.numel() > 0 and t.is_floating_point() for t in locals_.values()]
+    zero = torch.zeros((), dtype=torch.int32, device=device)
     bad = torch.stack(
         [
-            _not_finite(t).to(device=device, dtype=torch.int32)
-            if ok
-            else torch.zeros((), dtype=torch.int32, device=device)
-            for t, ok in zip(locals_.values(), checked, strict=True)
+            _not_finite(t, bf16_dtype if narrowed(n, plan[n], t, bf16_dtype) else None).to(
+                device=device, dtype=torch.int32
+            )
+            if t.numel() > 0 and t.is_floating_point()
+            else zero
+            for n, t in locals_.items()
         ]
     )
     mine = bad.clone()
@@ -146,22 +151,24 @@ def _check_finite_everywhere(params, plan: Plan, group) -> None:
     held = [n for n, b in zip(locals_, mine.tolist(), strict=True) if b]
     if held:
         try:
-            check_finite({n: locals_[n] for n in held})
+            check_finite({n: locals_[n] for n in held}, plan, bf16_dtype=bf16_dtype)
         except ValueError as e:
             raise ValueError(
                 f"{e} (indices are within rank {dist.get_rank(group)}'s shard: rows "
                 "ceil(rows / ranks) * rank onwards of the whole tensor)"
             ) from None
     raise ValueError(
-        f"refusing to export: master weight(s) {names[:5]} hold NaN/Inf (on another rank's "
-        "shard; its log names the element). Nothing was sent: restore the last good "
-        "checkpoint"
+        f"refusing to export: master weight(s) {names[:5]} hold NaN/Inf, or values past "
+        f"{bf16_dtype}'s range that the export would send as Inf (on another rank's shard; its "
+        "log names the element). Nothing was sent: restore the last good checkpoint"
     )
 
 
-def _not_finite(t: torch.Tensor) -> torch.Tensor:
-    lo, hi = torch.aminmax(t)
-    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+def _not_finite(t: torch.Tensor, narrow_to: torch.dtype | None) -> torch.Tensor:
+    ends = torch.stack(torch.aminmax(t))
+    if narrow_to is not None:
+        ends = ends.to(narrow_to)
+    return ~torch.isfinite(ends).all()
 
 
 def _values(params, plan: Plan, group, bf16_dtype, backend, tally, sqnr: bool) -> Iterator:

@@ -93,8 +93,8 @@ class FiniteCheck:
                 self.amaxes[name] = amax
                 self._probe(name, "vectors", [amax.reshape(-1)])
             elif not on_values:
-                narrowed = spec is not None and _narrowed(name, spec, t, bf16_dtype)
-                self._probe(name, "narrowed" if narrowed else "floats", list(torch.aminmax(t)))
+                cast = spec is not None and narrowed(name, spec, t, bf16_dtype)
+                self._probe(name, "narrowed" if cast else "floats", list(torch.aminmax(t)))
         for device in {a.device for a in self.amaxes.values() if a.device.type == "cuda"}:
             self._amax_ready[device] = torch.cuda.Event()
             self._amax_ready[device].record(torch.cuda.current_stream(device))
@@ -215,7 +215,7 @@ def _describe(name: str, master: torch.Tensor, value: WeightValue | None = None)
     return f"{name}: {int(bad.sum())} non-finite, first {where} = {float(master[first])}"
 
 
-def _narrowed(name: str, spec, master: torch.Tensor, bf16_dtype: torch.dtype) -> bool:
+def narrowed(name: str, spec, master: torch.Tensor, bf16_dtype: torch.dtype) -> bool:
     """Whether the export casts `master` to a narrower float (a bf16 tensor of the plan, not
     one kept in fp32, held wider than bf16_dtype)."""
     if spec.format is not Format.BF16 or keeps_fp32(name):

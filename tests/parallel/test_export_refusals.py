@@ -163,3 +163,41 @@ def test_a_non_finite_weight_in_a_one_element_shard_is_refused(fake):
 
     said = on_ranks(fake, body)
     assert "rank 2's shard" in said[2] and "another rank's shard" in said[0]
+
+
+ROUTER = "model.layers.0.mlp.gate.weight"
+
+
+def test_a_finite_master_past_bf16s_range_in_a_bf16_tensor_is_refused_on_every_rank(fake):
+    """fp32's largest value is finite, and bf16 rounds it to Inf: the export would send Inf."""
+    whole = masters()
+    whole[ROUTER][2, 1] = torch.finfo(torch.float32).max  # row 2: rank 1's first row
+    said = refusals(fake, whole)
+    assert ROUTER in said[1] and "rank 1's shard" in said[1] and "range" in said[1]
+    for r in (0, 2):
+        assert "another rank's shard" in said[r] and f"['{ROUTER}']" in said[r]
+        assert "torch.bfloat16's range" in said[r]
+    assert fake.ops(0) == fake.ops(1) == fake.ops(2) == [("reduce", 10)]
+
+
+def test_the_range_checked_is_the_exported_dtypes(fake):
+    """70000 fits bf16 but not fp16: refused only where the bf16 tensors go out as fp16, and
+    only in the tensors exported as bf16 (an NVFP4 tensor takes it in its global scale)."""
+    whole = masters()
+    whole[ROUTER][4, 0] = 7e4  # rank 2's one row
+    for _, buckets in exported(fake, whole).values():  # bf16: sent as it rounds
+        router = [r.value for b in buckets for r in b.records if r.name == ROUTER]
+        assert router[0].dtype == torch.bfloat16 and torch.isfinite(router[0]).all()
+
+    def body(rank):
+        with pytest.raises(ValueError) as e:
+            sharded.sharded_export(shard_all(whole, rank, 3), PLAN, GROUP, bf16_dtype=torch.float16)
+        return str(e.value)
+
+    said = on_ranks(fake, body)
+    assert ROUTER in said[2] and "rank 2's shard" in said[2] and "float16" in said[2]
+    assert "another rank's shard" in said[0] and "torch.float16's range" in said[0]
+    quantized = masters()
+    quantized[K][2, 0] = 7e4  # NVFP4: not cast to the bf16 dtype, so not refused
+    for _, buckets in exported(fake, quantized, bf16_dtype=torch.float16).values():
+        assert K in [r.name for b in buckets for r in b.records]
