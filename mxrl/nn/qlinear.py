@@ -67,6 +67,21 @@ def path_weight(
     return w.hold(Form.LP, Form.DEQ, *([Form.COL] if colwise else []), dtype=torch.float32)
 
 
+def kept_forms(spec: TensorSpec, mode: Backward) -> tuple[Form, ...]:
+    """The bf16 operand a routed expert's quantized weight keeps from its first GEMM to the
+    next optimizer step under `hold_bf16` (`QWeight.keep_operands`; 2 bytes a weight, the bf16
+    experts' held copy): the one that costs most to make again each micro-batch.
+    high_precision: HP, the master cast for the dgrad (4 bytes read, 2 written, every
+    backward); dequantized: DEQ (MXFP8's and block FP8's is their LP: the forward and the
+    dgrad read one copy); MXFP8's quantized backward: LP, the forward's; block FP8's quantized
+    backward reads codes only: none."""
+    if mode is Backward.HIGH_PRECISION:
+        return (Form.HP,)
+    if mode is Backward.DEQUANTIZED:
+        return (Form.DEQ,)
+    return (Form.LP,) if spec.format is Format.MXFP8 else ()
+
+
 class QLinear(nn.Linear):
     """y = Qa(x) (x) Qw(weight) + bias, for x [..., K], on the GEMM path it holds (`path`, set by
     `mxrl.nn.paths.set_gemm`; None: the input device's, `path_for`): `QMatmul` for the
@@ -181,8 +196,16 @@ class QExperts(GroupedExperts):
         q._caches = {"gate_up": WeightCache(), "down": WeightCache()}
         q.path = getattr(experts, "path", None)
         q.rowwise = experts.rowwise
-        q.set_hold_bf16(experts.hold_bf16)  # a bf16 projection's held copy
+        q.set_hold_bf16(experts.hold_bf16)  # a bf16 projection's held copy, kept operands
         return q
+
+    def set_hold_bf16(self, hold: bool) -> None:
+        """GroupedExperts' held bf16 copies (of a bf16 projection), and for a quantized one the
+        bf16 operand its weight keeps per optimizer step (`kept_forms`); either way from empty
+        caches."""
+        super().set_hold_bf16(hold)
+        for cache in getattr(self, "_caches", {}).values():
+            cache.clear()
 
     def _grouped_specs(self) -> dict:
         return {k: None if s.format is Format.BF16 else s for k, s in self.specs.items()}
@@ -193,9 +216,15 @@ class QExperts(GroupedExperts):
         for MXFP8's quantized backward: block FP8's grouped dgrad reads the forward's codes
         transposed in place (strides), the reference's their DEQ."""
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        args = (gemm, param, self.specs[which], None, self.backward_mode, self.backend)
-        build = functools.partial(path_weight, *args, grouped=True)
-        return self._caches[which].get((param,), build, kind=gemm)
+        spec = self.specs[which]
+        args = (gemm, param, spec, None, self.backward_mode, self.backend)
+        held = self.hold_bf16 and gemm is Gemm.TENSOR_CORE
+        kept = kept_forms(spec, self.backward_mode) if held else ()
+
+        def build() -> QWeight:
+            return path_weight(*args, grouped=True).keep_operands(*kept)
+
+        return self._caches[which].get((param,), build, kind=(gemm, kept))
 
     def _grouped_proj(self, which: str, x_sorted: torch.Tensor, layout) -> torch.Tensor:
         spec = self.specs[which]

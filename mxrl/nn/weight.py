@@ -48,8 +48,8 @@ class QWeight:
     q:      the row-wise QTensor (8.25 / 4.5 / ~8 bits per weight).
     s_dec:  NVFP4 decode global scale, [] or of the weight's rank ([E, 1, 1] per expert, [N, 1]
             per row); None for formats without one.
-    held:   the operands kept (`hold`), by form and dtype; the column-wise QTensor once `col`
-            made it.
+    held:   the operands kept (`hold`, or once made for a form in `keep`), by form and dtype;
+            the column-wise QTensor once `col` made it.
     Beside them: `backend`, the kernels that derive bf16 operands and quantize the column-wise
     copy (same bytes on any), and the column-wise copy's source (`from_master`'s colwise).
     """
@@ -72,6 +72,8 @@ class QWeight:
         self.held = {} if held is None else held
         self.backend = backend
         self._col_fn = col_fn
+        # forms whose operands are kept once made (`keep_operands`), until this QWeight goes
+        self.keep: frozenset[Form] = frozenset()
 
     @classmethod
     def from_master(
@@ -113,9 +115,38 @@ class QWeight:
 
     def operand(self, form: Form, dtype: torch.dtype) -> torch.Tensor:
         """The weight's GEMM operand in `form` (LP, DEQ, COL) and `dtype`: the held one, else
-        written now and not kept (`mxrl.kernels.dequantize`: `mxrl.formats.dequantize`'s bytes
-        in any dtype, bf16 by `backend`'s kernel; COL from `col`, which holds its QTensor)."""
-        return self._operand(form, dtype, self.col)
+        written now (`mxrl.kernels.dequantize`: `mxrl.formats.dequantize`'s bytes in any dtype,
+        bf16 by `backend`'s kernel; COL from `col`, which holds its QTensor), and kept where
+        `keep` names the form."""
+        form = self._resolved(form)
+        value = self._operand(form, dtype, self.col)
+        if form in self.keep:
+            self.held[_key(form, dtype)] = value
+        return value
+
+    def master_operand(self, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The high-precision operand (Form.HP, the high_precision backward's dgrad): the
+        master this weight was quantized from, cast to `dtype`; kept where `keep` names HP
+        (the master cannot change while this QWeight lives: `WeightCache`)."""
+        held = self.held.get(_key(Form.HP, dtype))
+        if held is not None:
+            return held
+        value = master.detach().to(dtype)
+        if Form.HP in self.keep:
+            self.held[_key(Form.HP, dtype)] = value
+        return value
+
+    def keep_operands(self, *forms: Form) -> QWeight:
+        """Keep the operands of `forms` from when a GEMM first asks for them until this
+        QWeight goes (a weight cache holds it until the next optimizer step): one dequantize
+        (or cast, for HP) per optimizer step instead of one per GEMM, the same bytes. Returns
+        self."""
+        self.keep = frozenset(self._resolved(f) for f in forms)
+        return self
+
+    def _resolved(self, form: Form) -> Form:
+        """DEQ is LP where the format has no global scale (MXFP8, block FP8): one tensor."""
+        return Form.LP if form is Form.DEQ and self.s_dec is None else form
 
     def hold(self, *forms: Form, dtype: torch.dtype) -> QWeight:
         """Derive the operands of `forms` in `dtype` now and keep them; COL's QTensor is kept
@@ -132,11 +163,10 @@ class QWeight:
     def _operand(
         self, form: Form, dtype: torch.dtype, col: Callable[[], QTensor | None]
     ) -> torch.Tensor:
+        form = self._resolved(form)  # no global scale: deq is lp, one tensor
         held = self.held.get(_key(form, dtype))
         if held is not None:
             return held
-        if form is Form.DEQ and self.s_dec is None and dtype == torch.float32:
-            return self._operand(Form.LP, dtype, col)  # no global scale: deq is lp, one tensor
         if form is Form.COL:
             q = col()
             assert q is not None, "quantized backward needs the column-wise weight copy"

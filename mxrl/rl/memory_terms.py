@@ -109,9 +109,24 @@ def train_copy_bytes(
         col = plan.backward is Backward.QUANTIZED
         if cuda:
             total += _contract_bytes(spec) * (2 if col else 1)
+            if spec.kind == "routed_expert" and hold_bf16:
+                total += _kept_bytes(spec, plan.backward, master)
         else:
             total += 4 * n * (1 + (spec.format is Format.NVFP4) + col)
     return total
+
+
+def _kept_bytes(spec: Any, backward: Any, master: int) -> int:
+    """A quantized routed expert's bf16 operand kept per optimizer step under hold_bf16
+    (`mxrl.nn.qlinear.kept_forms`): 2 bytes a weight, but none for HP over a bf16 master (its
+    cast is the master itself)."""
+    from mxrl.nn.operands import Form
+    from mxrl.nn.qlinear import kept_forms
+
+    forms = kept_forms(spec, backward)
+    if not forms or (forms == (Form.HP,) and master == 2):
+        return 0
+    return 2 * math.prod(spec.shape)
 
 
 def engine_weight_bytes(plan: Any, compute: int, cuda: bool) -> int:

@@ -58,10 +58,10 @@ def _micro_batch(experts, seed: int):
     return y.detach(), x.grad
 
 
-def _steps(hold: bool, steps: int = 3, micro: int = 2, device: str = "cpu"):
+def _steps(hold: bool, steps: int = 3, micro: int = 2, device: str = "cpu", make=None):
     """`steps` optimizer steps of `micro` micro-batches each; every output, input gradient and
-    master after each step."""
-    experts = _module(hold, device=device)
+    master after each step. make(hold, device): the experts module (`_module`'s bf16 ones)."""
+    experts = (make or _module)(hold, device=device)
     opt = torch.optim.SGD(experts.parameters(), lr=0.5)
     seen = []
     for step in range(steps):
@@ -167,3 +167,75 @@ def test_training_options_set_every_experts_module_and_qexperts_bf16_projections
     held = _experts()
     held.set_hold_bf16(True)
     assert QExperts.from_experts(held, gate_up, down, "dequantized").hold_bf16 is True
+
+
+# --- quantized experts: the one bf16 operand their weight keeps (`kept_forms`) ------------------
+
+QUANTIZED = [
+    ("mxfp8", "high_precision"),
+    ("mxfp8", "dequantized"),
+    ("mxfp8", "quantized"),
+    ("nvfp4", "high_precision"),
+    ("nvfp4", "dequantized"),
+]
+
+
+def _qmodule(fmt: str, backward: str):
+    def make(hold: bool, seed: int = 0, device: str = "cpu") -> QExperts:
+        q = QExperts.from_experts(_experts(seed).to(device), *_expert_specs(fmt), backward)
+        set_gemm(q, Gemm.TENSOR_CORE)
+        q.set_hold_bf16(hold)
+        return q
+
+    return make
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_quantized_experts_kept_operand_gives_the_unkept_bytes(fmt, backward, device):
+    """As the bf16 copies above: 3 optimizer steps of 2 micro-batches, every output, gradient
+    and master the same bytes with the operand kept per step as made per GEMM."""
+    make = _qmodule(fmt, backward)
+    made, kept = _steps(False, device=device, make=make), _steps(True, device=device, make=make)
+    for i, (a, b) in enumerate(zip(kept, made, strict=True)):
+        assert_bytes_equal(a, b, f"{fmt} {backward} tensor {i}")
+
+
+# bf16 operands of master shape made per weight in one optimizer step of m micro-batches:
+# (made per GEMM, kept); each micro-batch's forward reads LP, its dgrad HP (the master cast),
+# DEQ or COL; kept, the `kept_forms` one is made once a step (MXFP8's DEQ is its LP)
+MADE = {
+    ("mxfp8", "high_precision"): (lambda m: 2 * m, lambda m: m + 1),
+    ("mxfp8", "dequantized"): (lambda m: 2 * m, lambda m: 1),
+    ("mxfp8", "quantized"): (lambda m: 2 * m, lambda m: m + 1),
+    ("nvfp4", "high_precision"): (lambda m: 2 * m, lambda m: m + 1),
+    ("nvfp4", "dequantized"): (lambda m: 2 * m, lambda m: m + 1),
+}
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+def test_a_kept_operand_is_made_once_per_optimizer_step(fmt, backward):
+    make = _qmodule(fmt, backward)
+    for hold, count in zip((False, True), MADE[(fmt, backward)], strict=True):
+        q = make(hold)
+        opt = torch.optim.SGD(q.parameters(), lr=0.1)
+        shapes = [q.gate_up_proj.shape, q.down_proj.shape]
+        for step in range(2):
+            with MasterCasts(shapes) as casts:
+                for m in range(3):
+                    _micro_batch(q, seed=m + step)
+            assert casts.count == 2 * count(3), (hold, step, casts.count)
+            opt.step()
+            opt.zero_grad()
+
+
+def test_turning_hold_off_frees_a_quantized_experts_kept_operand():
+    q = _qmodule("mxfp8", "high_precision")(True)
+    _micro_batch(q, seed=1)
+    held = q._caches["gate_up"]._value.held
+    assert list(held) == ["hp:torch.bfloat16"]
+    assert_bytes_equal(held["hp:torch.bfloat16"], q.gate_up_proj.detach().to(BF16), "kept HP")
+    q.set_hold_bf16(False)
+    assert all(c._value is None for c in q._caches.values())
+    _micro_batch(q, seed=1)
+    assert q._caches["gate_up"]._value.held == {}

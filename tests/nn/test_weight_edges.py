@@ -113,15 +113,19 @@ def test_hold_derives_col_without_keeping_it_unless_col_had_made_it():
         bare.hold(Form.COL, dtype=F32)
 
 
-def test_deq_is_lp_only_in_fp32_without_a_global_scale():
-    """Without a global scale deq and lp have the same values: the fp32 deq is the lp tensor
-    itself (one held tensor), any other dtype is written on its own."""
+def test_deq_is_lp_without_a_global_scale():
+    """Without a global scale deq and lp have the same values: the deq operand is the lp
+    tensor itself in any dtype (one held or kept tensor); with one (NVFP4) they differ."""
     q = quantize(_w(), "mxfp8")
     qw = QWeight(q).hold(Form.LP, dtype=BF16)
     lp16 = qw.operand(Form.LP, BF16)
     deq16 = qw.operand(Form.DEQ, BF16)
-    assert deq16 is not lp16
+    assert deq16 is lp16
     assert_bytes_equal(deq16, dequantize(q).to(BF16), "deq bf16")
+    kept = QWeight(q).keep_operands(Form.DEQ)
+    assert kept.keep == {Form.LP}
+    assert kept.operand(Form.DEQ, BF16) is kept.operand(Form.LP, BF16)
+    assert list(kept.held) == [f"lp:{BF16}"]
     held = QWeight(q).hold(Form.LP, dtype=F32)
     assert held.operand(Form.DEQ, F32) is held.operand(Form.LP, F32)
     nv = quantize(_w(), "nvfp4")
@@ -216,3 +220,21 @@ def test_the_cache_watches_every_tensor_it_was_built_from():
         up.mul_(2.0)  # the partner's write: the shared global scale changes
     cache.get((gate, up), build)
     assert len(built) == 2
+
+
+def test_kept_operands_are_the_made_bytes_and_only_the_named_forms():
+    nv = quantize(_w(), "nvfp4")
+    qw = QWeight(nv).keep_operands(Form.DEQ)
+    deq = qw.operand(Form.DEQ, BF16)
+    assert qw.operand(Form.DEQ, BF16) is deq, "kept: made once"
+    assert_bytes_equal(deq, dequantize(nv).to(BF16), "kept deq")
+    lp = qw.operand(Form.LP, BF16)
+    assert qw.operand(Form.LP, BF16) is not lp, "not named: made per call"
+    assert_bytes_equal(lp, dequantize(nv, global_scale=False).to(BF16), "lp")
+    assert list(qw.held) == [f"deq:{BF16}"]
+    master = _w()
+    for keep, kept in (((), False), ((Form.HP,), True)):
+        w = QWeight(quantize(master, "mxfp8")).keep_operands(*keep)
+        hp = w.master_operand(master, BF16)
+        assert_bytes_equal(hp, master.to(BF16), "hp")
+        assert (w.master_operand(master, BF16) is hp) is kept

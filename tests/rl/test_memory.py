@@ -120,9 +120,12 @@ def test_weight_terms_against_hand_counts():
     experts = gate_up + down
     # the engine on CUDA: bf16 records 2 bytes; MXFP8 codes 1 byte and an E8M0 scale per 32
     assert est.engine_weights == 2 * (numel - experts) + experts + experts // 32
-    # training copies: the experts' packed MXFP8 cache, bf16 casts of the other matmul weights
+    # training copies: the experts' packed MXFP8 cache and the bf16 operand it keeps per
+    # optimizer step (rl.hold_bf16_weights auto, held where the capacity is unknown), bf16
+    # casts of the other matmul weights
     casts = 64 * 64 + 32 * 64 * 2 + 64 * 64 + 4 * 64 + 64 * 64  # q k v o, router, lm_head
-    assert est.train_weight_copies == experts + experts // 32 + 2 * casts
+    assert est.train_weight_copies == experts + experts // 32 + 2 * experts + 2 * casts
+    assert est.held_bf16_bytes == 2 * experts
     # KV: 2 prompts x 8 samples of 8 + 8 tokens, one 16-token block each, + CUDA graphs' scratch
     assert est.kv_cache == (2 * 8 + 1) * 2 * 1 * 16 * 1 * 32 * 2  # k+v, layers, block, K, D, bf16
     bf16 = _estimate(hf, {"device": "cuda"}, capacity=None, dtype="bfloat16")
@@ -152,6 +155,38 @@ def test_held_bf16_expert_copies_on_one_cuda_process_only():
         hf, {"device": "cuda", "hold_bf16_weights": False}, {"train_ranks": 1, "rollout_ranks": 1}
     )
     assert placed.train_weight_copies == unheld.train_weight_copies
+
+
+@pytest.mark.parametrize(
+    ("fmt", "backward", "dtype", "kept"),
+    [
+        ("mxfp8", "high_precision", "float32", 2),  # HP: the master cast for the dgrad
+        ("mxfp8", "high_precision", "bfloat16", 0),  # a bf16 master's cast is itself
+        ("nvfp4", "dequantized", "float32", 2),  # DEQ
+        ("nvfp4", "dequantized", "bfloat16", 2),
+        ("mxfp8", "quantized", "float32", 2),  # LP, the forward's
+        ("fp8_block", "quantized", "float32", 0),  # its GEMMs read codes only
+    ],
+)
+def test_a_quantized_expert_keeps_one_bf16_operand_when_held(fmt, backward, dtype, kept):
+    """rl.hold_bf16_weights on a quantized routed expert (`mxrl.nn.qlinear.kept_forms`): the
+    one bf16 operand its weight keeps per optimizer step, 2 bytes a weight, on CUDA only."""
+    hf = _hf(**HAND)
+    experts = 4 * 64 * 64 + 4 * 64 * 32
+    extra = {"nvfp4": {"activations": "per_token"}, "fp8_block": {"block": [32, 32]}}.get(fmt, {})
+    recipe = {
+        "name": "experts", "default": "bf16", "backward": backward,
+        "rules": [{"match": {"kind": "routed_expert"}, "format": fmt, **extra}],
+    }  # fmt: skip
+    rl = {"recipe": recipe, "device": "cuda"}
+    on = _estimate(hf, {**rl, "hold_bf16_weights": True}, capacity=None, dtype=dtype)
+    off = _estimate(hf, {**rl, "hold_bf16_weights": False}, capacity=None, dtype=dtype)
+    assert on.train_weight_copies - off.train_weight_copies == kept * experts
+    assert on.held_bf16_bytes == kept * experts
+    cpu = {**rl, "device": "cpu"}
+    on_cpu = _estimate(hf, {**cpu, "hold_bf16_weights": True}, capacity=None, dtype=dtype)
+    off_cpu = _estimate(hf, {**cpu, "hold_bf16_weights": False}, capacity=None, dtype=dtype)
+    assert on_cpu.train_weight_copies == off_cpu.train_weight_copies
 
 
 def test_budget_derived_from_capacity_holds_the_longest_sequence():

@@ -204,10 +204,14 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
 
 
 def _hp_weight(ctx, saved: tuple) -> torch.Tensor:
-    """The dgrad's bf16 weight: bf16 experts' held copy (`ctx.tw`) where given, else the saved
-    master cast again; after `saved`, which refuses a weight written since the forward."""
+    """The dgrad's bf16 weight: bf16 experts' held copy (`ctx.tw`) where given, a quantized
+    weight's `master_operand` (kept per optimizer step where it keeps HP: `hold_bf16`), else
+    the saved master cast again; after `saved`, which refuses a weight written since the
+    forward."""
     if ctx.spec is None and ctx.tw is not None:
         return ctx.tw
+    if isinstance(ctx.tw, QWeight):
+        return ctx.tw.master_operand(saved[-1], BF16)
     return saved[-1].to(BF16)
 
 
