@@ -17,6 +17,7 @@ from mxrl.kernels.api import (
     quantize,
     quantize_measured,
     quantize_mxfp8_both,
+    scale_bf16,
     to_float32,
 )
 from mxrl.kernels.backend import (
@@ -51,6 +52,7 @@ __all__ = [
     "quantize",
     "quantize_measured",
     "quantize_mxfp8_both",
+    "scale_bf16",
     "select_backend",
     "to_float32",
     "triton_available",

@@ -249,6 +249,22 @@ def to_float32(x: torch.Tensor, *, backend: Kernels | Backend | str | None = Non
     return _kernel("widen_bf16")(x)
 
 
+def scale_bf16(
+    y: torch.Tensor, scale: torch.Tensor, *, backend: Kernels | Backend | str | None = None
+) -> torch.Tensor:
+    """`(y.float() * scale).to(torch.bfloat16)` for a bf16 y [R, N] and an fp32 scale that
+    broadcasts to it (per row [R, 1], or per element), the same bits; on the triton backend
+    one copy-speed kernel (`triton_dequant.launch_scale_bf16`) instead of torch's three
+    passes through two fp32 [R, N] tensors."""
+    chosen = backend_for(backend, y.device)
+    fits = y.dim() == 2 and torch.broadcast_shapes(scale.shape, y.shape) == y.shape
+    if chosen is Backend.REFERENCE or y.dtype != torch.bfloat16 or not fits:
+        return (y.float() * scale).to(torch.bfloat16)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"scale_bf16 takes a float32 scale, got {scale.dtype}")
+    return _kernel("scale_bf16")(y, scale)
+
+
 def _dequant_block(q: QTensor) -> tuple[int, int] | None:
     """(rows, cols) of one scale block in the [prod(shape[:-1]), K] view, or None where the
     kernel does not take the layout."""

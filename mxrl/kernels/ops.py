@@ -23,6 +23,7 @@ and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
   dequantize_bf16(qdata, scale, decode_scale?, fmt, shape, block_rows, block_k) -> bf16 [shape]
   dequantize_error_sums(same, master) -> float64 [sum w^2, sum (w - dequantized)^2], one pass
   widen_bf16(x bf16) -> fp32, exact (bf16 values are fp32 values)
+  scale_bf16(y bf16 [R, N], scale fp32 broadcast to it) -> bf16(fp32(y) * scale), one pass
   qdq_mxfp8(x, rowwise, colwise) -> (bf16 row-wise deq, bf16 column-wise deq), one pass
 
 A copy not asked for (rowwise / colwise False) is an empty tensor. Imports triton: load this
@@ -41,6 +42,7 @@ from mxrl.kernels.triton_dequant import (
     DequantOperands,
     launch_dequant,
     launch_error_sums,
+    launch_scale_bf16,
     launch_widen_bf16,
 )
 from mxrl.kernels.triton_fp8_block import DEFAULT_CONFIG as FP8_BLOCK_CONFIG
@@ -255,6 +257,16 @@ def widen_bf16(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"mxrl::widen_bf16 takes bfloat16, got {x.dtype}")
     return launch_widen_bf16(x.contiguous())
+
+
+@_op
+def scale_bf16(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if y.dtype != torch.bfloat16 or scale.dtype != torch.float32 or y.dim() != 2:
+        raise TypeError(
+            f"mxrl::scale_bf16 takes a bfloat16 [R, N] and a float32 scale, got {y.dtype} "
+            f"{tuple(y.shape)} and {scale.dtype}"
+        )
+    return launch_scale_bf16(y.contiguous(), scale)
 
 
 @_op

@@ -4,7 +4,9 @@ Matches `mxrl.formats.dequantize(q, global_scale=...).to(torch.bfloat16)` bit fo
   mxfp8      row-wise (1x32 along K) and column-wise (32x1 along M) scales;
   nvfp4      1x16 E4M3 block scales, with or without the FP32 decode scale S_dec per row;
   fp8_block  fp32 block scales of (1, bk) or (br, bk) blocks that divide the tensor;
-without the fp32 tensor the reference writes and converts. Each element is computed as the
+without the fp32 tensor the reference writes and converts. Beside them, two bf16 conversions at
+copy speed: the exact widening to fp32 (`launch_widen_bf16`) and a bf16 tensor scaled in fp32
+and rounded back (`launch_scale_bf16`, the NVFP4 GEMMs' global scales on a bf16 output). Each element is computed as the
 reference computes it: the element value times its block scale in fp32 (exact: an E4M3 or E2M1
 value times a power of two or an E4M3 scale has few significant bits), times S_dec in fp32 (one
 rounding, as `dequantize_nvfp4`) for NVFP4 with its global scale, then one round to nearest
@@ -253,4 +255,39 @@ def launch_widen_bf16(x: torch.Tensor, *, block: int = 4096) -> torch.Tensor:
         launcher(_widen_bf16_kernel, x)[grid](
             x.view(torch.int16), out.view(torch.int32), n, BLOCK=block, num_warps=8
         )
+    return out
+
+
+@triton.jit
+def _scale_bf16_kernel(
+    y_ptr, s_ptr, out_ptr, total, N, s_row, s_col, HW: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    bits = tl.load(y_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    y = (bits << 16).to(tl.float32, bitcast=True)  # the bf16 value in fp32: exact
+    s = tl.load(s_ptr + (offs // N) * s_row + (offs % N) * s_col, mask=mask, other=0.0)
+    store_bf16(out_ptr + offs, y * s, mask, HW)
+
+
+def launch_scale_bf16(
+    y: torch.Tensor, scale: torch.Tensor, *, hw: bool | None = None, block: int = 4096
+) -> torch.Tensor:
+    """bf16 [R, N] = bf16(fp32(y) * scale): y contiguous bf16 [R, N], scale fp32 broadcast to
+    it (strides 0 along a broadcast dim: a scale per row [R, 1], per column, or per element).
+    One product in fp32 and one round to nearest even per element, as torch's
+    `(y.float() * scale).to(torch.bfloat16)`, from one read of y and one write, where torch
+    runs three passes and holds two fp32 [R, N] tensors."""
+    assert y.dtype == torch.bfloat16 and y.is_contiguous() and y.dim() == 2, (y.dtype, y.shape)
+    assert scale.dtype == torch.float32, scale.dtype
+    s = scale.expand(y.shape)
+    out = torch.empty_like(y)
+    hw = y.is_cuda if hw is None else hw
+    total, n = y.numel(), y.shape[1]
+    if total:
+        grid = (triton.cdiv(total, block),)
+        launcher(_scale_bf16_kernel, y)[grid](
+            y.view(torch.int16), s, out if hw else out.view(torch.int16), total, n,
+            s.stride(0), s.stride(1), HW=hw, BLOCK=block, num_warps=8,
+        )  # fmt: skip
     return out

@@ -146,6 +146,33 @@ def test_widen_bf16_is_the_conversion_bit_for_bit(device):
 
 
 @pytest.mark.parametrize("device", TIERS)
+def test_scale_bf16_is_the_fp32_product_rounded_bit_for_bit(device):
+    """`scale_bf16(y, s)` against `(y.float() * s).to(bfloat16)` on the same device: every bf16
+    value of y against per-row scales that round up, down, to even on exact ties (1 + 2^-8
+    puts 1.0 half a bf16 ulp from its neighbours), overflow to Inf, underflow into subnormals
+    and zero, and NaN / Inf / -0 scales; per-element and per-column scales; a ragged last
+    block."""
+    from mxrl.kernels import scale_bf16
+
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    y = torch.cat([every, every[:4100]]).reshape(-1, 14).to(device)  # 4974 rows
+    row_scales = torch.tensor(
+        [1.0, 1 + 2**-8, 1 - 2**-9, 3.0, 0.1, 2.0**100, 2.0**-120, 2.0**-140, 0.0, -0.0,
+         -1.5, float("inf"), float("nan"), 448.0 * 6.0, 1 / 2688.0, 1.0000001],
+        dtype=torch.float32,
+    )  # fmt: skip
+    per_row = row_scales.repeat(-(-y.shape[0] // len(row_scales)))[: y.shape[0], None]
+    g = torch.Generator().manual_seed(3)
+    per_element = torch.exp2(torch.randn(y.shape, generator=g) * 20).to(torch.float32)
+    per_column = torch.rand((1, y.shape[1]), generator=g) * 4
+    for what, s in (("per row", per_row), ("per element", per_element), ("per column", per_column)):
+        s = s.to(device)
+        got = scale_bf16(y, s, backend="triton")
+        assert got.dtype == torch.bfloat16 and got.shape == y.shape
+        assert_same_bf16(got, (y.float() * s).to(torch.bfloat16), f"{what} scale")
+
+
+@pytest.mark.parametrize("device", TIERS)
 def test_eager_calls_run_the_body_and_tracing_sees_the_op(device, monkeypatch):
     """In eager mode the api calls each op's body (`ops.EAGER`: no custom-op dispatch); under a
     dispatch mode (FakeTensorMode, make_fx, ...) it calls the registered op, which the mode

@@ -23,6 +23,7 @@ PATTERNS = {
     "cvt_bf16": r"cvt\.rn\.bf16(x2)?\.f32",
     "ftz": r"\.ftz",
     "fma": r"\bfma\.rn\.f32",
+    "mul": r"\bmul(\.rn)?\.f32",  # without .rn it may fuse into a later add: there is none
 }
 LAYOUTS = {  # name: (FMT, SR, SK, HAS_G, BLOCK_M, BLOCK_K, scale type)
     "mxfp8_row": (0, 1, 32, False, 16, 512, "*u8"),
@@ -51,6 +52,10 @@ def compile_all() -> dict[str, dict[str, int]]:
     report["qdq_mxfp8"] = ptx_counts(mx._mxfp8_kernel, mx_sig, mx_const, PATTERNS)
     widen = {"src_ptr": "*i16", "dst_ptr": "*i32", "N": "i32"}
     report["widen_bf16"] = ptx_counts(td._widen_bf16_kernel, widen, {"BLOCK": 4096}, PATTERNS)
+    scale = {"y_ptr": "*i16", "s_ptr": "*fp32", "out_ptr": "*bf16", "total": "i64", "N": "i32",
+             "s_row": "i32", "s_col": "i32"}  # fmt: skip
+    const = {"HW": True, "BLOCK": 4096}
+    report["scale_bf16"] = ptx_counts(td._scale_bf16_kernel, scale, const, PATTERNS)
     return report
 
 
@@ -62,12 +67,13 @@ def ptx_report():
 
 
 def test_dequantize_kernels_compile_with_exact_arithmetic(ptx_report):
-    assert set(ptx_report) == {*LAYOUTS, "widen_bf16", "qdq_mxfp8"}
-    for name in [*LAYOUTS, "qdq_mxfp8"]:
+    assert set(ptx_report) == {*LAYOUTS, "widen_bf16", "qdq_mxfp8", "scale_bf16"}
+    for name in [*LAYOUTS, "qdq_mxfp8", "scale_bf16"]:
         counts = ptx_report[name]
         assert counts["cvt_bf16"] > 0, (name, counts)
         assert counts["ftz"] == 0 and counts["fma"] == 0, (name, counts)
     assert ptx_report["widen_bf16"]["cvt_bf16"] == 0  # a shift of the bits, no conversion
+    assert ptx_report["scale_bf16"]["mul"] > 0  # one product (no fma, above) before the cvt
 
 
 if __name__ == "__main__":

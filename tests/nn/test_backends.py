@@ -163,8 +163,14 @@ def test_tensor_core_path_triton_equals_reference_under_interpreter(monkeypatch,
         return original(*args)
 
     monkeypatch.setitem(ops.EAGER, "dequantize_bf16", spy)
+    scaled: list = []  # NVFP4's global scales on the grouped GEMMs' bf16 outputs
+    original_scale = ops.EAGER["scale_bf16"]
+    monkeypatch.setitem(
+        ops.EAGER, "scale_bf16", lambda *a: scaled.append(a[0].shape) or original_scale(*a)
+    )
     got = _tensor_core_grads(fmt, mode, Backend.TRITON, calls)
     names = ("y", "dx", "dw", "experts out", "experts dx", "gate_up dw", "down dw")
     for name, a, b in zip(names, got, want, strict=True):
         assert_bytes_equal(a, b, f"{fmt} {mode} {name}")
     assert calls, "the triton backend did not run the dequantize kernel"
+    assert len(scaled) == (2 if fmt == "nvfp4" else 0), scaled  # one per expert projection

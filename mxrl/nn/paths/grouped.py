@@ -38,7 +38,7 @@ import torch
 from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import dequantize as kernel_dequantize
-from mxrl.kernels import qdq_mxfp8, to_float32
+from mxrl.kernels import qdq_mxfp8, scale_bf16, to_float32
 from mxrl.kernels import quantize as kernel_quantize
 from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
@@ -133,8 +133,8 @@ class GroupedLinear(torch.autograd.Function):
             lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
             y = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends)
             scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
-            if scale is not None:
-                y = (y.float() * scale).to(BF16)
+            if scale is not None:  # (y.float() * scale).to(BF16) in one pass
+                y = scale_bf16(y, scale, backend=backend)
         # what the backward keeps of x: the form its WGRAD reads
         if x_form is Form.HP:
             ctx.save_for_backward(x.to(BF16), w)
