@@ -17,6 +17,7 @@ from mxrl.kernels.api import (
     quantize,
     quantize_measured,
     quantize_mxfp8_both,
+    quantize_mxfp8_padded,
     scale_bf16,
     to_float32,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "quantize",
     "quantize_measured",
     "quantize_mxfp8_both",
+    "quantize_mxfp8_padded",
     "scale_bf16",
     "select_backend",
     "to_float32",

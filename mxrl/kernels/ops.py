@@ -25,6 +25,9 @@ and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
   widen_bf16(x bf16) -> fp32, exact (bf16 values are fp32 values)
   scale_bf16(y bf16 [R, N], scale fp32 broadcast to it) -> bf16(fp32(y) * scale), one pass
   qdq_mxfp8(x, rowwise, colwise) -> (bf16 row-wise deq, bf16 column-wise deq), one pass
+  quantize_mxfp8_padded(x [R, K], gather [P], col_qdq) -> (bf16 row-wise deq [R, K], the
+      column-wise copy of the padded [P, K] rows x[gather] (zeros where gather < 0): codes
+      and scales, or its bf16 deq), one pass
 
 A copy not asked for (rowwise / colwise False) is an empty tensor. Imports triton: load this
 module only through the triton backend.
@@ -279,3 +282,18 @@ def qdq_mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.Tens
         raise ValueError("mxrl::qdq_mxfp8: the column-wise copy needs a [..., M, K] tensor")
     row, _, col, _ = launch_mxfp8(x.reshape(-1, k), rowwise, colwise, qdq=True)
     return (row.view(shape) if rowwise else row), (col.view(shape) if colwise else col)
+
+
+@_op
+def quantize_mxfp8_padded(
+    x: torch.Tensor, gather: torch.Tensor, col_qdq: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bf16 row-wise deq [R, K], column-wise copy [P, K] (u8 codes, or bf16 deq where
+    col_qdq), its scales [P/32, K] u8 (empty where col_qdq)), from one read of x."""
+    x = _dense(x, "quantize_mxfp8_padded")
+    if x.dim() != 2 or gather.dtype != torch.int32 or gather.dim() != 1:
+        raise ValueError("mxrl::quantize_mxfp8_padded takes x [R, K] and an int32 gather [P]")
+    row, _, col, s_col = launch_mxfp8(
+        x, True, True, qdq=True, col_qdq=col_qdq, gather=gather.contiguous()
+    )
+    return row, col, s_col

@@ -68,18 +68,28 @@ def _variants():
 
     common = {"HW": True, "INDEX_64": False, "EVEN": True}
     mx_sig = ["x_ptr:*bf16", "q_row_ptr:*u8", "s_row_ptr:*u8", "q_col_ptr:*u8", "s_col_ptr:*u8"]
-    mx_sig += ["sums_ptr:*fp32"]
+    mx_sig += ["sums_ptr:*fp32", "src_ptr:*i32"]
     nv_sig = ["x_ptr:*bf16", "amax_ptr:*fp32", "amax_stride:i32", "q_ptr:*u8", "s_ptr:*u8"]
     nv_sig += ["gs_ptr:*fp32", "sums_ptr:*fp32"]
     fb_sig = ["x_ptr:*bf16", "q_ptr:*u8", "s_ptr:*fp32", "sums_ptr:*fp32"]
     nv_const = {"PER_TOKEN": True, "WRITE_GS": 1, "ROWS": 1, "FOUR_OVER_SIX": False, **common}
     nv_const["SUMS"] = False
-    mx_const = {"BLOCK_M": 32, "BLOCK_K": 256, "QDQ": False, "SUMS": False, **common}
+    mx_const = {"BLOCK_M": 32, "BLOCK_K": 256, "ROW_QDQ": False, "COL_QDQ": False, **common}
+    mx_const |= {"SUMS": False, "GATHER": False}
     yield (
         "mxfp8_row_col",
         mx._mxfp8_kernel,
         [*mx_sig, "M:i32", "K:i32"],
         {"ROWWISE": True, "COLWISE": True, **mx_const},
+        4,
+    )
+    # MXFP8's quantized backward: x's row-wise bf16 values and its padded column-wise codes
+    padded = {**mx_const, "ROW_QDQ": True, "GATHER": True, "EVEN": False}
+    yield (
+        "mxfp8_padded_gather",
+        mx._mxfp8_kernel,
+        [mx_sig[0], "q_row_ptr:*bf16", *mx_sig[2:], "M:i32", "K:i32"],
+        {"ROWWISE": True, "COLWISE": True, **padded},
         4,
     )
     yield (

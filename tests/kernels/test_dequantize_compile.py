@@ -46,10 +46,15 @@ def compile_all() -> dict[str, dict[str, int]]:
     from mxrl.kernels import triton_mxfp8 as mx
 
     mx_sig = {"x_ptr": "*bf16", "q_row_ptr": "*bf16", "s_row_ptr": "*u8", "q_col_ptr": "*bf16",
-              "s_col_ptr": "*u8", "sums_ptr": "*fp32", "M": "i32", "K": "i32"}  # fmt: skip
+              "s_col_ptr": "*u8", "sums_ptr": "*fp32", "src_ptr": "*i32", "M": "i32",
+              "K": "i32"}  # fmt: skip
     mx_const = {"ROWWISE": True, "COLWISE": True, "HW": True, "INDEX_64": False, "EVEN": True,
-                "BLOCK_M": 32, "BLOCK_K": 256, "QDQ": True, "SUMS": False}  # fmt: skip
+                "BLOCK_M": 32, "BLOCK_K": 256, "ROW_QDQ": True, "COL_QDQ": True, "SUMS": False,
+                "GATHER": False}  # fmt: skip
     report["qdq_mxfp8"] = ptx_counts(mx._mxfp8_kernel, mx_sig, mx_const, PATTERNS)
+    # the quantized backward's dy: row-wise bf16 at x's rows, column-wise bf16 of the padding
+    gather = {**mx_const, "GATHER": True, "EVEN": False}
+    report["qdq_mxfp8_padded"] = ptx_counts(mx._mxfp8_kernel, mx_sig, gather, PATTERNS)
     widen = {"src_ptr": "*i16", "dst_ptr": "*i32", "N": "i32"}
     report["widen_bf16"] = ptx_counts(td._widen_bf16_kernel, widen, {"BLOCK": 4096}, PATTERNS)
     scale = {"y_ptr": "*i16", "s_ptr": "*fp32", "out_ptr": "*bf16", "total": "i64", "N": "i32",
@@ -67,8 +72,14 @@ def ptx_report():
 
 
 def test_dequantize_kernels_compile_with_exact_arithmetic(ptx_report):
-    assert set(ptx_report) == {*LAYOUTS, "widen_bf16", "qdq_mxfp8", "scale_bf16"}
-    for name in [*LAYOUTS, "qdq_mxfp8", "scale_bf16"]:
+    assert set(ptx_report) == {
+        *LAYOUTS,
+        "widen_bf16",
+        "qdq_mxfp8",
+        "qdq_mxfp8_padded",
+        "scale_bf16",
+    }
+    for name in [*LAYOUTS, "qdq_mxfp8", "qdq_mxfp8_padded", "scale_bf16"]:
         counts = ptx_report[name]
         assert counts["cvt_bf16"] > 0, (name, counts)
         assert counts["ftz"] == 0 and counts["fma"] == 0, (name, counts)

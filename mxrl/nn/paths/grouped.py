@@ -38,8 +38,7 @@ import torch
 from mxrl.formats import decode_global_scale
 from mxrl.formats.constants import MXFP8_BLOCK, Format
 from mxrl.kernels import dequantize as kernel_dequantize
-from mxrl.kernels import qdq_mxfp8, scale_bf16, to_float32
-from mxrl.kernels import quantize as kernel_quantize
+from mxrl.kernels import qdq_mxfp8, quantize_mxfp8_padded, scale_bf16, to_float32
 from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn.gemm import grouped_mm
@@ -85,6 +84,14 @@ class PaddedLayout:
         rows += (-rows) % block
         return cls(dest, padded_ends.to(torch.int32), rows)
 
+    @functools.cached_property
+    def src(self) -> torch.Tensor:
+        """int32 [P]: the sorted row each padded row holds, -1 for the zero rows (the gather
+        `mxrl.kernels.quantize_mxfp8_padded` reads x's rows by)."""
+        src = torch.full((self.rows,), -1, dtype=torch.int32, device=self.dest.device)
+        rows = torch.arange(self.dest.numel(), dtype=torch.int32, device=self.dest.device)
+        return src.index_copy_(0, self.dest, rows)
+
     def offsets(self) -> torch.Tensor:
         """int32 [E + 1]: 0 and each expert's padded end (the grouped kernels' offsets)."""
         return torch.cat([self.ends.new_zeros(1), self.ends])
@@ -121,7 +128,13 @@ class GroupedLinear(torch.autograd.Function):
             ctx.save_for_backward(a, w)  # w: the version check (a write since is refused)
             return y
         x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
-        if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
+        if spec.format is Format.MXFP8 and x_form is Form.COL:
+            # the GEMM's Qa(x) in bf16 and the backward's column-wise codes of x in the padded
+            # layout, from one read of x (no padded copy of x written)
+            ctx.padded = PaddedLayout.build(layout)
+            lp_x, ctx.x_col = quantize_mxfp8_padded(x.detach(), ctx.padded.src, backend=backend)
+            y, xq = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends), None
+        elif spec.format is Format.MXFP8 and x_form is not Form.DEQ:
             # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
             lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
             y, xq = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends), None
@@ -145,10 +158,7 @@ class GroupedLinear(torch.autograd.Function):
             ctx.padded = PaddedLayout.build(layout, spec.block[1])
             ctx.x_col = fp8_block_col(ctx.padded.scatter(x.detach()), spec, backend)
             ctx.save_for_backward(w)
-        else:
-            ctx.padded = PaddedLayout.build(layout)
-            x_pad = ctx.padded.scatter(x.detach())
-            ctx.x_col = kernel_quantize(x_pad, Format.MXFP8, axis=0, backend=backend)
+        else:  # MXFP8's column-wise copy, made with the GEMM's operand above
             ctx.save_for_backward(w)
         return y
 
@@ -186,9 +196,9 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
     saved = functools.cache(lambda: ctx.saved_tensors)
 
     @functools.cache
-    def dy_row_and_col():  # MXFP8: both copies of dy from one read, in the padded layout
+    def dy_row_and_col():  # MXFP8: both copies of dy from one read (the column-wise padded)
         assert tw is not None, "quantized backward needs the quantized weight"
-        return qdq_mxfp8(ctx.padded.scatter(dy), colwise=True, backend=backend)
+        return quantize_mxfp8_padded(dy, ctx.padded.src, col_qdq=True, backend=backend)
 
     return {
         (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
@@ -196,7 +206,7 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
         (Operand.FWD_INPUT, Form.HP): lambda: saved()[0],
         (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.operand(Form.DEQ, BF16),
         (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
-        (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0].index_select(0, ctx.padded.dest),
+        (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0],
         (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
         (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend),
