@@ -73,13 +73,14 @@ def kept_forms(spec: TensorSpec, mode: Backward) -> tuple[Form, ...]:
     experts' held copy): the one that costs most to make again each micro-batch.
     high_precision: HP, the master cast for the dgrad (4 bytes read, 2 written, every
     backward); dequantized: DEQ (MXFP8's and block FP8's is their LP: the forward and the
-    dgrad read one copy); MXFP8's quantized backward: LP, the forward's; block FP8's quantized
-    backward reads codes only: none."""
+    dgrad read one copy). The quantized backward keeps none: block FP8's reads codes only, and
+    MXFP8's holds its column-wise copy already (keeping its LP too took its peak to 1.08x
+    bf16's for no measured gain, docs/benchmarks.md)."""
     if mode is Backward.HIGH_PRECISION:
         return (Form.HP,)
     if mode is Backward.DEQUANTIZED:
         return (Form.DEQ,)
-    return (Form.LP,) if spec.format is Format.MXFP8 else ()
+    return ()
 
 
 class QLinear(nn.Linear):

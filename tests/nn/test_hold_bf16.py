@@ -203,11 +203,12 @@ def test_a_quantized_experts_kept_operand_gives_the_unkept_bytes(fmt, backward, 
 
 # bf16 operands of master shape made per weight in one optimizer step of m micro-batches:
 # (made per GEMM, kept); each micro-batch's forward reads LP, its dgrad HP (the master cast),
-# DEQ or COL; kept, the `kept_forms` one is made once a step (MXFP8's DEQ is its LP)
+# DEQ or COL; kept, the `kept_forms` one is made once a step (MXFP8's DEQ is its LP; the
+# quantized backward keeps none)
 MADE = {
     ("mxfp8", "high_precision"): (lambda m: 2 * m, lambda m: m + 1),
     ("mxfp8", "dequantized"): (lambda m: 2 * m, lambda m: 1),
-    ("mxfp8", "quantized"): (lambda m: 2 * m, lambda m: m + 1),
+    ("mxfp8", "quantized"): (lambda m: 2 * m, lambda m: 2 * m),  # keeps none
     ("nvfp4", "high_precision"): (lambda m: 2 * m, lambda m: m + 1),
     ("nvfp4", "dequantized"): (lambda m: 2 * m, lambda m: m + 1),
 }

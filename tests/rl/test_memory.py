@@ -164,7 +164,7 @@ def test_held_bf16_expert_copies_on_one_cuda_process_only():
         ("mxfp8", "high_precision", "bfloat16", 0),  # a bf16 master's cast is itself
         ("nvfp4", "dequantized", "float32", 2),  # DEQ
         ("nvfp4", "dequantized", "bfloat16", 2),
-        ("mxfp8", "quantized", "float32", 2),  # LP, the forward's
+        ("mxfp8", "quantized", "float32", 0),  # its column-wise copy is held already
         ("fp8_block", "quantized", "float32", 0),  # its GEMMs read codes only
     ],
 )
