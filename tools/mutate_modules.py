@@ -401,6 +401,35 @@ MODULES = {
          "tests/nn/test_fast.py::test_grouped_projection_matches_the_loop_within_the_bound",
          "tests/nn/test_weight_edges.py", "tests/nn/test_qlinear_edges.py"),
     ),
+    # the quantized experts' kept bf16 operands (rl.hold_bf16_weights), NVFP4's one-pass
+    # global scales (scale_bf16) and MXFP8's padded copies from one read (quantize_mxfp8_padded):
+    # the functions they touch, under Triton's interpreter for the kernels' launchers
+    "nn.kept": Module(
+        ("mxrl/nn/weight.py", "mxrl/nn/qlinear.py", "mxrl/nn/paths/grouped.py",
+         "mxrl/rl/memory_terms.py", "mxrl/kernels/api.py"),
+        ("tests/nn/test_hold_bf16.py", "tests/nn/test_weight_edges.py", "tests/nn/test_qweight.py",
+         "tests/rl/test_memory.py", "tests/kernels/test_mxfp8_padded.py",
+         "tests/kernels/test_dequantize.py", "tests/nn/test_backends.py"),
+        functions=(
+            "mxrl/nn/weight.py::QWeight.operand",
+            "mxrl/nn/weight.py::QWeight.master_operand",
+            "mxrl/nn/weight.py::QWeight.keep_operands",
+            "mxrl/nn/weight.py::QWeight._resolved",
+            "mxrl/nn/weight.py::QWeight._operand",
+            "mxrl/nn/qlinear.py::kept_forms",
+            "mxrl/nn/qlinear.py::QExperts.qweight",
+            "mxrl/nn/qlinear.py::QExperts.set_hold_bf16",
+            "mxrl/nn/paths/grouped.py::PaddedLayout.src",
+            "mxrl/nn/paths/grouped.py::GroupedLinear.forward",
+            "mxrl/nn/paths/grouped.py::_bf16_operands",
+            "mxrl/nn/paths/grouped.py::_hp_weight",
+            "mxrl/rl/memory_terms.py::train_copy_bytes",
+            "mxrl/rl/memory_terms.py::_kept_bytes",
+            "mxrl/kernels/api.py::scale_bf16",
+            "mxrl/kernels/api.py::quantize_mxfp8_padded",
+        ),
+        env=(("TRITON_INTERPRET", "1"),),
+    ),
     # routing replay lives in the model code (forward under checkpointing, the router)
     "models": Module(("mxrl/models/model.py", "mxrl/models/layers.py"), ("tests/models",)),
     # routing replay only: the functions that record, pass on and replay the routers' choices
