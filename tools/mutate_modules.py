@@ -334,6 +334,7 @@ MODULES = {
             "mxrl/nn/paths/permute.py::ExpertLayout.combine",
             "mxrl/nn/paths/permute.py::_GatherTokens.forward",
             "mxrl/nn/paths/permute.py::_GatherTokens.backward",
+            "mxrl/nn/paths/permute.py::ExpertLayout.sum_rows",
             "mxrl/nn/paths/permute.py::_Unpermute.forward",
             "mxrl/nn/paths/permute.py::_Unpermute.backward",
             "mxrl/nn/paths/grouped.py::_hp_weight",
@@ -402,14 +403,16 @@ MODULES = {
          "tests/nn/test_weight_edges.py", "tests/nn/test_qlinear_edges.py"),
     ),
     # the quantized experts' kept bf16 operands (rl.hold_bf16_weights), NVFP4's one-pass
-    # global scales (scale_bf16) and MXFP8's padded copies from one read (quantize_mxfp8_padded):
-    # the functions they touch, under Triton's interpreter for the kernels' launchers
+    # global scales (scale_bf16), MXFP8's padded copies from one read (quantize_mxfp8_padded)
+    # and the gate/up projection on x's tokens (GroupedLinear's tokens): the functions they
+    # touch, under Triton's interpreter for the kernels' launchers
     "nn.kept": Module(
         ("mxrl/nn/weight.py", "mxrl/nn/qlinear.py", "mxrl/nn/paths/grouped.py",
-         "mxrl/rl/memory_terms.py", "mxrl/kernels/api.py"),
+         "mxrl/nn/paths/permute.py", "mxrl/rl/memory_terms.py", "mxrl/kernels/api.py"),
         ("tests/nn/test_hold_bf16.py", "tests/nn/test_weight_edges.py", "tests/nn/test_qweight.py",
          "tests/rl/test_memory.py", "tests/kernels/test_mxfp8_padded.py",
-         "tests/kernels/test_dequantize.py", "tests/nn/test_backends.py"),
+         "tests/kernels/test_dequantize.py", "tests/nn/test_backends.py",
+         "tests/nn/test_gate_up_tokens.py", "tests/nn/test_paths.py", "tests/nn/test_gather_rows.py"),
         functions=(
             "mxrl/nn/weight.py::QWeight.operand",
             "mxrl/nn/weight.py::QWeight.master_operand",
@@ -419,8 +422,14 @@ MODULES = {
             "mxrl/nn/qlinear.py::kept_forms",
             "mxrl/nn/qlinear.py::QExperts.qweight",
             "mxrl/nn/qlinear.py::QExperts.set_hold_bf16",
-            "mxrl/nn/paths/grouped.py::PaddedLayout.src",
+            "mxrl/nn/paths/permute.py::PaddedLayout.src",
+            "mxrl/nn/paths/permute.py::ExpertLayout.sum_rows",
             "mxrl/nn/paths/grouped.py::GroupedLinear.forward",
+            "mxrl/nn/paths/grouped.py::GroupedLinear.backward",
+            "mxrl/nn/paths/grouped.py::_lp_rows",
+            "mxrl/nn/paths/grouped.py::_rows",
+            "mxrl/nn/paths/grouped.py::grouped_experts_forward",
+            "mxrl/nn/qlinear.py::QExperts._grouped_proj",
             "mxrl/nn/paths/grouped.py::_bf16_operands",
             "mxrl/nn/paths/grouped.py::_hp_weight",
             "mxrl/rl/memory_terms.py::train_copy_bytes",

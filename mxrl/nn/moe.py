@@ -72,11 +72,14 @@ def moe_grouped(
     weights_Tk: torch.Tensor,
     dispatch: Dispatch,
     project: Callable[[str, torch.Tensor], torch.Tensor],
+    *,
+    gather: bool = True,
 ) -> torch.Tensor:
     """The routed experts' grouped form: x's rows sorted by expert (`dispatch`), the gate/up
     projection (`project("gate_up", rows)`, one grouped GEMM), SwiGLU, the down projection,
-    each token's k outputs combined (`dispatch.combine`); the result in x's dtype."""
-    x_sorted = dispatch.gather(x_TH)
+    each token's k outputs combined (`dispatch.combine`); the result in x's dtype. gather
+    False: the gate/up projection takes x's tokens and gathers its own rows."""
+    x_sorted = dispatch.gather(x_TH) if gather else x_TH
     gate, up = project("gate_up", x_sorted).chunk(2, dim=-1)
     h = project("down", invariant.silu_mul(gate, up))
     return dispatch.combine(h, weights_Tk).to(x_TH.dtype)

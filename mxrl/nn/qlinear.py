@@ -233,7 +233,8 @@ class QExperts(GroupedExperts):
             return super()._grouped_proj(which, x_sorted, layout)
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
         tw = self.qweight(which, Gemm.TENSOR_CORE)
-        args = (spec, self.backward_mode, self.backend, layout)
+        tokens = which == "gate_up" and layout.gate_up_tokens  # x's tokens, gathered there
+        args = (spec, self.backward_mode, self.backend, layout, tokens)
         with no_autocast(x_sorted.device):
             return path_for(Gemm.TENSOR_CORE).grouped(x_sorted, tw, param, *args)
 

@@ -75,14 +75,16 @@ def test_the_gather_casts_x_before_it_and_sums_the_gradient_in_x_dtype():
     assert x.grad.tolist() == [[1.0 + 2.0**-9] * 2, [8.0, 8.0]]
 
 
-def test_quantized_gate_up_keeps_x_dtype_rows_and_bf16_gate_up_takes_bf16():
+def test_quantized_gate_up_takes_the_tokens_and_bf16_gate_up_takes_bf16_rows():
+    """bf16 gate/up weights: x's rows gathered in bf16; MXFP8 ones: nothing gathered, the
+    projection takes x's tokens (`ExpertLayout.gate_up_tokens`, tests/nn/test_gate_up_tokens.py)."""
     seen = []
 
     def spy(layout_build):
         @functools.wraps(layout_build)
-        def build(ids, e, rows_dtype=None, fused=False):
-            seen.append(rows_dtype)
-            return layout_build(ids, e, rows_dtype, fused)
+        def build(ids, e, rows_dtype=None, fused=False, *, gate_up_tokens=False):
+            seen.append((rows_dtype, gate_up_tokens))
+            return layout_build(ids, e, rows_dtype, fused, gate_up_tokens=gate_up_tokens)
 
         return build
 
@@ -98,4 +100,4 @@ def test_quantized_gate_up_keeps_x_dtype_rows_and_bf16_gate_up_takes_bf16():
             grouped_experts_forward(experts, x, ids, w)
         finally:
             ExpertLayout.build = original
-    assert seen == [BF16, None]
+    assert seen == [(BF16, False), (None, True)]

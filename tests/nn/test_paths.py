@@ -111,7 +111,8 @@ class _Direct:
 
     def _grouped_proj(self, which, x_sorted, layout):
         param, w, s, mode, backend = self._args(which)
-        return GroupedLinear.apply(x_sorted, param, layout, w, s, mode, backend)
+        tokens = which == "gate_up" and layout.gate_up_tokens  # x's tokens: gathered there
+        return GroupedLinear.apply(x_sorted, param, layout, w, s, mode, backend, tokens)
 
     def _proj(self, which, e, x):
         param, w, s, mode, backend = self._args(which)

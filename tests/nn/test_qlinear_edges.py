@@ -218,7 +218,8 @@ def test_the_grouped_gemms_run_a_bf16_projection_plain_and_a_quantized_one_exact
     # gate_up in bf16 went to GroupedExperts' own GEMM; down read the tensor-core path's cached
     # weight (nothing derived held) with the layer's spec, mode and backend
     assert len(seen) == 1
-    tw, s, mode, backend = seen[0]
+    tw, s, mode, backend, tokens = seen[0]
+    assert tokens is False  # the down projection reads the rows it is given
     assert tw is q.qweight("down", Gemm.TENSOR_CORE) and tw.held == {}
     assert s is down and mode is Backward.DEQUANTIZED and backend is q.backend
 

@@ -31,12 +31,11 @@ leaves their bytes as the loop's.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from mxrl.formats import decode_global_scale
-from mxrl.formats.constants import MXFP8_BLOCK, Format
+from mxrl.formats.constants import Format
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import qdq_mxfp8, quantize_mxfp8_padded, scale_bf16, to_float32
 from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
@@ -44,13 +43,16 @@ from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wg
 from mxrl.nn.gemm import grouped_mm
 from mxrl.nn.moe import moe_grouped
 from mxrl.nn.operands import BackwardOperands, Form, GemmKind, Operand, form_of
-from mxrl.nn.paths.permute import ExpertLayout
+from mxrl.nn.paths.permute import ExpertLayout, PaddedLayout
 from mxrl.nn.paths.reference import FunctionPath, fp8_block_col, fp8_block_row
 from mxrl.nn.paths.tensor_core import BF16, TensorCoreQMatmul, quantize_activation
 from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 
 GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
+# activation quantization per row (MXFP8 1x32, NVFP4 per token on the grouped path): a token's
+# bytes are the same in each of its k rows
+ROW_QUANTIZED = (Format.MXFP8, Format.NVFP4)
 # The block-FP8 kernels' tiles in training, the fastest of `benchmarks/fp8_block_grouped.py`'s
 # sweep on the H200 at Qwen3-30B-A3B's width (docs/kernels.md). The forward and dgrad keep the
 # fp16 MMA on decoded codes (exact products, fp32 sums; the FP8 MMA was faster for the forward,
@@ -59,46 +61,6 @@ GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 FORWARD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DGRAD_TILE = dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
 WGRAD_TILE = dict(block_n=64, block_k=128, num_warps=4, num_stages=4, fp8_mma=True)
-
-
-@dataclass(frozen=True)
-class PaddedLayout:
-    """Each expert's rows moved to a block-aligned start (32 MXFP8, 128 block FP8), zero rows
-    between (quantized backward). dest [R]: padded row of each sorted row; ends [E] int32;
-    rows P (static: R + (b - 1) E, rounded up to b, whatever the routing)."""
-
-    dest: torch.Tensor
-    ends: torch.Tensor
-    rows: int
-
-    @classmethod
-    def build(cls, layout: ExpertLayout, block: int = MXFP8_BLOCK) -> PaddedLayout:
-        ends = layout.ends.long()
-        counts = torch.diff(ends, prepend=ends.new_zeros(1))
-        padded_counts = (counts + block - 1) // block * block
-        padded_ends = torch.cumsum(padded_counts, 0)
-        shift = (padded_ends - padded_counts) - (ends - counts)
-        r = layout.order.numel()
-        dest = torch.arange(r, device=ends.device) + shift[layout.row_expert]
-        rows = r + (block - 1) * ends.numel()
-        rows += (-rows) % block
-        return cls(dest, padded_ends.to(torch.int32), rows)
-
-    @functools.cached_property
-    def src(self) -> torch.Tensor:
-        """int32 [P]: the sorted row each padded row holds, -1 for the zero rows (the gather
-        `mxrl.kernels.quantize_mxfp8_padded` reads x's rows by)."""
-        src = torch.full((self.rows,), -1, dtype=torch.int32, device=self.dest.device)
-        rows = torch.arange(self.dest.numel(), dtype=torch.int32, device=self.dest.device)
-        return src.index_copy_(0, self.dest, rows)
-
-    def offsets(self) -> torch.Tensor:
-        """int32 [E + 1]: 0 and each expert's padded end (the grouped kernels' offsets)."""
-        return torch.cat([self.ends.new_zeros(1), self.ends])
-
-    def scatter(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.new_zeros((self.rows, t.shape[1]))
-        return out.index_copy_(0, self.dest, t)
 
 
 def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
@@ -114,13 +76,18 @@ def _row_scale(s_x, s_w, row_expert) -> torch.Tensor | None:
 class GroupedLinear(torch.autograd.Function):
     """y [R, N] (bf16) = x [R, K] @ w[e]^T for the rows of expert e; w [E, N, K] the master
     weight. spec None: bf16 experts, tw the held bf16 copy of w or None (cast here); else tw
-    holds the quantized weight (module docstring)."""
+    holds the quantized weight (module docstring). tokens (row-wise quantized activations:
+    MXFP8, per-token NVFP4): x is the T tokens [T, K], each quantized once and its operand
+    rows gathered here (`layout.token_of`), and x's gradient is each token's k rows summed
+    (`ExpertLayout.sum_rows`): the same bytes as quantizing the gathered rows, without the
+    gathered [R, K] copy of x or k quantizations of each token, and the backward keeps the
+    tokens' copy of x (HP, DEQ), not the rows'."""
 
     @staticmethod
     def forward(ctx, x, w, layout: ExpertLayout, tw: QWeight | torch.Tensor | None, spec, mode,
-                backend):  # fmt: skip
+                backend, tokens: bool = False):  # fmt: skip
         ctx.layout, ctx.tw, ctx.mode, ctx.backend, ctx.spec = layout, tw, mode, backend, spec
-        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.x_dtype, ctx.w_dtype, ctx.tokens = x.dtype, w.dtype, tokens
         if spec is None:
             a = x.to(BF16)
             w_bf16 = tw if tw is not None else w.to(BF16)
@@ -128,27 +95,16 @@ class GroupedLinear(torch.autograd.Function):
             ctx.save_for_backward(a, w)  # w: the version check (a write since is refused)
             return y
         x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
-        if spec.format is Format.MXFP8 and x_form is Form.COL:
-            # the GEMM's Qa(x) in bf16 and the backward's column-wise codes of x in the padded
-            # layout, from one read of x (no padded copy of x written)
-            ctx.padded = PaddedLayout.build(layout)
-            lp_x, ctx.x_col = quantize_mxfp8_padded(x.detach(), ctx.padded.src, backend=backend)
-            y, xq = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends), None
-        elif spec.format is Format.MXFP8 and x_form is not Form.DEQ:
-            # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
-            lp_x, _ = qdq_mxfp8(x.detach(), backend=backend)
-            y, xq = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends), None
-        elif spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
+        if spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
             xq = quantize_activation(x, spec, backend)
             y = grouped_fp8_block_matmul(xq, tw.q, layout.offsets(), out_dtype=BF16, **FORWARD_TILE)
         else:
-            xq = quantize_activation(x, spec, backend)
-            lp_x = kernel_dequantize(xq, global_scale=False, backend=backend)
+            lp_x, xq, s_x = _lp_rows(ctx, x.detach(), spec, x_form, layout, backend)
             y = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends)
-            scale = _row_scale(decode_global_scale(xq), tw.s_dec, layout.row_expert)
+            scale = _row_scale(s_x, tw.s_dec, layout.row_expert)
             if scale is not None:  # (y.float() * scale).to(BF16) in one pass
                 y = scale_bf16(y, scale, backend=backend)
-        # what the backward keeps of x: the form its WGRAD reads
+        # what the backward keeps of x: the form its WGRAD reads (of x's T tokens, `tokens`)
         if x_form is Form.HP:
             ctx.save_for_backward(x.to(BF16), w)
         elif x_form is Form.DEQ:
@@ -158,7 +114,7 @@ class GroupedLinear(torch.autograd.Function):
             ctx.padded = PaddedLayout.build(layout, spec.block[1])
             ctx.x_col = fp8_block_col(ctx.padded.scatter(x.detach()), spec, backend)
             ctx.save_for_backward(w)
-        else:  # MXFP8's column-wise copy, made with the GEMM's operand above
+        else:  # MXFP8's column-wise copy, made with the GEMM's operand (`_lp_rows`)
             ctx.save_for_backward(w)
         return y
 
@@ -177,10 +133,14 @@ class GroupedLinear(torch.autograd.Function):
         wgrad_ends = ctx.padded.ends if x_col else lay.ends
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _widen(grouped_mm(dy_op, w_op, lay.ends), ctx.x_dtype, ctx.backend)
+            dx_rows = grouped_mm(dy_op, w_op, lay.ends)
+            if ctx.tokens:  # each token's k rows, widened (exact) and summed in slot order
+                dx = lay.sum_rows(dx_rows, ctx.x_dtype)
+            else:
+                dx = _widen(dx_rows, ctx.x_dtype, ctx.backend)
         if ctx.needs_input_grad[1]:
             dw = _widen(grouped_mm(dyt_op.t(), x_op, wgrad_ends), ctx.w_dtype, ctx.backend)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
@@ -203,14 +163,44 @@ def _bf16_operands(ctx, dy: torch.Tensor) -> dict:
     return {
         (Operand.BWD_GRAD, Form.HP): lambda: dy.to(BF16),
         (Operand.FWD_WEIGHT, Form.HP): lambda: _hp_weight(ctx, saved()),
-        (Operand.FWD_INPUT, Form.HP): lambda: saved()[0],
+        (Operand.FWD_INPUT, Form.HP): lambda: _rows(ctx, saved()[0]),
         (Operand.FWD_WEIGHT, Form.DEQ): lambda: tw.operand(Form.DEQ, BF16),
-        (Operand.FWD_INPUT, Form.DEQ): lambda: kernel_dequantize(ctx.xq, backend=backend),
+        (Operand.FWD_INPUT, Form.DEQ): lambda: _rows(
+            ctx, kernel_dequantize(ctx.xq, backend=backend)
+        ),
         (Operand.BWD_GRAD, Form.ROW): lambda: dy_row_and_col()[0],
         (Operand.BWD_GRAD, Form.COL): lambda: dy_row_and_col()[1],
         (Operand.FWD_WEIGHT, Form.COL): lambda: tw.operand(Form.COL, BF16),
         (Operand.FWD_INPUT, Form.COL): lambda: kernel_dequantize(ctx.x_col, backend=backend),
     }
+
+
+def _lp_rows(ctx, x, spec: TensorSpec, x_form: Form, layout: ExpertLayout, backend) -> tuple:
+    """The forward GEMM's activation operand of MXFP8 and NVFP4 projections, bf16 [R, K] (the
+    rows of x, or of x's tokens gathered: `ctx.tokens`), with what the backward keeps of it:
+    (lp, xq, s_x): xq the QTensor a DEQ wgrad dequantizes (None where nothing keeps codes),
+    s_x the per-row NVFP4 global scales (None for MXFP8). MXFP8's quantized backward also
+    gets its padded column-wise codes (`ctx.padded`, `ctx.x_col`) from the same read."""
+    if spec.format is Format.MXFP8 and x_form is Form.COL:
+        ctx.padded = PaddedLayout.build(layout)
+        gather = ctx.padded.src
+        if ctx.tokens:  # the padded rows' tokens (-1 stays -1)
+            gather = torch.where(gather >= 0, layout.token_of.int()[gather.clamp(min=0)], -1)
+        lp, ctx.x_col = quantize_mxfp8_padded(x, gather, backend=backend)
+        return _rows(ctx, lp), None, None
+    if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
+        # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
+        return _rows(ctx, qdq_mxfp8(x, backend=backend)[0]), None, None
+    xq = quantize_activation(x, spec, backend)
+    lp = kernel_dequantize(xq, global_scale=False, backend=backend)
+    s_x = decode_global_scale(xq)
+    return _rows(ctx, lp), xq, None if s_x is None else _rows(ctx, s_x)
+
+
+def _rows(ctx, t: torch.Tensor) -> torch.Tensor:
+    """t's rows in the sorted layout: gathered from x's tokens where GroupedLinear took them
+    (`ctx.tokens`), else t itself."""
+    return t.index_select(0, ctx.layout.token_of) if ctx.tokens else t
 
 
 def _hp_weight(ctx, saved: tuple) -> torch.Tensor:
@@ -253,7 +243,7 @@ def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
         dy_col, x_col = ops.of(GemmKind.WGRAD)
         dw = grouped_fp8_block_wgrad(dy_col, x_col, pad.offsets(), **WGRAD_TILE)
         dw = dw.to(ctx.w_dtype)
-    return dx, dw, None, None, None, None, None
+    return dx, dw, None, None, None, None, None, None
 
 
 def _widen(t_bf16: torch.Tensor, dtype: torch.dtype, backend) -> torch.Tensor:
@@ -269,12 +259,15 @@ def grouped_experts_forward(experts, x_TH, ids_Tk, weights_Tk) -> torch.Tensor:
     `experts._grouped_proj`, combined in slot order (`ExpertLayout`)."""
     # bf16 gate/up weights read x's rows in bf16: gather them so (GroupedLinear casts them
     # first thing anyway, so the same bytes), not an fp32 [R, H] copy cast after
-    bf16_rows = experts._grouped_specs()["gate_up"] is None
+    gate_up = experts._grouped_specs()["gate_up"]
     fused = experts.rowwise is Backend.TRITON  # the permutation's kernels (nn.paths.permute)
-    rows = BF16 if bf16_rows else None
-    layout = ExpertLayout.build(ids_Tk, experts.num_experts, rows, fused)
+    rows = BF16 if gate_up is None else None
+    # row-wise quantized gate/up weights read Qa(x) per row: each token quantized once and
+    # its operand gathered by GroupedLinear (`tokens`), not x's k copies gathered in fp32
+    tokens = gate_up is not None and gate_up.format in ROW_QUANTIZED
+    layout = ExpertLayout.build(ids_Tk, experts.num_experts, rows, fused, gate_up_tokens=tokens)
     project = functools.partial(_project, experts, layout=layout)
-    return moe_grouped(x_TH, weights_Tk, layout, project)
+    return moe_grouped(x_TH, weights_Tk, layout, project, gather=not tokens)
 
 
 def _project(experts, which: str, x_sorted: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -329,11 +322,12 @@ class TensorCorePath(FunctionPath):
         mode: Backward,
         backend: Backend,
         layout: ExpertLayout,
+        tokens: bool = False,
     ) -> torch.Tensor:
         """One quantized projection of the routed experts, x_sorted [R, K] (rows sorted by
-        expert, `layout`) times each row's expert of `w` [E, N, K]: `GroupedLinear`, gradients
-        into `master`."""
-        return GroupedLinear.apply(x_sorted, master, layout, w, spec, mode, backend)
+        expert, `layout`; with `tokens`, x's tokens [T, K], gathered by GroupedLinear) times
+        each row's expert of `w` [E, N, K]: `GroupedLinear`, gradients into `master`."""
+        return GroupedLinear.apply(x_sorted, master, layout, w, spec, mode, backend, tokens)
 
     def experts(self, x_TH, ids_Tk, weights_Tk, experts) -> torch.Tensor:
         """The routed experts' output [T, H]: two grouped projections

@@ -1,0 +1,104 @@
+"""The row-wise quantized gate/up projection takes x's tokens (`GroupedLinear`'s `tokens`,
+`ExpertLayout.gate_up_tokens`): each token quantized once and its operand rows gathered, x's
+gradient each token's k rows summed. Against the same module with the tokens gathered first
+(`ROW_QUANTIZED` emptied: x's k fp32 copies gathered, each quantized), byte for byte over
+optimizer steps: outputs, input and weight gradients, masters; and what the forward writes and
+keeps: no gathered fp32 [R, H] copy of x, the tokens' copy saved for the backward, not the rows'.
+On the CPU's grouped GEMMs (the reference kernels), and on CUDA (the Triton kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mxrl.kernels import Gemm
+from mxrl.nn import QExperts, set_gemm
+from mxrl.nn.paths import grouped
+from tests.nn.test_hold_bf16 import QUANTIZED, _steps
+from tests.nn.test_qmatmul import _expert_specs, _experts, _route
+from tests.numerics import assert_bytes_equal
+
+K = 2  # _route's experts per token
+
+
+def _make(fmt: str, backward: str):
+    def make(hold: bool, seed: int = 0, device: str = "cpu") -> QExperts:
+        q = QExperts.from_experts(_experts(seed).to(device), *_expert_specs(fmt), backward)
+        set_gemm(q, Gemm.TENSOR_CORE)
+        q.set_hold_bf16(hold)
+        return q
+
+    return make
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_tokens_give_the_gathered_rows_bytes(fmt, backward, device, monkeypatch):
+    make = _make(fmt, backward)
+    tokens = _steps(False, steps=2, device=device, make=make)
+    monkeypatch.setattr(grouped, "ROW_QUANTIZED", ())
+    rows = _steps(False, steps=2, device=device, make=make)
+    assert len(tokens) == len(rows) == 2 * (2 * 2 + 4)
+    for i, (a, b) in enumerate(zip(tokens, rows, strict=True)):
+        assert_bytes_equal(a, b, f"{fmt} {backward} tensor {i}")
+
+
+class Gathers(TorchDispatchMode):
+    """The (shape, dtype) of every index_select's result (a gather of rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.index_select.default:
+            self.out.append((tuple(out.shape), out.dtype))
+        return out
+
+
+def _kept_bytes(y: torch.Tensor) -> int:
+    """The bytes the GroupedLinear nodes of y's graph keep of their input: their saved tensors
+    but the master weight (the last), and the QTensors of `ctx.xq` and `ctx.x_col`."""
+    total, seen, todo = 0, set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "GroupedLinearBackward":
+            total += sum(t.numel() * t.element_size() for t in node.saved_tensors[:-1])
+            for name in ("xq", "x_col"):  # a DEQ wgrad's codes, MXFP8's column-wise copy
+                q = getattr(node, name, None)
+                if q is not None:
+                    total += sum(t.numel() * t.element_size() for t in q.tensors().values())
+        todo += [f for f, _ in node.next_functions]
+    return total
+
+
+def _forward(fmt: str, backward: str):
+    """(the rows gathered, the bytes kept of x) of one micro-batch's forward."""
+    q = _make(fmt, backward)(False)
+    x, ids, w = _route()
+    x.requires_grad_(True)
+    with torch.no_grad():
+        q(x, ids, w)  # quantizes and caches the weights
+    with Gathers() as seen:
+        y = q(x, ids, w)
+    return seen.out, _kept_bytes(y), x
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+def test_no_gathered_fp32_copy_and_the_tokens_copy_kept(fmt, backward, monkeypatch):
+    gathered, kept, x = _forward(fmt, backward)
+    rows_shape = (x.shape[0] * K, x.shape[1])
+    assert (rows_shape, torch.float32) not in gathered, "x's k fp32 copies were gathered"
+    monkeypatch.setattr(grouped, "ROW_QUANTIZED", ())
+    gathered_rows, kept_rows, _ = _forward(fmt, backward)
+    assert (rows_shape, torch.float32) in gathered_rows  # the check sees the old gather
+    assert kept_rows > 0
+    if backward == "quantized":  # both keep MXFP8's padded column-wise codes of x only
+        assert kept == kept_rows
+    else:  # HP: bf16 x, DEQ: its codes, of T tokens instead of R = T k rows (and down's R rows)
+        assert kept < kept_rows, (kept, kept_rows)
