@@ -58,9 +58,18 @@ def _x(dtype: torch.dtype, k: int, device: str) -> torch.Tensor:
 def test_padded_copies_are_the_reference_bytes(device, dtype, col_qdq):
     from mxrl.kernels import quantize_mxfp8_padded
 
+    from mxrl.kernels import ops
+
     x = _x(dtype, 288, device)  # K = 288: a 256-wide tile and a partial one
     gather = padded_gather(COUNTS, device)
-    got_row, got_col = quantize_mxfp8_padded(x, gather, col_qdq=col_qdq, backend="triton")
+    ran = []
+    original = ops.EAGER["quantize_mxfp8_padded"]
+    ops.EAGER["quantize_mxfp8_padded"] = lambda *a: ran.append(a[2]) or original(*a)
+    try:
+        got_row, got_col = quantize_mxfp8_padded(x, gather, col_qdq=col_qdq, backend="triton")
+    finally:
+        ops.EAGER["quantize_mxfp8_padded"] = original
+    assert ran == [col_qdq], "the triton backend did not run the kernel"
     want_row, want_col = quantize_mxfp8_padded(x, gather, col_qdq=col_qdq, backend="reference")
     assert got_row.dtype == torch.bfloat16 and got_row.shape == x.shape
     assert_same_bf16(got_row, want_row, "row-wise bf16 values")
