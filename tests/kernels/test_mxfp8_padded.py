@@ -56,9 +56,7 @@ def _x(dtype: torch.dtype, k: int, device: str) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("col_qdq", [False, True])
 def test_padded_copies_are_the_reference_bytes(device, dtype, col_qdq):
-    from mxrl.kernels import quantize_mxfp8_padded
-
-    from mxrl.kernels import ops
+    from mxrl.kernels import ops, quantize_mxfp8_padded
 
     x = _x(dtype, 288, device)  # K = 288: a 256-wide tile and a partial one
     gather = padded_gather(COUNTS, device)
