@@ -245,25 +245,29 @@ def quantize_mxfp8_padded(
     gather: torch.Tensor,
     *,
     col_qdq: bool = False,
+    rowwise: bool = True,
     backend: Kernels | Backend | str | None = None,
-) -> tuple[torch.Tensor, QTensor | torch.Tensor]:
+) -> tuple[torch.Tensor | None, QTensor | torch.Tensor]:
     """MXFP8's quantized backward's two copies of x [R, K] (rows sorted by expert): the
     row-wise one as its bf16 values [R, K] (`qdq_mxfp8(x)`), and the column-wise one (32x1
     blocks) of the padded [P, K] tensor whose row i is x's row gather[i], zeros where
     gather[i] < 0 (each expert's rows from a 32-aligned start): its QTensor (axis 0) or, with
     col_qdq, its bf16 values. The triton backend reads x once for both and writes no padded
-    copy of x; the same bytes as `qdq_mxfp8` and `quantize(padded, "mxfp8", axis=0)`."""
+    copy of x; the same bytes as `qdq_mxfp8` and `quantize(padded, "mxfp8", axis=0)`.
+    rowwise False: the column-wise copy alone (None for the row-wise one), for a gather that
+    reads a row of x more than once (x's tokens, each in k rows)."""
     chosen = backend_for(backend, x.device)
     p, k = gather.shape[0], x.shape[-1]
     if chosen is Backend.REFERENCE or x.dim() != 2 or k % C.MXFP8_BLOCK or p % C.MXFP8_BLOCK:
-        row = qdq_mxfp8(x, backend=chosen)[0]
+        row = qdq_mxfp8(x, backend=chosen)[0] if rowwise else None
         index = torch.where(gather >= 0, gather.long(), x.shape[0])  # x.shape[0]: a zero row
         padded = torch.cat([x, x.new_zeros((1, k))]).index_select(0, index)
         if col_qdq:
             return row, qdq_mxfp8(padded, rowwise=False, colwise=True, backend=chosen)[1]
         return row, quantize(padded, C.Format.MXFP8, axis=0, backend=chosen)
     check_request(x, C.Format.MXFP8, QuantizeOptions())
-    row, col, s_col = _kernel("quantize_mxfp8_padded")(x, gather.to(torch.int32), col_qdq)
+    row, col, s_col = _kernel("quantize_mxfp8_padded")(x, gather.to(torch.int32), col_qdq, rowwise)
+    row = row if rowwise else None
     if col_qdq:
         return row, col
     scale = s_col.view(torch.float8_e8m0fnu)

@@ -25,7 +25,7 @@ and the inverse to bf16 (`mxrl.kernels.triton_dequant`):
   widen_bf16(x bf16) -> fp32, exact (bf16 values are fp32 values)
   scale_bf16(y bf16 [R, N], scale fp32 broadcast to it) -> bf16(fp32(y) * scale), one pass
   qdq_mxfp8(x, rowwise, colwise) -> (bf16 row-wise deq, bf16 column-wise deq), one pass
-  quantize_mxfp8_padded(x [R, K], gather [P], col_qdq) -> (bf16 row-wise deq [R, K], the
+  quantize_mxfp8_padded(x [R, K], gather [P], col_qdq, rowwise) -> (bf16 row-wise deq, the
       column-wise copy of the padded [P, K] rows x[gather] (zeros where gather < 0): codes
       and scales, or its bf16 deq), one pass
 
@@ -286,14 +286,14 @@ def qdq_mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool) -> tuple[torch.Tens
 
 @_op
 def quantize_mxfp8_padded(
-    x: torch.Tensor, gather: torch.Tensor, col_qdq: bool
+    x: torch.Tensor, gather: torch.Tensor, col_qdq: bool, rowwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bf16 row-wise deq [R, K], column-wise copy [P, K] (u8 codes, or bf16 deq where
-    col_qdq), its scales [P/32, K] u8 (empty where col_qdq)), from one read of x."""
+    """(bf16 row-wise deq [R, K] (empty unless rowwise), column-wise copy [P, K] (u8 codes, or
+    bf16 deq where col_qdq), its scales [P/32, K] u8 (empty where col_qdq)), one read of x."""
     x = _dense(x, "quantize_mxfp8_padded")
     if x.dim() != 2 or gather.dtype != torch.int32 or gather.dim() != 1:
         raise ValueError("mxrl::quantize_mxfp8_padded takes x [R, K] and an int32 gather [P]")
     row, _, col, s_col = launch_mxfp8(
-        x, True, True, qdq=True, col_qdq=col_qdq, gather=gather.contiguous()
+        x, rowwise, True, qdq=True, col_qdq=col_qdq, gather=gather.contiguous()
     )
     return row, col, s_col

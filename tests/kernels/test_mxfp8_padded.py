@@ -96,3 +96,22 @@ def test_the_padding_is_zeros_and_the_rows_are_xs(device):
     want = qdq_mxfp8(padded, rowwise=False, colwise=True, backend="triton")[1]
     assert_same_bf16(col, want, "against the scattered tensor")
     assert not col[~valid].any(), "padding rows are zeros"
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_a_gather_that_repeats_rows_gives_the_column_copy_alone(device):
+    """The grouped gate/up on x's tokens: each token read in k padded rows (rowwise=False, the
+    row-wise copy made apart), the column-wise codes those of the padded tensor built by index."""
+    from mxrl.kernels import quantize_mxfp8_padded
+
+    x = _x(torch.float32, 64, device)[:60]  # 60 tokens, each gathered 3 times below
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randperm(60, generator=g).repeat(3).tolist()
+    gather = torch.tensor(
+        tokens[:100] + [-1] * 28 + tokens[100:] + [-1] * 16, dtype=torch.int32, device=device
+    )  # two experts, padded to 128 and 96 rows
+    got_row, got_col = quantize_mxfp8_padded(x, gather, rowwise=False, backend="triton")
+    want_row, want_col = quantize_mxfp8_padded(x, gather, rowwise=False, backend="reference")
+    assert got_row is None and want_row is None
+    assert_bytes_equal(got_col.qdata, want_col.qdata, "codes")
+    assert_bytes_equal(got_col.scale, want_col.scale, "scales")

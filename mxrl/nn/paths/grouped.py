@@ -183,11 +183,14 @@ def _lp_rows(ctx, x, spec: TensorSpec, x_form: Form, layout: ExpertLayout, backe
     gets its padded column-wise codes (`ctx.padded`, `ctx.x_col`) from the same read."""
     if spec.format is Format.MXFP8 and x_form is Form.COL:
         ctx.padded = PaddedLayout.build(layout)
-        gather = ctx.padded.src
-        if ctx.tokens:  # the padded rows' tokens (-1 stays -1)
-            gather = torch.where(gather >= 0, layout.token_of.int()[gather.clamp(min=0)], -1)
-        lp, ctx.x_col = quantize_mxfp8_padded(x, gather, backend=backend)
-        return _rows(ctx, lp), None, None
+        if not ctx.tokens:
+            lp, ctx.x_col = quantize_mxfp8_padded(x, ctx.padded.src, backend=backend)
+            return lp, None, None
+        # the padded rows' tokens (-1 stays -1), each read k times: the row-wise copy apart
+        src = ctx.padded.src
+        gather = torch.where(src >= 0, layout.token_of.int()[src.clamp(min=0)], -1)
+        _, ctx.x_col = quantize_mxfp8_padded(x, gather, rowwise=False, backend=backend)
+        return _rows(ctx, qdq_mxfp8(x, backend=backend)[0]), None, None
     if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
         # only the GEMM reads Qa(x): its bf16 values in one pass, no codes kept
         return _rows(ctx, qdq_mxfp8(x, backend=backend)[0]), None, None
