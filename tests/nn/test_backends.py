@@ -144,10 +144,18 @@ def _tensor_core_grads(fmt: str, mode: str, backend: Backend, calls: list):
     return [*out, o.detach(), h.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
 
 
+# the triton ops each case's experts must run (in eager mode, `ops.EAGER`): MXFP8's quantized
+# backward its padded copies, the high-precision one its QDQ, the rest the quantizers
+RUNS = {
+    ("mxfp8", "quantized"): {"quantize_mxfp8_padded", "qdq_mxfp8"},
+    ("mxfp8", "high_precision"): {"qdq_mxfp8"},
+    ("mxfp8", "dequantized"): {"quantize_mxfp8"},
+    ("nvfp4", "dequantized"): {"quantize_nvfp4", "scale_bf16"},
+}
+
+
 @under_interpreter
-@pytest.mark.parametrize(
-    ("fmt", "mode"), [("mxfp8", "quantized"), ("mxfp8", "dequantized"), ("nvfp4", "dequantized")]
-)
+@pytest.mark.parametrize(("fmt", "mode"), list(RUNS))
 def test_tensor_core_path_triton_equals_reference_under_interpreter(monkeypatch, fmt, mode):
     """Forward and every gradient of the tensor-core dense op and grouped experts are the same
     bits whether the reference or the triton kernels quantize and write the bf16 operands
@@ -163,14 +171,16 @@ def test_tensor_core_path_triton_equals_reference_under_interpreter(monkeypatch,
         return original(*args)
 
     monkeypatch.setitem(ops.EAGER, "dequantize_bf16", spy)
-    scaled: list = []  # NVFP4's global scales on the grouped GEMMs' bf16 outputs
-    original_scale = ops.EAGER["scale_bf16"]
-    monkeypatch.setitem(
-        ops.EAGER, "scale_bf16", lambda *a: scaled.append(a[0].shape) or original_scale(*a)
-    )
+    ran: list[str] = []  # the other ops the triton backend ran
+    for name in ("scale_bf16", "quantize_mxfp8_padded", "qdq_mxfp8", "quantize_mxfp8",
+                 "quantize_nvfp4"):  # fmt: skip
+        op = ops.EAGER[name]
+        monkeypatch.setitem(ops.EAGER, name, lambda *a, n=name, op=op: ran.append(n) or op(*a))
     got = _tensor_core_grads(fmt, mode, Backend.TRITON, calls)
     names = ("y", "dx", "dw", "experts out", "experts dx", "gate_up dw", "down dw")
     for name, a, b in zip(names, got, want, strict=True):
         assert_bytes_equal(a, b, f"{fmt} {mode} {name}")
-    assert calls, "the triton backend did not run the dequantize kernel"
-    assert len(scaled) == (2 if fmt == "nvfp4" else 0), scaled  # one per expert projection
+    assert calls or mode == "high_precision", "the triton backend did not run the dequantize"
+    assert RUNS[(fmt, mode)] <= set(ran), ran
+    # NVFP4's global scales on each grouped projection's bf16 output (gate_up, down)
+    assert ran.count("scale_bf16") == (2 if fmt == "nvfp4" else 0), ran
