@@ -67,7 +67,7 @@ def path_weight(
     return w.hold(Form.LP, Form.DEQ, *([Form.COL] if colwise else []), dtype=torch.float32)
 
 
-def kept_forms(spec: TensorSpec, mode: Backward) -> tuple[Form, ...]:
+def kept_forms(mode: Backward) -> tuple[Form, ...]:
     """The bf16 operand a routed expert's quantized weight keeps from its first GEMM to the
     next optimizer step under `hold_bf16` (`QWeight.keep_operands`; 2 bytes a weight, the bf16
     experts' held copy): the one that costs most to make again each micro-batch.
@@ -217,10 +217,9 @@ class QExperts(GroupedExperts):
         for MXFP8's quantized backward: block FP8's grouped dgrad reads the forward's codes
         transposed in place (strides), the reference's their DEQ."""
         param = self.gate_up_proj if which == "gate_up" else self.down_proj
-        spec = self.specs[which]
-        args = (gemm, param, spec, None, self.backward_mode, self.backend)
+        args = (gemm, param, self.specs[which], None, self.backward_mode, self.backend)
         held = self.hold_bf16 and gemm is Gemm.TENSOR_CORE
-        kept = kept_forms(spec, self.backward_mode) if held else ()
+        kept = kept_forms(self.backward_mode) if held else ()
 
         def build() -> QWeight:
             return path_weight(*args, grouped=True).keep_operands(*kept)

@@ -123,7 +123,7 @@ def _kept_bytes(spec: Any, backward: Any, master: int) -> int:
     from mxrl.nn.operands import Form
     from mxrl.nn.qlinear import kept_forms
 
-    forms = kept_forms(spec, backward)
+    forms = kept_forms(backward)
     if not forms or (forms == (Form.HP,) and master == 2):
         return 0
     return 2 * math.prod(spec.shape)
