@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mxrl.kernels import Gemm
 from mxrl.nn import QExperts, set_gemm
 from mxrl.nn.paths import grouped
+from tests.nn.test_backends import under_interpreter
 from tests.nn.test_hold_bf16 import QUANTIZED, _steps
 from tests.nn.test_qmatmul import _expert_specs, _experts, _route
 from tests.numerics import assert_bytes_equal
@@ -102,3 +103,34 @@ def test_no_gathered_fp32_copy_and_the_tokens_copy_kept(fmt, backward, monkeypat
         assert kept == kept_rows
     else:  # HP: bf16 x, DEQ: its codes, of T tokens instead of R = T k rows (and down's R rows)
         assert kept < kept_rows, (kept, kept_rows)
+
+
+def _fp8_block_run(backward: str):
+    """Block-FP8 experts (H = I = 128, the kernels' blocks) on the grouped path, under the
+    interpreter: output, input and weight gradients of one micro-batch."""
+    from mxrl.nn import GroupedExperts
+
+    torch.manual_seed(3)
+    experts = GroupedExperts(4, 128, 128)
+    experts.reset_parameters(std=0.05)
+    q = QExperts.from_experts(experts, *_expert_specs("fp8_block", e=4, h=128, i=128), backward)
+    set_gemm(q, Gemm.TENSOR_CORE)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(21)])
+    x = torch.randn(21, 128, generator=g).requires_grad_(True)
+    w = torch.rand(21, K, generator=g)
+    y = q(x, ids, w)
+    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+    return [y.detach(), x.grad, q.gate_up_proj.grad, q.down_proj.grad]
+
+
+@under_interpreter
+@pytest.mark.parametrize("backward", ["high_precision", "dequantized", "quantized"])
+def test_block_fp8_tokens_give_the_gathered_rows_bytes(backward, monkeypatch):
+    """Block FP8's 1 x 128 activation blocks are row-wise too: its codes and scales gathered
+    per row, its quantized backward's padded copy read from the tokens."""
+    tokens = _fp8_block_run(backward)
+    monkeypatch.setattr(grouped, "ROW_QUANTIZED", ())
+    rows = _fp8_block_run(backward)
+    for name, a, b in zip(("y", "dx", "d gate_up", "d down"), tokens, rows, strict=True):
+        assert_bytes_equal(a, b, f"fp8_block {backward} {name}")

@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from mxrl.formats import decode_global_scale
+from mxrl.formats import QTensor, decode_global_scale
 from mxrl.formats.constants import Format
 from mxrl.kernels import dequantize as kernel_dequantize
 from mxrl.kernels import qdq_mxfp8, quantize_mxfp8_padded, scale_bf16, to_float32
@@ -50,9 +50,9 @@ from mxrl.nn.weight import QWeight
 from mxrl.recipe import Backward, TensorSpec
 
 GROUPED_FORMATS = (Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
-# activation quantization per row (MXFP8 1x32, NVFP4 per token on the grouped path): a token's
-# bytes are the same in each of its k rows
-ROW_QUANTIZED = (Format.MXFP8, Format.NVFP4)
+# activation quantization per row (MXFP8 1x32, NVFP4 per token on the grouped path, block FP8
+# 1x128): a token's bytes are the same in each of its k rows
+ROW_QUANTIZED = (Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 # The block-FP8 kernels' tiles in training, the fastest of `benchmarks/fp8_block_grouped.py`'s
 # sweep on the H200 at Qwen3-30B-A3B's width (docs/kernels.md). The forward and dgrad keep the
 # fp16 MMA on decoded codes (exact products, fp32 sums; the FP8 MMA was faster for the forward,
@@ -77,8 +77,9 @@ class GroupedLinear(torch.autograd.Function):
     """y [R, N] (bf16) = x [R, K] @ w[e]^T for the rows of expert e; w [E, N, K] the master
     weight. spec None: bf16 experts, tw the held bf16 copy of w or None (cast here); else tw
     holds the quantized weight (module docstring). tokens (row-wise quantized activations:
-    MXFP8, per-token NVFP4): x is the T tokens [T, K], each quantized once and its operand
-    rows gathered here (`layout.token_of`), and x's gradient is each token's k rows summed
+    MXFP8, per-token NVFP4, 1 x 128 block FP8): x is the T tokens [T, K], each quantized once
+    and its operand rows (block FP8: its codes and scales) gathered here (`layout.token_of`),
+    and x's gradient is each token's k rows summed
     (`ExpertLayout.sum_rows`): the same bytes as quantizing the gathered rows, without the
     gathered [R, K] copy of x or k quantizations of each token, and the backward keeps the
     tokens' copy of x (HP, DEQ), not the rows'."""
@@ -97,7 +98,10 @@ class GroupedLinear(torch.autograd.Function):
         x_form = form_of(mode, GemmKind.WGRAD, Operand.FWD_INPUT)
         if spec.format is Format.FP8_BLOCK:  # codes and block scales straight to the kernel
             xq = quantize_activation(x, spec, backend)
-            y = grouped_fp8_block_matmul(xq, tw.q, layout.offsets(), out_dtype=BF16, **FORWARD_TILE)
+            xq_rows = _rows_q(ctx, xq)
+            y = grouped_fp8_block_matmul(
+                xq_rows, tw.q, layout.offsets(), out_dtype=BF16, **FORWARD_TILE
+            )
         else:
             lp_x, xq, s_x = _lp_rows(ctx, x.detach(), spec, x_form, layout, backend)
             y = grouped_mm(lp_x, tw.operand(Form.LP, BF16).transpose(-2, -1), layout.ends)
@@ -112,7 +116,7 @@ class GroupedLinear(torch.autograd.Function):
             ctx.save_for_backward(w)
         elif spec.format is Format.FP8_BLOCK:
             ctx.padded = PaddedLayout.build(layout, spec.block[1])
-            ctx.x_col = fp8_block_col(ctx.padded.scatter(x.detach()), spec, backend)
+            ctx.x_col = fp8_block_col(_padded_rows(ctx, x.detach()), spec, backend)
             ctx.save_for_backward(w)
         else:  # MXFP8's column-wise copy, made with the GEMM's operand (`_lp_rows`)
             ctx.save_for_backward(w)
@@ -186,9 +190,8 @@ def _lp_rows(ctx, x, spec: TensorSpec, x_form: Form, layout: ExpertLayout, backe
         if not ctx.tokens:
             lp, ctx.x_col = quantize_mxfp8_padded(x, ctx.padded.src, backend=backend)
             return lp, None, None
-        # the padded rows' tokens (-1 stays -1), each read k times: the row-wise copy apart
-        src = ctx.padded.src
-        gather = torch.where(src >= 0, layout.token_of.int()[src.clamp(min=0)], -1)
+        # each token read in k padded rows: the row-wise copy apart, once per token
+        gather = _padded_tokens(ctx)
         _, ctx.x_col = quantize_mxfp8_padded(x, gather, rowwise=False, backend=backend)
         return _rows(ctx, qdq_mxfp8(x, backend=backend)[0]), None, None
     if spec.format is Format.MXFP8 and x_form is not Form.DEQ:
@@ -198,6 +201,32 @@ def _lp_rows(ctx, x, spec: TensorSpec, x_form: Form, layout: ExpertLayout, backe
     lp = kernel_dequantize(xq, global_scale=False, backend=backend)
     s_x = decode_global_scale(xq)
     return _rows(ctx, lp), xq, None if s_x is None else _rows(ctx, s_x)
+
+
+def _padded_tokens(ctx) -> torch.Tensor:
+    """int32 [P]: the token each row of `ctx.padded` holds, -1 for its zero rows."""
+    src = ctx.padded.src
+    return torch.where(src >= 0, ctx.layout.token_of.int()[src.clamp(min=0)], -1)
+
+
+def _padded_rows(ctx, x: torch.Tensor) -> torch.Tensor:
+    """x's rows in `ctx.padded`'s layout, zeros between experts: scattered from the sorted
+    rows, or gathered from x's tokens (`ctx.tokens`; the same tensor)."""
+    if not ctx.tokens:
+        return ctx.padded.scatter(x)
+    index = _padded_tokens(ctx).long()
+    index = torch.where(index >= 0, index, x.shape[0])  # x.shape[0]: the zero row
+    return torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, index)
+
+
+def _rows_q(ctx, q: QTensor) -> QTensor:
+    """A row-wise (1 x b) QTensor's rows in the sorted layout, codes and scales gathered from
+    x's tokens where GroupedLinear took them (`ctx.tokens`), else q itself."""
+    if not ctx.tokens:
+        return q
+    idx = ctx.layout.token_of
+    shape = (idx.numel(), *q.shape[1:])
+    return QTensor(q.qdata.index_select(0, idx), q.scale.index_select(0, idx), q.fmt, shape)
 
 
 def _rows(ctx, t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +270,8 @@ def _fp8_block_backward(ctx, dy: torch.Tensor) -> tuple:
         dyq, wq = ops.of(GemmKind.DGRAD)
         dx = grouped_fp8_block_matmul(
             dyq, wq, lay.offsets(), out_dtype=BF16, transpose_w=True, **DGRAD_TILE
-        ).to(ctx.x_dtype)
+        )
+        dx = lay.sum_rows(dx, ctx.x_dtype) if ctx.tokens else dx.to(ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         dy_col, x_col = ops.of(GemmKind.WGRAD)
         dw = grouped_fp8_block_wgrad(dy_col, x_col, pad.offsets(), **WGRAD_TILE)
