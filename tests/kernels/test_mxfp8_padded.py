@@ -16,20 +16,11 @@ import torch
 
 from mxrl.formats import QTensor
 from tests import cases
-from tests.kernels import conftest
-from tests.kernels.test_dequantize import assert_same_bf16
+from tests.kernels.test_dequantize import TIERS, assert_same_bf16
 from tests.numerics import assert_bytes_equal
 
 pytest.importorskip("triton")
 
-INTERPRETER = pytest.mark.skipif(
-    not conftest.INTERPRETER_READY, reason="the interpreter tier runs without CUDA"
-)
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-TIERS = [
-    pytest.param("cpu", marks=[pytest.mark.triton, INTERPRETER], id="interpreter"),
-    pytest.param("cuda", marks=[pytest.mark.gpu, GPU], id="gpu"),
-]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.*")
 
 COUNTS = [33, 0, 1, 70, 32, 31]  # rows per expert

@@ -16,27 +16,17 @@ from mxrl.kernels import Gemm
 from mxrl.nn import QExperts, set_gemm
 from mxrl.nn.paths import grouped
 from tests.nn.test_backends import under_interpreter
-from tests.nn.test_hold_bf16 import QUANTIZED, _steps
-from tests.nn.test_qmatmul import _expert_specs, _experts, _route
+from tests.nn.test_hold_bf16 import QUANTIZED, _qmodule, _steps
+from tests.nn.test_qmatmul import _expert_specs, _route
 from tests.numerics import assert_bytes_equal
 
 K = 2  # _route's experts per token
 
 
-def _make(fmt: str, backward: str):
-    def make(hold: bool, seed: int = 0, device: str = "cpu") -> QExperts:
-        q = QExperts.from_experts(_experts(seed).to(device), *_expert_specs(fmt), backward)
-        set_gemm(q, Gemm.TENSOR_CORE)
-        q.set_hold_bf16(hold)
-        return q
-
-    return make
-
-
 @pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_tokens_give_the_gathered_rows_bytes(fmt, backward, device, monkeypatch):
-    make = _make(fmt, backward)
+    make = _qmodule(fmt, backward)
     tokens = _steps(False, steps=2, device=device, make=make)
     monkeypatch.setattr(grouped, "ROW_QUANTIZED", ())
     rows = _steps(False, steps=2, device=device, make=make)
@@ -80,7 +70,7 @@ def _kept_bytes(y: torch.Tensor) -> int:
 
 def _forward(fmt: str, backward: str):
     """(the rows gathered, the bytes kept of x) of one micro-batch's forward."""
-    q = _make(fmt, backward)(False)
+    q = _qmodule(fmt, backward)(False)
     x, ids, w = _route()
     x.requires_grad_(True)
     with torch.no_grad():
