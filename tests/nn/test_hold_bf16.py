@@ -86,20 +86,27 @@ def test_held_copies_give_the_cast_bytes_over_optimizer_steps(device):
         assert_bytes_equal(a, b, f"tensor {i}")
 
 
+def _casts_per_step(experts, steps: int = 2, micro: int = 3) -> list[int]:
+    """The fp32 -> bf16 copies of master shape in each of `steps` optimizer steps of `micro`
+    micro-batches."""
+    opt = torch.optim.SGD(experts.parameters(), lr=0.1)
+    shapes = [experts.gate_up_proj.shape, experts.down_proj.shape]
+    counts = []
+    for step in range(steps):
+        with MasterCasts(shapes) as casts:
+            for m in range(micro):
+                _micro_batch(experts, seed=m + step)
+        counts.append(casts.count)
+        opt.step()
+        opt.zero_grad()
+    return counts
+
+
 def test_a_master_is_cast_once_per_optimizer_step_when_held():
     """Cast per GEMM: each master twice a micro-batch (its forward and its dgrad); held: once per
     optimizer step (the first forward), none in the later micro-batches or their backwards."""
     for hold, per_step in ((False, 2 * 2 * 3), (True, 2)):
-        experts = _module(hold)
-        opt = torch.optim.SGD(experts.parameters(), lr=0.1)
-        shapes = [experts.gate_up_proj.shape, experts.down_proj.shape]
-        for step in range(2):
-            with MasterCasts(shapes) as casts:
-                for m in range(3):
-                    _micro_batch(experts, seed=m + step)
-            assert casts.count == per_step, (hold, step, casts.count)
-            opt.step()
-            opt.zero_grad()
+        assert _casts_per_step(_module(hold)) == [per_step, per_step], hold
 
 
 def test_a_held_copy_is_the_master_cast_and_follows_in_place_writes():
@@ -218,16 +225,7 @@ MADE = {
 def test_a_kept_operand_is_made_once_per_optimizer_step(fmt, backward):
     make = _qmodule(fmt, backward)
     for hold, count in zip((False, True), MADE[(fmt, backward)], strict=True):
-        q = make(hold)
-        opt = torch.optim.SGD(q.parameters(), lr=0.1)
-        shapes = [q.gate_up_proj.shape, q.down_proj.shape]
-        for step in range(2):
-            with MasterCasts(shapes) as casts:
-                for m in range(3):
-                    _micro_batch(q, seed=m + step)
-            assert casts.count == 2 * count(3), (hold, step, casts.count)
-            opt.step()
-            opt.zero_grad()
+        assert _casts_per_step(make(hold)) == [2 * count(3)] * 2, hold
 
 
 def test_turning_hold_off_frees_a_quantized_experts_kept_operand():
