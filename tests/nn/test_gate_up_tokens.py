@@ -124,3 +124,32 @@ def test_block_fp8_tokens_give_the_gathered_rows_bytes(backward, monkeypatch):
     rows = _fp8_block_run(backward)
     for name, a, b in zip(("y", "dx", "d gate_up", "d down"), tokens, rows, strict=True):
         assert_bytes_equal(a, b, f"fp8_block {backward} {name}")
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+def test_the_gate_up_gemm_reads_the_formats_own_operand_rows(fmt, backward, monkeypatch):
+    """Against `mxrl.formats` directly, not another path of the same code: the gate/up GEMM's
+    activation operand is Qa(x)'s bf16 values (no NVFP4 global scale) of each sorted row's
+    token, and NVFP4's output is the GEMM's bf16 rows times fl(s_x s_w) rounded to bf16."""
+    from mxrl.formats import decode_global_scale, dequantize, quantize
+    from mxrl.nn.paths.permute import ExpertLayout
+    from mxrl.recipe.quantize import activation_quantizer_kwargs
+
+    q = _qmodule(fmt, backward)(False)
+    x, ids, _ = _route()
+    layout = ExpertLayout.build(ids, q.num_experts, gate_up_tokens=True)
+    calls = []
+    real = grouped.grouped_mm
+    monkeypatch.setattr(grouped, "grouped_mm", lambda a, b, e: calls.append(a) or real(a, b, e))
+    y = q._grouped_proj("gate_up", x, layout)
+    spec = q.specs["gate_up"]
+    xq = quantize(x[layout.token_of], fmt, **activation_quantizer_kwargs(spec))
+    assert_bytes_equal(calls[0], dequantize(xq, global_scale=False).to(torch.bfloat16), "operand")
+    if fmt == "nvfp4":
+        tw = q.qweight("gate_up", Gemm.TENSOR_CORE)
+        s_w = tw.s_dec[layout.row_expert].reshape(-1, 1)
+        plain = real(
+            calls[0], tw.operand(grouped.Form.LP, torch.bfloat16).transpose(-2, -1), layout.ends
+        )
+        want = (plain.float() * (decode_global_scale(xq) * s_w)).to(torch.bfloat16)
+        assert_bytes_equal(y, want, "scaled output")
