@@ -165,11 +165,34 @@ def test_scale_bf16_is_the_fp32_product_rounded_bit_for_bit(device):
     g = torch.Generator().manual_seed(3)
     per_element = torch.exp2(torch.randn(y.shape, generator=g) * 20).to(torch.float32)
     per_column = torch.rand((1, y.shape[1]), generator=g) * 4
-    for what, s in (("per row", per_row), ("per element", per_element), ("per column", per_column)):
-        s = s.to(device)
-        got = scale_bf16(y, s, backend="triton")
-        assert got.dtype == torch.bfloat16 and got.shape == y.shape
-        assert_same_bf16(got, (y.float() * s).to(torch.bfloat16), f"{what} scale")
+    from mxrl.kernels import ops
+
+    ran = []
+    original = ops.EAGER["scale_bf16"]
+    ops.EAGER["scale_bf16"] = lambda *a: ran.append(a[1].shape) or original(*a)
+    try:
+        for what, s in (("per row", per_row), ("per element", per_element),
+                        ("per column", per_column)):  # fmt: skip
+            s = s.to(device)
+            got = scale_bf16(y, s, backend="triton")
+            assert got.dtype == torch.bfloat16 and got.shape == y.shape
+            assert_same_bf16(got, (y.float() * s).to(torch.bfloat16), f"{what} scale")
+        assert len(ran) == 3, "the triton backend did not run the kernel"
+        # what the kernel does not take runs torch's three passes: a scale that widens y,
+        # a 1-D y, an fp32 y; and a scale that is not fp32 is refused
+        wide = torch.rand((y.shape[0], 2, y.shape[1]), device=device)
+        column = y[:, :1].contiguous()
+        for y_, s_ in ((column, per_element.to(device)), (y[0], per_column.to(device)[0]),
+                       (y.float(), per_row.to(device))):  # fmt: skip
+            got = scale_bf16(y_, s_, backend="triton")
+            assert_same_bf16(got, (y_.float() * s_).to(torch.bfloat16), "fallback")
+        assert len(ran) == 3, "a shape the kernel does not take reached it"
+        with pytest.raises(RuntimeError):
+            scale_bf16(y, wide, backend="triton")  # does not broadcast to y
+        with pytest.raises(TypeError, match="float32 scale"):
+            scale_bf16(y, per_row.to(device).double(), backend="triton")
+    finally:
+        ops.EAGER["scale_bf16"] = original
 
 
 @pytest.mark.parametrize("device", TIERS)
