@@ -106,3 +106,18 @@ def test_a_gather_that_repeats_rows_gives_the_column_copy_alone(device):
     assert got_row is None and want_row is None
     assert_bytes_equal(got_col.qdata, want_col.qdata, "codes")
     assert_bytes_equal(got_col.scale, want_col.scale, "scales")
+
+
+@pytest.mark.parametrize("device", TIERS)
+def test_shapes_the_blocks_do_not_fit_get_the_references_refusal(device):
+    """A padded layout whose rows are not whole 32-row blocks, or x's K not whole 1x32 blocks:
+    the reference's own message on either backend (the kernel is not asked)."""
+    from mxrl.kernels import quantize_mxfp8_padded
+
+    x = _x(torch.float32, 64, device)
+    short = padded_gather(COUNTS, device)[:-1]  # P one short of a whole block
+    for backend in ("triton", "reference"):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            quantize_mxfp8_padded(x, short, backend=backend)
+        with pytest.raises(ValueError, match="multiple of 32"):
+            quantize_mxfp8_padded(x[:, :48], padded_gather(COUNTS, device), backend=backend)
