@@ -153,3 +153,33 @@ def test_the_gate_up_gemm_reads_the_formats_own_operand_rows(fmt, backward, monk
         )
         want = (plain.float() * (decode_global_scale(xq) * s_w)).to(torch.bfloat16)
         assert_bytes_equal(y, want, "scaled output")
+
+
+@pytest.mark.parametrize(("fmt", "backward"), QUANTIZED)
+def test_the_projections_kernels_get_the_layers_backend(fmt, backward, monkeypatch):
+    """Every quantizer, QDQ, dequantize and scale call of a grouped projection and its backward
+    is given the layer's backend (triton here; the stand-ins record it and run the reference,
+    the same bytes): a call left to the device default would run the reference on a GPU."""
+    from mxrl.kernels import Backend
+
+    seen: list[tuple[str, object]] = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            if name == "quantize_activation":  # (x, spec, backend)
+                given, args = args[2], (*args[:2], Backend.REFERENCE)
+            else:
+                given, kwargs = kwargs.get("backend", "none given"), kwargs | {"backend": None}
+            seen.append((name, given))
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("quantize_mxfp8_padded", "qdq_mxfp8", "kernel_dequantize", "scale_bf16",
+                 "quantize_activation"):  # fmt: skip
+        monkeypatch.setattr(grouped, name, spy(name, getattr(grouped, name)))
+    q = _qmodule(fmt, backward)(False)
+    q.backend = Backend.TRITON
+    x, ids, w = _route()
+    q(x.requires_grad_(True), ids, w).sum().backward()
+    assert seen and all(b is Backend.TRITON for _, b in seen), seen
