@@ -50,7 +50,7 @@ def test_padded_copies_are_the_reference_bytes(device, dtype, col_qdq):
     from mxrl.kernels import ops, quantize_mxfp8_padded
 
     x = _x(dtype, 288, device)  # K = 288: a 256-wide tile and a partial one
-    gather = padded_gather(COUNTS, device)
+    gather = padded_gather(COUNTS, device).long()  # any integer gather (the op takes int32)
     ran = []
     original = ops.EAGER["quantize_mxfp8_padded"]
     ops.EAGER["quantize_mxfp8_padded"] = lambda *a: ran.append(a[2]) or original(*a)
