@@ -178,6 +178,8 @@ def test_scale_bf16_is_the_fp32_product_rounded_bit_for_bit(device):
             assert got.dtype == torch.bfloat16 and got.shape == y.shape
             assert_same_bf16(got, (y.float() * s).to(torch.bfloat16), f"{what} scale")
         assert len(ran) == 3, "the triton backend did not run the kernel"
+        scale_bf16(y, per_row.to(device), backend="reference")
+        assert len(ran) == 3, "the reference backend ran the kernel"
         # what the kernel does not take runs torch's three passes: a scale that widens y,
         # a 1-D y, an fp32 y; and a scale that is not fp32 is refused
         wide = torch.rand((y.shape[0], 2, y.shape[1]), device=device)

@@ -183,3 +183,20 @@ def test_the_projections_kernels_get_the_layers_backend(fmt, backward, monkeypat
     x, ids, w = _route()
     q(x.requires_grad_(True), ids, w).sum().backward()
     assert seen and all(b is Backend.TRITON for _, b in seen), seen
+
+
+@pytest.mark.parametrize(("fmt", "backward"), [("mxfp8", "quantized"), ("nvfp4", "dequantized")])
+def test_only_the_gradients_asked_for_are_made(fmt, backward):
+    """Frozen weights: x's gradient only, the tokens' sum; x without grad: the weights' only."""
+    q = _qmodule(fmt, backward)(False)
+    x, ids, w = _route()
+    for p in q.parameters():
+        p.requires_grad_(False)
+    xg = x.clone().requires_grad_(True)
+    q(xg, ids, w).sum().backward()
+    assert xg.grad is not None and xg.grad.shape == x.shape
+    assert q.gate_up_proj.grad is None and q.down_proj.grad is None
+    for p in q.parameters():
+        p.requires_grad_(True)
+    q(x, ids, w).sum().backward()
+    assert q.gate_up_proj.grad is not None and q.down_proj.grad is not None
