@@ -13,6 +13,7 @@ the triton backend. docs/kernels.md lists each kernel and the reference it match
 from mxrl.kernels.api import (
     dequantize,
     error_sums,
+    padded_rows,
     qdq_mxfp8,
     quantize,
     quantize_measured,
@@ -49,6 +50,7 @@ __all__ = [
     "grouped_low_bit_matmul",
     "low_bit_linear",
     "low_bit_matmul",
+    "padded_rows",
     "qdq_mxfp8",
     "quantize",
     "quantize_measured",

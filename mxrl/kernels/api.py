@@ -260,8 +260,7 @@ def quantize_mxfp8_padded(
     p, k = gather.shape[0], x.shape[-1]
     if chosen is Backend.REFERENCE or x.dim() != 2 or k % C.MXFP8_BLOCK or p % C.MXFP8_BLOCK:
         row = qdq_mxfp8(x, backend=chosen)[0] if rowwise else None
-        index = torch.where(gather >= 0, gather.long(), x.shape[0])  # x.shape[0]: a zero row
-        padded = torch.cat([x, x.new_zeros((1, k))]).index_select(0, index)
+        padded = padded_rows(x, gather)
         if col_qdq:
             return row, qdq_mxfp8(padded, rowwise=False, colwise=True, backend=chosen)[1]
         return row, quantize(padded, C.Format.MXFP8, axis=0, backend=chosen)
@@ -272,6 +271,14 @@ def quantize_mxfp8_padded(
         return row, col
     scale = s_col.view(torch.float8_e8m0fnu)
     return row, QTensor(col, scale, C.Format.MXFP8, torch.Size((p, k)), axis=0)
+
+
+def padded_rows(x: torch.Tensor, gather: torch.Tensor) -> torch.Tensor:
+    """[P, K]: row i is x's row gather[i], zeros where gather[i] < 0 (the padded layout the
+    quantized backward's column-wise copies are made in; torch ops, what
+    `quantize_mxfp8_padded`'s kernel reads without writing it)."""
+    index = torch.where(gather >= 0, gather.long(), x.shape[0])  # x.shape[0]: the zero row
+    return torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, index)
 
 
 def to_float32(x: torch.Tensor, *, backend: Kernels | Backend | str | None = None) -> torch.Tensor:

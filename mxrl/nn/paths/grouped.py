@@ -37,7 +37,7 @@ import torch
 from mxrl.formats import QTensor, decode_global_scale
 from mxrl.formats.constants import Format
 from mxrl.kernels import dequantize as kernel_dequantize
-from mxrl.kernels import qdq_mxfp8, quantize_mxfp8_padded, scale_bf16, to_float32
+from mxrl.kernels import padded_rows, qdq_mxfp8, quantize_mxfp8_padded, scale_bf16, to_float32
 from mxrl.kernels.backend import Backend, Gemm, triton_interpreter_enabled
 from mxrl.kernels.fp8_gemm import grouped_fp8_block_matmul, grouped_fp8_block_wgrad
 from mxrl.nn.gemm import grouped_mm
@@ -214,9 +214,7 @@ def _padded_rows(ctx, x: torch.Tensor) -> torch.Tensor:
     rows, or gathered from x's tokens (`ctx.tokens`; the same tensor)."""
     if not ctx.tokens:
         return ctx.padded.scatter(x)
-    index = _padded_tokens(ctx).long()
-    index = torch.where(index >= 0, index, x.shape[0])  # x.shape[0]: the zero row
-    return torch.cat([x, x.new_zeros((1, x.shape[1]))]).index_select(0, index)
+    return padded_rows(x, _padded_tokens(ctx))
 
 
 def _rows_q(ctx, q: QTensor) -> QTensor:
