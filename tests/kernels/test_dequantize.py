@@ -250,3 +250,21 @@ def test_qdq_mxfp8_is_quantize_then_dequantize(device, rowwise, colwise):
             assert_same_bf16(row, want_row, f"{label} row-wise")
         if colwise:
             assert_same_bf16(col, want_col, f"{label} column-wise")
+
+
+def test_a_cpu_tensor_asked_for_triton_is_checked_against_the_cpu(monkeypatch):
+    """On a machine with a GPU, a CPU tensor asked for the triton backend (the interpreter off)
+    is refused for its own device, the CPU, by `scale_bf16` and `quantize_mxfp8_padded`: the
+    check takes the tensor's device, not the machine's default one (CUDA)."""
+    from mxrl.kernels import backend as backend_mod
+    from mxrl.kernels import quantize_mxfp8_padded, scale_bf16
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend_mod, "triton_available", lambda: True)
+    assert backend_mod.select_backend().value == "triton", "the machine looks like a GPU's"
+    y = cases.randn((32, 64), torch.bfloat16, seed=5)
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        scale_bf16(y, torch.ones((32, 1)), backend="triton")
+    with pytest.raises(ValueError, match="needs a CUDA device, got cpu"):
+        quantize_mxfp8_padded(y, torch.arange(32, dtype=torch.int32), backend="triton")
