@@ -26,6 +26,7 @@ from mxrl.rl.config import TrainConfig
 from mxrl.rl.memory_terms import (
     activation_bytes,
     engine_weight_bytes,
+    expert_input_bytes,
     kv_cache_bytes,
     logits_chunk_bytes,
     train_copy_bytes,
@@ -234,8 +235,11 @@ def _estimate(
     train_ranks, rollout_ranks, colocated = _ranks(train_cfg)
     numel = sum(math.prod(s.shape) for s in plan.values())
     seq = prompt_tokens + rl.max_new_tokens
-    per_token = sum(activation_bytes(model_cfg, master, compute, cuda, seq, rl.checkpoint_layers))
-    with_ckpt = sum(activation_bytes(model_cfg, master, compute, cuda, seq, True))
+    experts = expert_input_bytes(plan, model_cfg, cuda)
+    per_token = sum(
+        activation_bytes(model_cfg, master, compute, cuda, seq, rl.checkpoint_layers, experts)
+    )
+    with_ckpt = sum(activation_bytes(model_cfg, master, compute, cuda, seq, True, experts))
     sequences = math.ceil(rl.prompts_per_step / train_ranks) * rl.samples_per_prompt
     hold = hold and not train_cfg.placement  # one process only (FSDP2 casts per use)
     copies = train_copy_bytes(plan, model_cfg, master, compute, cuda, hold) // train_ranks

@@ -22,12 +22,20 @@ def _norm(width: int, x_bytes: int) -> int:
 
 
 def activation_bytes(
-    c: Any, master: int, compute: int, cuda: bool, seq: int, ckpt: bool
+    c: Any,
+    master: int,
+    compute: int,
+    cuda: bool,
+    seq: int,
+    ckpt: bool,
+    experts: dict[int, tuple[int, int]] | None = None,
 ) -> tuple[int, int]:
     """(bytes per padded token the training forward saves for the backward, the backward's
     working set: one decoder layer's worth of activation gradients, and with `ckpt` that layer's
     recomputed activations too). Under autocast (fp32 master, bf16 compute) the residual
-    stream stays fp32 and every linear saves its own bf16 cast of its input."""
+    stream stays fp32 and every linear saves its own bf16 cast of its input. `experts`
+    (`expert_input_bytes`, CUDA): per MoE layer, what its quantized routed experts keep of
+    their projections' inputs where that is less than bf16 rows."""
     h, nd, kd = (
         c.hidden_size,
         c.num_attention_heads * c.head_dim,
@@ -56,6 +64,9 @@ def activation_bytes(
             widths = (1 if cuda else 2) * h + 4 * c.moe_intermediate_size
             mlp += inputs(1 + (3 if shared else 0)) + 4 * c.num_experts + 4 + 36 * k
             mlp += k * (expert * widths + out * h + 4)
+            if cuda and i in (experts or {}):  # the gate/up input's bf16 rows, the down's
+                token, row = experts[i]
+                mlp += token + k * row - k * 2 * (h + c.moe_intermediate_size)
             if shared:
                 mlp += compute * (4 * shared + h + 2)  # its MLP, its output, the sigmoid gate
         else:
@@ -66,6 +77,55 @@ def activation_bytes(
     if ckpt:  # each layer keeps its input; the backward recomputes one layer at a time
         return once + c.num_hidden_layers * master * h, 2 * max(layers)
     return once + sum(layers), max(layers)
+
+
+def expert_input_bytes(plan: Any, c: Any, cuda: bool) -> dict[int, tuple[int, int]]:
+    """Per MoE layer whose quantized routed experts run the grouped GEMMs (CUDA), what their
+    backward keeps of each projection's input (`GroupedLinear`: the form its WGRAD reads,
+    `mxrl.nn.operands.form_of`): (bytes a token, for the gate/up projection, which keeps x's
+    tokens under a row-wise quantized format, not its k rows; bytes a routed row, for the
+    down projection). `high_precision`: bf16, 2 a feature; `dequantized`: the activation's
+    codes and scales (MXFP8 1 + 1/32 a feature, per-token NVFP4 1/2 + 1/16 and its fp32 global
+    scale, block FP8 1 + 4/128). The `quantized` backward's column copies (1 + 1/32 or 4/128 a
+    feature, but of the rows padded to whole blocks per expert) are left out: their bf16 rows'
+    charge is an upper bound where the experts average more than ~33 rows."""
+    from mxrl.nn.operands import Form, GemmKind, Operand, form_of
+    from mxrl.nn.paths.grouped import grouped_supported
+    from mxrl.recipe import Backward
+
+    if not cuda or plan.backward is Backward.QUANTIZED:
+        return {}
+    import torch
+
+    form = form_of(plan.backward, GemmKind.WGRAD, Operand.FWD_INPUT)
+    h, inter = c.hidden_size, c.moe_intermediate_size
+    layers: dict[int, dict[str, Any]] = {}
+    for spec in plan.values():
+        if spec.kind == "routed_expert":
+            layers.setdefault(spec.layer, {})[spec.role] = spec
+    kept = {}
+    for layer, specs in layers.items():
+        if any(s.format.value == "bf16" for s in specs.values()) or not grouped_supported(
+            specs, (h, inter), torch.device("cuda"), plan.backward
+        ):
+            continue
+        kept[layer] = tuple(
+            2 * width if form is Form.HP else _activation_bytes(specs[role], width)
+            for role, width in (("gate_up", h), ("down", inter))
+        )
+    return kept
+
+
+def _activation_bytes(spec: Any, width: int) -> int:
+    """One row's quantized activation of `width` features in the spec's format: its codes,
+    block scales and (NVFP4) the fp32 global scale of the token."""
+    from mxrl.formats.constants import MXFP8_BLOCK, NVFP4_BLOCK, Format
+
+    if spec.format is Format.MXFP8:
+        return width + math.ceil(width / MXFP8_BLOCK)
+    if spec.format is Format.NVFP4:
+        return math.ceil(width / 2) + math.ceil(width / NVFP4_BLOCK) + 4
+    return width + 4 * math.ceil(width / 128)  # block FP8: 1x128 groups, fp32 scales
 
 
 def logits_chunk_bytes(vocab: int, max_tokens: int) -> int:

@@ -189,6 +189,72 @@ def test_a_quantized_expert_keeps_one_bf16_operand_when_held(fmt, backward, dtyp
     assert on_cpu.train_weight_copies == off_cpu.train_weight_copies
 
 
+def _experts_kept_per_token(config: ModelConfig, recipe: dict | None) -> float:
+    """Bytes per token the grouped expert GEMMs (`GroupedLinear`, on the CPU's tensor-core path:
+    the CUDA path's code, the reference kernels) keep of their inputs over one forward of the
+    decoder: the slope from 2 to 4 sequences of 16 tokens."""
+    from mxrl.nn import apply_plan, set_gemm
+    from tests.nn.test_gate_up_tokens import _kept_bytes
+
+    kept = []
+    for batch in (2, 4):
+        model = build_model(config, dtype=torch.float32, seed=0).train()
+        if recipe is not None:
+            apply_plan(model, resolve(recipe, {n: p.shape for n, p in model.named_parameters()}))
+        assert set_gemm(model, "tensor_core") == config.num_hidden_layers
+        model.set_training_options(compute_dtype=torch.bfloat16, hold_bf16_weights=True)
+        ids = torch.randint(0, config.vocab_size, (batch, 16), generator=torch.Generator())
+        hidden, _ = model.model(ids, attention_mask=torch.ones(batch, 16, dtype=torch.long))
+        kept.append(_kept_bytes(hidden))
+    return (kept[1] - kept[0]) / (2 * 16)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "backward"),
+    [
+        ("mxfp8", "high_precision"),
+        ("mxfp8", "dequantized"),
+        ("nvfp4", "high_precision"),
+        ("nvfp4", "dequantized"),
+        ("mxfp8", "quantized"),  # column copies of padded rows: the bf16 charge bounds them
+    ],
+)
+def test_quantized_experts_inputs_as_the_grouped_gemms_keep_them(fmt, backward):
+    """The estimate's routed-expert inputs on CUDA (`expert_input_bytes`) against what the
+    grouped GEMMs keep, read off the autograd graph (their saved tensors and the quantized
+    copies they hold): bf16 experts keep k bf16 rows of x and of the down projection's input a
+    token; quantized ones under `high_precision` x's bf16 tokens (not its k rows), under
+    `dequantized` the tokens' and rows' activation codes and scales (widths 256 and 96: 96
+    features are 3 MXFP8 blocks, 6 NVFP4 ones). Exact, bytes per token; the quantized
+    backward's column copies are at most the bf16 charge."""
+    hf = _hf(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        moe_intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=0, num_hidden_layers=2, mlp_only_layers=[],
+    )  # fmt: skip
+    config = ModelConfig.from_hf(hf)
+    extra = {"activations": "per_token"} if fmt == "nvfp4" else {}
+    recipe = {
+        "name": "experts", "default": "bf16", "backward": backward,
+        "rules": [{"match": {"kind": "routed_expert"}, "format": fmt, **extra}],
+    }  # fmt: skip
+    plan = resolve(recipe, tensors_from_hf_config(hf, "fused"))
+    bf16 = _experts_kept_per_token(config, None)
+    assert bf16 == 2 * 2 * 2 * (256 + 96), "bf16 experts: k rows of x and of the down input"
+    got = _experts_kept_per_token(config, recipe)
+    experts = memory_terms.expert_input_bytes(plan, config, cuda=True)
+
+    def estimate(kept) -> int:
+        return memory_terms.activation_bytes(config, 4, 2, True, 32, False, kept)[0]
+
+    charged = bf16 + estimate(experts) - estimate(None)
+    if backward == "quantized":
+        assert experts == {} and got <= bf16
+        return
+    assert sorted(experts) == [0, 1] and got == charged < bf16, (got, charged, bf16)
+    assert memory_terms.expert_input_bytes(plan, config, cuda=False) == {}
+
+
 def test_budget_derived_from_capacity_holds_the_longest_sequence():
     hf = _hf()
     whole = _estimate(hf, {"max_new_tokens": 8}, capacity=None)

@@ -70,8 +70,8 @@ def test_each_term_gets_the_dtypes_and_flags_of_the_config(monkeypatch, device, 
     est = memory.estimate_memory(model_cfg, plan, cfg, prompt_tokens=8, capacity=None)
     cuda, seq = device == "cuda", 8 + cfg.rl.max_new_tokens
     assert terms.calls["activation_bytes"] == [
-        (4, engine, cuda, seq, False),
-        (4, engine, cuda, seq, True),
+        (4, engine, cuda, seq, False, {}),  # bf16 experts keep bf16 rows: nothing to narrow
+        (4, engine, cuda, seq, True, {}),
     ]
     assert terms.calls["engine_weight_bytes"] == [(engine, cuda)]
     kv_args = terms.calls["kv_cache_bytes"][0]
