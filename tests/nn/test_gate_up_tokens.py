@@ -200,3 +200,20 @@ def test_only_the_gradients_asked_for_are_made(fmt, backward):
         p.requires_grad_(True)
     q(x, ids, w).sum().backward()
     assert q.gate_up_proj.grad is not None and q.down_proj.grad is not None
+
+
+def test_the_padded_layout_is_built_once_a_layer(monkeypatch):
+    """MXFP8's quantized backward pads both projections' rows per expert the same way: one
+    `PaddedLayout` a layer's forward (`ExpertLayout.padded`), shared by gate/up and down."""
+    from mxrl.nn.paths.permute import PaddedLayout
+
+    built = []
+    real = PaddedLayout.build.__func__
+    monkeypatch.setattr(
+        PaddedLayout, "build", classmethod(lambda cls, *a: built.append(a[1:]) or real(cls, *a))
+    )
+    q = _qmodule("mxfp8", "quantized")(False)
+    x, ids, w = _route()
+    q(x.requires_grad_(True), ids, w).sum().backward()
+    assert built == [(32,)], built  # one build, MXFP8 blocks
+    assert q.gate_up_proj.grad is not None and q.down_proj.grad is not None

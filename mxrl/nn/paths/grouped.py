@@ -115,7 +115,7 @@ class GroupedLinear(torch.autograd.Function):
             ctx.xq = xq
             ctx.save_for_backward(w)
         elif spec.format is Format.FP8_BLOCK:
-            ctx.padded = PaddedLayout.build(layout, spec.block[1])
+            ctx.padded = layout.padded(spec.block[1])
             ctx.x_col = fp8_block_col(_padded_rows(ctx, x.detach()), spec, backend)
             ctx.save_for_backward(w)
         else:  # MXFP8's column-wise copy, made with the GEMM's operand (`_lp_rows`)
@@ -186,7 +186,7 @@ def _lp_rows(ctx, x, spec: TensorSpec, x_form: Form, layout: ExpertLayout, backe
     s_x the per-row NVFP4 global scales (None for MXFP8). MXFP8's quantized backward also
     gets its padded column-wise codes (`ctx.padded`, `ctx.x_col`) from the same read."""
     if spec.format is Format.MXFP8 and x_form is Form.COL:
-        ctx.padded = PaddedLayout.build(layout)
+        ctx.padded = layout.padded()
         if not ctx.tokens:
             lp, ctx.x_col = quantize_mxfp8_padded(x, ctx.padded.src, backend=backend)
             return lp, None, None

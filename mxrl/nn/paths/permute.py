@@ -14,7 +14,7 @@ the routing weights' gradient, which is within that module's stated bound.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,7 @@ class ExpertLayout:
     rows_dtype: torch.dtype | None = None
     fused: bool = False
     gate_up_tokens: bool = False
+    padded_by_block: dict[int, PaddedLayout] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(
@@ -71,6 +72,13 @@ class ExpertLayout:
     def offsets(self) -> torch.Tensor:
         """int32 [E + 1]: 0 and each expert's end row (the block-FP8 kernels' offsets)."""
         return torch.cat([self.ends.new_zeros(1), self.ends])
+
+    def padded(self, block: int = MXFP8_BLOCK) -> PaddedLayout:
+        """These rows moved to `block`-aligned starts per expert (`PaddedLayout`), built once
+        per block size: the layer's gate/up and down projections share it (and its `src`)."""
+        if block not in self.padded_by_block:
+            self.padded_by_block[block] = PaddedLayout.build(self, block)
+        return self.padded_by_block[block]
 
     def gather(self, x_TH: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> its rows sorted by expert [R, H] (`mxrl.nn.moe.Dispatch`), in
