@@ -255,6 +255,48 @@ def test_quantized_experts_inputs_as_the_grouped_gemms_keep_them(fmt, backward):
     assert memory_terms.expert_input_bytes(plan, config, cuda=False) == {}
 
 
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4"])
+def test_expert_inputs_layer_by_layer_as_the_quantizer_writes_them(fmt):
+    """`expert_input_bytes` under `dequantized`, a layer at a time: layer 0's experts bf16 (no
+    entry; the layers after it still get theirs), layers 1 and 2 quantized: one token's and one
+    row's activation as the reference quantizer writes it (codes, scales, NVFP4's global
+    scale; widths 256 and 384: block FP8's 1x128 groups, 3 of them in the down input). None on
+    the CPU, under `quantized`, or for block FP8 in blocks the grouped kernels do not take."""
+    from mxrl.recipe.quantize import quantize_activation
+
+    hf = _hf(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        moe_intermediate_size=384, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=0, num_hidden_layers=3, mlp_only_layers=[],
+    )  # fmt: skip
+    config = ModelConfig.from_hf(hf)
+    extra = {"nvfp4": {"activations": "per_token"}, "fp8_block": {"block": [128, 128]}}
+    extra = extra.get(fmt, {})
+
+    def plan(backward: str, **changes):
+        rules = [{"match": {"layers": "0"}, "format": "bf16"},
+                 {"match": {"kind": "routed_expert"}, "format": fmt, **extra, **changes}]  # fmt: skip
+        recipe = {"name": "r", "default": "bf16", "backward": backward, "rules": rules}
+        return resolve(recipe, tensors_from_hf_config(hf, "fused"))
+
+    deq = plan("dequantized")
+    spec = {s.role: s for s in deq.values() if s.kind == "routed_expert" and s.layer == 1}
+
+    def written(role: str, width: int) -> int:
+        q = quantize_activation(torch.randn(1, width, generator=torch.Generator()), spec[role])
+        return sum(t.numel() * t.element_size() for t in q.tensors().values())
+
+    want = (written("gate_up", 256), written("down", 384))
+    assert memory_terms.expert_input_bytes(deq, config, cuda=True) == {1: want, 2: want}
+    assert want[0] < 2 * 256 and want[1] < 2 * 384
+    assert memory_terms.expert_input_bytes(deq, config, cuda=False) == {}
+    if fmt != "nvfp4":  # (NVFP4 has no quantized backward)
+        assert memory_terms.expert_input_bytes(plan("quantized"), config, cuda=True) == {}
+    if fmt == "fp8_block":  # 32 x 32 weight blocks: the loop path, not the grouped kernels
+        other = plan("dequantized", block=[32, 32])
+        assert memory_terms.expert_input_bytes(other, config, cuda=True) == {}
+
+
 def test_budget_derived_from_capacity_holds_the_longest_sequence():
     hf = _hf()
     whole = _estimate(hf, {"max_new_tokens": 8}, capacity=None)
