@@ -255,17 +255,21 @@ def test_quantized_experts_inputs_as_the_grouped_gemms_keep_them(fmt, backward):
     assert memory_terms.expert_input_bytes(plan, config, cuda=False) == {}
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp8", "nvfp4"])
-def test_expert_inputs_layer_by_layer_as_the_quantizer_writes_them(fmt):
+@pytest.mark.parametrize(
+    ("fmt", "hidden"),
+    [("fp8_block", 256), ("fp8_block", 129 * 128), ("mxfp8", 256), ("nvfp4", 256)],
+)
+def test_expert_inputs_layer_by_layer_as_the_quantizer_writes_them(fmt, hidden):
     """`expert_input_bytes` under `dequantized`, a layer at a time: layer 0's experts bf16 (no
     entry; the layers after it still get theirs), layers 1 and 2 quantized: one token's and one
     row's activation as the reference quantizer writes it (codes, scales, NVFP4's global
-    scale; widths 256 and 384: block FP8's 1x128 groups, 3 of them in the down input). None on
+    scale; widths 256 or 129 x 128 and 384: block FP8's 1x128 groups, 3 of them in the down
+    input, 129 in the widest, where a count by 129-wide groups would be one short). None on
     the CPU, under `quantized`, or for block FP8 in blocks the grouped kernels do not take."""
     from mxrl.recipe.quantize import quantize_activation
 
     hf = _hf(
-        hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         moe_intermediate_size=384, num_experts=4, num_experts_per_tok=2,
         shared_expert_intermediate_size=0, num_hidden_layers=3, mlp_only_layers=[],
     )  # fmt: skip
@@ -286,9 +290,9 @@ def test_expert_inputs_layer_by_layer_as_the_quantizer_writes_them(fmt):
         q = quantize_activation(torch.randn(1, width, generator=torch.Generator()), spec[role])
         return sum(t.numel() * t.element_size() for t in q.tensors().values())
 
-    want = (written("gate_up", 256), written("down", 384))
+    want = (written("gate_up", hidden), written("down", 384))
     assert memory_terms.expert_input_bytes(deq, config, cuda=True) == {1: want, 2: want}
-    assert want[0] < 2 * 256 and want[1] < 2 * 384
+    assert want[0] < 2 * hidden and want[1] < 2 * 384
     assert memory_terms.expert_input_bytes(deq, config, cuda=False) == {}
     if fmt != "nvfp4":  # (NVFP4 has no quantized backward)
         assert memory_terms.expert_input_bytes(plan("quantized"), config, cuda=True) == {}
