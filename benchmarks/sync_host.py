@@ -50,6 +50,7 @@ LOOP_SQNR_STRIDE = 16  # rl.sqnr_expert_stride's default
 KERNEL_CALLS = (  # where the sync calls a kernel (the names as those modules bound them)
     (sys.modules["mxrl.weights.digest"], "field_digests"),
     (sys.modules["mxrl.weights.export"], "kernel_quantize"),  # the package's export() hides it
+    (sys.modules["mxrl.weights.export"], "quantize_measured"),  # with the SQNR's and NaN's sums
     (sys.modules["mxrl.weights.event"], "error_sums"),
     # the engine's GEMM operands of a received QTensor (none where its GEMM reads it packed;
     # on the CPU an fp32 dequantization): mxrl/nn's, not the sync's
