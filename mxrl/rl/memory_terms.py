@@ -117,15 +117,18 @@ def expert_input_bytes(plan: Any, c: Any, cuda: bool) -> dict[int, tuple[int, in
 
 
 def _activation_bytes(spec: Any, width: int) -> int:
-    """One row's quantized activation of `width` features in the spec's format: its codes,
-    block scales and (NVFP4) the fp32 global scale of the token."""
-    from mxrl.formats.constants import MXFP8_BLOCK, NVFP4_BLOCK, Format
+    """One row's quantized activation of `width` features in the spec's format, as
+    `stored_layout` lays it out: its codes, block scales (block FP8: 1 x the weight block's
+    columns) and (NVFP4, per token) the fp32 global scale of the row."""
+    from mxrl.formats import stored_layout
 
-    if spec.format is Format.MXFP8:
-        return width + math.ceil(width / MXFP8_BLOCK)
-    if spec.format is Format.NVFP4:
-        return math.ceil(width / 2) + math.ceil(width / NVFP4_BLOCK) + 4
-    return width + 4 * math.ceil(width / 128)  # block FP8: 1x128 groups, fp32 scales
+    block = (1, spec.block[1]) if spec.block is not None else None
+    return _layout_bytes(stored_layout(spec.format, (1, width), block=block, global_scale="row"))
+
+
+def _layout_bytes(layout: dict) -> int:
+    """The bytes of a QTensor's fields, from their (dtype, shape) (`stored_layout`)."""
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in layout.values())
 
 
 def logits_chunk_bytes(vocab: int, max_tokens: int) -> int:
@@ -140,7 +143,7 @@ def _contract_bytes(spec: Any) -> int:
     """A quantized weight's stored bytes (codes, scales, global scales) under its spec."""
     from mxrl.recipe.quantize import weight_layout
 
-    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in weight_layout(spec).values())
+    return _layout_bytes(weight_layout(spec))
 
 
 def train_copy_bytes(
