@@ -449,11 +449,12 @@ MODULES = {
     # activation_bytes, whose other terms are tested within 10% (67 survivors in scope)
     "rl.expert_inputs": Module(
         ("mxrl/rl/memory_terms.py", "mxrl/nn/paths/permute.py"),
-        ("tests/rl/test_memory.py", "tests/rl/test_memory_assembly.py",
+        ("tests/rl/test_memory_experts.py", "tests/rl/test_memory_assembly.py",
          "tests/nn/test_gate_up_tokens.py"),
         functions=(
             "mxrl/rl/memory_terms.py::expert_input_bytes",
             "mxrl/rl/memory_terms.py::_activation_bytes",
+            "mxrl/rl/memory_terms.py::_layout_bytes",
             "mxrl/nn/paths/permute.py::ExpertLayout.padded",
         ),
     ),
