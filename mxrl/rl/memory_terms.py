@@ -117,13 +117,13 @@ def expert_input_bytes(plan: Any, c: Any, cuda: bool) -> dict[int, tuple[int, in
 
 
 def _activation_bytes(spec: Any, width: int) -> int:
-    """One row's quantized activation of `width` features in the spec's format, as
-    `stored_layout` lays it out: its codes, block scales (block FP8: 1 x the weight block's
-    columns) and (NVFP4, per token) the fp32 global scale of the row."""
+    """One row's quantized activation of `width` features in the spec's format: the fields of a
+    one-row QTensor (`stored_layout`), its codes, block scales and (NVFP4) fp32 global scale.
+    A row's blocks and global scale are its own whatever the blocks' rows (block FP8's
+    1 x 128 here) and the scale's granularity (NVFP4 per token), so the defaults give them."""
     from mxrl.formats import stored_layout
 
-    block = (1, spec.block[1]) if spec.block is not None else None
-    return _layout_bytes(stored_layout(spec.format, (1, width), block=block, global_scale="row"))
+    return _layout_bytes(stored_layout(spec.format, (1, width)))
 
 
 def _layout_bytes(layout: dict) -> int:
